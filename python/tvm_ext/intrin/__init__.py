@@ -1,0 +1,5 @@
+"""Tensor intrinsics: one file per target family."""
+
+from . import cpu
+
+__all__ = ["cpu"]

@@ -1,0 +1,200 @@
+"""Batch-reduce GEMM (BRGEMM) tensor intrinsics for LLVM CPUs.
+
+One microkernel, described as data (:class:`BRGEMM`) and generated on demand:
+
+    C[m, n] += sum_{b0, b1, b2} sum_k  A[b0, b1*dh, m*s + b2*dw, k] * B[b0, b1, b2, k, n]
+
+C is an m_r x n_r tile held in vector registers for the whole reduction and written once; the
+batch (b0, b1, b2) walks fixed strides through A and B, as in LIBXSMM's stride-based BRGEMM. For a
+direct convolution in blocked layout the batch is (input-channel block, kh, kw), k the channels
+inside a block, m the output pixels of a row and n the output channels of a block; a plain GEMM is
+the batch (1, 1, 1) with s = 1.
+
+The register tile must fit the ISA's register file (m_r*n_r/lanes accumulators + n_r/lanes B
+vectors + 1 broadcast): a tile that does not fit spills inside the inner loop and runs about 3x
+slower, so :meth:`BRGEMM.validate` refuses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import tvm
+import tvm.script
+
+from tvm.s_tir import TensorIntrin
+
+from ..target import VectorISA
+
+
+@dataclasses.dataclass(frozen=True)
+class BRGEMM:
+    """Shape of one BRGEMM microkernel call (everything the generator needs)."""
+
+    m_r: int  # output pixels (rows of C) per call
+    n_r: int  # output channels (columns of C) per call: a multiple of `lanes`
+    k: int  # reduction inside one batch entry (input channels of a block)
+    lanes: int  # fp32 lanes of one vector register
+    batch: tuple[int, int, int] = (1, 1, 1)  # (channel blocks, kh, kw)
+    stride: int = 1  # distance in A between two rows of C (the convolution stride)
+    dilation: tuple[int, int] = (1, 1)
+    dtype: str = "float32"
+
+    @property
+    def vectors(self) -> int:
+        return self.n_r // self.lanes
+
+    def registers(self) -> int:
+        """Vector registers the inner loop keeps live: accumulators, B row, broadcast A."""
+        return self.m_r * self.vectors + self.vectors + 1
+
+    def a_shape(self) -> tuple[int, int, int, int]:
+        b0, b1, b2 = self.batch
+        dh, dw = self.dilation
+        return (b0, (b1 - 1) * dh + 1, (self.m_r - 1) * self.stride + (b2 - 1) * dw + 1, self.k)
+
+    def validate(self, isa: VectorISA | None = None) -> None:
+        if self.dtype != "float32":
+            raise ValueError(f"BRGEMM: dtype {self.dtype} is not supported (float32 only)")
+        if min(self.m_r, self.n_r, self.k, self.lanes, self.stride, *self.batch, *self.dilation) < 1:
+            raise ValueError(f"BRGEMM: every extent must be positive: {self}")
+        if self.n_r % self.lanes:
+            raise ValueError(f"BRGEMM: n_r={self.n_r} is not a multiple of the {self.lanes} lanes")
+        if isa is not None:
+            if isa.lanes != self.lanes:
+                raise ValueError(f"BRGEMM: {isa.name} has {isa.lanes} lanes, not {self.lanes}")
+            if self.registers() > isa.registers:
+                raise ValueError(
+                    f"BRGEMM: a {self.m_r}x{self.n_r} tile needs {self.registers()} vector "
+                    f"registers, {isa.name} has {isa.registers}: it would spill in the inner loop"
+                )
+
+    @property
+    def name(self) -> str:
+        b0, b1, b2 = self.batch
+        dh, dw = self.dilation
+        return (
+            f"tvm_ext.brgemm_{self.dtype}_{self.m_r}x{self.n_r}x{self.k}_l{self.lanes}"
+            f"_b{b0}x{b1}x{b2}_s{self.stride}_d{dh}x{dw}"
+        )
+
+
+def register_tiles(isa: VectorISA, max_vectors: int = 4) -> list[tuple[int, int]]:
+    """Every (m_r, n_r) that fits `isa`'s registers, largest m_r first for each n_r."""
+    tiles = []
+    for vectors in range(1, max_vectors + 1):
+        m_max = (isa.registers - 1 - vectors) // vectors
+        tiles += [(m, vectors * isa.lanes) for m in range(m_max, 0, -1)]
+    return tiles
+
+
+def default_tile(isa: VectorISA, n_choices: list[int], width: int) -> tuple[int, int]:
+    """The analytic register tile: most FMAs per load, n_r among `n_choices` (multiples of lanes).
+
+    A larger tile reuses each broadcast over more vectors and each B vector over more rows; m_r is
+    not taken wider than the output row.
+    """
+    best, best_score = None, -1.0
+    for m_r, n_r in register_tiles(isa):
+        if n_r not in n_choices:
+            continue
+        m_eff = min(m_r, width)
+        # FMAs per (broadcast + vector load): the intensity of the inner loop.
+        score = m_eff * (n_r // isa.lanes) / (m_eff + n_r // isa.lanes)
+        if score > best_score + 1e-9:
+            best, best_score = (m_eff, n_r), score
+    if best is None:
+        raise ValueError(f"no register tile for {isa.name} with n_r in {n_choices}")
+    return best
+
+
+_DESC = """
+
+@T.prim_func(s_tir=True)
+def desc(a: T.handle, b: T.handle, c: T.handle) -> None:
+    A = T.match_buffer(a, {a_shape}, "{dtype}", offset_factor=1)
+    B = T.match_buffer(b, {b_shape}, "{dtype}", offset_factor=1)
+    C = T.match_buffer(c, ({m_r}, {n_r}), "{dtype}", offset_factor=1)
+    with T.sblock("root"):
+        T.reads(C[0:{m_r}, 0:{n_r}], A[{a_region}], B[{b_region}])
+        T.writes(C[0:{m_r}, 0:{n_r}])
+        for {loop_vars} in T.grid({loop_extents}):
+            with T.sblock("update"):
+                {block_vars} = T.axis.remap("{block_kinds}", [{live_vars}])
+                C[{c_index}] = C[{c_index}] + A[{a_index}] * B[{b_index}]
+"""
+
+_IMPL = """
+@T.prim_func(s_tir=True)
+def impl(a: T.handle, b: T.handle, c: T.handle) -> None:
+    sa0, sa1, sa2 = T.int32(), T.int32(), T.int32()
+    sb0, sb1, sb2, sb3 = T.int32(), T.int32(), T.int32(), T.int32()
+    sc0 = T.int32()
+    A = T.match_buffer(a, {a_shape}, "{dtype}", offset_factor=1, strides=[sa0, sa1, sa2, 1])
+    B = T.match_buffer(b, {b_shape}, "{dtype}", offset_factor=1, strides=[sb0, sb1, sb2, sb3, 1])
+    C = T.match_buffer(c, ({m_r}, {n_r}), "{dtype}", offset_factor=1, strides=[sc0, 1])
+    with T.sblock("root"):
+        T.reads(C[0:{m_r}, 0:{n_r}], A[{a_region}], B[{b_region}])
+        T.writes(C[0:{m_r}, 0:{n_r}])
+        acc = T.alloc_buffer(({m_r} * {nv},), "{vec}", scope="local")
+        bv = T.alloc_buffer(({nv},), "{vec}", scope="local")
+        for i in T.unroll({m_r}):
+            for j in T.unroll({nv}):
+                acc[i * {nv} + j] = C.vload([i, j * {lanes}], "{vec}")
+        for i0, i1, i2 in T.grid({b0}, {b1}, {b2}):
+            for k in T.unroll({k}):
+                for j in T.unroll({nv}):
+                    bv[j] = B.vload([i0, i1, i2, k, j * {lanes}], "{vec}")
+                for i in T.unroll({m_r}):
+                    for j in T.unroll({nv}):
+                        acc[i * {nv} + j] = T.call_llvm_pure_intrin(
+                            "{vec}", "llvm.fmuladd",
+                            T.broadcast(A[i0, i1 * {dh}, i * {s} + i2 * {dw}, k], {lanes}),
+                            bv[j], acc[i * {nv} + j])
+        for i in T.unroll({m_r}):
+            for j in T.unroll({nv}):
+                C[i, T.ramp(j * {lanes}, 1, {lanes})] = acc[i * {nv} + j]
+"""
+
+
+def _desc_impl(spec: BRGEMM):
+    """Generate the (description, implementation) pair of `spec` as TVMScript.
+
+    The description's block binds no iterator to a loop of extent one: blockize drops unit
+    iterators from the block being tensorized (it keeps the loops), so a description that bound
+    them (a 1x1 filter, a single channel block, a one-pixel tail) would never match.
+    """
+    b0, b1, b2 = spec.batch
+    dh, dw = spec.dilation
+    dims = [("m", spec.m_r, "S"), ("n", spec.n_r, "S"), ("i0", b0, "R"), ("i1", b1, "R"),
+            ("i2", b2, "R"), ("k", spec.k, "R")]
+    live = [d for d in dims if d[1] > 1]
+    v = {name: (f"v{name}" if extent > 1 else "0") for name, extent, _ in dims}
+    a_shape = spec.a_shape()
+    fields = dict(
+        dtype=spec.dtype, m_r=spec.m_r, n_r=spec.n_r, k=spec.k, lanes=spec.lanes, nv=spec.vectors,
+        vec=f"{spec.dtype}x{spec.lanes}", b0=b0, b1=b1, b2=b2, s=spec.stride, dh=dh, dw=dw,
+        a_shape=a_shape, b_shape=(b0, b1, b2, spec.k, spec.n_r),
+        a_region=", ".join(f"0:{e}" for e in a_shape),
+        b_region=f"0:{b0}, 0:{b1}, 0:{b2}, 0:{spec.k}, 0:{spec.n_r}",
+        loop_vars=", ".join(name for name, _, _ in dims),
+        loop_extents=", ".join(str(extent) for _, extent, _ in dims),
+        live_vars=", ".join(name for name, _, _ in live),
+        block_vars=", ".join(f"v{name}" for name, _, _ in live) + ("," if len(live) == 1 else ""),
+        block_kinds="".join(kind for _, _, kind in live),
+        c_index=f"{v['m']}, {v['n']}",
+        a_index=f"{v['i0']}, {v['i1']} * {dh}, {v['m']} * {spec.stride} + {v['i2']} * {dw}, {v['k']}",
+        b_index=f"{v['i0']}, {v['i1']}, {v['i2']}, {v['k']}, {v['n']}",
+    )
+    return tuple(tvm.script.from_source(text.format(**fields)) for text in (_DESC, _IMPL))
+
+
+@functools.lru_cache(maxsize=None)
+def get_brgemm_intrin(spec: BRGEMM) -> str:
+    """Register (once) the tensor intrinsic for `spec` and return its name."""
+    spec.validate()
+    if TensorIntrin.get(spec.name, allow_missing=True) is None:
+        desc, impl = _desc_impl(spec)
+        TensorIntrin.register(spec.name, desc, impl)
+    return spec.name

@@ -1,0 +1,135 @@
+"""2-D max / average / global pooling on NCHW tensors (LLVM CPU).
+
+Each output row is one task of TVM's thread pool; the window is reduced in registers. Borders
+are handled in the index expressions (padding elements are skipped for max and counted or not
+for average, as PyTorch does), so no padded copy of the input exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from tvm import s_tir, te, tirx
+
+from .conv2d import KERNEL_ATTR, _pair, normalize_padding
+
+
+@dataclasses.dataclass(frozen=True)
+class Pool2dWorkload:
+    N: int
+    C: int
+    H: int
+    W: int
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int, int, int]
+    dilation: tuple[int, int]
+    ceil_mode: bool
+    mode: str  # "max" or "avg"
+    count_include_pad: bool = True
+
+    @staticmethod
+    def make(shape, mode: str, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False,
+             count_include_pad=True) -> "Pool2dWorkload":
+        if mode not in ("max", "avg"):
+            raise ValueError(f"pool2d: mode must be 'max' or 'avg', got {mode!r}")
+        if len(shape) != 4:
+            raise ValueError(f"pool2d: data must be 4-D NCHW, got shape {tuple(shape)}")
+        kernel = _pair(kernel_size, "kernel_size")
+        stride = kernel if stride is None else _pair(stride, "stride")
+        pads = normalize_padding(padding)
+        dil = _pair(dilation, "dilation")
+        if min(*kernel, *stride, *dil) < 1:
+            raise ValueError(f"pool2d: kernel {kernel}, stride {stride}, dilation {dil} must be positive")
+        if max(pads[0], pads[2]) * 2 > kernel[0] or max(pads[1], pads[3]) * 2 > kernel[1]:
+            raise ValueError(f"pool2d: padding {pads} must be at most half the kernel {kernel}")
+        if mode == "avg" and dil != (1, 1):
+            raise ValueError("avg_pool2d: dilation is not supported")
+        wl = Pool2dWorkload(*(int(v) for v in shape), kernel, stride, pads, dil, bool(ceil_mode), mode,
+                            bool(count_include_pad))
+        if wl.OH < 1 or wl.OW < 1:
+            raise ValueError(f"pool2d: kernel {kernel} is larger than the padded input")
+        return wl
+
+    def _out(self, size: int, k: int, s: int, p0: int, p1: int, d: int) -> int:
+        span = size + p0 + p1 - d * (k - 1) - 1
+        out = (math.ceil if self.ceil_mode else math.floor)(span / s) + 1
+        if self.ceil_mode and (out - 1) * s >= size + p0:  # a window must start inside the input
+            out -= 1
+        return out
+
+    @property
+    def OH(self) -> int:
+        return self._out(self.H, self.kernel[0], self.stride[0], self.padding[0], self.padding[2], self.dilation[0])
+
+    @property
+    def OW(self) -> int:
+        return self._out(self.W, self.kernel[1], self.stride[1], self.padding[1], self.padding[3], self.dilation[1])
+
+
+def pool2d_func(wl: Pool2dWorkload, dtype: str = "float32") -> tirx.PrimFunc:
+    """Scheduled PrimFunc for `wl` on NCHW data."""
+    x = te.placeholder((wl.N, wl.C, wl.H, wl.W), dtype, name="data")
+    (kh_, kw_), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
+    top, left = wl.padding[0], wl.padding[1]
+    rh = te.reduce_axis((0, kh_), "rh")
+    rw = te.reduce_axis((0, kw_), "rw")
+
+    def index(n, c, oh, ow):
+        ih, iw = oh * sh + rh * dh - top, ow * sw + rw * dw - left
+        inside = tirx.all(ih >= 0, ih < wl.H, iw >= 0, iw < wl.W)
+        safe = x[n, c, tirx.max(tirx.min(ih, wl.H - 1), 0), tirx.max(tirx.min(iw, wl.W - 1), 0)]
+        return inside, safe
+
+    shape = (wl.N, wl.C, wl.OH, wl.OW)
+    if wl.mode == "max":
+        def body(n, c, oh, ow):
+            inside, value = index(n, c, oh, ow)
+            return te.max(tirx.if_then_else(inside, value, tirx.min_value(dtype)), axis=[rh, rw])
+
+        y = te.compute(shape, body, name="output")
+    else:
+        def total(n, c, oh, ow):
+            inside, value = index(n, c, oh, ow)
+            return te.sum(tirx.if_then_else(inside, value, tirx.const(0.0, dtype)), axis=[rh, rw])
+
+        s = te.compute(shape, total, name="window_sum")
+
+        def count(size, o, k, st, p0, p1):
+            start = o * st - p0
+            if wl.count_include_pad:  # the window clipped to the padded input
+                end = tirx.min(start + k, size + p1)
+            else:
+                end = tirx.min(start + k, size)
+                start = tirx.max(start, 0)
+            return end - start
+
+        def mean(n, c, oh, ow):
+            area = (count(wl.H, oh, kh_, sh, top, wl.padding[2])
+                    * count(wl.W, ow, kw_, sw, left, wl.padding[3]))
+            return s[n, c, oh, ow] / tirx.Cast(dtype, area)
+
+        y = te.compute(shape, mean, name="output")
+    sch = s_tir.Schedule(te.create_prim_func([x, y]))
+    out = sch.get_sblock("output")
+    n, c, oh, ow = sch.get_loops(out)[:4]
+    if wl.mode == "avg":
+        sch.compute_at(sch.get_sblock("window_sum"), ow)
+    sch.parallel(sch.fuse(n, c, oh))
+    return sch.mod["main"].with_attr(KERNEL_ATTR, f"{wl.mode}_pool2d")
+
+
+def global_avg_pool2d_func(shape, dtype: str = "float32") -> tirx.PrimFunc:
+    N, C, H, W = (int(v) for v in shape)
+    x = te.placeholder((N, C, H, W), dtype, name="data")
+    rh = te.reduce_axis((0, H), "rh")
+    rw = te.reduce_axis((0, W), "rw")
+    s = te.compute((N, C, 1, 1), lambda n, c, i, j: te.sum(x[n, c, rh, rw], axis=[rh, rw]), name="window_sum")
+    y = te.compute((N, C, 1, 1), lambda n, c, i, j: s[n, c, i, j] / float(H * W), name="output")
+    sch = s_tir.Schedule(te.create_prim_func([x, y]))
+    n, c, _, _ = sch.get_loops(sch.get_sblock("output"))
+    fused = sch.fuse(n, c)
+    sch.compute_at(sch.get_sblock("window_sum"), fused)
+    sch.parallel(fused)
+    return sch.mod["main"].with_attr(KERNEL_ATTR, "global_avg_pool2d")

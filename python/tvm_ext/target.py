@@ -1,0 +1,124 @@
+"""Targets as users write them, and the vector ISA a target implies.
+
+TVM 0.27 rejects command-line target strings ("llvm -mcpu=znver3") and turns plain "llvm" into
+baseline x86-64 (no ymm, no FMA). Users still type both, so every public entry point of tvm_ext
+goes through :func:`resolve_target`, which accepts a Target, a dict, a tag, a JSON string or a
+command-line string, and reads plain "llvm" as "this host's CPU".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Any, Union
+
+from tvm.target import Target
+from tvm.target import codegen
+
+TargetLike = Union[Target, str, dict, None]
+
+
+def _cli_value(text: str) -> Any:
+    """Convert one `-key=value` value of a command-line target string to a JSON value."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def parse_cli_target(text: str) -> dict:
+    """Parse a command-line style target ("llvm -mcpu=znver3 -mattr=+avx2,+fma") to a dict.
+
+    List-valued options (`-mattr`, `-keys`, `-libs`) are split on commas; flags without a value
+    are read as true.
+    """
+    parts = text.split()
+    if not parts or parts[0].startswith("-"):
+        raise ValueError(f"target string {text!r} does not start with a target kind")
+    config: dict[str, Any] = {"kind": parts[0]}
+    for opt in parts[1:]:
+        if not opt.startswith("-"):
+            raise ValueError(f"target string {text!r}: option {opt!r} does not start with '-'")
+        key, sep, value = opt.lstrip("-").partition("=")
+        key = key.replace("-", "_")
+        if key in ("mattr", "keys", "libs", "cl_opt"):
+            config[key] = [v for v in value.split(",") if v]
+        else:
+            config[key] = _cli_value(value) if sep else True
+    return config
+
+
+@functools.lru_cache(maxsize=1)
+def host_target() -> Target:
+    """The LLVM target for this machine's CPU (its mcpu, hence its vector ISA)."""
+    return Target({"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu()})
+
+
+def resolve_target(target: TargetLike = None) -> Target:
+    """Turn whatever a user wrote into a TVM Target.
+
+    None and plain "llvm" mean the host CPU. Command-line strings are converted; dicts, tags and
+    JSON strings go to TVM as they are. A string TVM cannot parse raises ValueError naming it.
+    """
+    if target is None:
+        return host_target()
+    if isinstance(target, Target):
+        if target.kind.name == "llvm" and "mcpu" not in target.attrs and "mtriple" not in target.attrs:
+            return host_target()
+        return target
+    if isinstance(target, dict):
+        config = dict(target)
+        if config.get("kind") == "llvm" and "mcpu" not in config and "mtriple" not in config:
+            config["mcpu"] = codegen.llvm_get_system_cpu()
+        return Target(config)
+    if not isinstance(target, str):
+        raise TypeError(f"target must be a Target, dict or str, got {type(target).__name__}")
+    text = target.strip()
+    if text.startswith("{"):
+        return resolve_target(json.loads(text))
+    if " " in text:
+        return resolve_target(parse_cli_target(text))
+    if text == "llvm":
+        return host_target()
+    try:
+        return Target(text)
+    except Exception as err:  # TVM raises several error types for unknown strings
+        raise ValueError(f"cannot read target {target!r}: {err}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class VectorISA:
+    """The vector unit a microkernel is generated for."""
+
+    name: str  # "avx512", "avx2", "neon", "sse"
+    lanes: int  # fp32 lanes per vector register
+    registers: int  # architectural vector registers
+    asm_fma: tuple[str, ...]  # mnemonics of the vector FMA in the assembly
+    asm_register: str  # register-name prefix of one full vector ("%ymm", "%zmm", "v")
+
+
+AVX512 = VectorISA("avx512", 16, 32, ("vfmadd",), "%zmm")
+AVX2 = VectorISA("avx2", 8, 16, ("vfmadd",), "%ymm")
+NEON = VectorISA("neon", 4, 32, ("fmla",), "v")
+SSE = VectorISA("sse", 4, 16, ("mulps",), "%xmm")
+
+
+def vector_isa(target: TargetLike) -> VectorISA:
+    """The widest fp32 FMA vector ISA the (resolved) LLVM target has."""
+    target = resolve_target(target)
+    if target.kind.name != "llvm":
+        raise ValueError(f"vector_isa: {target.kind.name} is not a CPU (llvm) target")
+    with target:
+        triple = str(target.attrs.get("mtriple", "")) or codegen.llvm_get_system_triple()
+        if triple.startswith(("aarch64", "arm64")):
+            return NEON
+        if codegen.llvm_cpu_has_features(["avx512f", "fma"], target):
+            return AVX512
+        if codegen.llvm_cpu_has_features(["avx2", "fma"], target):
+            return AVX2
+    return SSE
+
