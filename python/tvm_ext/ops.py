@@ -7,7 +7,7 @@ network evaluated op by op pays compilation only on its first pass.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import tvm

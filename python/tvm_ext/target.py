@@ -13,8 +13,7 @@ import functools
 import json
 from typing import Any, Union
 
-from tvm.target import Target
-from tvm.target import codegen
+from tvm.target import Target, codegen
 
 TargetLike = Union[Target, str, dict, None]
 
@@ -58,6 +57,13 @@ def host_target() -> Target:
     return Target({"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu()})
 
 
+def _means_host(kind, attrs: dict) -> bool:
+    """An llvm target with no mcpu (and no foreign triple) names this machine."""
+    if kind != "llvm" or "mcpu" in attrs or len(set(attrs) - {"kind", "mtriple", "tag", "keys"}) > 0:
+        return False
+    return str(attrs.get("mtriple", codegen.llvm_get_system_triple())) == codegen.llvm_get_system_triple()
+
+
 def resolve_target(target: TargetLike = None) -> Target:
     """Turn whatever a user wrote into a TVM Target.
 
@@ -67,14 +73,9 @@ def resolve_target(target: TargetLike = None) -> Target:
     if target is None:
         return host_target()
     if isinstance(target, Target):
-        if target.kind.name == "llvm" and "mcpu" not in target.attrs and "mtriple" not in target.attrs:
-            return host_target()
-        return target
+        return host_target() if _means_host(target.kind.name, dict(target.attrs)) else target
     if isinstance(target, dict):
-        config = dict(target)
-        if config.get("kind") == "llvm" and "mcpu" not in config and "mtriple" not in config:
-            config["mcpu"] = codegen.llvm_get_system_cpu()
-        return Target(config)
+        return host_target() if _means_host(target.get("kind"), target) else Target(dict(target))
     if not isinstance(target, str):
         raise TypeError(f"target must be a Target, dict or str, got {type(target).__name__}")
     text = target.strip()

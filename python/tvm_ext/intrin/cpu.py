@@ -22,7 +22,6 @@ import functools
 
 import tvm
 import tvm.script
-
 from tvm.s_tir import TensorIntrin
 
 from ..target import VectorISA
@@ -40,6 +39,13 @@ class BRGEMM:
     stride: int = 1  # distance in A between two rows of C (the convolution stride)
     dilation: tuple[int, int] = (1, 1)
     dtype: str = "float32"
+    unroll: int = 1  # k steps unrolled in the implementation (largest divisor of k up to this)
+
+    @property
+    def k_unroll(self) -> int:
+        """Unrolled k steps let LLVM hoist loads across steps until a large tile spills."""
+        limit = self.unroll
+        return max(d for d in range(1, min(limit, self.k) + 1) if self.k % d == 0)
 
     @property
     def vectors(self) -> int:
@@ -76,7 +82,7 @@ class BRGEMM:
         dh, dw = self.dilation
         return (
             f"tvm_ext.brgemm_{self.dtype}_{self.m_r}x{self.n_r}x{self.k}_l{self.lanes}"
-            f"_b{b0}x{b1}x{b2}_s{self.stride}_d{dh}x{dw}"
+            f"_b{b0}x{b1}x{b2}_s{self.stride}_d{dh}x{dw}_u{self.k_unroll}"
         )
 
 
@@ -89,21 +95,35 @@ def register_tiles(isa: VectorISA, max_vectors: int = 4) -> list[tuple[int, int]
     return tiles
 
 
-def default_tile(isa: VectorISA, n_choices: list[int], width: int) -> tuple[int, int]:
-    """The analytic register tile: most FMAs per load, n_r among `n_choices` (multiples of lanes).
+def tile_efficiency(m_r: int, vectors: int, fma_per_cycle: float = 2.0, loads_per_cycle: float = 2.0) -> float:
+    """Fraction of FMA issue slots one k step of an m_r x (vectors*lanes) tile can fill.
 
-    A larger tile reuses each broadcast over more vectors and each B vector over more rows; m_r is
-    not taken wider than the output row.
+    A step issues m_r*vectors FMAs and needs m_r broadcasts plus `vectors` loads of B; with two
+    FMA pipes and two load ports (Zen 3/4, Skylake-SP, Neoverse) it is FMA-bound once
+    m_r*vectors >= m_r + vectors.
     """
-    best, best_score = None, -1.0
+    fma_cycles = m_r * vectors / fma_per_cycle
+    return fma_cycles / max(fma_cycles, (m_r + vectors) / loads_per_cycle)
+
+
+def default_tile(isa: VectorISA, n_choices: list[int], width: int) -> tuple[int, int]:
+    """The analytic register tile (m_r, n_r) for rows of `width` pixels, n_r among `n_choices`.
+
+    Ranks tiles that fit the register file by the FMA-slot fraction of their inner loop, then by
+    the accumulators per call that the row width really fills (more independent FMA chains hide
+    the FMA latency and amortize writing the tile back).
+    """
+    best, best_key = None, None
     for m_r, n_r in register_tiles(isa):
         if n_r not in n_choices:
             continue
-        m_eff = min(m_r, width)
-        # FMAs per (broadcast + vector load): the intensity of the inner loop.
-        score = m_eff * (n_r // isa.lanes) / (m_eff + n_r // isa.lanes)
-        if score > best_score + 1e-9:
-            best, best_score = (m_eff, n_r), score
+        m = min(m_r, width)
+        calls = -(-width // m)
+        m_avg = width / calls  # pixels per call, tail included
+        vectors = n_r // isa.lanes
+        key = (round(tile_efficiency(m, vectors), 3), m_avg * vectors, -vectors)
+        if best_key is None or key > best_key:
+            best, best_key = (m, n_r), key
     if best is None:
         raise ValueError(f"no register tile for {isa.name} with n_r in {n_choices}")
     return best
@@ -121,7 +141,7 @@ def desc(a: T.handle, b: T.handle, c: T.handle) -> None:
         T.writes(C[0:{m_r}, 0:{n_r}])
         for {loop_vars} in T.grid({loop_extents}):
             with T.sblock("update"):
-                {block_vars} = T.axis.remap("{block_kinds}", [{live_vars}])
+{bindings}
                 C[{c_index}] = C[{c_index}] + A[{a_index}] * B[{b_index}]
 """
 
@@ -143,15 +163,16 @@ def impl(a: T.handle, b: T.handle, c: T.handle) -> None:
             for j in T.unroll({nv}):
                 acc[i * {nv} + j] = C.vload([i, j * {lanes}], "{vec}")
         for i0, i1, i2 in T.grid({b0}, {b1}, {b2}):
-            for k in T.unroll({k}):
-                for j in T.unroll({nv}):
-                    bv[j] = B.vload([i0, i1, i2, k, j * {lanes}], "{vec}")
-                for i in T.unroll({m_r}):
+            for k0 in T.serial({k} // {k_unroll}):
+                for k1 in T.unroll({k_unroll}):
                     for j in T.unroll({nv}):
-                        acc[i * {nv} + j] = T.call_llvm_pure_intrin(
-                            "{vec}", "llvm.fmuladd",
-                            T.broadcast(A[i0, i1 * {dh}, i * {s} + i2 * {dw}, k], {lanes}),
-                            bv[j], acc[i * {nv} + j])
+                        bv[j] = B.vload([i0, i1, i2, k0 * {k_unroll} + k1, j * {lanes}], "{vec}")
+                    for i in T.unroll({m_r}):
+                        for j in T.unroll({nv}):
+                            acc[i * {nv} + j] = T.call_llvm_pure_intrin(
+                                "{vec}", "llvm.fmuladd",
+                                T.broadcast(A[i0, i1 * {dh}, i * {s} + i2 * {dw}, k0 * {k_unroll} + k1], {lanes}),
+                                bv[j], acc[i * {nv} + j])
         for i in T.unroll({m_r}):
             for j in T.unroll({nv}):
                 C[i, T.ramp(j * {lanes}, 1, {lanes})] = acc[i * {nv} + j]
@@ -173,16 +194,17 @@ def _desc_impl(spec: BRGEMM):
     v = {name: (f"v{name}" if extent > 1 else "0") for name, extent, _ in dims}
     a_shape = spec.a_shape()
     fields = dict(
-        dtype=spec.dtype, m_r=spec.m_r, n_r=spec.n_r, k=spec.k, lanes=spec.lanes, nv=spec.vectors,
+        k_unroll=spec.k_unroll, dtype=spec.dtype, m_r=spec.m_r, n_r=spec.n_r, k=spec.k, lanes=spec.lanes,
+        nv=spec.vectors,
         vec=f"{spec.dtype}x{spec.lanes}", b0=b0, b1=b1, b2=b2, s=spec.stride, dh=dh, dw=dw,
         a_shape=a_shape, b_shape=(b0, b1, b2, spec.k, spec.n_r),
         a_region=", ".join(f"0:{e}" for e in a_shape),
         b_region=f"0:{b0}, 0:{b1}, 0:{b2}, 0:{spec.k}, 0:{spec.n_r}",
         loop_vars=", ".join(name for name, _, _ in dims),
         loop_extents=", ".join(str(extent) for _, extent, _ in dims),
-        live_vars=", ".join(name for name, _, _ in live),
-        block_vars=", ".join(f"v{name}" for name, _, _ in live) + ("," if len(live) == 1 else ""),
-        block_kinds="".join(kind for _, _, kind in live),
+        bindings="\n".join(
+            f"{' ' * 16}v{name} = T.axis.{'spatial' if kind == 'S' else 'reduce'}({extent}, {name})"
+            for name, extent, kind in live),
         c_index=f"{v['m']}, {v['n']}",
         a_index=f"{v['i0']}, {v['i1']} * {dh}, {v['m']} * {spec.stride} + {v['i2']} * {dw}, {v['k']}",
         b_index=f"{v['i0']}, {v['i1']}, {v['i2']}, {v['k']}, {v['n']}",
@@ -190,7 +212,7 @@ def _desc_impl(spec: BRGEMM):
     return tuple(tvm.script.from_source(text.format(**fields)) for text in (_DESC, _IMPL))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_brgemm_intrin(spec: BRGEMM) -> str:
     """Register (once) the tensor intrinsic for `spec` and return its name."""
     spec.validate()

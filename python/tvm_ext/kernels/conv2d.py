@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
-from tvm import te, tirx
-from tvm import s_tir
+from tvm import s_tir, te, tirx
 
 from ..intrin.cpu import BRGEMM, default_tile, get_brgemm_intrin
 from ..target import VectorISA
@@ -72,7 +71,7 @@ class Conv2dWorkload:
 
     @staticmethod
     def make(x_shape: Sequence[int], w_shape: Sequence[int], stride=1, padding=0, dilation=1,
-             groups: int = 1, dtype: str = "float32") -> "Conv2dWorkload":
+             groups: int = 1, dtype: str = "float32") -> Conv2dWorkload:
         if len(x_shape) != 4:
             raise ValueError(f"conv2d: data must be 4-D NCHW, got shape {tuple(x_shape)}")
         if len(w_shape) != 4:
@@ -383,4 +382,4 @@ def conv2d_nchw_func(plan: Conv2dPlan, lanes: int, bias: bool = False) -> tirx.P
         block = sch.get_sblock(name)
         loops = sch.get_loops(block)
         sch.parallel(sch.fuse(*loops[:2]))
-    return sch.mod["main"].with_attr(KERNEL_ATTR, f"{plan.kind}_conv2d" if plan.kind != "brgemm" else "brgemm_conv2d")
+    return sch.mod["main"].with_attr(KERNEL_ATTR, f"{plan.kind}_conv2d")

@@ -31,7 +31,7 @@ class Pool2dWorkload:
 
     @staticmethod
     def make(shape, mode: str, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False,
-             count_include_pad=True) -> "Pool2dWorkload":
+             count_include_pad=True) -> Pool2dWorkload:
         if mode not in ("max", "avg"):
             raise ValueError(f"pool2d: mode must be 'max' or 'avg', got {mode!r}")
         if len(shape) != 4:

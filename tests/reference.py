@@ -1,0 +1,36 @@
+"""Float64 NumPy references the tests compare against."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def conv2d_nchw(x, w, bias=None, stride=(1, 1), padding=(0, 0, 0, 0), dilation=(1, 1), groups=1):
+    """Direct float64 convolution; padding is (top, left, bottom, right)."""
+    x = np.asarray(x, np.float64)
+    w = np.asarray(w, np.float64)
+    N, C, H, W = x.shape
+    K, Cg, R, S = w.shape
+    (sh, sw), (dh, dw) = stride, dilation
+    t, left, b, r = padding
+    xp = np.pad(x, ((0, 0), (0, 0), (t, b), (left, r)))
+    OH = (H + t + b - dh * (R - 1) - 1) // sh + 1
+    OW = (W + left + r - dw * (S - 1) - 1) // sw + 1
+    out = np.zeros((N, K, OH, OW))
+    Kg = K // groups
+    for g in range(groups):
+        xs = xp[:, g * Cg:(g + 1) * Cg]
+        ws = w[g * Kg:(g + 1) * Kg]
+        for i in range(R):
+            for j in range(S):
+                patch = xs[:, :, i * dh: i * dh + sh * (OH - 1) + 1: sh, j * dw: j * dw + sw * (OW - 1) + 1: sw]
+                out[:, g * Kg:(g + 1) * Kg] += np.einsum("nchw,kc->nkhw", patch, ws[:, :, i, j])
+    if bias is not None:
+        out += np.asarray(bias, np.float64)[None, :, None, None]
+    return out
+
+
+def rel_err(actual, expected) -> float:
+    """Max error relative to the largest reference magnitude."""
+    expected = np.asarray(expected, np.float64)
+    return float(np.abs(np.asarray(actual, np.float64) - expected).max() / max(np.abs(expected).max(), 1e-30))

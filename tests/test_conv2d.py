@@ -1,0 +1,188 @@
+"""conv2d through tvm_ext.ops against a float64 NumPy reference."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from reference import conv2d_nchw, rel_err
+from tvm_ext import ops
+from tvm_ext.kernels.conv2d import Conv2dWorkload, normalize_padding
+
+TOL = 1e-4
+
+
+def _run_case(rng, N, C, H, W, K, R, S, stride, padding, dilation, groups, bias=True):
+    x = rng.standard_normal((N, C, H, W), dtype=np.float32)
+    w = rng.standard_normal((K, C // groups, R, S), dtype=np.float32)
+    b = rng.standard_normal(K, dtype=np.float32) if bias else None
+    y = ops.conv2d(x, w, b, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    st = stride if isinstance(stride, tuple) else (stride, stride)
+    dl = dilation if isinstance(dilation, tuple) else (dilation, dilation)
+    ref = conv2d_nchw(x, w, b, st, normalize_padding(padding), dl, groups)
+    assert y.shape == ref.shape
+    err = rel_err(y, ref)
+    assert err <= TOL, f"relative error {err:.2e}"
+    return ops.conv2d_plan(x.shape, w.shape, stride=stride, padding=padding, dilation=dilation, groups=groups)
+
+
+def _random_config(rng):
+    """One configuration drawn over the space the kernel claims to cover."""
+    filt = [(1, 1), (3, 3), (5, 5), (7, 7), (11, 11), (1, 7), (7, 1), (1, 3), (3, 1), (2, 2)]
+    R, S = filt[rng.integers(len(filt))]
+    stride = int(rng.choice([1, 1, 2, 4]))
+    if rng.random() < 0.15:
+        stride = (int(rng.choice([1, 2])), int(rng.choice([1, 2, 3])))
+    dilation = 1 if rng.random() < 0.8 else int(rng.choice([2, 3]))
+    kind = rng.random()
+    if kind < 0.15:  # depthwise
+        C = int(rng.choice([8, 16, 24, 32, 48, 96]))
+        K, groups = C, C
+    elif kind < 0.3:  # grouped
+        groups = int(rng.choice([2, 4]))
+        C = groups * int(rng.choice([3, 8, 16]))
+        K = groups * int(rng.choice([3, 8, 16, 32]))
+    else:
+        groups = 1
+        C = int(rng.choice([1, 3, 4, 16, 17, 32, 64, 96]))
+        K = int(rng.choice([1, 8, 16, 24, 32, 40, 64, 96, 100]))
+    ph, pw = (R // 2) * (dilation if isinstance(dilation, int) else 1), (S // 2) * dilation
+    pad_kind = rng.random()
+    if pad_kind < 0.3:
+        padding = 0
+    elif pad_kind < 0.6:
+        padding = (ph, pw)
+    else:
+        padding = tuple(int(v) for v in rng.integers(0, 4, size=4))
+    N = int(rng.choice([1, 1, 2]))
+    span_h = (R - 1) * dilation + 1
+    span_w = (S - 1) * dilation + 1
+    H = int(rng.integers(max(1, span_h - 2), span_h + 20))
+    W = int(rng.integers(max(1, span_w - 2), span_w + 24))
+    return dict(N=N, C=C, H=H, W=W, K=K, R=R, S=S, stride=stride, padding=padding, dilation=dilation,
+                groups=groups)
+
+
+def _valid(cfg) -> bool:
+    try:
+        Conv2dWorkload.make((cfg["N"], cfg["C"], cfg["H"], cfg["W"]),
+                            (cfg["K"], cfg["C"] // cfg["groups"], cfg["R"], cfg["S"]),
+                            cfg["stride"], cfg["padding"], cfg["dilation"], cfg["groups"])
+        return True
+    except ValueError:
+        return False
+
+
+def _configs(count: int, seed: int):
+    rng = np.random.default_rng(seed)
+    out = []
+    while len(out) < count:
+        cfg = _random_config(rng)
+        if _valid(cfg):
+            out.append(cfg)
+    return out
+
+
+RANDOM = _configs(210, seed=20261130)
+
+
+@pytest.mark.parametrize("index", range(len(RANDOM)), ids=[f"r{i}" for i in range(len(RANDOM))])
+def test_random_conv2d(index):
+    _run_case(np.random.default_rng(1000 + index), **RANDOM[index])  # its own random data
+
+
+def test_random_space_is_covered():
+    """The random draw exercises every kernel kind, strides, dilation, tails and odd channels."""
+    kinds = set()
+    for cfg in RANDOM:
+        plan = ops.conv2d_plan((cfg["N"], cfg["C"], cfg["H"], cfg["W"]),
+                               (cfg["K"], cfg["C"] // cfg["groups"], cfg["R"], cfg["S"]),
+                               stride=cfg["stride"], padding=cfg["padding"], dilation=cfg["dilation"],
+                               groups=cfg["groups"])
+        kinds.add(plan.kind)
+    assert kinds == {"brgemm", "depthwise", "direct"}
+    assert any(c["stride"] == 4 for c in RANDOM) and any(c["dilation"] > 1 for c in RANDOM)
+    assert any(c["N"] > 1 for c in RANDOM) and any(c["K"] % 8 for c in RANDOM)
+    assert any(isinstance(c["padding"], tuple) and len(c["padding"]) == 4 for c in RANDOM)
+
+
+FIXED = [
+    # name, N, C, H, W, K, R, S, stride, padding, dilation, groups
+    ("resnet_stem", 1, 3, 56, 60, 64, 7, 7, 2, 3, 1, 1),
+    ("alexnet_conv1_11x11_s4", 1, 3, 67, 67, 64, 11, 11, 4, 2, 1, 1),
+    ("1x1_1000", 1, 64, 7, 7, 1000, 1, 1, 1, 0, 1, 1),
+    ("c96_k96", 2, 96, 13, 11, 96, 3, 3, 1, 1, 1, 1),
+    ("1x7", 1, 32, 9, 17, 48, 1, 7, 1, (0, 3), 1, 1),
+    ("7x1", 1, 32, 17, 9, 48, 7, 1, 1, (3, 0), 1, 1),
+    ("asymmetric_pad", 1, 16, 10, 12, 32, 3, 3, 1, (0, 1, 2, 1), 1, 1),
+    ("dilated", 1, 16, 20, 20, 32, 3, 3, 1, 2, 2, 1),
+    ("depthwise_s2", 1, 32, 15, 15, 32, 3, 3, 2, 1, 1, 32),
+    ("groups_2", 1, 32, 9, 9, 64, 3, 3, 1, 1, 1, 2),
+    ("width_1_output", 1, 8, 5, 3, 16, 3, 3, 1, 0, 1, 1),
+    ("single_pixel", 1, 16, 1, 1, 16, 1, 1, 1, 0, 1, 1),
+    ("5x5_stride2_tail", 1, 24, 23, 29, 40, 5, 5, 2, 2, 1, 1),
+    ("non_square_stride", 1, 16, 12, 20, 16, 3, 3, (1, 2), 1, 1, 1),
+]
+
+
+@pytest.mark.parametrize("case", FIXED, ids=[c[0] for c in FIXED])
+def test_fixed_awkward(case):
+    _, N, C, H, W, K, R, S, stride, padding, dilation, groups = case
+    _run_case(np.random.default_rng(7), N, C, H, W, K, R, S, stride, padding, dilation, groups)
+
+
+def test_without_bias():
+    _run_case(np.random.default_rng(1), 1, 16, 8, 8, 16, 3, 3, 1, 1, 1, 1, bias=False)
+
+
+def test_resnet_layers_use_brgemm():
+    plan = ops.conv2d_plan((1, 64, 56, 56), (64, 64, 3, 3), padding=1)
+    assert plan.kind == "brgemm" and plan.oc_bn % 8 == 0
+    assert ops.conv2d_plan((1, 32, 8, 8), (32, 1, 3, 3), padding=1, groups=32).kind == "depthwise"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (((1, 16, 8, 8), (8, 15, 3, 3), {}), "channel mismatch"),
+        (((1, 16, 8, 8), (8, 16, 3, 3), {"padding": -1}), "negative padding"),
+        (((1, 16, 4, 4), (8, 16, 7, 7), {"padding": 1}), "larger than the padded input"),
+        (((1, 16, 8, 8), (8, 16, 3, 3), {"groups": 3}), "groups=3"),
+        (((1, 16, 8, 8), (8, 16, 3, 3), {"stride": 0}), "must be positive"),
+        (((1, 16, 8, 8), (8, 16, 3, 3), {"padding": (1, 2, 3)}), "padding must be"),
+    ],
+)
+def test_bad_input_raises(args, message):
+    x_shape, w_shape, kw = args
+    x = np.ones(x_shape, np.float32)
+    w = np.ones(w_shape, np.float32)
+    with pytest.raises(ValueError, match=message):
+        ops.conv2d(x, w, **kw)
+
+
+def test_bad_dtype_raises():
+    with pytest.raises(ValueError, match="float64"):
+        ops.conv2d(np.ones((1, 4, 5, 5)), np.ones((4, 4, 3, 3), np.float32))
+    with pytest.raises(ValueError, match="bias"):
+        ops.conv2d(np.ones((1, 4, 5, 5), np.float32), np.ones((4, 4, 3, 3), np.float32),
+                   np.ones(3, np.float32))
+
+
+def test_fallback_is_correct_and_logged(caplog):
+    """Groups whose output channels do not fill a vector use the direct schedule, with a reason."""
+    with caplog.at_level(logging.WARNING, logger="tvm_ext"):
+        plan = _run_case(np.random.default_rng(3), 1, 6, 9, 9, 9, 3, 3, 1, 1, 1, 3)
+    assert plan.kind == "direct"
+    assert "fallback" in caplog.text and "output channels per group" in caplog.text
+
+
+def test_compiles_once_per_signature():
+    x = np.ones((1, 8, 6, 6), np.float32)
+    w = np.ones((8, 8, 3, 3), np.float32)
+    ops.conv2d(x, w, padding=1)
+    before = ops.cache_size()
+    ops.conv2d(x * 2, w, padding=1)
+    assert ops.cache_size() == before
+    ops.conv2d(x, w, padding=0)
+    assert ops.cache_size() == before + 1

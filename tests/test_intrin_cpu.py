@@ -1,0 +1,143 @@
+"""The BRGEMM microkernel: generated from one description, refused when it would spill, and
+compiled to vector FMAs with no spills in the inner loop (checked in the assembly)."""
+
+import numpy as np
+import pytest
+import tvm
+from tvm import s_tir, te
+from tvm.s_tir import TensorIntrin
+from tvm_ext.asm import fma_blocks, inner_loop
+from tvm_ext.intrin.cpu import BRGEMM, default_tile, get_brgemm_intrin, register_tiles, tile_efficiency
+from tvm_ext.kernels.conv2d import (
+    KERNEL_ATTR,
+    Conv2dWorkload,
+    conv2d_blocked_compute,
+    conv2d_nchw_func,
+    plan_conv2d,
+    schedule_conv2d_blocked,
+)
+from tvm_ext.target import AVX2, AVX512, NEON, resolve_target, vector_isa
+
+AVX2_TARGET = "llvm -mcpu=znver3"
+AVX512_TARGET = "llvm -mcpu=skylake-avx512"
+NEON_TARGET = {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "cortex-a72"}
+
+
+def test_tile_register_budget():
+    BRGEMM(6, 16, 16, 8).validate(AVX2)
+    BRGEMM(4, 24, 16, 8).validate(AVX2)
+    with pytest.raises(ValueError, match="17 vector registers"):
+        BRGEMM(7, 16, 16, 8).validate(AVX2)  # measured about 3x slower: it spills
+    BRGEMM(14, 32, 16, 16).validate(AVX512)
+    with pytest.raises(ValueError, match="multiple of the 8 lanes"):
+        BRGEMM(6, 12, 16, 8).validate()
+    with pytest.raises(ValueError, match="float32 only"):
+        BRGEMM(6, 16, 16, 8, dtype="float16").validate()
+    assert all(BRGEMM(m, n, 1, isa.lanes).registers() <= isa.registers
+               for isa in (AVX2, AVX512, NEON) for m, n in register_tiles(isa))
+
+
+def test_default_tiles_follow_the_isa():
+    lanes_choices = lambda isa: [isa.lanes * v for v in (1, 2, 3, 4)]  # noqa: E731
+    assert default_tile(AVX2, lanes_choices(AVX2), 56) in {(6, 16), (4, 24)}
+    m, n = default_tile(AVX512, lanes_choices(AVX512), 56)
+    assert n % 16 == 0 and BRGEMM(m, n, 1, 16).registers() <= 32 and m * n // 16 >= 24
+    assert default_tile(AVX2, lanes_choices(AVX2), 3)[0] == 3  # never wider than the row
+    assert tile_efficiency(6, 2) == 1.0 and tile_efficiency(14, 1) < 1.0
+
+
+def test_intrinsics_are_generated_once_under_stable_names():
+    spec = BRGEMM(4, 24, 8, 8, batch=(2, 3, 3), stride=2, dilation=(1, 2))
+    name = get_brgemm_intrin(spec)
+    assert name == spec.name == "tvm_ext.brgemm_float32_4x24x8_l8_b2x3x3_s2_d1x2_u1"
+    assert get_brgemm_intrin(spec) == name and TensorIntrin.get(name) is not None
+    # A one-element batch (a GEMM) and unit dims generate too.
+    assert TensorIntrin.get(get_brgemm_intrin(BRGEMM(1, 8, 1, 8))) is not None
+
+
+def test_brgemm_as_plain_gemm_is_correct():
+    """A GEMM is a batch-reduce of size one: tensorize a matmul with the same generator."""
+    M, N, K = 12, 32, 16
+    isa = vector_isa("llvm")
+    n_r = isa.lanes * 2
+    a = te.placeholder((1, 1, M, K), name="A")
+    b = te.placeholder((1, 1, 1, K, N), name="B")
+    batch = [te.reduce_axis((0, 1), f"b{d}") for d in range(3)]  # a batch of one
+    k = te.reduce_axis((0, K), "k")
+    c = te.compute((M, N), lambda i, j: te.sum(a[batch[0], batch[1], i + batch[2], k]
+                                                * b[batch[0], batch[1], batch[2], k, j], axis=[*batch, k]),
+                   name="C")
+    sch = s_tir.Schedule(te.create_prim_func([a, b, c]))
+    i, j, *reduction = sch.get_loops(sch.get_sblock("C"))
+    io, ii = sch.split(i, [None, 6])
+    jo, ji = sch.split(j, [None, n_r])
+    sch.reorder(io, jo, ii, ji, *reduction)
+    sch.decompose_reduction(sch.get_sblock("C"), ii)
+    sch.tensorize(ii, get_brgemm_intrin(BRGEMM(6, n_r, K, isa.lanes)))
+    lib = tvm.compile(sch.mod, resolve_target("llvm"))
+    rng = np.random.default_rng(0)
+    av = rng.standard_normal((1, 1, M, K), dtype=np.float32)
+    bv = rng.standard_normal((1, 1, 1, K, N), dtype=np.float32)
+    out = tvm.runtime.empty((M, N), "float32", tvm.cpu())
+    lib(tvm.runtime.tensor(av), tvm.runtime.tensor(bv), out)
+    np.testing.assert_allclose(out.numpy(), av[0, 0].astype(np.float64) @ bv[0, 0, 0], rtol=1e-5, atol=1e-4)
+
+
+def _conv_asm(target, shape=((1, 64, 14, 14), (64, 64, 3, 3)), padding=1):
+    target = resolve_target(target)
+    isa = vector_isa(target)
+    plan = plan_conv2d(Conv2dWorkload.make(*shape, 1, padding), isa)
+    func = conv2d_nchw_func(plan, isa.lanes)
+    lib = tvm.compile(tvm.IRModule({"conv": func.with_attr("global_symbol", "conv")}), target)
+    return plan, isa, lib.mod.inspect_source("asm")
+
+
+@pytest.mark.parametrize("target, register", [(AVX2_TARGET, "%ymm"), (AVX512_TARGET, "%zmm")])
+@pytest.mark.parametrize("shape", [((1, 64, 14, 14), (64, 64, 3, 3)), ((1, 256, 7, 7), (512, 256, 1, 1))])
+def test_x86_inner_loop_is_vfmadd_without_spills(target, register, shape):
+    plan, isa, asm = _conv_asm(target, shape, padding=1 if shape[1][2] == 3 else 0)
+    blocks = fma_blocks(asm, isa)
+    step = plan.m_r * plan.oc_bn // isa.lanes  # FMAs of one k step of the full tile
+    assert any(b.fma % step == 0 for b in blocks)
+    for block in blocks:  # main and tail tiles alike
+        assert block.fma_on_isa_registers == block.fma
+        assert all(register in ln for ln in block.lines if "vfmadd" in ln)
+        assert not block.spills, [ln for ln in block.lines if "rsp" in ln]
+
+
+def test_aarch64_inner_loop_is_fmla_without_spills():
+    plan, isa, asm = _conv_asm(NEON_TARGET)
+    blocks = fma_blocks(asm, isa)
+    assert isa is NEON and inner_loop(asm, isa).fma % (plan.m_r * plan.oc_bn // 4) == 0
+    assert all(b.fma_on_isa_registers == b.fma and not b.spills for b in blocks)
+
+
+def test_spill_detector_sees_a_spill():
+    """The check above can fail: a stack slot written and read back inside the loop is a spill."""
+    asm = ".LBB0_1:\n vfmadd231ps %ymm1, %ymm2, %ymm3\n vmovups %ymm3, 32(%rsp)\n vmovups 32(%rsp), %ymm4\n"
+    assert inner_loop(asm, AVX2).spills
+    row_store = ".LBB0_1:\n vfmadd231ps %ymm1, %ymm2, %ymm3\n vmovups %ymm3, 208(%rsp,%r11,4)\n"
+    assert not inner_loop(row_store, AVX2).spills
+
+
+def test_every_generated_function_names_its_kernel():
+    isa = vector_isa("llvm")
+    for shape, groups in [(((1, 16, 8, 8), (16, 16, 3, 3)), 1), (((1, 16, 8, 8), (16, 1, 3, 3)), 16),
+                          (((1, 6, 8, 8), (9, 2, 3, 3)), 3)]:
+        plan = plan_conv2d(Conv2dWorkload.make(*shape, 1, 1, 1, groups), isa)
+        assert str(conv2d_nchw_func(plan, isa.lanes).attrs[KERNEL_ATTR]) == f"{plan.kind}_conv2d"
+
+
+def test_blocked_kernel_has_no_packing_buffers():
+    """Blocked in, blocked out: the only allocation is the L1-sized accumulator row."""
+    isa = vector_isa("llvm")
+    plan = plan_conv2d(Conv2dWorkload.make((1, 64, 28, 28), (64, 64, 3, 3), 1, 1), isa)
+    x = te.placeholder(plan.data_shape(), name="x")
+    w = te.placeholder(plan.weight_shape(), name="w")
+    stages = conv2d_blocked_compute(plan, x, w)
+    out = te.compute(plan.out_shape(), lambda *i: stages.value(*i), name="out")
+    sch = s_tir.Schedule(te.create_prim_func([x, w, out]))
+    schedule_conv2d_blocked(sch, stages, isa.lanes, "out")
+    text = sch.mod.script()
+    assert text.count("alloc_buffer") == len(stages.names())  # the row segments, nothing else
+    assert "data_pad" not in text and "im2col" not in text

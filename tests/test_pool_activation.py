@@ -1,0 +1,83 @@
+"""Pooling and activations through tvm_ext.ops against NumPy / PyTorch semantics."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from tvm_ext import ops
+from tvm_ext.kernels.conv2d import KERNEL_ATTR
+from tvm_ext.kernels.pool2d import Pool2dWorkload, pool2d_func
+
+CASES = [
+    # shape, kernel, stride, padding, ceil_mode
+    ((1, 3, 13, 11), 3, 2, 1, False),
+    ((2, 16, 16, 16), 2, 2, 0, False),
+    ((1, 8, 15, 17), (3, 2), (2, 1), (1, 0), False),
+    ((1, 5, 13, 13), 3, 2, 0, True),
+    ((1, 64, 112, 112), 3, 2, 1, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_max_pool2d(case):
+    shape, k, s, p, ceil = case
+    x = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+    ref = F.max_pool2d(torch.from_numpy(x), k, s, p, ceil_mode=ceil).numpy()
+    np.testing.assert_array_equal(ops.max_pool2d(x, k, s, p, ceil_mode=ceil), ref)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not c[4]])
+@pytest.mark.parametrize("include_pad", [True, False])
+def test_avg_pool2d(case, include_pad):
+    shape, k, s, p, _ = case
+    x = np.random.default_rng(1).standard_normal(shape, dtype=np.float32)
+    ref = F.avg_pool2d(torch.from_numpy(x).double(), k, s, p, count_include_pad=include_pad).numpy()
+    np.testing.assert_allclose(ops.avg_pool2d(x, k, s, p, count_include_pad=include_pad), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_max_pool2d_dilation():
+    x = np.random.default_rng(2).standard_normal((1, 4, 12, 12), dtype=np.float32)
+    ref = F.max_pool2d(torch.from_numpy(x), 3, 1, 1, dilation=2).numpy()
+    np.testing.assert_array_equal(ops.max_pool2d(x, 3, 1, 1, dilation=2), ref)
+
+
+def test_global_avg_pool2d():
+    x = np.random.default_rng(3).standard_normal((2, 32, 7, 7), dtype=np.float32)
+    np.testing.assert_allclose(ops.global_avg_pool2d(x), x.astype(np.float64).mean((2, 3), keepdims=True),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_pool_bad_input():
+    x = np.ones((1, 2, 4, 4), np.float32)
+    with pytest.raises(ValueError, match="larger than"):
+        ops.max_pool2d(x, 7)
+    with pytest.raises(ValueError, match="half the kernel"):
+        ops.max_pool2d(x, 2, 1, 2)
+    with pytest.raises(ValueError, match="4-D"):
+        ops.max_pool2d(np.ones((2, 4, 4), np.float32), 2)
+    with pytest.raises(ValueError, match="mode"):
+        Pool2dWorkload.make((1, 2, 4, 4), "min", 2)
+
+
+@pytest.mark.parametrize("size", [1, 7, 64, 1000, 3 * 224 * 224])
+def test_activations(size):
+    x = np.random.default_rng(size).standard_normal(size, dtype=np.float32) * 5
+    np.testing.assert_array_equal(ops.relu(x), np.maximum(x, 0))
+    np.testing.assert_array_equal(ops.relu6(x), np.clip(x, 0, 6))
+    np.testing.assert_allclose(ops.sigmoid(x), 1 / (1 + np.exp(-x.astype(np.float64))), rtol=1e-5, atol=1e-6)
+
+
+def test_activation_keeps_shape_and_rejects_unknown():
+    x = np.random.default_rng(5).standard_normal((2, 3, 4, 5), dtype=np.float32)
+    assert ops.relu(x).shape == x.shape
+    from tvm_ext.kernels.elementwise import activation_func
+
+    with pytest.raises(ValueError, match="tanh"):
+        activation_func("tanh", (4,), "float32", 8)
+    with pytest.raises(ValueError, match="float64"):
+        ops.relu(np.ones(4))
+
+
+def test_kernel_attribute():
+    func = pool2d_func(Pool2dWorkload.make((1, 2, 4, 4), "max", 2))
+    assert str(func.attrs[KERNEL_ATTR]) == "max_pool2d"
