@@ -7,6 +7,7 @@ import logging
 import numpy as np
 import pytest
 from reference import conv2d_nchw, rel_err
+
 from tvm_ext import ops
 from tvm_ext.kernels.conv2d import Conv2dWorkload, normalize_padding
 

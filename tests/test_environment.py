@@ -7,6 +7,7 @@ from importlib import metadata
 import numpy as np
 import pytest
 import tvm
+
 import tvm_ext
 from tvm_ext import _compat, ops
 from tvm_ext.target import vector_isa

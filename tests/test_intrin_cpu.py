@@ -6,6 +6,7 @@ import pytest
 import tvm
 from tvm import s_tir, te
 from tvm.s_tir import TensorIntrin
+
 from tvm_ext.asm import fma_blocks, inner_loop
 from tvm_ext.intrin.cpu import BRGEMM, default_tile, get_brgemm_intrin, register_tiles, tile_efficiency
 from tvm_ext.kernels.conv2d import (

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+
 from tvm_ext import ops
 from tvm_ext.kernels.conv2d import KERNEL_ATTR
 from tvm_ext.kernels.pool2d import Pool2dWorkload, pool2d_func

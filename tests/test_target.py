@@ -3,6 +3,7 @@
 import pytest
 import tvm
 from tvm.target import Target
+
 from tvm_ext.target import AVX2, AVX512, NEON, host_target, parse_cli_target, resolve_target, vector_isa
 
 

@@ -1,0 +1,197 @@
+"""Per-layer convolution benchmark: tvm_ext against PyTorch/oneDNN and stock TVM, same run.
+
+For each layer of a set in ../shared/workloads.json (or bench/workloads.json) it times
+- tvm_ext's blocked kernel (NCHW[x]c in, NCHW[y]c out: what runs inside a compiled graph),
+- tvm_ext.ops.conv2d (NCHW NumPy in and out, warm cache: packing included),
+- torch.nn.functional.conv2d in NCHW and in channels_last (oneDNN), inference mode,
+- stock TVM: a Relax conv2d through `tvm.compile` with the default pipeline (fewer repeats: it is
+  about 1.5 GFLOP/s),
+and prints ms (median), GFLOP/s, % of the measured peak (bench/peak.py), the ratios and the extra
+bytes tvm_ext's layout needs (the input's zero border, zero output channels). A CSV goes to
+bench/results/. Benchmarks print; they never assert.
+
+Usage: python bench/layers.py --set resnet50 --batch 1 --threads 1 [--layers K] [--repeat R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SETS = ("resnet50", "vgg16", "alexnet", "overfeat", "mobilenet_v2")
+
+
+def _parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--set", default="resnet50", choices=SETS)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=0, help="only the first K layers (0: all)")
+    ap.add_argument("--repeat", type=int, default=15, help="timed repeats per measurement (median)")
+    ap.add_argument("--no-stock", action="store_true", help="skip stock TVM (slow on big layers)")
+    ap.add_argument("--target", default="llvm")
+    ap.add_argument("--csv", default="")
+    return ap.parse_args(argv)
+
+
+ARGS = _parse_args()
+# TVM's thread pool and PyTorch read their thread count once: set it before importing them.
+os.environ["TVM_NUM_THREADS"] = str(ARGS.threads)
+os.environ["OMP_NUM_THREADS"] = str(ARGS.threads)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import tvm  # noqa: E402
+from tvm import relax, s_tir, te  # noqa: E402
+
+import tvm_ext  # noqa: E402
+from tvm_ext.kernels import conv2d as K  # noqa: E402
+
+sys.path.insert(0, str(HERE))
+import peak as peak_bench  # noqa: E402
+
+torch.set_num_threads(ARGS.threads)
+
+
+def load_layers(name: str) -> list[dict]:
+    for path in (HERE / "workloads.json", HERE.parent.parent / "shared" / "workloads.json"):
+        if path.exists():
+            return json.loads(path.read_text())[name]
+    raise FileNotFoundError("workloads.json not found in bench/ or ../shared/")
+
+
+def _median_ms(fn, repeat: int, min_ms: float = 20.0) -> float:
+    """Median over `repeat` timings of a batch of calls sized to last at least `min_ms`."""
+    fn()
+    start = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - start, 1e-6)
+    number = max(1, int(min_ms / 1e3 / once))
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for _ in range(number):
+            fn()
+        times.append((time.perf_counter() - start) / number)
+    return statistics.median(times) * 1e3
+
+
+def bench_blocked(plan: K.Conv2dPlan, target, repeat: int) -> float:
+    isa = tvm_ext.vector_isa(target)
+    x = te.placeholder(plan.data_shape(), name="data")
+    w = te.placeholder(plan.weight_shape(), name="weight")
+    stages = K.conv2d_blocked_compute(plan, x, w)
+    out = te.compute(plan.out_shape(), lambda *i: stages.value(*i), name="out")
+    sch = s_tir.Schedule(te.create_prim_func([x, w, out]))
+    K.schedule_conv2d_blocked(sch, stages, isa.lanes, "out")
+    lib = tvm.compile(sch.mod, target)
+    rng = np.random.default_rng(0)
+    args = [tvm.runtime.tensor(rng.standard_normal(s, dtype=np.float32)) for s in (plan.data_shape(),
+                                                                                   plan.weight_shape())]
+    args.append(tvm.runtime.empty(plan.out_shape(), "float32", tvm.cpu()))
+    fn = lib.mod["main"]
+    return _median_ms(lambda: fn(*args), repeat)
+
+
+def bench_stock_tvm(wl: K.Conv2dWorkload, target, repeat: int) -> float:
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((wl.N, wl.C, wl.H, wl.W), "float32"))
+    w = relax.Var("w", relax.TensorType((wl.K, wl.C // wl.groups, wl.KH, wl.KW), "float32"))
+    with bb.function("main", [x, w]):
+        y = bb.emit(relax.op.nn.conv2d(x, w, wl.stride, wl.padding, wl.dilation, wl.groups))
+        bb.emit_func_output(y)
+    ex = tvm.compile(bb.get(), target)
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    rng = np.random.default_rng(0)
+    xs = tvm.runtime.tensor(rng.standard_normal((wl.N, wl.C, wl.H, wl.W), dtype=np.float32))
+    ws = tvm.runtime.tensor(rng.standard_normal((wl.K, wl.C // wl.groups, wl.KH, wl.KW), dtype=np.float32))
+    return _median_ms(lambda: vm["main"](xs, ws), repeat, min_ms=0.0)
+
+
+def bench_torch(wl: K.Conv2dWorkload, channels_last: bool, repeat: int) -> float:
+    x = torch.randn(wl.N, wl.C, wl.H, wl.W)
+    w = torch.randn(wl.K, wl.C // wl.groups, wl.KH, wl.KW)
+    top, left, bottom, right = wl.padding
+    if (top, left) != (bottom, right):
+        x = torch.nn.functional.pad(x, (left, right, top, bottom))
+        pad = 0
+    else:
+        pad = (top, left)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+        w = w.contiguous(memory_format=torch.channels_last)
+    with torch.inference_mode():
+        return _median_ms(lambda: torch.nn.functional.conv2d(x, w, None, wl.stride, pad, wl.dilation, wl.groups),
+                          repeat)
+
+
+def bench_ops(wl: K.Conv2dWorkload, target, repeat: int) -> float:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((wl.N, wl.C, wl.H, wl.W), dtype=np.float32)
+    w = rng.standard_normal((wl.K, wl.C // wl.groups, wl.KH, wl.KW), dtype=np.float32)
+    return _median_ms(lambda: tvm_ext.ops.conv2d(x, w, stride=wl.stride, padding=wl.padding,
+                                                 dilation=wl.dilation, groups=wl.groups, target=target), repeat)
+
+
+def geomean(values: list[float]) -> float:
+    values = [v for v in values if v > 0 and math.isfinite(v)]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def main() -> int:
+    target = tvm_ext.resolve_target(ARGS.target)
+    isa = tvm_ext.vector_isa(target)
+    peak = peak_bench.load_or_measure()
+    peak_gflops = peak["peak_gflops_1thread"] * min(ARGS.threads, int(peak.get("threads", 1)))
+    if ARGS.threads > 1 and int(peak.get("threads", 1)) >= ARGS.threads:
+        peak_gflops = peak["peak_gflops_all"] * ARGS.threads / int(peak["threads"])
+    layers = load_layers(ARGS.set)
+    if ARGS.layers:
+        layers = layers[: ARGS.layers]
+    print(f"# tvm_ext layer benchmark: set={ARGS.set} batch={ARGS.batch} threads={ARGS.threads} "
+          f"target={target} isa={isa.name} peak={peak_gflops:.1f} GFLOP/s (bench/peak.py)")
+    header = ["layer", "shape", "kernel", "tile", "ms", "GFLOP/s", "%peak", "x_torch_nchw", "x_torch_cl",
+              "x_stock_tvm", "ops_ms", "torch_nchw_ms", "x_ops_vs_torch_nchw", "extra_bytes"]
+    rows = []
+    print(" | ".join(header))
+    for layer in layers:
+        wl = K.Conv2dWorkload.make((ARGS.batch, layer["C"], layer["H"], layer["W"]),
+                                   (layer["K"], layer["C"] // layer.get("groups", 1), layer["R"], layer["S"]),
+                                   layer["stride"], layer["pad"], 1, layer.get("groups", 1))
+        plan = K.plan_conv2d(wl, isa)
+        ms = bench_blocked(plan, target, ARGS.repeat)
+        gflops = wl.flops / ms / 1e6
+        t_nchw = bench_torch(wl, False, ARGS.repeat)
+        t_cl = bench_torch(wl, True, ARGS.repeat)
+        t_stock = float("nan") if ARGS.no_stock else bench_stock_tvm(wl, target, 3)
+        t_ops = bench_ops(wl, target, ARGS.repeat)
+        row = [layer["name"], f"{wl.C}x{wl.H}x{wl.W}->{wl.K} {wl.KH}x{wl.KW}/s{wl.stride[0]}", plan.kind,
+               f"{plan.m_r}x{plan.oc_bn}", f"{ms:.3f}", f"{gflops:.1f}", f"{100 * gflops / peak_gflops:.0f}",
+               f"{t_nchw / ms:.2f}", f"{t_cl / ms:.2f}", f"{t_stock / ms:.0f}", f"{t_ops:.3f}", f"{t_nchw:.3f}",
+               f"{t_nchw / t_ops:.2f}", str(plan.pad_bytes() + plan.channel_pad_bytes())]
+        rows.append(row)
+        print(" | ".join(row), flush=True)
+    pct = [float(r[6]) for r in rows]
+    print(f"# median %peak {statistics.median(pct):.0f}, min %peak {min(pct):.0f}; geomean speed-up: "
+          f"vs torch NCHW {geomean([float(r[7]) for r in rows]):.2f}x, "
+          f"vs torch channels_last {geomean([float(r[8]) for r in rows]):.2f}x, "
+          f"vs stock TVM {geomean([float(r[9]) for r in rows]):.0f}x; "
+          f"ops.conv2d vs torch NCHW {geomean([float(r[12]) for r in rows]):.2f}x")
+    out = Path(ARGS.csv) if ARGS.csv else HERE / "results" / f"layers_{ARGS.set}_b{ARGS.batch}_t{ARGS.threads}.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f:
+        csv.writer(f).writerows([header, *rows])
+    print(f"# wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
