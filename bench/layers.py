@@ -50,7 +50,7 @@ os.environ["OMP_NUM_THREADS"] = str(ARGS.threads)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import tvm  # noqa: E402
-from tvm import relax, s_tir, te  # noqa: E402
+from tvm import relax  # noqa: E402
 
 import tvm_ext  # noqa: E402
 from tvm_ext.kernels import conv2d as K  # noqa: E402
@@ -85,14 +85,7 @@ def _median_ms(fn, repeat: int, min_ms: float = 20.0) -> float:
 
 
 def bench_blocked(plan: K.Conv2dPlan, target, repeat: int) -> float:
-    isa = tvm_ext.vector_isa(target)
-    x = te.placeholder(plan.data_shape(), name="data")
-    w = te.placeholder(plan.weight_shape(), name="weight")
-    stages = K.conv2d_blocked_compute(plan, x, w)
-    out = te.compute(plan.out_shape(), lambda *i: stages.value(*i), name="out")
-    sch = s_tir.Schedule(te.create_prim_func([x, w, out]))
-    K.schedule_conv2d_blocked(sch, stages, isa.lanes, "out")
-    lib = tvm.compile(sch.mod, target)
+    lib = tvm.compile(K.conv2d_blocked_kernel(plan, tvm_ext.vector_isa(target).lanes), target)
     rng = np.random.default_rng(0)
     args = [tvm.runtime.tensor(rng.standard_normal(s, dtype=np.float32)) for s in (plan.data_shape(),
                                                                                    plan.weight_shape())]

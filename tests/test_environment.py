@@ -26,9 +26,9 @@ def test_bad_ffi_gives_a_clear_error(monkeypatch):
 def test_save_json_and_tensorize_survive():
     """The two calls the crashing ffi breaks: a segfault here would kill the test process."""
     plan = ops.conv2d_plan((1, 16, 6, 6), (16, 16, 3, 3), padding=1)
-    from tvm_ext.kernels.conv2d import conv2d_nchw_func
+    from tvm_ext.kernels.conv2d import conv2d_blocked_kernel
 
-    func = conv2d_nchw_func(plan, vector_isa("llvm").lanes)
+    func = conv2d_blocked_kernel(plan, vector_isa("llvm").lanes)
     text = tvm.ir.save_json(func)
     assert "tvm_ext.kernel" in text
 

@@ -1,6 +1,8 @@
 """The BRGEMM microkernel: generated from one description, refused when it would spill, and
 compiled to vector FMAs with no spills in the inner loop (checked in the assembly)."""
 
+import re
+
 import numpy as np
 import pytest
 import tvm
@@ -9,14 +11,7 @@ from tvm.s_tir import TensorIntrin
 
 from tvm_ext.asm import fma_blocks, inner_loop
 from tvm_ext.intrin.cpu import BRGEMM, default_tile, get_brgemm_intrin, register_tiles, tile_efficiency
-from tvm_ext.kernels.conv2d import (
-    KERNEL_ATTR,
-    Conv2dWorkload,
-    conv2d_blocked_compute,
-    conv2d_nchw_func,
-    plan_conv2d,
-    schedule_conv2d_blocked,
-)
+from tvm_ext.kernels.conv2d import KERNEL_ATTR, Conv2dWorkload, Epilogue, conv2d_blocked_kernel, plan_conv2d
 from tvm_ext.target import AVX2, AVX512, NEON, resolve_target, vector_isa
 
 AVX2_TARGET = "llvm -mcpu=znver3"
@@ -88,7 +83,7 @@ def _conv_asm(target, shape=((1, 64, 14, 14), (64, 64, 3, 3)), padding=1):
     target = resolve_target(target)
     isa = vector_isa(target)
     plan = plan_conv2d(Conv2dWorkload.make(*shape, 1, padding), isa)
-    func = conv2d_nchw_func(plan, isa.lanes)
+    func = conv2d_blocked_kernel(plan, isa.lanes, Epilogue(bias=True, activation="relu"))
     lib = tvm.compile(tvm.IRModule({"conv": func.with_attr("global_symbol", "conv")}), target)
     return plan, isa, lib.mod.inspect_source("asm")
 
@@ -126,19 +121,16 @@ def test_every_generated_function_names_its_kernel():
     for shape, groups in [(((1, 16, 8, 8), (16, 16, 3, 3)), 1), (((1, 16, 8, 8), (16, 1, 3, 3)), 16),
                           (((1, 6, 8, 8), (9, 2, 3, 3)), 3)]:
         plan = plan_conv2d(Conv2dWorkload.make(*shape, 1, 1, 1, groups), isa)
-        assert str(conv2d_nchw_func(plan, isa.lanes).attrs[KERNEL_ATTR]) == f"{plan.kind}_conv2d"
+        assert str(conv2d_blocked_kernel(plan, isa.lanes).attrs[KERNEL_ATTR]) == f"{plan.kind}_conv2d"
 
 
-def test_blocked_kernel_has_no_packing_buffers():
-    """Blocked in, blocked out: the only allocation is the L1-sized accumulator row."""
+def test_blocked_kernel_allocates_nothing_but_registers():
+    """Blocked in, blocked out: no padded copy, no im2col, no row buffer; only the microkernel's
+    accumulator and B-vector arrays (registers after LLVM), and no heap workspace at all."""
     isa = vector_isa("llvm")
-    plan = plan_conv2d(Conv2dWorkload.make((1, 64, 28, 28), (64, 64, 3, 3), 1, 1), isa)
-    x = te.placeholder(plan.data_shape(), name="x")
-    w = te.placeholder(plan.weight_shape(), name="w")
-    stages = conv2d_blocked_compute(plan, x, w)
-    out = te.compute(plan.out_shape(), lambda *i: stages.value(*i), name="out")
-    sch = s_tir.Schedule(te.create_prim_func([x, w, out]))
-    schedule_conv2d_blocked(sch, stages, isa.lanes, "out")
-    text = sch.mod.script()
-    assert text.count("alloc_buffer") == len(stages.names())  # the row segments, nothing else
-    assert "data_pad" not in text and "im2col" not in text
+    plan = plan_conv2d(Conv2dWorkload.make((1, 64, 28, 29), (64, 64, 3, 3), 1, 1), isa)
+    func = conv2d_blocked_kernel(plan, isa.lanes, Epilogue(bias=True, activation="relu"))
+    allocs = set(re.findall(r"(\w+) = T\.alloc_buffer", func.script()))
+    assert allocs == {"bv"} | {f"acc{i}" for i in range(plan.m_r)} and len(plan.row_segments()) == 2
+    lib = tvm.compile(tvm.IRModule({"conv": func.with_attr("global_symbol", "conv")}), resolve_target("llvm"))
+    assert "ptr @__TVMBackendAllocWorkspace" not in lib.mod.inspect_source("ll")  # declared, never called

@@ -2,7 +2,8 @@
 
 What you will see:
 1. a batch-reduce GEMM described as data and registered as a TVM tensor intrinsic;
-2. a direct convolution in blocked layout (NCHW[x]c / OIHW[x]i[y]o) tensorized onto it;
+2. a direct convolution in blocked layout (NCHW[x]c / OIHW[x]i[y]o), generated as TensorIR and
+   tensorized onto it, with bias and ReLU fused into the row write;
 3. its result checked against a float64 NumPy reference;
 4. the inner loop of the generated assembly: vector FMAs, no spills.
 
@@ -16,7 +17,7 @@ import time
 
 import numpy as np
 import tvm
-from tvm import s_tir, te
+from tvm import s_tir
 
 import tvm_ext
 from tvm_ext.asm import inner_loop
@@ -45,12 +46,13 @@ def main(small: bool = False) -> None:
     plan = K.plan_conv2d(wl, isa)
     print(f"\n2. conv {C}x{H}x{W} -> {KO}, 3x3: kernel={plan.kind} tile={plan.m_r}x{plan.oc_bn} "
           f"input block={plan.ic_bn}; extra bytes for the zero border: {plan.pad_bytes()}")
-    x = te.placeholder(plan.data_shape(), name="data")  # N, C/x, H+2, W+2, x
-    w = te.placeholder(plan.weight_shape(), name="weight")  # O/y, I/x, 3, 3, x, y
-    stages = K.conv2d_blocked_compute(plan, x, w)
-    out = te.compute(plan.out_shape(), lambda *i: stages.value(*i), name="out")
-    sch = s_tir.Schedule(te.create_prim_func([x, w, out]))
-    K.schedule_conv2d_blocked(sch, stages, isa.lanes, "out")  # split, tensorize, parallelize
+    # The kernel is TensorIR generated from the plan: one parallel task per output row, the row
+    # split into whole m_r tiles and a tail, each a block that the schedule tensorizes.
+    epilogue = K.Epilogue(bias=True, activation="relu")  # fused into the row while it is in L1
+    func = K.conv2d_blocked_func(plan, epilogue)
+    print("   blocks:", [name for name, _, _ in plan.row_segments()] + ["epilogue"])
+    sch = s_tir.Schedule(func)
+    K.schedule_conv2d_blocked(sch, plan, isa.lanes)  # split into m_r tiles, tensorize
     lib = tvm.compile(sch.mod, target)
 
     # 3. Check against NumPy (float64) on random data.
@@ -58,18 +60,20 @@ def main(small: bool = False) -> None:
     xv = rng.standard_normal(plan.data_shape(), dtype=np.float32)
     xv[:, :, 0, :, :] = xv[:, :, -1, :, :] = xv[:, :, :, 0, :] = xv[:, :, :, -1, :] = 0  # the zero border
     wv = rng.standard_normal(plan.weight_shape(), dtype=np.float32)
+    bv = rng.standard_normal((plan.OCB, plan.oc_bn), dtype=np.float32)
     yv = tvm.runtime.empty(plan.out_shape(), "float32", tvm.cpu())
-    lib(tvm.runtime.tensor(xv), tvm.runtime.tensor(wv), yv)
+    lib(tvm.runtime.tensor(xv), tvm.runtime.tensor(wv), tvm.runtime.tensor(bv), yv)
     ref = np.zeros(plan.out_shape())
     for r in range(3):
         for s in range(3):
             ref += np.einsum("nchwi,bcio->nbhwo", xv[:, :, r:r + H, s:s + W].astype(np.float64), wv[:, :, r, s])
+    ref = np.maximum(ref + bv[None, :, None, None, :], 0)
     err = np.abs(yv.numpy() - ref).max() / np.abs(ref).max()
-    print(f"\n3. relative error against float64 NumPy: {err:.1e}")
+    print(f"\n3. conv + bias + relu, relative error against float64 NumPy: {err:.1e}")
     assert err < 1e-4
 
     fn = lib.mod["main"]
-    args = [tvm.runtime.tensor(xv), tvm.runtime.tensor(wv), yv]
+    args = [tvm.runtime.tensor(xv), tvm.runtime.tensor(wv), tvm.runtime.tensor(bv), yv]
     fn(*args)
     start = time.perf_counter()
     runs = 20

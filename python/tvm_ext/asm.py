@@ -12,6 +12,7 @@ import re
 from .target import VectorISA
 
 _LABEL = re.compile(r"^([.\w$]+):")
+_BRANCH = re.compile(r"^(j[a-z]+|b\.[a-z]+|b|cbn?z|tbn?z|ret)\s")
 
 
 @dataclasses.dataclass
@@ -40,6 +41,8 @@ def _blocks(asm: str) -> list[tuple[str, list[str]]]:
             blocks.append((match.group(1), []))
         elif not line.startswith("."):
             blocks[-1][1].append(line)
+            if _BRANCH.match(line):  # a fall-through block after a branch has no label of its own
+                blocks.append((f"{blocks[-1][0]}+", []))
     return blocks
 
 

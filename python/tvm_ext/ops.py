@@ -7,6 +7,7 @@ network evaluated op by op pays compilation only on its first pass.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -37,7 +38,7 @@ def _compiled(key: tuple, make: Callable[[], tvm.tirx.PrimFunc], target: tvm.tar
     full_key = (key, str(target))
     if full_key not in _CACHE:
         func = make()
-        name = "tvm_ext_" + str(func.attrs[_conv.KERNEL_ATTR])
+        name = "tvm_ext_" + str(func.attrs[_conv.KERNEL_ATTR])  # te.create_prim_func says "main"
         mod = tvm.IRModule({name: func.with_attr("global_symbol", name)})
         _CACHE[full_key] = tvm.compile(mod, target)[name]
     return _CACHE[full_key]
@@ -48,13 +49,33 @@ def cache_size() -> int:
     return len(_CACHE)
 
 
+_ALIGN = 64  # TVM's DLPack import requires 64-byte aligned data
+
+
+def aligned_empty(shape, dtype=np.float32) -> np.ndarray:
+    """An uninitialized C-contiguous array whose data is 64-byte aligned."""
+    shape = tuple(int(v) for v in shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    start = (-raw.ctypes.data) % _ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def _as_tvm(arr: np.ndarray) -> tvm.runtime.Tensor:
+    """Share `arr` with TVM without a copy when it is aligned; copy it into an aligned one if not."""
+    if arr.ctypes.data % _ALIGN:
+        aligned = aligned_empty(arr.shape, arr.dtype)
+        aligned[...] = arr
+        arr = aligned
+    return tvm.runtime.from_dlpack(arr)
+
+
 def _run(key: tuple, make, target, inputs: list[np.ndarray], out_shape) -> np.ndarray:
     target = resolve_target(target)
     fn = _compiled(key, make, target)
-    dev = tvm.cpu()
-    out = tvm.runtime.empty(tuple(int(v) for v in out_shape), "float32", dev)
-    fn(*[tvm.runtime.tensor(a, dev) for a in inputs], out)
-    return out.numpy()
+    out = aligned_empty(out_shape)
+    fn(*[_as_tvm(a) for a in inputs], _as_tvm(out))
+    return out
 
 
 def conv2d_plan(x_shape, w_shape, *, stride=1, padding=0, dilation=1, groups: int = 1,
@@ -67,13 +88,60 @@ def conv2d_plan(x_shape, w_shape, *, stride=1, padding=0, dilation=1, groups: in
     return plan
 
 
+class _Conv2dKernel:
+    """A compiled conv2d signature: pack data, pack weights, blocked conv (+bias), unpack to NCHW.
+
+    The blocked data, weights and output are a workspace allocated once per signature and
+    reused by every call (as cuDNN's workspace): allocating megabytes inside each call costs
+    page faults that took longer than the packing itself.
+    """
+
+    def __init__(self, plan: _conv.Conv2dPlan, target: tvm.target.Target, bias: bool):
+        lanes = vector_isa(target).lanes
+        epilogue = _conv.Epilogue(bias=bias)
+        self.plan = plan
+        self.pack_data = _compiled(("pack_data", plan), lambda: _conv.pack_data_func(plan), target)
+        self.pack_weight = _compiled(("pack_weight", plan), lambda: _conv.pack_weight_func(plan), target)
+        self.conv = _compiled(("conv2d", plan, epilogue),
+                              lambda: _conv.conv2d_blocked_kernel(plan, lanes, epilogue), target)
+        self.unpack = _compiled(("unpack", plan), lambda: _conv.unpack_output_func(plan), target)
+        self.out_shape = (plan.wl.N, plan.wl.K, plan.wl.OH, plan.wl.OW)
+        self.data = _as_tvm(aligned_empty(plan.data_shape()))
+        self.weight = _as_tvm(aligned_empty(plan.weight_shape()))
+        self.output = _as_tvm(aligned_empty(plan.out_shape()))
+        self.bias = _as_tvm(np.zeros((plan.OCB, plan.oc_bn), np.float32)) if bias else None
+        self.lock = threading.Lock()  # the workspace belongs to one call at a time
+
+    def __call__(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+        out = aligned_empty(self.out_shape)
+        with self.lock:
+            self.pack_data(_as_tvm(x), self.data)
+            self.pack_weight(_as_tvm(w), self.weight)
+            args = [self.data, self.weight]
+            if self.bias is not None:
+                blocked = np.zeros(self.plan.OCB * self.plan.oc_bn, np.float32)
+                blocked[: bias.shape[0]] = bias
+                self.bias.copyfrom(blocked.reshape(self.plan.OCB, self.plan.oc_bn))
+                args.append(self.bias)
+            self.conv(*args, self.output)
+            self.unpack(self.output, _as_tvm(out))
+        return out
+
+
+_CONV_KERNELS: dict[tuple, _Conv2dKernel] = {}
+
+
+def _target_key(target: TargetLike):
+    return target if target is None or isinstance(target, str) else str(target)
+
+
 def conv2d(x, w, bias=None, *, stride=1, padding=0, dilation=1, groups: int = 1,
            target: TargetLike = None) -> np.ndarray:
     """2-D convolution (cross-correlation, as in PyTorch) of NCHW `x` with OIHW `w`.
 
     padding: int, (ph, pw) or (top, left, bottom, right). Raises ValueError naming the problem
     for mismatched channels, negative padding, a kernel larger than the padded input, or a dtype
-    other than float32.
+    other than float32. A repeated signature goes straight to its compiled kernel.
     """
     x = _check_array("conv2d data", x, 4)
     w = _check_array("conv2d weight", w, 4)
@@ -81,14 +149,15 @@ def conv2d(x, w, bias=None, *, stride=1, padding=0, dilation=1, groups: int = 1,
         bias = _check_array("conv2d bias", bias, 1)
         if bias.shape[0] != w.shape[0]:
             raise ValueError(f"conv2d: bias has {bias.shape[0]} entries for {w.shape[0]} output channels")
-    target = resolve_target(target)
-    plan = conv2d_plan(x.shape, w.shape, stride=stride, padding=padding, dilation=dilation,
-                       groups=groups, target=target)
-    lanes = vector_isa(target).lanes
-    key = ("conv2d", plan, bias is not None)
-    inputs = [x, w] + ([bias] if bias is not None else [])
-    out_shape = (plan.wl.N, plan.wl.K, plan.wl.OH, plan.wl.OW)
-    return _run(key, lambda: _conv.conv2d_nchw_func(plan, lanes, bias is not None), target, inputs, out_shape)
+    key = (x.shape, w.shape, bias is not None, str(stride), str(padding), str(dilation), groups,
+           _target_key(target))
+    kernel = _CONV_KERNELS.get(key)
+    if kernel is None:
+        resolved = resolve_target(target)
+        plan = conv2d_plan(x.shape, w.shape, stride=stride, padding=padding, dilation=dilation,
+                           groups=groups, target=resolved)
+        kernel = _CONV_KERNELS[key] = _Conv2dKernel(plan, resolved, bias is not None)
+    return kernel(x, w, bias)
 
 
 def _pool_op(mode: str, x, kernel_size, stride, padding, dilation, ceil_mode, count_include_pad, target):
