@@ -187,3 +187,44 @@ def test_compiles_once_per_signature():
     assert ops.cache_size() == before
     ops.conv2d(x, w, padding=0)
     assert ops.cache_size() > before
+
+
+def _pack_nchwc(x, plan):
+    """NumPy reference packing: NCHW -> N, C/x, H+pads, W+pads, x (zero border)."""
+    wl = plan.wl
+    top, left, bottom, right = wl.padding
+    xp = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)))
+    n, c, h, w = xp.shape
+    return np.ascontiguousarray(xp.reshape(n, c // plan.ic_bn, plan.ic_bn, h, w).transpose(0, 1, 3, 4, 2))
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "relu6", "sigmoid"])
+@pytest.mark.parametrize("shape", [((1, 32, 9, 17), (48, 32, 3, 3), 1, 1), ((2, 16, 12, 11), (32, 16, 1, 1), 2, 0)])
+def test_blocked_kernel_with_fused_epilogue(activation, shape):
+    """The graph-mode kernel: blocked in and out, bias and activation applied in the row write."""
+    import tvm
+
+    from tvm_ext.kernels.conv2d import Epilogue, conv2d_blocked_kernel, pack_weight_func
+    from tvm_ext.target import resolve_target, vector_isa
+
+    x_shape, w_shape, stride, pad = shape
+    target = resolve_target("llvm")
+    plan = ops.conv2d_plan(x_shape, w_shape, stride=stride, padding=pad)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal(x_shape, dtype=np.float32)
+    w = rng.standard_normal(w_shape, dtype=np.float32)
+    b = rng.standard_normal(w_shape[0], dtype=np.float32)
+    epilogue = Epilogue(bias=True, activation=activation)
+    conv = tvm.compile(conv2d_blocked_kernel(plan, vector_isa(target).lanes, epilogue), target)
+    pack_w = tvm.compile(pack_weight_func(plan), target)
+    wb = tvm.runtime.empty(plan.weight_shape(), "float32", tvm.cpu())
+    pack_w(tvm.runtime.tensor(w), wb)
+    bb = np.zeros(plan.K_pad, np.float32)
+    bb[: len(b)] = b
+    yb = tvm.runtime.empty(plan.out_shape(), "float32", tvm.cpu())
+    conv(tvm.runtime.tensor(_pack_nchwc(x, plan)), wb, tvm.runtime.tensor(bb.reshape(plan.OCB, plan.oc_bn)), yb)
+    y = yb.numpy().transpose(0, 1, 4, 2, 3).reshape(x_shape[0], plan.K_pad, plan.wl.OH, plan.wl.OW)[:, : w_shape[0]]
+    ref = conv2d_nchw(x, w, b, plan.wl.stride, plan.wl.padding)
+    ref = {None: ref, "relu": np.maximum(ref, 0), "relu6": np.clip(ref, 0, 6),
+           "sigmoid": 1 / (1 + np.exp(-ref))}[activation]
+    assert rel_err(y, ref) <= TOL

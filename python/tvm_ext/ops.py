@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 import tvm
+import tvm_ffi
 
 from .kernels import conv2d as _conv
 from .kernels import elementwise as _elementwise
@@ -61,13 +62,17 @@ def aligned_empty(shape, dtype=np.float32) -> np.ndarray:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def _as_tvm(arr: np.ndarray) -> tvm.runtime.Tensor:
-    """Share `arr` with TVM without a copy when it is aligned; copy it into an aligned one if not."""
-    if arr.ctypes.data % _ALIGN:
+def _as_tvm(arr: np.ndarray, alignment: int = _ALIGN) -> tvm.runtime.Tensor:
+    """Share `arr` with TVM without a copy when it is aligned; copy it into an aligned one if not.
+
+    Kernels whose parameter accepts less (the packing stages: USER_ALIGNMENT) take NumPy's
+    arrays as they are.
+    """
+    if arr.ctypes.data % alignment:
         aligned = aligned_empty(arr.shape, arr.dtype)
         aligned[...] = arr
         arr = aligned
-    return tvm.runtime.from_dlpack(arr)
+    return tvm_ffi.from_dlpack(arr, require_alignment=alignment, require_contiguous=True)
 
 
 def _run(key: tuple, make, target, inputs: list[np.ndarray], out_shape) -> np.ndarray:
@@ -89,42 +94,39 @@ def conv2d_plan(x_shape, w_shape, *, stride=1, padding=0, dilation=1, groups: in
 
 
 class _Conv2dKernel:
-    """A compiled conv2d signature: pack data, pack weights, blocked conv (+bias), unpack to NCHW.
+    """A compiled conv2d signature: pack data, pack weights, blocked conv (+bias, NCHW write).
 
-    The blocked data, weights and output are a workspace allocated once per signature and
+    The blocked data and weights are a workspace allocated once per signature and
     reused by every call (as cuDNN's workspace): allocating megabytes inside each call costs
     page faults that took longer than the packing itself.
     """
 
     def __init__(self, plan: _conv.Conv2dPlan, target: tvm.target.Target, bias: bool):
         lanes = vector_isa(target).lanes
-        epilogue = _conv.Epilogue(bias=bias)
+        epilogue = _conv.Epilogue(bias=bias, nchw_out=True)
         self.plan = plan
         self.pack_data = _compiled(("pack_data", plan), lambda: _conv.pack_data_func(plan), target)
         self.pack_weight = _compiled(("pack_weight", plan), lambda: _conv.pack_weight_func(plan), target)
         self.conv = _compiled(("conv2d", plan, epilogue),
                               lambda: _conv.conv2d_blocked_kernel(plan, lanes, epilogue), target)
-        self.unpack = _compiled(("unpack", plan), lambda: _conv.unpack_output_func(plan), target)
         self.out_shape = (plan.wl.N, plan.wl.K, plan.wl.OH, plan.wl.OW)
         self.data = _as_tvm(aligned_empty(plan.data_shape()))
         self.weight = _as_tvm(aligned_empty(plan.weight_shape()))
-        self.output = _as_tvm(aligned_empty(plan.out_shape()))
         self.bias = _as_tvm(np.zeros((plan.OCB, plan.oc_bn), np.float32)) if bias else None
         self.lock = threading.Lock()  # the workspace belongs to one call at a time
 
     def __call__(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
         out = aligned_empty(self.out_shape)
         with self.lock:
-            self.pack_data(_as_tvm(x), self.data)
-            self.pack_weight(_as_tvm(w), self.weight)
+            self.pack_data(_as_tvm(x, _conv.USER_ALIGNMENT), self.data)
+            self.pack_weight(_as_tvm(w, _conv.USER_ALIGNMENT), self.weight)
             args = [self.data, self.weight]
             if self.bias is not None:
                 blocked = np.zeros(self.plan.OCB * self.plan.oc_bn, np.float32)
                 blocked[: bias.shape[0]] = bias
                 self.bias.copyfrom(blocked.reshape(self.plan.OCB, self.plan.oc_bn))
                 args.append(self.bias)
-            self.conv(*args, self.output)
-            self.unpack(self.output, _as_tvm(out))
+            self.conv(*args, _as_tvm(out))
         return out
 
 

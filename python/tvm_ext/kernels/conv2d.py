@@ -7,8 +7,8 @@ im2col and no packing at run time: the blocked tensors have the storage of the p
 input carries its zero border, whose bytes :meth:`Conv2dPlan.pad_bytes` reports), and the tiles
 are stored straight into the output. The kernel is TensorIR generated from the plan
 (:func:`conv2d_blocked_func`) and scheduled by :func:`schedule_conv2d_blocked`; the eager API and
-graph edges convert layouts with :func:`pack_data_func`, :func:`pack_weight_func` and
-:func:`unpack_output_func`.
+graph edges convert layouts with :func:`pack_data_func`, :func:`pack_weight_func` and an
+epilogue that writes NCHW.
 
 Depthwise convolution (one input channel per group) has no reduction over channels to batch, so
 it gets its own vector kernel over the channel block; groups whose channels do not fill a vector
@@ -232,10 +232,13 @@ ACTIVATIONS = {
 
 @dataclasses.dataclass(frozen=True)
 class Epilogue:
-    """What happens to each output row after the convolution: + bias, then an activation."""
+    """What happens to each output row after the convolution: + bias, then an activation, and
+    where the row goes: it stays blocked, or it is also written to an NCHW output (a graph's exit,
+    the eager API) while it is still in L1."""
 
     bias: bool = False
     activation: str | None = None
+    nchw_out: bool = False
 
     def __post_init__(self):
         if self.activation is not None and self.activation not in ACTIVATIONS:
@@ -243,19 +246,17 @@ class Epilogue:
 
     @property
     def empty(self) -> bool:
-        return not self.bias and self.activation is None
+        return not self.bias and self.activation is None and not self.nchw_out
 
 
 _CONV_TEMPLATE = """
 @T.prim_func(s_tir=True)
-def conv(x: T.handle, w: T.handle, {bias_param}y: T.handle) -> None:
+def conv(x: T.handle, w: T.handle, {bias_param}{out_param}) -> None:
     X = T.match_buffer(x, {x_shape}, "float32")
     W = T.match_buffer(w, {w_shape}, "float32")
-{bias_buffer}    Y = T.match_buffer(y, {y_shape}, "float32")
-    Y_tail = T.decl_buffer({y_shape}, "float32", data=Y.data)
-    Y_epilogue = T.decl_buffer({y_shape}, "float32", data=Y.data)
+{bias_buffer}{out_buffers}
     for row in T.parallel({rows}):
-{segments}{epilogue}"""
+{segments}"""
 
 _SEGMENT = """        for ow, o, {reduce_loops} in T.grid({width}, {oc_bn}, {reduce_extents}):
             with T.sblock("{name}"):
@@ -266,8 +267,8 @@ _SEGMENT = """        for ow, o, {reduce_loops} in T.grid({width}, {oc_bn}, {red
                 v_o = T.axis.spatial({oc_bn}, o)
 {reduce_bindings}
                 with T.init():
-                    {out}[v_n, v_ob, v_oh, v_ow + {start}, v_o] = T.float32(0)
-                {out}[v_n, v_ob, v_oh, v_ow + {start}, v_o] = {out}[v_n, v_ob, v_oh, v_ow + {start}, v_o] + {product}
+                    {out}[{out_index}] = T.float32(0)
+                {out}[{out_index}] = {out}[{out_index}] + {product}
 """
 
 _EPILOGUE = """        for ow in T.serial({OW}):
@@ -280,17 +281,31 @@ _EPILOGUE = """        for ow in T.serial({OW}):
                 Y_epilogue[v_n, v_ob, v_oh, v_ow, v_o] = {value}
 """
 
+# The NCHW write transposes (channel, pixel) of the row in 8x8 tiles, unrolled so that LLVM turns
+# each into vector loads, shuffles and vector stores.
+_EPILOGUE_NCHW = """        for oo, wo in T.grid({oc_bn} // {t}, ({width} + {t} - 1) // {t}):
+          for oi in T.unroll({t}):
+            for wi in T.unroll({t}):
+              with T.sblock("{name}_epilogue"):
+                v_n = T.axis.spatial({N}, row // {rows_per_image})
+                v_ob = T.axis.spatial({OCB}, row // {OH} % {OCB})
+                v_oh = T.axis.spatial({OH}, row % {OH})
+                v_o = T.axis.spatial({oc_bn}, oo * {t} + oi)
+                v_ow = T.axis.spatial({width}, wo * {t} + wi)
+                T.where(wo * {t} + wi < {width} and row // {OH} % {OCB} * {oc_bn} + oo * {t} + oi < {K})
+                Out[v_n, v_ob * {oc_bn} + v_o, v_oh, v_ow + {start}] = {value}
+"""
+
 
 def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> tirx.PrimFunc:
     """The unscheduled blocked convolution (+ epilogue) as TensorIR, generated from the plan.
 
     Parameters: data (N, C/x, H+pads, W+pads, x), weight (O/y, I/x, KH, KW, x, y) or depthwise
-    (O/y, KH, KW, y), [bias (O/y, y)], output (N, O/y, OH, OW, y). One parallel task per output
-    row; inside it the row is whole m_r tiles ("conv"), one narrower tail ("conv_tail") and the
-    epilogue, which updates the row in place while it is in L1. The tiles accumulate straight
-    into the output: no row buffer, no copy. The tail and the epilogue write the output through
-    aliases of its buffer (same memory, disjoint or later accesses): TensorIR tensorizes a
-    reduction with its initialization only if the block is the sole writer of its buffer.
+    (O/y, KH, KW, y), [bias (O/y, y)], then the output: blocked (N, O/y, OH, OW, y), or NCHW
+    (N, K, OH, OW) with `epilogue.nchw_out`. One parallel task per output row; inside it the row
+    is whole m_r tiles ("conv"), one narrower tail ("conv_tail") and the epilogue, applied while
+    the row is in L1. Blocked, the tiles accumulate straight into the output (no row buffer, no
+    copy); NCHW, into a private scratch row that the epilogue transposes out.
     """
     wl = plan.wl
     sh, sw = wl.stride
@@ -307,28 +322,54 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
         reduce = [("icb", icbg), ("kh", wl.KH), ("kw", wl.KW), ("ic", plan.ic_bn)]
         product = (f"X[v_n, {base}v_icb, v_oh * {{sh}} + v_kh * {{dh}}, "
                    "(v_ow + {start}) * {sw} + v_kw * {dw}, v_ic] * W[v_ob, v_icb, v_kh, v_kw, v_ic, v_o]")
-
     common = dict(N=wl.N, OCB=plan.OCB, OH=wl.OH, OW=wl.OW, oc_bn=plan.oc_bn, rows_per_image=rows_per_image)
-    segments = ""
-    for name, width, start in plan.row_segments():
-        segments += _SEGMENT.format(
-            name=name, width=width, start=start, out="Y_tail" if start else "Y",
-            product=product.format(sh=sh, sw=sw, dh=dh, dw=dw, start=start),
-            reduce_loops=", ".join(r for r, _ in reduce),
-            reduce_extents=", ".join(str(e) for _, e in reduce),
-            reduce_bindings="\n".join(f"{' ' * 16}v_{r} = T.axis.reduce({e}, {r})" for r, e in reduce),
-            **common)
-    epi = ""
-    if not epilogue.empty:
-        value = "Y_epilogue[v_n, v_ob, v_oh, v_ow, v_o]" + (" + B[v_ob, v_o]" if epilogue.bias else "")
-        if epilogue.activation:
-            value = ACTIVATIONS[epilogue.activation].format(v=value)
-        epi = _EPILOGUE.format(value=value, **common)
+    reduce_fields = dict(
+        reduce_loops=", ".join(r for r, _ in reduce),
+        reduce_extents=", ".join(str(e) for _, e in reduce),
+        reduce_bindings="\n".join(f"{' ' * 16}v_{r} = T.axis.reduce({e}, {r})" for r, e in reduce))
+    value = "{src}" + (" + B[v_ob, v_o]" if epilogue.bias else "")
+    if epilogue.activation:
+        value = ACTIVATIONS[epilogue.activation].format(v=value)
+    body = ""
+    if epilogue.nchw_out:
+        # Each row segment accumulates into a scratch row of its own (L1-sized, private to the
+        # task) and its epilogue writes it to NCHW: the blocked output never reaches memory.
+        out_buffers = f'    Out = T.match_buffer(out, {(wl.N, wl.K, wl.OH, wl.OW)}, "float32")\n'
+        # The scratch rows are allocated by a block inside the parallel loop: one per task.
+        # The scratch rows are declared inside the parallel loop: one per task. (A block there to
+        # hold them would break blockize, which drops bindings to variables outside its scope.)
+        body = "".join(f'        {name}_row = T.decl_buffer(({width}, {plan.oc_bn}), "float32")\n'
+                       for name, width, _ in plan.row_segments())
+        tile = 8 if plan.oc_bn % 8 == 0 else 1
+        rows = ""
+        for name, width, start in plan.row_segments():
+            rows += _SEGMENT.format(
+                name=name, width=width, start=start, out=f"{name}_row", out_index="v_ow, v_o",
+                product=product.format(sh=sh, sw=sw, dh=dh, dw=dw, start=start), **reduce_fields, **common)
+        for name, width, start in plan.row_segments():
+            rows += _EPILOGUE_NCHW.format(name=name, width=width, start=start, t=tile, K=wl.K,
+                                          value=value.format(src=f"{name}_row[v_ow, v_o]"), **common)
+        body += rows
+        params = "out: T.handle"
+    else:
+        # Blocked output: the tiles accumulate straight into it. The tail and the epilogue write
+        # it through aliases (same memory, disjoint or later accesses): TensorIR tensorizes a
+        # reduction with its initialization only if the block is the sole writer of its buffer.
+        out_buffers = (f'    Y = T.match_buffer(y, {plan.out_shape()}, "float32")\n'
+                       f'    Y_tail = T.decl_buffer({plan.out_shape()}, "float32", data=Y.data)\n'
+                       f'    Y_epilogue = T.decl_buffer({plan.out_shape()}, "float32", data=Y.data)\n')
+        for name, width, start in plan.row_segments():
+            body += _SEGMENT.format(
+                name=name, width=width, start=start, out="Y_tail" if start else "Y",
+                out_index=f"v_n, v_ob, v_oh, v_ow + {start}, v_o",
+                product=product.format(sh=sh, sw=sw, dh=dh, dw=dw, start=start), **reduce_fields, **common)
+        if not epilogue.empty:
+            body += _EPILOGUE.format(value=value.format(src="Y_epilogue[v_n, v_ob, v_oh, v_ow, v_o]"), **common)
+        params = "y: T.handle"
     text = _CONV_TEMPLATE.format(
-        bias_param="b: T.handle, " if epilogue.bias else "",
+        bias_param="b: T.handle, " if epilogue.bias else "", out_param=params, out_buffers=out_buffers,
         bias_buffer=f'    B = T.match_buffer(b, ({plan.OCB}, {plan.oc_bn}), "float32")\n' if epilogue.bias else "",
-        x_shape=plan.data_shape(), w_shape=plan.weight_shape(), y_shape=plan.out_shape(),
-        rows=wl.N * rows_per_image, segments=segments, epilogue=epi)
+        x_shape=plan.data_shape(), w_shape=plan.weight_shape(), rows=wl.N * rows_per_image, segments=body)
     return tvm.script.from_source(text)
 
 
@@ -373,6 +414,23 @@ def conv2d_blocked_kernel(plan: Conv2dPlan, lanes: int, epilogue: Epilogue = Epi
     return sch.mod["main"].with_attr(KERNEL_ATTR, f"{plan.kind}_conv2d")
 
 
+USER_ALIGNMENT = 16  # what NumPy guarantees for its arrays (large ones sit 16 bytes past a page)
+
+
+def _accept_user_alignment(func: tirx.PrimFunc, param: str) -> tirx.PrimFunc:
+    """Declare parameter `param` as only USER_ALIGNMENT-aligned (TVM assumes 64 by default).
+
+    Arrays that come from the user can then be passed without a copy: copying the weights of a
+    512x512 3x3 layer on every call cost more than packing them.
+    """
+    text = func.script()
+    head, sep, rest = text.partition(f"{param}: T.Buffer(")
+    shape_and_dtype, close, tail = rest.partition(")")  # the shape tuple ends at the first ")"
+    dtype_end = tail.index(")")
+    text = head + sep + shape_and_dtype + close + tail[:dtype_end] + f", align={USER_ALIGNMENT}" + tail[dtype_end:]
+    return tvm.script.from_source(text)
+
+
 def pack_data_func(plan: Conv2dPlan) -> tirx.PrimFunc:
     """NCHW -> N, C/x, H+pads, W+pads, x: the layout change and the zero border in one pass."""
     wl = plan.wl
@@ -385,10 +443,16 @@ def pack_data_func(plan: Conv2dPlan) -> tirx.PrimFunc:
         return tirx.if_then_else(inside, x[n, cb * plan.ic_bn + c, ih, iw], tirx.const(0.0, wl.dtype))
 
     xb = te.compute(plan.data_shape(), body, name="data_blocked")
-    sch = s_tir.Schedule(te.create_prim_func([x, xb]))
+    sch = s_tir.Schedule(_accept_user_alignment(te.create_prim_func([x, xb]), "data"))
     n, cb, h, w_, c = sch.get_loops(sch.get_sblock("data_blocked"))
     sch.reorder(c, w_)  # read rows of the source, scatter into an L1-sized destination row
     sch.parallel(sch.fuse(n, cb, h))
+    if plan.ic_bn % 8 == 0:  # a (channel, pixel) transpose: 8x8 unrolled tiles vectorize (2x)
+        co, ci = sch.split(c, [None, 8])
+        wo, wi = sch.split(w_, [None, 8])
+        sch.reorder(co, wo, ci, wi)
+        sch.unroll(ci)
+        sch.unroll(wi)
     return sch.mod["main"].with_attr(KERNEL_ATTR, "pack_data_nchwc")
 
 
@@ -406,7 +470,7 @@ def pack_weight_func(plan: Conv2dPlan) -> tirx.PrimFunc:
             return tirx.if_then_else(k < wl.K, value, tirx.const(0.0, wl.dtype)) if plan.K_pad > wl.K else value
 
         wb = te.compute(plan.weight_shape(), body, name="weight_blocked")
-    sch = s_tir.Schedule(te.create_prim_func([w, wb]))
+    sch = s_tir.Schedule(_accept_user_alignment(te.create_prim_func([w, wb]), "weight"))
     loops = sch.get_loops(sch.get_sblock("weight_blocked"))
     if plan.kind == "depthwise":
         sch.parallel(loops[0])
@@ -425,25 +489,3 @@ def pack_weight_func(plan: Conv2dPlan) -> tirx.PrimFunc:
             sch.reorder(o, i, r, s)
         sch.parallel(sch.fuse(ob, ib))
     return sch.mod["main"].with_attr(KERNEL_ATTR, "pack_weight_blocked")
-
-
-def unpack_output_func(plan: Conv2dPlan) -> tirx.PrimFunc:
-    """N, O/y, OH, OW, y -> NCHW (dropping zero channels that filled the last block)."""
-    wl = plan.wl
-    yb = te.placeholder(plan.out_shape(), wl.dtype, name="output_blocked")
-    y = te.compute((wl.N, wl.K, wl.OH, wl.OW),
-                   lambda n, k, h, w: yb[n, k // plan.oc_bn, h, w, k % plan.oc_bn], name="output")
-    sch = s_tir.Schedule(te.create_prim_func([yb, y]))
-    n, k, h, w_ = sch.get_loops(sch.get_sblock("output"))
-    ob, o = sch.split(k, [None, plan.oc_bn])
-    sch.reorder(n, ob, h, o, w_)
-    if plan.oc_bn % 8 == 0:
-        # A transpose of (channel, pixel): 8x8 unrolled tiles become vector loads, shuffles and
-        # vector stores.
-        oo, oi = sch.split(o, [None, 8])
-        wo, wi = sch.split(w_, [None, 8])
-        sch.reorder(oo, wo, oi, wi)
-        sch.unroll(oi)
-        sch.unroll(wi)
-    sch.parallel(sch.fuse(n, ob, h))
-    return sch.mod["main"].with_attr(KERNEL_ATTR, "unpack_nchw")
