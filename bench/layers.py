@@ -173,10 +173,10 @@ def main() -> int:
         rows.append(row)
         print(" | ".join(row), flush=True)
     pct = [float(r[6]) for r in rows]
+    stock = "" if ARGS.no_stock else f"vs stock TVM {geomean([float(r[9]) for r in rows]):.0f}x; "
     print(f"# median %peak {statistics.median(pct):.0f}, min %peak {min(pct):.0f}; geomean speed-up: "
           f"vs torch NCHW {geomean([float(r[7]) for r in rows]):.2f}x, "
-          f"vs torch channels_last {geomean([float(r[8]) for r in rows]):.2f}x, "
-          f"vs stock TVM {geomean([float(r[9]) for r in rows]):.0f}x; "
+          f"vs torch channels_last {geomean([float(r[8]) for r in rows]):.2f}x, {stock}"
           f"ops.conv2d vs torch NCHW {geomean([float(r[12]) for r in rows]):.2f}x")
     out = Path(ARGS.csv) if ARGS.csv else HERE / "results" / f"layers_{ARGS.set}_b{ARGS.batch}_t{ARGS.threads}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
