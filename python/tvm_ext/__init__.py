@@ -3,7 +3,19 @@
 from . import intrin, kernels, ops
 from ._compat import check_environment
 from .errors import UnsupportedError
+from .pipeline import build, dispatch_report, pipeline
 from .target import resolve_target, vector_isa
 
 __version__ = "0.1.0"
-__all__ = ["UnsupportedError", "check_environment", "intrin", "kernels", "ops", "resolve_target", "vector_isa"]
+__all__ = [
+    "UnsupportedError",
+    "build",
+    "check_environment",
+    "dispatch_report",
+    "intrin",
+    "kernels",
+    "ops",
+    "pipeline",
+    "resolve_target",
+    "vector_isa",
+]

@@ -1,0 +1,5 @@
+"""Default schedules (dlight rules) for the ops tvm_ext does not serve with a kernel of its own."""
+
+from . import cpu
+
+__all__ = ["cpu"]

@@ -1,0 +1,105 @@
+"""Whole-network compilation through tvm_ext: `build`, `pipeline` and `dispatch_report`.
+
+The pipeline is TVM's CPU pipeline (relax/backend/cpu_generic) with two changes: legalization
+uses tvm_ext's strategy (which kernel serves which op, see :mod:`tvm_ext.strategy.cpu`), and
+every PrimFunc left unscheduled by it gets a default schedule (dlight's CPU rules, then
+:class:`tvm_ext.dlight.cpu.ParallelVectorize`) instead of stock TVM's naive loops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tvm
+from tvm import relax
+from tvm.relax.backend.cpu_generic import pipeline as cpu_pipeline
+from tvm.s_tir import dlight
+
+from .dlight.cpu import ParallelVectorize
+from .errors import UnsupportedError
+from .kernels.conv2d import KERNEL_ATTR
+from .strategy import cpu as cpu_strategy
+from .target import TargetLike, resolve_target
+
+
+def _mark_tvm_ext_scheduled() -> tvm.transform.Pass:
+    """tvm_ext kernels arrive scheduled: keep dlight away from them."""
+
+    @tvm.transform.module_pass(opt_level=0, name="tvm_ext.MarkScheduled")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        for gvar, func in mod.functions_items():
+            if isinstance(func, tvm.tirx.PrimFunc) and KERNEL_ATTR in func.attrs:
+                mod[gvar] = func.with_attr("tirx.is_scheduled", True)
+        return mod
+
+    return _pass
+
+
+def pipeline(target: TargetLike = None, database=None) -> tvm.transform.Pass:
+    """The Relax pipeline for `tvm.compile(mod, target, relax_pipeline=...)`."""
+    if database is not None:
+        raise UnsupportedError("pipeline: tuning databases are not supported yet (see the autotuning issue)")
+    target = resolve_target(target)
+    if target.kind.name != "llvm":
+        raise UnsupportedError(f"pipeline: target {target.kind.name} is not supported yet (LLVM CPUs only)")
+
+    @tvm.transform.module_pass(opt_level=0, name="tvm_ext.Pipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        with target:
+            passes = (
+                cpu_pipeline.library_dispatch_passes(target)
+                + [
+                    relax.transform.LegalizeOps(cpu_strategy.legalize_map(target)),
+                    relax.transform.AnnotateTIROpPattern(),
+                    relax.transform.FoldConstant(),
+                    relax.transform.FuseOps(),
+                    relax.transform.FuseTIR(),
+                    _mark_tvm_ext_scheduled(),
+                    dlight.ApplyDefaultSchedule(dlight.cpu.GEMV(), dlight.cpu.Reduction(), ParallelVectorize()),
+                ]
+                + cpu_pipeline.dataflow_lower_passes(target)
+                + cpu_pipeline.finalize_passes(target)
+            )
+            return tvm.transform.Sequential(passes)(mod)
+
+    return _pipeline
+
+
+def build(mod: tvm.IRModule, target: TargetLike = None, database=None) -> relax.VMExecutable:
+    """Compile a Relax module through tvm_ext; run it with `relax.VirtualMachine(ex, tvm.cpu())`."""
+    target = resolve_target(target)
+    return tvm.compile(mod, target, relax_pipeline=pipeline(target, database))
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchRow:
+    op: str
+    shapes: tuple
+    kernel: str
+    reason: str
+
+
+class DispatchReport(list):
+    """One row per op of `main`: what serves it. Prints as a table."""
+
+    def __str__(self) -> str:
+        header = ("op", "input shapes", "kernel", "reason")
+        rows = [header] + [(r.op, " ".join(str(s) for s in r.shapes), r.kernel, r.reason) for r in self]
+        widths = [max(len(str(row[i])) for row in rows) for i in range(4)]
+        return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                         for row in rows)
+
+
+def dispatch_report(mod: tvm.IRModule, target: TargetLike = None) -> DispatchReport:
+    """Which tvm_ext kernel serves each op of `mod["main"]` on `target`, or why stock TVM does."""
+    target = resolve_target(target)
+    report = DispatchReport()
+
+    def visit(expr) -> None:
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
+            decision = cpu_strategy.decide(expr, target)
+            report.append(DispatchRow(decision.op.removeprefix("relax."), decision.shapes,
+                                      decision.kernel or "fallback", decision.reason))
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    return report

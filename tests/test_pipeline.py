@@ -1,0 +1,121 @@
+"""Relax networks through tvm_ext.build: same numbers as stock TVM, our kernels really used."""
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from reference import rel_err
+from tvm import relax
+
+import tvm_ext
+from tvm_ext.dlight.cpu import ParallelVectorize
+from tvm_ext.kernels.conv2d import KERNEL_ATTR
+
+TARGET = tvm_ext.resolve_target("llvm")
+
+
+def _const(rng, *shape):
+    return relax.const((rng.standard_normal(shape) * 0.1).astype("float32"))
+
+
+def _small_cnn(layout_of_second_conv: str = "NCHW") -> tvm.IRModule:
+    """conv-bias-relu-pool-conv(+residual-like add)-avgpool, built with the BlockBuilder."""
+    rng = np.random.default_rng(0)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 16, 20, 20), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.conv2d(x, _const(rng, 32, 16, 3, 3), padding=(1, 1)))
+            y = bb.emit(relax.op.nn.relu(relax.op.add(y, _const(rng, 1, 32, 1, 1))))
+            y = bb.emit(relax.op.nn.max_pool2d(y, (2, 2), (2, 2)))
+            if layout_of_second_conv == "NHWC":
+                y = bb.emit(relax.op.permute_dims(y, [0, 2, 3, 1]))
+                y = bb.emit(relax.op.nn.conv2d(y, _const(rng, 3, 3, 32, 32), padding=(1, 1),
+                                               data_layout="NHWC", kernel_layout="HWIO"))
+                y = bb.emit(relax.op.permute_dims(y, [0, 3, 1, 2]))
+            else:
+                y = bb.emit(relax.op.nn.conv2d(y, _const(rng, 32, 32, 3, 3), padding=(1, 1), strides=(2, 2)))
+            y = bb.emit(relax.op.nn.avg_pool2d(y, (2, 2), (2, 2)))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _run(ex, x: np.ndarray) -> np.ndarray:
+    out = relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x))
+    return out.numpy()
+
+
+def test_small_cnn_matches_stock_tvm_and_uses_our_kernels():
+    mod = _small_cnn()
+    x = np.random.default_rng(1).standard_normal((1, 16, 20, 20)).astype("float32")
+    got = _run(tvm_ext.build(mod, "llvm"), x)
+    ref = _run(tvm.compile(mod, TARGET), x)
+    assert rel_err(got, ref) <= 1e-4
+    report = tvm_ext.dispatch_report(mod, "llvm")
+    assert [r.kernel for r in report if r.op == "nn.conv2d"] == ["brgemm_conv2d", "brgemm_conv2d"]
+    lowered = tvm_ext.pipeline(TARGET)(mod)
+    kernels = {str(f.attrs[KERNEL_ATTR]) for _, f in lowered.functions_items()
+               if isinstance(f, tvm.tirx.PrimFunc) and f.attrs and KERNEL_ATTR in f.attrs}
+    assert "brgemm_conv2d" in kernels
+    assert "pack_weight" not in lowered["main"].script()  # constant weights packed at build time
+    for gvar, func in lowered.functions_items():  # nothing left as stock TVM's naive loops
+        if isinstance(func, tvm.tirx.PrimFunc):
+            assert func.attrs and func.attrs.get("tirx.is_scheduled"), gvar.name_hint
+
+
+def test_unsupported_layout_falls_back_with_a_reason():
+    mod = _small_cnn("NHWC")
+    report = tvm_ext.dispatch_report(mod, "llvm")
+    nhwc = [r for r in report if r.op == "nn.conv2d"][1]
+    assert nhwc.kernel == "fallback" and "NHWC" in nhwc.reason
+    assert "fallback" in str(report) and "input shapes" in str(report)
+    x = np.random.default_rng(2).standard_normal((1, 16, 20, 20)).astype("float32")
+    assert rel_err(_run(tvm_ext.build(mod, "llvm"), x), _run(tvm.compile(mod, TARGET), x)) <= 1e-4
+
+
+def test_pytorch_exported_cnn():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1 = torch.nn.Conv2d(3, 16, 3, padding=1)
+            self.c2 = torch.nn.Conv2d(16, 32, 3, stride=2, padding=1)
+            self.fc = torch.nn.Linear(32, 10)
+
+        def forward(self, x):
+            x = torch.nn.functional.max_pool2d(torch.relu(self.c1(x)), 2)
+            x = torch.relu(self.c2(x))
+            return self.fc(torch.nn.functional.adaptive_avg_pool2d(x, 1).flatten(1))
+
+    from tvm.relax.frontend.torch import from_exported_program
+
+    torch.manual_seed(0)
+    net = Net().eval()
+    x = torch.randn(1, 3, 32, 32)
+    mod = from_exported_program(torch.export.export(net, (x,)), keep_params_as_input=False)
+    out = relax.VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
+    out = out[0] if not hasattr(out, "numpy") else out
+    assert rel_err(out.numpy(), net(x).detach().numpy()) <= 1e-4
+    assert sum(r.kernel == "brgemm_conv2d" for r in tvm_ext.dispatch_report(mod, "llvm")) == 2
+
+
+def test_unsupported_targets_and_options_raise():
+    with pytest.raises(tvm_ext.UnsupportedError, match="cuda"):
+        tvm_ext.pipeline("cuda -arch=sm_90")
+    with pytest.raises(tvm_ext.UnsupportedError, match="database"):
+        tvm_ext.pipeline("llvm", database="records/")
+    assert issubclass(tvm_ext.UnsupportedError, ValueError)
+
+
+def test_parallel_vectorize_rule():
+    from tvm import te
+
+    a = te.placeholder((8, 16, 32), name="a")
+    b = te.compute((8, 16, 32), lambda i, j, k: a[i, j, k] * 2, name="b")
+    r = te.reduce_axis((0, 32), "r")
+    c = te.compute((8, 16), lambda i, j: te.sum(a[i, j, r], axis=r), name="c")
+    for func, vectorized in ((te.create_prim_func([a, b]), True), (te.create_prim_func([a, c]), False)):
+        sch = ParallelVectorize().apply(func, TARGET, False)
+        text = sch.mod["main"].script()
+        assert "T.parallel" in text and ("T.vectorized" in text) == vectorized
+    assert ParallelVectorize().apply(te.create_prim_func([a, b]), tvm_ext.resolve_target("cuda"), False) is None
