@@ -119,3 +119,31 @@ def test_parallel_vectorize_rule():
         text = sch.mod["main"].script()
         assert "T.parallel" in text and ("T.vectorized" in text) == vectorized
     assert ParallelVectorize().apply(te.create_prim_func([a, b]), tvm_ext.resolve_target("cuda"), False) is None
+
+
+@pytest.mark.parametrize("activation", ["relu", "relu6", "sigmoid"])
+def test_residual_block_fuses_bias_shortcut_and_activation(activation):
+    """conv-bias-act-conv-bias-(+x)-act: every add and activation lands in a conv epilogue."""
+    rng = np.random.default_rng(3)
+    act = {"relu": relax.op.nn.relu, "sigmoid": relax.op.sigmoid,
+           "relu6": lambda v: relax.op.clip(v, 0.0, 6.0)}[activation]
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 32, 14, 15), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.conv2d(x, _const(rng, 32, 32, 3, 3), padding=(1, 1)))
+            y = bb.emit(act(relax.op.add(y, _const(rng, 1, 32, 1, 1))))
+            y = bb.emit(relax.op.nn.conv2d(y, _const(rng, 32, 32, 3, 3), padding=(1, 1)))
+            y = bb.emit(relax.op.add(relax.op.add(y, _const(rng, 1, 32, 1, 1)), x))
+            out = bb.emit_output(bb.emit(act(y)))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    report = tvm_ext.dispatch_report(mod, "llvm")
+    assert all(r.kernel.startswith("brgemm_conv2d") for r in report), str(report)
+    assert sum(r.reason == "fused" for r in report) == 5  # bias+act, bias+shortcut+act
+    lowered = tvm_ext.pipeline(TARGET)(mod)
+    stock = [gv.name_hint for gv, f in lowered.functions_items()
+             if isinstance(f, tvm.tirx.PrimFunc) and KERNEL_ATTR not in f.attrs]
+    assert stock == [], stock  # no separate add / activation pass over memory
+    xv = np.random.default_rng(4).standard_normal((1, 32, 14, 15)).astype("float32")
+    assert rel_err(_run(tvm_ext.build(mod, "llvm"), xv), _run(tvm.compile(mod, TARGET), xv)) <= 1e-4

@@ -49,6 +49,8 @@ def pipeline(target: TargetLike = None, database=None) -> tvm.transform.Pass:
             passes = (
                 cpu_pipeline.library_dispatch_passes(target)
                 + [
+                    relax.transform.FuseOpsByPattern(cpu_strategy.fusion_patterns(target), bind_constants=True),
+                    cpu_strategy.lower_fused_conv2d(target),
                     relax.transform.LegalizeOps(cpu_strategy.legalize_map(target)),
                     relax.transform.AnnotateTIROpPattern(),
                     relax.transform.FoldConstant(),
@@ -91,15 +93,36 @@ class DispatchReport(list):
 
 
 def dispatch_report(mod: tvm.IRModule, target: TargetLike = None) -> DispatchReport:
-    """Which tvm_ext kernel serves each op of `mod["main"]` on `target`, or why stock TVM does."""
+    """Which tvm_ext kernel serves each op of `mod["main"]` on `target`, or why stock TVM does.
+
+    Ops fused into a convolution's epilogue are reported as served by that kernel.
+    """
     target = resolve_target(target)
+    with target:
+        fused = relax.transform.FuseOpsByPattern(cpu_strategy.fusion_patterns(target), bind_constants=True)(mod)
     report = DispatchReport()
 
-    def visit(expr) -> None:
-        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
-            decision = cpu_strategy.decide(expr, target)
-            report.append(DispatchRow(decision.op.removeprefix("relax."), decision.shapes,
-                                      decision.kernel or "fallback", decision.reason))
+    def row(call: relax.Call, kernel: str | None = None) -> None:
+        decision = cpu_strategy.decide(call, target)
+        if kernel is not None and decision.kernel is None:
+            decision = cpu_strategy.Decision(decision.op, decision.shapes, f"{kernel} epilogue", "fused")
+        report.append(DispatchRow(decision.op.removeprefix("relax."), decision.shapes,
+                                  decision.kernel or "fallback", decision.reason))
 
-    relax.analysis.post_order_visit(mod["main"], visit)
+    def visit(expr) -> None:
+        if not isinstance(expr, relax.Call):
+            return
+        if isinstance(expr.op, tvm.ir.Op):
+            row(expr)
+        elif isinstance(expr.op, tvm.ir.GlobalVar) and "Composite" in (fused[expr.op].attrs or {}):
+            calls = []
+            relax.analysis.post_order_visit(fused[expr.op].body,
+                                            lambda e: calls.append(e) if isinstance(e, relax.Call) else None)
+            conv = next(c for c in calls if isinstance(c.op, tvm.ir.Op) and c.op.name == "relax.nn.conv2d")
+            kernel = cpu_strategy.decide(conv, target).kernel
+            for call in calls:
+                if isinstance(call.op, tvm.ir.Op):
+                    row(call, kernel)
+
+    relax.analysis.post_order_visit(fused["main"], visit)
     return report

@@ -237,6 +237,7 @@ class Epilogue:
     the eager API) while it is still in L1."""
 
     bias: bool = False
+    residual: bool = False  # + a tensor of the output's shape and layout (a ResNet shortcut)
     activation: str | None = None
     nchw_out: bool = False
 
@@ -246,7 +247,7 @@ class Epilogue:
 
     @property
     def empty(self) -> bool:
-        return not self.bias and self.activation is None and not self.nchw_out
+        return not (self.bias or self.residual or self.activation or self.nchw_out)
 
 
 _CONV_TEMPLATE = """
@@ -301,11 +302,12 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
     """The unscheduled blocked convolution (+ epilogue) as TensorIR, generated from the plan.
 
     Parameters: data (N, C/x, H+pads, W+pads, x), weight (O/y, I/x, KH, KW, x, y) or depthwise
-    (O/y, KH, KW, y), [bias (O/y, y)], then the output: blocked (N, O/y, OH, OW, y), or NCHW
-    (N, K, OH, OW) with `epilogue.nchw_out`. One parallel task per output row; inside it the row
-    is whole m_r tiles ("conv"), one narrower tail ("conv_tail") and the epilogue, applied while
-    the row is in L1. Blocked, the tiles accumulate straight into the output (no row buffer, no
-    copy); NCHW, into a private scratch row that the epilogue transposes out.
+    (O/y, KH, KW, y), [bias (O/y, y)], [residual, in the output's shape and layout], then the
+    output: blocked (N, O/y, OH, OW, y), or NCHW (N, K, OH, OW) with `epilogue.nchw_out`.
+    One parallel task per output row; inside it the row is whole m_r tiles ("conv"), one
+    narrower tail ("conv_tail") and the epilogue, applied while the row is in L1. Blocked, the
+    tiles accumulate straight into the output (no row buffer, no copy); NCHW, into a private
+    scratch row that the epilogue transposes out.
     """
     wl = plan.wl
     sh, sw = wl.stride
@@ -327,10 +329,11 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
         reduce_loops=", ".join(r for r, _ in reduce),
         reduce_extents=", ".join(str(e) for _, e in reduce),
         reduce_bindings="\n".join(f"{' ' * 16}v_{r} = T.axis.reduce({e}, {r})" for r, e in reduce))
-    value = "{src}" + (" + B[v_ob, v_o]" if epilogue.bias else "")
+    value = "{src}" + (" + B[v_ob, v_o]" if epilogue.bias else "") + (" + {residual}" if epilogue.residual else "")
     if epilogue.activation:
         value = ACTIVATIONS[epilogue.activation].format(v=value)
     body = ""
+    residual_shape = (wl.N, wl.K, wl.OH, wl.OW) if epilogue.nchw_out else plan.out_shape()
     if epilogue.nchw_out:
         # Each row segment accumulates into a scratch row of its own (L1-sized, private to the
         # task) and its epilogue writes it to NCHW: the blocked output never reaches memory.
@@ -348,7 +351,9 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
                 product=product.format(sh=sh, sw=sw, dh=dh, dw=dw, start=start), **reduce_fields, **common)
         for name, width, start in plan.row_segments():
             rows += _EPILOGUE_NCHW.format(name=name, width=width, start=start, t=tile, K=wl.K,
-                                          value=value.format(src=f"{name}_row[v_ow, v_o]"), **common)
+                                          value=value.format(src=f"{name}_row[v_ow, v_o]", residual=(
+                                              f"R[v_n, v_ob * {plan.oc_bn} + v_o, v_oh, v_ow + {start}]")),
+                                          **common)
         body += rows
         params = "out: T.handle"
     else:
@@ -364,11 +369,14 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
                 out_index=f"v_n, v_ob, v_oh, v_ow + {start}, v_o",
                 product=product.format(sh=sh, sw=sw, dh=dh, dw=dw, start=start), **reduce_fields, **common)
         if not epilogue.empty:
-            body += _EPILOGUE.format(value=value.format(src="Y_epilogue[v_n, v_ob, v_oh, v_ow, v_o]"), **common)
+            body += _EPILOGUE.format(value=value.format(src="Y_epilogue[v_n, v_ob, v_oh, v_ow, v_o]",
+                                                        residual="R[v_n, v_ob, v_oh, v_ow, v_o]"), **common)
         params = "y: T.handle"
     text = _CONV_TEMPLATE.format(
-        bias_param="b: T.handle, " if epilogue.bias else "", out_param=params, out_buffers=out_buffers,
-        bias_buffer=f'    B = T.match_buffer(b, ({plan.OCB}, {plan.oc_bn}), "float32")\n' if epilogue.bias else "",
+        bias_param=("b: T.handle, " if epilogue.bias else "") + ("r: T.handle, " if epilogue.residual else ""),
+        out_param=params, out_buffers=out_buffers,
+        bias_buffer=(f'    B = T.match_buffer(b, ({plan.OCB}, {plan.oc_bn}), "float32")\n' if epilogue.bias else "")
+        + (f'    R = T.match_buffer(r, {residual_shape}, "float32")\n' if epilogue.residual else ""),
         x_shape=plan.data_shape(), w_shape=plan.weight_shape(), rows=wl.N * rows_per_image, segments=body)
     return tvm.script.from_source(text)
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import numpy as np
 import tvm
 from tvm import relax
 
 from ..kernels import conv2d as _conv
+from ..kernels.conv2d import Epilogue
 from ..target import vector_isa
 
 logger = logging.getLogger("tvm_ext")
@@ -86,6 +88,20 @@ def _add_kernel(bb: relax.BlockBuilder, func: tvm.tirx.PrimFunc, name: str) -> t
     return bb.add_func(func.with_attr("op_pattern", _OPAQUE), name)
 
 
+def _tag(plan: _conv.Conv2dPlan) -> str:
+    wl = plan.wl
+    return f"{wl.C}x{wl.H}x{wl.W}_{wl.K}x{wl.KH}x{wl.KW}_s{wl.stride[0]}"
+
+
+def _emit_packing(bb: relax.BlockBuilder, plan: _conv.Conv2dPlan, data: relax.Expr,
+                  weight: relax.Expr) -> list[relax.Expr]:
+    """Blocked data and weights for the kernel (constant weights are packed at build time)."""
+    pack_x = _add_kernel(bb, _conv.pack_data_func(plan), f"tvm_ext_pack_data_{_tag(plan)}")
+    pack_w = _add_kernel(bb, _conv.pack_weight_func(plan), f"tvm_ext_pack_weight_{_tag(plan)}")
+    return [bb.emit(relax.call_tir(pack_x, [data], relax.TensorType(plan.data_shape(), "float32"))),
+            bb.emit(relax.call_tir(pack_w, [weight], relax.TensorType(plan.weight_shape(), "float32")))]
+
+
 def legalize_map(target: tvm.target.Target) -> dict:
     """The customize map for `relax.transform.LegalizeOps` on `target`."""
     lanes = vector_isa(target).lanes
@@ -97,13 +113,149 @@ def legalize_map(target: tvm.target.Target) -> dict:
             return tvm.ir.Op.get("relax.nn.conv2d").get_attr("FLegalize")(bb, call)
         plan = decision.plan
         wl = plan.wl
-        tag = f"{wl.C}x{wl.H}x{wl.W}_{wl.K}x{wl.KH}x{wl.KW}"
-        pack_x = _add_kernel(bb, _conv.pack_data_func(plan), f"tvm_ext_pack_data_{tag}")
-        pack_w = _add_kernel(bb, _conv.pack_weight_func(plan), f"tvm_ext_pack_weight_{tag}")
+        args = _emit_packing(bb, plan, call.args[0], call.args[1])
         conv = _add_kernel(bb, _conv.conv2d_blocked_kernel(plan, lanes, _conv.Epilogue(nchw_out=True)),
-                           f"tvm_ext_{decision.kernel}_{tag}")
-        xb = bb.emit(relax.call_tir(pack_x, [call.args[0]], relax.TensorType(plan.data_shape(), "float32")))
-        wb = bb.emit(relax.call_tir(pack_w, [call.args[1]], relax.TensorType(plan.weight_shape(), "float32")))
-        return relax.call_tir(conv, [xb, wb], relax.TensorType((wl.N, wl.K, wl.OH, wl.OW), "float32"))
+                           f"tvm_ext_{decision.kernel}_{_tag(plan)}")
+        return relax.call_tir(conv, args, relax.TensorType((wl.N, wl.K, wl.OH, wl.OW), "float32"))
 
     return {"relax.nn.conv2d": conv2d}
+
+
+# ---------------------------------------------------------------------------------------------
+# Epilogue fusion: conv2d [+ bias] [+ residual] [-> activation] becomes one kernel call.
+
+_ACTIVATION_OPS = {"relax.nn.relu": "relu", "relax.sigmoid": "sigmoid", "relax.clip": "relu6"}
+
+
+def _prim_value(expr) -> float | None:
+    """The number in a scalar argument (a FloatImm, or a PrimValue wrapping one)."""
+    value = getattr(expr, "value", None)
+    value = getattr(value, "value", value)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def fusion_patterns(target: tvm.target.Target) -> list:
+    """FuseOpsByPattern patterns grouping a conv2d with the epilogue our kernel applies itself.
+
+    Longest chains first; `check` accepts a match only when decide() gives the conv a kernel,
+    the bias is per output channel and the residual has the output's shape.
+    """
+    from tvm.relax.dpl import is_const, is_op, wildcard
+
+    def check(ctx) -> bool:
+        conv = ctx.annotated_expr["conv"]
+        decision = decide(conv, target)
+        if decision.kernel is None:
+            return False
+        out_shape = (decision.plan.wl.N, decision.plan.wl.K, decision.plan.wl.OH, decision.plan.wl.OW)
+        bias = ctx.annotated_expr.get("bias")
+        if bias is not None and _static_shape(bias) not in ((1, out_shape[1], 1, 1), (out_shape[1], 1, 1)):
+            return False
+        residual = ctx.annotated_expr.get("residual")
+        if residual is not None and (_static_shape(residual) != out_shape or _dtype(residual) != "float32"):
+            return False
+        act = ctx.annotated_expr.get("activation")
+        if act is not None and act.op.name == "relax.clip":
+            return (_prim_value(act.args[1]), _prim_value(act.args[2])) == (0.0, 6.0)
+        return True
+
+    patterns = []
+    for act in ("relax.nn.relu", "relax.clip", "relax.sigmoid", None):
+        for residual in (True, False):
+            for bias in (True, False):
+                if not (bias or residual or act):
+                    continue
+                conv = is_op("relax.nn.conv2d")(wildcard(), is_const())
+                annotations = {"conv": conv}
+                out = conv
+                if bias:
+                    annotations["bias"] = is_const()
+                    out = is_op("relax.add")(out, annotations["bias"])
+                if residual:
+                    annotations["residual"] = wildcard()
+                    out = is_op("relax.add")(out, annotations["residual"])
+                if act == "relax.clip":
+                    out = is_op(act)(out, wildcard(), wildcard())
+                elif act is not None:
+                    out = is_op(act)(out)
+                if act is not None:
+                    annotations["activation"] = out
+                name = "tvm_ext.conv2d" + "_bias" * bias + "_residual" * residual
+                name += f"_{_ACTIVATION_OPS[act]}" if act else ""
+                patterns.append(relax.transform.FusionPattern(name, out, annotations, check))
+    patterns.sort(key=lambda p: -p.name.count("_"))
+    return patterns
+
+
+def _epilogue_of(func: relax.Function) -> tuple[relax.Call, Epilogue, tvm.ir.expr.GenericConst | None, int | None]:
+    """Read a fused composite function: its conv call, epilogue, bias constant, residual param."""
+    conv, bias, residual, activation = None, None, None, None
+    params = list(func.params)
+
+    def visit(expr) -> None:
+        nonlocal conv, bias, residual, activation
+        if not isinstance(expr, relax.Call) or not isinstance(expr.op, tvm.ir.Op):
+            return
+        name = expr.op.name
+        if name == "relax.nn.conv2d":
+            conv = expr
+        elif name == "relax.add":
+            other = expr.args[1]
+            if isinstance(other, tvm.ir.expr.GenericConst):
+                bias = other
+            elif other in params:
+                residual = params.index(other)
+        elif name in _ACTIVATION_OPS:
+            activation = _ACTIVATION_OPS[name]
+
+    relax.analysis.post_order_visit(func.body, visit)
+    epilogue = Epilogue(bias=bias is not None, residual=residual is not None, activation=activation,
+                        nchw_out=True)
+    return conv, epilogue, bias, residual
+
+
+def lower_fused_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
+    """Replace calls to the composite functions of :func:`fusion_patterns` with our kernels."""
+    lanes = vector_isa(target).lanes
+
+    @relax.expr_functor.mutator
+    class _Lower(relax.PyExprMutator):
+        def __init__(self, mod: tvm.IRModule):
+            super().__init__(mod)
+            self.mod_ = mod
+
+        def visit_call_(self, call: relax.Call) -> relax.Expr:
+            call = super().visit_call_(call)
+            if not isinstance(call.op, tvm.ir.GlobalVar):
+                return call
+            func = self.mod_[call.op]
+            if not isinstance(func, relax.Function) or "Composite" not in (func.attrs or {}):
+                return call
+            if not str(func.attrs["Composite"]).startswith("tvm_ext.conv2d"):
+                return call
+            conv, epilogue, bias, residual = _epilogue_of(func)
+            data = call.args[list(func.params).index(conv.args[0])]
+            weight = conv.args[1]
+            plan = decide(conv, target).plan
+            args = _emit_packing(self.builder_, plan, data, weight)
+            if bias is not None:
+                blocked = np.zeros(plan.K_pad, np.float32)
+                blocked[: plan.wl.K] = bias.value.numpy().reshape(-1)
+                args.append(relax.const(blocked.reshape(plan.OCB, plan.oc_bn)))
+            if residual is not None:
+                args.append(call.args[residual])
+            kernel = _conv.conv2d_blocked_kernel(plan, lanes, epilogue)
+            name = f"tvm_ext_{plan.kind}_conv2d_{_tag(plan)}_{str(func.attrs['Composite']).split('.')[-1]}"
+            gvar = self.builder_.add_func(kernel.with_attr("op_pattern", _OPAQUE), name)
+            wl = plan.wl
+            return relax.call_tir(gvar, args, relax.TensorType((wl.N, wl.K, wl.OH, wl.OW), "float32"))
+
+    @tvm.transform.module_pass(opt_level=0, name="tvm_ext.LowerFusedConv2d")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        lowering = _Lower(mod)
+        for gvar, func in mod.functions_items():
+            if isinstance(func, relax.Function) and "Composite" not in (func.attrs or {}):
+                lowering.builder_.update_func(gvar, lowering.visit_expr(func))
+        return relax.transform.DeadCodeElimination()(lowering.builder_.get())
+
+    return _pass
