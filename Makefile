@@ -13,7 +13,7 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) bench/layers.py --set resnet50 --layers 4 --batch 1 --threads 1 --repeat 10
+	$(PY) -m tvm_ext demo --model resnet50 --batch 1
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

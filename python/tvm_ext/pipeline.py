@@ -49,6 +49,7 @@ def pipeline(target: TargetLike = None, database=None) -> tvm.transform.Pass:
             passes = (
                 cpu_pipeline.library_dispatch_passes(target)
                 + [
+                    cpu_strategy.fold_batch_norm(),
                     relax.transform.FuseOpsByPattern(cpu_strategy.fusion_patterns(target), bind_constants=True),
                     cpu_strategy.lower_fused_conv2d(target),
                     relax.transform.LegalizeOps(cpu_strategy.legalize_map(target)),
@@ -99,7 +100,8 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None) -> DispatchRep
     """
     target = resolve_target(target)
     with target:
-        fused = relax.transform.FuseOpsByPattern(cpu_strategy.fusion_patterns(target), bind_constants=True)(mod)
+        fused = cpu_strategy.fold_batch_norm()(mod)
+        fused = relax.transform.FuseOpsByPattern(cpu_strategy.fusion_patterns(target), bind_constants=True)(fused)
     report = DispatchReport()
 
     def row(call: relax.Call, kernel: str | None = None) -> None:

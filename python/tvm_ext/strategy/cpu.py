@@ -259,3 +259,45 @@ def lower_fused_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
         return relax.transform.DeadCodeElimination()(lowering.builder_.get())
 
     return _pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Inference batch norm after a convolution with constant weights: folded into them at build time.
+
+
+def fold_batch_norm() -> tvm.transform.Pass:
+    """conv2d(x, W) -> batch_norm(gamma, beta, mean, var)[0]  ==>  conv2d(x, W * s) + (beta - mean * s),
+    with s = gamma / sqrt(var + eps) per output channel, computed once here in float64.
+
+    Only NCHW/OIHW convolutions with constant weights and statistics, batch norm over axis 1 in
+    inference mode; anything else is left to stock legalization.
+    """
+    from tvm.relax.dpl import is_const, is_op, is_tuple_get_item, rewrite_call, wildcard
+
+    weight, gamma, beta, mean, var = (is_const() for _ in range(5))
+    conv = is_op("relax.nn.conv2d")(wildcard(), weight)
+    bn = is_op("relax.nn.batch_norm")(conv, gamma, beta, mean, var)
+    pattern = is_tuple_get_item(bn, 0)
+
+    def rewriter(orig: relax.Expr, matched: dict) -> relax.Expr:
+        conv_call, bn_call = matched[conv], matched[bn]
+        attrs = bn_call.attrs
+        layouts = (str(conv_call.attrs.data_layout), str(conv_call.attrs.kernel_layout))
+        if int(attrs.axis) != 1 or layouts != ("NCHW", "OIHW") or bool(attrs.training):
+            return orig
+        values = [matched[p].value.numpy().astype(np.float64) for p in (weight, gamma, beta, mean, var)]
+        w, g, b, m, v = values
+        scale = (g if bool(attrs.scale) else np.ones_like(g)) / np.sqrt(v + float(attrs.epsilon))
+        shift = (b if bool(attrs.center) else np.zeros_like(b)) - m * scale
+        folded_w = relax.const((w * scale[:, None, None, None]).astype(np.float32))
+        new_conv = relax.Call(conv_call.op, [conv_call.args[0], folded_w], conv_call.attrs)
+        return relax.op.add(new_conv, relax.const(shift.astype(np.float32).reshape(1, -1, 1, 1)))
+
+    @tvm.transform.module_pass(opt_level=0, name="tvm_ext.FoldBatchNorm")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        for gvar, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                mod[gvar] = rewrite_call(pattern, rewriter, func)
+        return mod
+
+    return _pass
