@@ -35,3 +35,8 @@ def test_layers_bench_smoke(tmp_path):
     lines = csv.read_text().splitlines()
     assert lines[0].startswith("layer,") and len(lines) == 3
     assert json.loads((ROOT / "bench" / "workloads.json").read_text())["resnet50"]
+
+
+def test_tutorial_02_compile_a_network():
+    out = _run("tutorials/02_compile_a_network.py")
+    assert "relative error against PyTorch" in out and "brgemm_conv2d epilogue" in out

@@ -49,6 +49,7 @@ def pipeline(target: TargetLike = None, database=None) -> tvm.transform.Pass:
             passes = (
                 cpu_pipeline.library_dispatch_passes(target)
                 + [
+                    relax.transform.FoldConstant(),  # e.g. reshape(bias) from importers: a constant
                     cpu_strategy.fold_batch_norm(),
                     relax.transform.FuseOpsByPattern(cpu_strategy.fusion_patterns(target), bind_constants=True),
                     cpu_strategy.lower_fused_conv2d(target),
@@ -100,7 +101,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None) -> DispatchRep
     """
     target = resolve_target(target)
     with target:
-        fused = cpu_strategy.fold_batch_norm()(mod)
+        fused = cpu_strategy.fold_batch_norm()(relax.transform.FoldConstant()(mod))
         fused = relax.transform.FuseOpsByPattern(cpu_strategy.fusion_patterns(target), bind_constants=True)(fused)
     report = DispatchReport()
 
