@@ -1,14 +1,16 @@
 """Which tvm_ext kernel serves which Relax op on LLVM CPUs, or why none does.
 
-The strategy is a legalization map (`relax.transform.LegalizeOps(customize_legalize_map)`): a
-dispatch pass that runs before stock legalization would have to re-derive every op's attributes
-and shapes the way legalization does anyway, and ops we decline fall through to stock TVM's rule
-simply by being returned unchanged to the default map. :func:`decide` is the single place that
-takes the decision, used both by legalization and by the dispatch report.
+The strategy is a legalization map (`relax.transform.LegalizeOps(customize_legalize_map)`)
+rather than a dispatch pass of its own: legalization already hands us each op with its
+attributes and shapes, and an op we decline goes straight to stock TVM's own rule (FLegalize).
+Before it, :func:`fold_batch_norm` folds inference batch norms into the weights and
+:func:`fusion_patterns` / :func:`lower_fused_conv2d` turn conv2d + bias + shortcut + activation
+into one kernel call. :func:`decide` is the single place that takes the decision, used by all of
+them and by the dispatch report.
 
-This first version lowers each conv2d through the eager-style kernel chain (pack data, pack
-weights, blocked convolution writing NCHW): weights that are constants are packed at build time
-by FoldConstant. Keeping activations blocked across ops is the next step of the graph issue.
+This first version lowers each conv2d through the kernel chain pack data, pack weights, blocked
+convolution writing NCHW; constant weights are packed at build time by FoldConstant. Keeping
+activations blocked across ops is the next step of the graph issue.
 """
 
 from __future__ import annotations
@@ -89,8 +91,10 @@ def _add_kernel(bb: relax.BlockBuilder, func: tvm.tirx.PrimFunc, name: str) -> t
 
 
 def _tag(plan: _conv.Conv2dPlan) -> str:
+    """A readable, deterministic name part that tells convolution shapes apart."""
     wl = plan.wl
-    return f"{wl.C}x{wl.H}x{wl.W}_{wl.K}x{wl.KH}x{wl.KW}_s{wl.stride[0]}"
+    return (f"{wl.N}x{wl.C}x{wl.H}x{wl.W}_{wl.K}x{wl.KH}x{wl.KW}_s{wl.stride[0]}x{wl.stride[1]}"
+            f"_p{'x'.join(map(str, wl.padding))}_d{wl.dilation[0]}x{wl.dilation[1]}_g{wl.groups}")
 
 
 def _emit_packing(bb: relax.BlockBuilder, plan: _conv.Conv2dPlan, data: relax.Expr,
