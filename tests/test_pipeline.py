@@ -147,3 +147,50 @@ def test_residual_block_fuses_bias_shortcut_and_activation(activation):
     assert stock == [], stock  # no separate add / activation pass over memory
     xv = np.random.default_rng(4).standard_normal((1, 32, 14, 15)).astype("float32")
     assert rel_err(_run(tvm_ext.build(mod, "llvm"), xv), _run(tvm.compile(mod, TARGET), xv)) <= 1e-4
+
+
+def test_onnx_model():
+    """An ONNX graph built with onnx.helper, imported with relax.frontend.onnx."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    from tvm.relax.frontend.onnx import from_onnx
+
+    rng = np.random.default_rng(6)
+    w1 = (rng.standard_normal((16, 8, 3, 3)) * 0.2).astype("float32")
+    b1 = rng.standard_normal(16).astype("float32")
+    w2 = (rng.standard_normal((16, 16, 1, 1)) * 0.2).astype("float32")
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"]),
+             helper.make_node("Add", ["c2", "r1"], ["a"]),
+             helper.make_node("Relu", ["a"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "block", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 10, 10])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 10, 10])],
+        initializer=[numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(b1, "b1"),
+                     numpy_helper.from_array(w2, "w2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    onnx.checker.check_model(model)
+    mod = from_onnx(model, keep_params_in_input=False)
+    report = tvm_ext.dispatch_report(mod, "llvm")
+    assert [r.kernel for r in report if r.op == "nn.conv2d"] == ["brgemm_conv2d"] * 2
+    assert all(r.kernel != "fallback" for r in report)
+    x = rng.standard_normal((1, 8, 10, 10)).astype("float32")
+    assert rel_err(_run(tvm_ext.build(mod, "llvm"), x), _run(tvm.compile(mod, TARGET), x)) <= 1e-4
+
+
+def test_symbolic_batch_falls_back_and_runs():
+    rng = np.random.default_rng(7)
+    n = tvm.tirx.Var("n", "int64")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((n, 8, 10, 10), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.conv2d(x, _const(rng, 16, 8, 3, 3), padding=(1, 1)))
+            out = bb.emit_output(bb.emit(relax.op.nn.relu(y)))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    conv = next(r for r in tvm_ext.dispatch_report(mod, "llvm") if r.op == "nn.conv2d")
+    assert conv.kernel == "fallback" and "symbolic" in conv.reason and conv.shapes[0][0] == "n"
+    xv = rng.standard_normal((3, 8, 10, 10)).astype("float32")
+    assert rel_err(_run(tvm_ext.build(mod, "llvm"), xv), _run(tvm.compile(mod, TARGET), xv)) <= 1e-4

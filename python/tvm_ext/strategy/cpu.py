@@ -54,6 +54,14 @@ def _static_shape(expr: relax.Expr) -> tuple | None:
         return None
 
 
+def _shape_text(expr: relax.Expr) -> tuple:
+    """The shape for people: ints, and the names of symbolic dimensions."""
+    shape = getattr(expr.ty, "shape", None)
+    if shape is None:
+        return ("?",)
+    return tuple(int(v) if isinstance(v, tvm.tirx.IntImm) else str(v) for v in shape)
+
+
 def _dtype(expr: relax.Expr) -> str:
     return str(getattr(expr.ty, "dtype", ""))
 
@@ -61,7 +69,8 @@ def _dtype(expr: relax.Expr) -> str:
 def decide(call: relax.Call, target: tvm.target.Target) -> Decision:
     """The kernel for `call` on `target`, or why stock TVM keeps it."""
     op = call.op.name if isinstance(call.op, tvm.ir.Op) else str(call.op)
-    shapes = tuple(_static_shape(arg) for arg in call.args if isinstance(arg.ty, relax.TensorType))
+    tensors = [arg for arg in call.args if isinstance(arg.ty, relax.TensorType)]
+    shapes = tuple(_shape_text(arg) for arg in tensors)
     if op != "relax.nn.conv2d":
         return Decision(op, shapes, None, "no tvm_ext kernel for this op yet")
     attrs = call.attrs
@@ -72,12 +81,13 @@ def decide(call: relax.Call, target: tvm.target.Target) -> Decision:
     dtypes = {_dtype(call.args[0]), _dtype(call.args[1]), out_dtype}
     if dtypes != {"float32"}:
         return Decision(op, shapes, None, f"dtype {sorted(dtypes)} is not float32")
-    if any(s is None for s in shapes[:2]):
-        return Decision(op, shapes, None, "dynamic shape")
+    static = [_static_shape(arg) for arg in tensors[:2]]
+    if any(s is None for s in static):
+        return Decision(op, shapes, None, "symbolic shape: tvm_ext kernels are generated per static shape")
     if target.kind.name != "llvm":
         return Decision(op, shapes, None, f"target {target.kind.name} has no tvm_ext conv2d yet")
     try:
-        wl = _conv.Conv2dWorkload.make(shapes[0], shapes[1], [int(s) for s in attrs.strides],
+        wl = _conv.Conv2dWorkload.make(static[0], static[1], [int(s) for s in attrs.strides],
                                        [int(p) for p in attrs.padding], [int(d) for d in attrs.dilation],
                                        int(attrs.groups))
     except ValueError as err:
