@@ -27,6 +27,8 @@ def test_resnet18_through_tvm_ext_matches_stock_tvm_and_pytorch():
     convs = [r for r in report if r.op == "nn.conv2d"]
     assert len(convs) == 20 and all(r.kernel == "brgemm_conv2d" for r in convs)
     assert sum(r.reason == "fused" for r in report) >= 40  # bias (folded BN), shortcut, relu
+    served = [r for r in report if r.op in ("nn.conv2d", "nn.max_pool2d", "nn.relu")]
+    assert all(r.kernel != "fallback" for r in served), [r for r in served if r.kernel == "fallback"]
     x = np.random.default_rng(5).standard_normal((1, 3, 224, 224)).astype("float32")
     ours = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
     stock = relax.VirtualMachine(tvm.compile(mod, TARGET), tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()

@@ -194,3 +194,30 @@ def test_symbolic_batch_falls_back_and_runs():
     assert conv.kernel == "fallback" and "symbolic" in conv.reason and conv.shapes[0][0] == "n"
     xv = rng.standard_normal((3, 8, 10, 10)).astype("float32")
     assert rel_err(_run(tvm_ext.build(mod, "llvm"), xv), _run(tvm.compile(mod, TARGET), xv)) <= 1e-4
+
+
+def test_pools_and_activations_use_tvm_ext_kernels():
+    """Every pool and activation that is not fused into a convolution gets a kernel of ours."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, 8, 13, 11), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            a = bb.emit(relax.op.nn.max_pool2d(x, (3, 3), (2, 2), (1, 1)))
+            b = bb.emit(relax.op.nn.avg_pool2d(x, (3, 3), (2, 2), (1, 1), count_include_pad=True))
+            c = bb.emit(relax.op.nn.avg_pool2d(x, (3, 3), (2, 2), (1, 1), count_include_pad=False))
+            d = bb.emit(relax.op.nn.adaptive_avg_pool2d(x, (1, 1)))
+            e = bb.emit(relax.op.nn.relu(x))
+            f = bb.emit(relax.op.sigmoid(x))
+            g = bb.emit(relax.op.clip(x, 0.0, 6.0))
+            h = bb.emit(relax.op.clip(x, 0.0, 5.0))  # not relu6: stock TVM, with the reason
+            out = bb.emit_output(relax.Tuple([a, b, c, d, e, f, g, h]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    kernels = [r.kernel for r in tvm_ext.dispatch_report(mod, "llvm")]
+    assert kernels == ["max_pool2d", "avg_pool2d", "avg_pool2d", "global_avg_pool2d", "relu", "sigmoid", "relu6",
+                       "fallback"]
+    xv = np.random.default_rng(8).standard_normal((2, 8, 13, 11)).astype("float32")
+    ours = relax.VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())["main"](tvm.runtime.tensor(xv))
+    stock = relax.VirtualMachine(tvm.compile(mod, TARGET), tvm.cpu())["main"](tvm.runtime.tensor(xv))
+    for got, ref in zip(ours, stock, strict=True):
+        assert rel_err(got.numpy(), ref.numpy()) <= 1e-5

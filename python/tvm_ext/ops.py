@@ -193,7 +193,7 @@ def _activation(name: str, x, target) -> np.ndarray:
     x = _check_array(name, x)
     lanes = vector_isa(target).lanes
     flat = x.reshape(-1)
-    out = _run((name, x.size), lambda: _elementwise.activation_func(name, x.shape, "float32", lanes),
+    out = _run((name, x.size), lambda: _elementwise.activation_func(name, (x.size,), "float32", lanes),
                target, [flat], (x.size,))
     return out.reshape(x.shape)
 

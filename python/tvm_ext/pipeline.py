@@ -105,10 +105,10 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None) -> DispatchRep
         fused = relax.transform.FuseOpsByPattern(cpu_strategy.fusion_patterns(target), bind_constants=True)(fused)
     report = DispatchReport()
 
-    def row(call: relax.Call, kernel: str | None = None) -> None:
+    def row(call: relax.Call, fused_into: str | None = None) -> None:
         decision = cpu_strategy.decide(call, target)
-        if kernel is not None and decision.kernel is None:
-            decision = cpu_strategy.Decision(decision.op, decision.shapes, f"{kernel} epilogue", "fused")
+        if fused_into is not None and call.op.name != "relax.nn.conv2d":
+            decision = cpu_strategy.Decision(decision.op, decision.shapes, f"{fused_into} epilogue", "fused")
         report.append(DispatchRow(decision.op.removeprefix("relax."), decision.shapes,
                                   decision.kernel or "fallback", decision.reason))
 

@@ -19,13 +19,15 @@ def activation_func(name: str, shape, dtype: str, lanes: int) -> tirx.PrimFunc:
         raise ValueError(f"activation {name!r} is not supported; choose from {sorted(ACTIVATIONS)}")
     if dtype != "float32":
         raise ValueError(f"{name}: dtype {dtype} is not supported (float32 only)")
+    shape = tuple(int(v) for v in shape)
     size = 1
     for v in shape:
-        size *= int(v)
-    x = te.placeholder((size,), dtype, name="data")
-    y = te.compute((size,), lambda i: ACTIVATIONS[name](x[i]), name="output")
+        size *= v
+    x = te.placeholder(shape, dtype, name="data")
+    y = te.compute(shape, lambda *i: ACTIVATIONS[name](x[i]), name="output")
     sch = s_tir.Schedule(te.create_prim_func([x, y]))
-    (i,) = sch.get_loops(sch.get_sblock("output"))
+    loops = sch.get_loops(sch.get_sblock("output"))
+    i = sch.fuse(*loops) if len(loops) > 1 else loops[0]
     if size >= 4 * lanes:
         outer, inner = sch.split(i, [None, 4 * lanes])
         sch.vectorize(inner)

@@ -23,6 +23,8 @@ import tvm
 from tvm import relax
 
 from ..kernels import conv2d as _conv
+from ..kernels import elementwise as _elementwise
+from ..kernels import pool2d as _pool
 from ..kernels.conv2d import Epilogue
 from ..target import vector_isa
 
@@ -71,6 +73,8 @@ def decide(call: relax.Call, target: tvm.target.Target) -> Decision:
     op = call.op.name if isinstance(call.op, tvm.ir.Op) else str(call.op)
     tensors = [arg for arg in call.args if isinstance(arg.ty, relax.TensorType)]
     shapes = tuple(_shape_text(arg) for arg in tensors)
+    if op in _POOLS or op in _ACTIVATION_OPS:
+        return _decide_pool_or_activation(call, op, shapes, tensors)
     if op != "relax.nn.conv2d":
         return Decision(op, shapes, None, "no tvm_ext kernel for this op yet")
     attrs = call.attrs
@@ -94,6 +98,43 @@ def decide(call: relax.Call, target: tvm.target.Target) -> Decision:
         return Decision(op, shapes, None, str(err))
     plan = _conv.plan_conv2d(wl, vector_isa(target))
     return Decision(op, shapes, f"{plan.kind}_conv2d", plan.reason, plan)
+
+
+_POOLS = {"relax.nn.max_pool2d": "max", "relax.nn.avg_pool2d": "avg", "relax.nn.adaptive_avg_pool2d": "global"}
+
+
+def _pool_workload(call: relax.Call, shape: tuple) -> _pool.Pool2dWorkload:
+    attrs = call.attrs
+    mode = _POOLS[call.op.name]
+    return _pool.Pool2dWorkload.make(shape, mode, [int(v) for v in attrs.pool_size], [int(v) for v in attrs.strides],
+                                     [int(v) for v in attrs.padding], [int(v) for v in attrs.dilation],
+                                     bool(attrs.ceil_mode), bool(attrs.count_include_pad))
+
+
+def _decide_pool_or_activation(call: relax.Call, op: str, shapes: tuple, tensors: list) -> Decision:
+    static = _static_shape(tensors[0])
+    if _dtype(tensors[0]) != "float32":
+        return Decision(op, shapes, None, f"dtype {_dtype(tensors[0])} is not float32")
+    if static is None:
+        return Decision(op, shapes, None, "symbolic shape: tvm_ext kernels are generated per static shape")
+    if op in _ACTIVATION_OPS:
+        if op == "relax.clip" and (_prim_value(call.args[1]), _prim_value(call.args[2])) != (0.0, 6.0):
+            return Decision(op, shapes, None, "clip other than relu6 (0, 6)")
+        return Decision(op, shapes, _ACTIVATION_OPS[op])
+    attrs = call.attrs
+    if str(attrs.layout) != "NCHW" or str(attrs.out_layout) != "NCHW" or len(static) != 4:
+        return Decision(op, shapes, None, f"layout {attrs.layout} is not NCHW")
+    if _POOLS[op] == "global":
+        if [int(v) for v in attrs.output_size or []] != [1, 1]:
+            return Decision(op, shapes, None, "adaptive pooling to a size other than 1x1")
+        return Decision(op, shapes, "global_avg_pool2d")
+    if _POOLS[op] == "avg" and bool(attrs.ceil_mode):
+        return Decision(op, shapes, None, "avg_pool2d with ceil_mode (divisor rules differ between frameworks)")
+    try:
+        _pool_workload(call, static)
+    except ValueError as err:
+        return Decision(op, shapes, None, str(err))
+    return Decision(op, shapes, f"{_POOLS[op]}_pool2d")
 
 
 def _add_kernel(bb: relax.BlockBuilder, func: tvm.tirx.PrimFunc, name: str) -> tvm.ir.GlobalVar:
@@ -132,7 +173,23 @@ def legalize_map(target: tvm.target.Target) -> dict:
                            f"tvm_ext_{decision.kernel}_{_tag(plan)}")
         return relax.call_tir(conv, args, relax.TensorType((wl.N, wl.K, wl.OH, wl.OW), "float32"))
 
-    return {"relax.nn.conv2d": conv2d}
+    def pool_or_activation(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+        decision = decide(call, target)
+        if decision.kernel is None:
+            logger.info("tvm_ext: %s %s stays with stock TVM: %s", decision.op, decision.shapes, decision.reason)
+            return call.op.get_attr("FLegalize")(bb, call)
+        shape = _static_shape(call.args[0])
+        if decision.kernel == "global_avg_pool2d":
+            func, out_shape = _pool.global_avg_pool2d_func(shape), (*shape[:2], 1, 1)
+        elif call.op.name in _POOLS:
+            wl = _pool_workload(call, shape)
+            func, out_shape = _pool.pool2d_func(wl), (wl.N, wl.C, wl.OH, wl.OW)
+        else:
+            func, out_shape = _elementwise.activation_func(decision.kernel, shape, "float32", lanes), shape
+        name = f"tvm_ext_{decision.kernel}_{'x'.join(map(str, shape))}"
+        return relax.call_tir(_add_kernel(bb, func, name), [call.args[0]], relax.TensorType(out_shape, "float32"))
+
+    return {"relax.nn.conv2d": conv2d, **{op: pool_or_activation for op in (*_POOLS, *_ACTIVATION_OPS)}}
 
 
 # ---------------------------------------------------------------------------------------------
