@@ -1,8 +1,10 @@
 """Whole-network compilation through tvm_ext: `build`, `pipeline` and `dispatch_report`.
 
-The pipeline is TVM's CPU pipeline (relax/backend/cpu_generic) with two changes: legalization
-uses tvm_ext's strategy (which kernel serves which op, see :mod:`tvm_ext.strategy.cpu`), and
-every PrimFunc left unscheduled by it gets a default schedule (dlight's CPU rules, then
+The pipeline is TVM's CPU pipeline (relax/backend/cpu_generic) with tvm_ext's strategy in front
+of legalization (see :mod:`tvm_ext.strategy.cpu`: batch norm folded into convolution weights,
+conv + bias + shortcut + activation fused into one kernel call, our kernels for convolution,
+pooling and activations, stock TVM with a reason for the rest), and a default schedule for
+every PrimFunc left unscheduled (dlight's CPU rules, then
 :class:`tvm_ext.dlight.cpu.ParallelVectorize`) instead of stock TVM's naive loops.
 """
 
