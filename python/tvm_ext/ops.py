@@ -109,7 +109,7 @@ class _Conv2dKernel:
         self.pack_weight = _compiled(("pack_weight", plan), lambda: _conv.pack_weight_func(plan), target)
         self.conv = _compiled(("conv2d", plan, epilogue),
                               lambda: _conv.conv2d_blocked_kernel(plan, lanes, epilogue), target)
-        self.out_shape = (plan.wl.N, plan.wl.K, plan.wl.OH, plan.wl.OW)
+        self.out_shape = plan.wl.out_shape
         self.data = _as_tvm(aligned_empty(plan.data_shape()))
         self.weight = _as_tvm(aligned_empty(plan.weight_shape()))
         self.bias = _as_tvm(np.zeros((plan.OCB, plan.oc_bn), np.float32)) if bias else None

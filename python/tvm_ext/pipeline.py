@@ -50,10 +50,8 @@ def pipeline(target: TargetLike = None, database=None) -> tvm.transform.Pass:
         with target:
             passes = (
                 cpu_pipeline.library_dispatch_passes(target)
+                + cpu_strategy.fusion_passes(target)
                 + [
-                    relax.transform.FoldConstant(),  # e.g. reshape(bias) from importers: a constant
-                    cpu_strategy.fold_batch_norm(),
-                    relax.transform.FuseOpsByPattern(cpu_strategy.fusion_patterns(target), bind_constants=True),
                     cpu_strategy.lower_fused_conv2d(target),
                     relax.transform.LegalizeOps(cpu_strategy.legalize_map(target)),
                     relax.transform.AnnotateTIROpPattern(),
@@ -103,8 +101,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None) -> DispatchRep
     """
     target = resolve_target(target)
     with target:
-        fused = cpu_strategy.fold_batch_norm()(relax.transform.FoldConstant()(mod))
-        fused = relax.transform.FuseOpsByPattern(cpu_strategy.fusion_patterns(target), bind_constants=True)(fused)
+        fused = tvm.transform.Sequential(cpu_strategy.fusion_passes(target))(mod)
     report = DispatchReport()
 
     def row(call: relax.Call, fused_into: str | None = None) -> None:

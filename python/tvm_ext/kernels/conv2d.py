@@ -119,6 +119,11 @@ class Conv2dWorkload:
         return (self.WP - (self.KW - 1) * self.dilation[1] - 1) // self.stride[1] + 1
 
     @property
+    def out_shape(self) -> tuple[int, int, int, int]:
+        """The NCHW output shape."""
+        return (self.N, self.K, self.OH, self.OW)
+
+    @property
     def flops(self) -> int:
         return 2 * self.N * self.K * (self.C // self.groups) * self.KH * self.KW * self.OH * self.OW
 
@@ -314,16 +319,16 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
     dh, dw = wl.dilation
     rows_per_image = plan.OCB * wl.OH
     if plan.kind == "depthwise":
-        reduce = [("kh", wl.KH), ("kw", wl.KW)]
         product = ("X[v_n, v_ob, v_oh * {sh} + v_kh * {dh}, (v_ow + {start}) * {sw} + v_kw * {dw}, v_o]"
                    " * W[v_ob, v_kh, v_kw, v_o]")
     else:
         icbg = (wl.C // wl.groups) // plan.ic_bn
         ocbg = (wl.K // wl.groups) // plan.oc_bn if wl.groups > 1 else plan.OCB
         base = f"v_ob // {ocbg} * {icbg} + " if wl.groups > 1 else ""
-        reduce = [("icb", icbg), ("kh", wl.KH), ("kw", wl.KW), ("ic", plan.ic_bn)]
         product = (f"X[v_n, {base}v_icb, v_oh * {{sh}} + v_kh * {{dh}}, "
                    "(v_ow + {start}) * {sw} + v_kw * {dw}, v_ic] * W[v_ob, v_icb, v_kh, v_kw, v_ic, v_o]")
+    extents = {"icb": (wl.C // wl.groups) // plan.ic_bn, "kh": wl.KH, "kw": wl.KW, "ic": plan.ic_bn}
+    reduce = [(axis, extents[axis]) for axis in plan.reduce_axes()]
     common = dict(N=wl.N, OCB=plan.OCB, OH=wl.OH, OW=wl.OW, oc_bn=plan.oc_bn, rows_per_image=rows_per_image)
     reduce_fields = dict(
         reduce_loops=", ".join(r for r, _ in reduce),
@@ -333,11 +338,11 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
     if epilogue.activation:
         value = ACTIVATIONS[epilogue.activation].format(v=value)
     body = ""
-    residual_shape = (wl.N, wl.K, wl.OH, wl.OW) if epilogue.nchw_out else plan.out_shape()
+    residual_shape = wl.out_shape if epilogue.nchw_out else plan.out_shape()
     if epilogue.nchw_out:
         # Each row segment accumulates into a scratch row of its own (L1-sized, private to the
         # task) and its epilogue writes it to NCHW: the blocked output never reaches memory.
-        out_buffers = f'    Out = T.match_buffer(out, {(wl.N, wl.K, wl.OH, wl.OW)}, "float32")\n'
+        out_buffers = f'    Out = T.match_buffer(out, {wl.out_shape}, "float32")\n'
         # The scratch rows are allocated by a block inside the parallel loop: one per task.
         # The scratch rows are declared inside the parallel loop: one per task. (A block there to
         # hold them would break blockize, which drops bindings to variables outside its scope.)

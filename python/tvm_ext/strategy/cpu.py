@@ -118,7 +118,7 @@ def _decide_pool_or_activation(call: relax.Call, op: str, shapes: tuple, tensors
     if static is None:
         return Decision(op, shapes, None, "symbolic shape: tvm_ext kernels are generated per static shape")
     if op in _ACTIVATION_OPS:
-        if op == "relax.clip" and (_prim_value(call.args[1]), _prim_value(call.args[2])) != (0.0, 6.0):
+        if op == "relax.clip" and not _is_relu6(call):
             return Decision(op, shapes, None, "clip other than relu6 (0, 6)")
         return Decision(op, shapes, _ACTIVATION_OPS[op])
     attrs = call.attrs
@@ -148,36 +148,37 @@ def _tag(plan: _conv.Conv2dPlan) -> str:
             f"_p{'x'.join(map(str, wl.padding))}_d{wl.dilation[0]}x{wl.dilation[1]}_g{wl.groups}")
 
 
-def _emit_packing(bb: relax.BlockBuilder, plan: _conv.Conv2dPlan, data: relax.Expr,
-                  weight: relax.Expr) -> list[relax.Expr]:
-    """Blocked data and weights for the kernel (constant weights are packed at build time)."""
-    pack_x = _add_kernel(bb, _conv.pack_data_func(plan), f"tvm_ext_pack_data_{_tag(plan)}")
-    pack_w = _add_kernel(bb, _conv.pack_weight_func(plan), f"tvm_ext_pack_weight_{_tag(plan)}")
-    return [bb.emit(relax.call_tir(pack_x, [data], relax.TensorType(plan.data_shape(), "float32"))),
-            bb.emit(relax.call_tir(pack_w, [weight], relax.TensorType(plan.weight_shape(), "float32")))]
+_NCHW_OUT = Epilogue(nchw_out=True)  # a bare convolution in an NCHW graph
+
+
+def _emit_conv2d(bb: relax.BlockBuilder, plan: _conv.Conv2dPlan, lanes: int, data: relax.Expr, weight: relax.Expr,
+                 epilogue: Epilogue = _NCHW_OUT, extra: tuple = (), suffix: str = "") -> relax.Call:
+    """Pack data and weights (constant weights are packed at build time), then the kernel.
+
+    `extra` are the epilogue's arguments (blocked bias, residual) in the kernel's order.
+    """
+    tag = _tag(plan)
+    pack_x = _add_kernel(bb, _conv.pack_data_func(plan), f"tvm_ext_pack_data_{tag}")
+    pack_w = _add_kernel(bb, _conv.pack_weight_func(plan), f"tvm_ext_pack_weight_{tag}")
+    args = [bb.emit(relax.call_tir(pack_x, [data], relax.TensorType(plan.data_shape(), "float32"))),
+            bb.emit(relax.call_tir(pack_w, [weight], relax.TensorType(plan.weight_shape(), "float32"))),
+            *extra]
+    kernel = _add_kernel(bb, _conv.conv2d_blocked_kernel(plan, lanes, epilogue),
+                         f"tvm_ext_{plan.kind}_conv2d_{tag}{suffix}")
+    return relax.call_tir(kernel, args, relax.TensorType(plan.wl.out_shape, "float32"))
 
 
 def legalize_map(target: tvm.target.Target) -> dict:
     """The customize map for `relax.transform.LegalizeOps` on `target`."""
     lanes = vector_isa(target).lanes
 
-    def conv2d(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
-        decision = decide(call, target)
-        if decision.kernel is None:
-            logger.info("tvm_ext: %s %s stays with stock TVM: %s", decision.op, decision.shapes, decision.reason)
-            return tvm.ir.Op.get("relax.nn.conv2d").get_attr("FLegalize")(bb, call)
-        plan = decision.plan
-        wl = plan.wl
-        args = _emit_packing(bb, plan, call.args[0], call.args[1])
-        conv = _add_kernel(bb, _conv.conv2d_blocked_kernel(plan, lanes, _conv.Epilogue(nchw_out=True)),
-                           f"tvm_ext_{decision.kernel}_{_tag(plan)}")
-        return relax.call_tir(conv, args, relax.TensorType((wl.N, wl.K, wl.OH, wl.OW), "float32"))
-
-    def pool_or_activation(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         decision = decide(call, target)
         if decision.kernel is None:
             logger.info("tvm_ext: %s %s stays with stock TVM: %s", decision.op, decision.shapes, decision.reason)
             return call.op.get_attr("FLegalize")(bb, call)
+        if decision.plan is not None:
+            return _emit_conv2d(bb, decision.plan, lanes, call.args[0], call.args[1])
         shape = _static_shape(call.args[0])
         if decision.kernel == "global_avg_pool2d":
             func, out_shape = _pool.global_avg_pool2d_func(shape), (*shape[:2], 1, 1)
@@ -189,7 +190,7 @@ def legalize_map(target: tvm.target.Target) -> dict:
         name = f"tvm_ext_{decision.kernel}_{'x'.join(map(str, shape))}"
         return relax.call_tir(_add_kernel(bb, func, name), [call.args[0]], relax.TensorType(out_shape, "float32"))
 
-    return {"relax.nn.conv2d": conv2d, **{op: pool_or_activation for op in (*_POOLS, *_ACTIVATION_OPS)}}
+    return {op: legalize for op in ("relax.nn.conv2d", *_POOLS, *_ACTIVATION_OPS)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,6 +206,10 @@ def _prim_value(expr) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
 
 
+def _is_relu6(clip: relax.Call) -> bool:
+    return (_prim_value(clip.args[1]), _prim_value(clip.args[2])) == (0.0, 6.0)
+
+
 def fusion_patterns(target: tvm.target.Target) -> list:
     """FuseOpsByPattern patterns grouping a conv2d with the epilogue our kernel applies itself.
 
@@ -218,7 +223,7 @@ def fusion_patterns(target: tvm.target.Target) -> list:
         decision = decide(conv, target)
         if decision.kernel is None:
             return False
-        out_shape = (decision.plan.wl.N, decision.plan.wl.K, decision.plan.wl.OH, decision.plan.wl.OW)
+        out_shape = decision.plan.wl.out_shape
         bias = ctx.annotated_expr.get("bias")
         if bias is not None and _static_shape(bias) not in ((1, out_shape[1], 1, 1), (out_shape[1], 1, 1)):
             return False
@@ -226,9 +231,7 @@ def fusion_patterns(target: tvm.target.Target) -> list:
         if residual is not None and (_static_shape(residual) != out_shape or _dtype(residual) != "float32"):
             return False
         act = ctx.annotated_expr.get("activation")
-        if act is not None and act.op.name == "relax.clip":
-            return (_prim_value(act.args[1]), _prim_value(act.args[2])) == (0.0, 6.0)
-        return True
+        return act is None or act.op.name != "relax.clip" or _is_relu6(act)
 
     patterns = []
     for act in ("relax.nn.relu", "relax.clip", "relax.sigmoid", None):
@@ -285,6 +288,16 @@ def _epilogue_of(func: relax.Function) -> tuple[relax.Call, Epilogue, tvm.ir.exp
     return conv, epilogue, bias, residual
 
 
+def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
+    """Constant folding, batch-norm folding and epilogue grouping: the graph as tvm_ext sees it.
+
+    The pipeline runs these before lowering; the dispatch report runs them to say what fuses.
+    FoldConstant first turns importer biases such as reshape(const) into constants.
+    """
+    return [relax.transform.FoldConstant(), fold_batch_norm(),
+            relax.transform.FuseOpsByPattern(fusion_patterns(target), bind_constants=True)]
+
+
 def lower_fused_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
     """Replace calls to the composite functions of :func:`fusion_patterns` with our kernels."""
     lanes = vector_isa(target).lanes
@@ -306,20 +319,16 @@ def lower_fused_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
                 return call
             conv, epilogue, bias, residual = _epilogue_of(func)
             data = call.args[list(func.params).index(conv.args[0])]
-            weight = conv.args[1]
             plan = decide(conv, target).plan
-            args = _emit_packing(self.builder_, plan, data, weight)
+            extra = []
             if bias is not None:
                 blocked = np.zeros(plan.K_pad, np.float32)
                 blocked[: plan.wl.K] = bias.value.numpy().reshape(-1)
-                args.append(relax.const(blocked.reshape(plan.OCB, plan.oc_bn)))
+                extra.append(relax.const(blocked.reshape(plan.OCB, plan.oc_bn)))
             if residual is not None:
-                args.append(call.args[residual])
-            kernel = _conv.conv2d_blocked_kernel(plan, lanes, epilogue)
-            name = f"tvm_ext_{plan.kind}_conv2d_{_tag(plan)}_{str(func.attrs['Composite']).split('.')[-1]}"
-            gvar = self.builder_.add_func(kernel.with_attr("op_pattern", _OPAQUE), name)
-            wl = plan.wl
-            return relax.call_tir(gvar, args, relax.TensorType((wl.N, wl.K, wl.OH, wl.OW), "float32"))
+                extra.append(call.args[residual])
+            suffix = "_" + str(func.attrs["Composite"]).split(".")[-1]
+            return _emit_conv2d(self.builder_, plan, lanes, data, conv.args[1], epilogue, tuple(extra), suffix)
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.LowerFusedConv2d")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
