@@ -10,6 +10,7 @@ from tvm import relax
 import tvm_ext
 from tvm_ext.dlight.cpu import ParallelVectorize
 from tvm_ext.kernels.conv2d import KERNEL_ATTR
+from tvm_ext.strategy import cpu as cpu_strategy
 
 TARGET = tvm_ext.resolve_target("llvm")
 
@@ -96,7 +97,8 @@ def test_pytorch_exported_cnn():
     out = relax.VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())["main"](tvm.runtime.tensor(x.numpy()))
     out = out[0] if not hasattr(out, "numpy") else out
     assert rel_err(out.numpy(), net(x).detach().numpy()) <= 1e-4
-    assert sum(r.kernel == "brgemm_conv2d" for r in tvm_ext.dispatch_report(mod, "llvm")) == 2
+    report = tvm_ext.dispatch_report(mod, "llvm")
+    assert [r.op for r in report if r.kernel == "brgemm_conv2d"] == ["nn.conv2d", "nn.conv2d", "matmul"]
 
 
 def test_unsupported_targets_and_options_raise():
@@ -221,3 +223,48 @@ def test_pools_and_activations_use_tvm_ext_kernels():
     stock = relax.VirtualMachine(tvm.compile(mod, TARGET), tvm.cpu())["main"](tvm.runtime.tensor(xv))
     for got, ref in zip(ours, stock, strict=True):
         assert rel_err(got.numpy(), ref.numpy()) <= 1e-5
+
+
+def _kernel_calls(mod: tvm.IRModule) -> list[str]:
+    """The kernels main calls after tvm_ext's lowering, in order."""
+    with TARGET:
+        lowered = tvm.transform.Sequential(cpu_strategy.fusion_passes(TARGET)
+                                           + [cpu_strategy.lower_to_kernels(TARGET)])(mod)
+    names = []
+    relax.analysis.post_order_visit(lowered["main"], lambda e: names.append(e.args[0].name_hint) if (
+        isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir") else None)
+    return names
+
+
+def test_activations_stay_blocked_between_kernels():
+    """ResNet-18: layouts change only at the edges of the convolution stack (the image in, the
+    pooled features out) and around the classifier (its input is a reshaped matrix)."""
+    from tvm_ext import models
+
+    calls = _kernel_calls(models.get("resnet18")[0])
+    prefix = lambda p: [c for c in calls if c.startswith(p)]  # noqa: E731
+    assert prefix("tvm_ext_pack_nchwc") == ["tvm_ext_pack_nchwc_1x3x224x224_3", "tvm_ext_pack_nchwc_1x512x1x1_16"]
+    assert prefix("tvm_ext_unpack_nchwc") == ["tvm_ext_unpack_nchwc_1x16x1x1x32"]  # 1000 classes: NCHW out
+    convs = prefix("tvm_ext_brgemm_conv2d")
+    assert len(convs) == 21  # 20 convolutions and the classifier
+    padded = [c for c in convs if "_p0x0x0x0_" not in c]
+    assert len(prefix("tvm_ext_pad_nchwc")) == len(padded) - 1  # the stem pads while packing the image
+
+
+def test_fallback_between_kernels_converts_layouts_around_it():
+    rng = np.random.default_rng(11)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 16, 12, 12), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.conv2d(x, _const(rng, 32, 16, 3, 3), padding=(1, 1)))
+            y = bb.emit(relax.op.clip(y, -0.5, 0.5))  # no kernel of ours: stock TVM, NCHW
+            y = bb.emit(relax.op.nn.conv2d(y, _const(rng, 32, 32, 3, 3), padding=(1, 1)))
+            out = bb.emit_output(bb.emit(relax.op.nn.relu(y)))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    calls = _kernel_calls(mod)
+    assert sum(c.startswith("tvm_ext_pack_nchwc") for c in calls) == 2
+    assert sum(c.startswith("tvm_ext_unpack_nchwc") for c in calls) == 2
+    xv = rng.standard_normal((1, 16, 12, 12)).astype("float32")
+    assert rel_err(_run(tvm_ext.build(mod, "llvm"), xv), _run(tvm.compile(mod, TARGET), xv)) <= 1e-4

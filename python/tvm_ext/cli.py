@@ -40,40 +40,6 @@ def _median_ms(fn, repeat: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def torch_resnet(params: dict):
-    """The same network in PyTorch eager, from the same weights (a reference and a baseline)."""
-    import torch
-    import torch.nn.functional as F
-
-    p = {k: torch.from_numpy(v) for k, v in params.items()}
-
-    def conv_bn(x, name, stride, relu=True):
-        w = p[f"{name}.weight"]
-        y = F.conv2d(x, w, None, stride, w.shape[-1] // 2)
-        y = F.batch_norm(y, p[f"{name}.bn.mean"], p[f"{name}.bn.var"], p[f"{name}.bn.gamma"], p[f"{name}.bn.beta"],
-                         False, 0.0, 1e-5)
-        return F.relu(y) if relu else y
-
-    blocks = sorted({k.split(".")[0] + "." + k.split(".")[1] for k in params if k.startswith("layer")},
-                    key=lambda s: (int(s[5]), int(s.split(".")[1])))
-    bottleneck = any(k.endswith("conv3.weight") for k in params)
-
-    def forward(x):
-        x = F.max_pool2d(conv_bn(x, "stem", 2), 3, 2, 1)
-        for block in blocks:
-            stride = 2 if block.endswith(".0") and not block.startswith("layer1") else 1
-            shortcut = conv_bn(x, f"{block}.downsample", stride, False) if f"{block}.downsample.weight" in p else x
-            if bottleneck:
-                y = conv_bn(conv_bn(conv_bn(x, f"{block}.conv1", 1), f"{block}.conv2", stride), f"{block}.conv3", 1,
-                            False)
-            else:
-                y = conv_bn(conv_bn(x, f"{block}.conv1", stride), f"{block}.conv2", 1, False)
-            x = F.relu(y + shortcut)
-        return x.mean((2, 3)) @ p["fc.weight"] + p["fc.bias"]
-
-    return forward
-
-
 def demo(args: argparse.Namespace) -> int:
     import numpy as np
     import tvm
@@ -85,14 +51,14 @@ def demo(args: argparse.Namespace) -> int:
     target = tvm_ext.resolve_target(args.target)
     print(f"tvm_ext demo: {args.model} batch {args.batch} on {target} ({tvm_ext.vector_isa(target).name}), "
           f"{args.threads} threads")
-    mod, params = models.get(args.model, batch=args.batch)
+    mod, _ = models.get(args.model, batch=args.batch)
     report = tvm_ext.dispatch_report(mod, target)
     counts = collections.Counter(r.kernel for r in report)
     print("dispatch: " + ", ".join(f"{n} x {k}" for k, n in counts.most_common()))
     start = time.perf_counter()
     ex = tvm_ext.build(mod, target)
     print(f"built with tvm_ext in {time.perf_counter() - start:.1f} s")
-    x = np.random.default_rng(0).standard_normal((args.batch, 3, 224, 224)).astype("float32")
+    x = np.random.default_rng(0).standard_normal(models.image_shape(mod)).astype("float32")
     xt = tvm.runtime.tensor(x)
     run = relax.VirtualMachine(ex, tvm.cpu())["main"]
     ours = run(xt).numpy()
@@ -111,14 +77,15 @@ def demo(args: argparse.Namespace) -> int:
     except ImportError:
         print("PyTorch is not installed: no PyTorch baseline")
     else:
+        from .models.torch_reference import to_torch
+
         torch.set_num_threads(args.threads)
-        forward = torch_resnet(params) if args.model.startswith("resnet") else None
-        if forward is not None:
-            with torch.inference_mode():
-                xt_torch = torch.from_numpy(x)
-                err = float(np.abs(ours - forward(xt_torch).numpy()).max() / np.abs(ours).max())
-                print(f"output vs PyTorch eager: relative error {err:.1e}")
-                rows.append(("PyTorch eager (NCHW)", _median_ms(lambda: forward(xt_torch), args.repeat)))
+        forward = to_torch(mod)
+        with torch.inference_mode():
+            xt_torch = torch.from_numpy(x)
+            err = float(np.abs(ours - forward(xt_torch).numpy()).max() / np.abs(ours).max())
+            print(f"output vs PyTorch eager: relative error {err:.1e}")
+            rows.append(("PyTorch eager (NCHW)", _median_ms(lambda: forward(xt_torch), args.repeat)))
     print(f"{'runtime':28s} {'ms':>9s} {'images/s':>9s} {'tvm_ext speed-up':>17s}")
     for name, t in rows:
         print(f"{name:28s} {t:9.2f} {1e3 * args.batch / t:9.1f} {t / ms:16.1f}x")

@@ -16,6 +16,7 @@ import tvm_ffi
 
 from .kernels import conv2d as _conv
 from .kernels import elementwise as _elementwise
+from .kernels import layout as _layout
 from .kernels import pool2d as _pool
 from .target import TargetLike, resolve_target, vector_isa
 
@@ -105,7 +106,7 @@ class _Conv2dKernel:
         lanes = vector_isa(target).lanes
         epilogue = _conv.Epilogue(bias=bias, nchw_out=True)
         self.plan = plan
-        self.pack_data = _compiled(("pack_data", plan), lambda: _conv.pack_data_func(plan), target)
+        self.pack_data = _compiled(("pack_data", plan), lambda: _layout.pack_data_func(plan), target)
         self.pack_weight = _compiled(("pack_weight", plan), lambda: _conv.pack_weight_func(plan), target)
         self.conv = _compiled(("conv2d", plan, epilogue),
                               lambda: _conv.conv2d_blocked_kernel(plan, lanes, epilogue), target)

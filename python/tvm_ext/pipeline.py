@@ -52,7 +52,7 @@ def pipeline(target: TargetLike = None, database=None) -> tvm.transform.Pass:
                 cpu_pipeline.library_dispatch_passes(target)
                 + cpu_strategy.fusion_passes(target)
                 + [
-                    cpu_strategy.lower_fused_conv2d(target),
+                    cpu_strategy.lower_to_kernels(target),
                     relax.transform.LegalizeOps(cpu_strategy.legalize_map(target)),
                     relax.transform.AnnotateTIROpPattern(),
                     relax.transform.FoldConstant(),
@@ -94,6 +94,10 @@ class DispatchReport(list):
                          for row in rows)
 
 
+def _is_call_to(expr, op: str) -> bool:
+    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == op
+
+
 def dispatch_report(mod: tvm.IRModule, target: TargetLike = None) -> DispatchReport:
     """Which tvm_ext kernel serves each op of `mod["main"]` on `target`, or why stock TVM does.
 
@@ -104,8 +108,22 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None) -> DispatchRep
         fused = tvm.transform.Sequential(cpu_strategy.fusion_passes(target))(mod)
     report = DispatchReport()
 
-    def row(call: relax.Call, fused_into: str | None = None) -> None:
+    bindings = relax.analysis.get_var2val(fused["main"])
+
+    def from_matmul(data: relax.Expr) -> bool:
+        """Whether a convolution of `data` is one matmul_as_conv2d made: its image is a reshape
+        of a transposed matrix."""
+        image = bindings.get(data) if isinstance(data, relax.Var) else None
+        source = image.args[0] if _is_call_to(image, "relax.reshape") else None
+        return _is_call_to(bindings.get(source) if isinstance(source, relax.Var) else None, "relax.permute_dims")
+
+    def row(call: relax.Call, fused_into: str | None = None, matmul: bool = False) -> None:
         decision = cpu_strategy.decide(call, target)
+        if matmul:
+            (_, k, _, m), (n, *_) = decision.shapes
+            reason = "as a 1x1 convolution (a GEMM is a batch-reduce of one)"
+            decision = cpu_strategy.Decision("relax.matmul", ((m, k), (k, n)), decision.kernel,
+                                             reason if decision.kernel else decision.reason)
         if fused_into is not None and call.op.name != "relax.nn.conv2d":
             decision = cpu_strategy.Decision(decision.op, decision.shapes, f"{fused_into} epilogue", "fused")
         report.append(DispatchRow(decision.op.removeprefix("relax."), decision.shapes,
@@ -115,16 +133,17 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None) -> DispatchRep
         if not isinstance(expr, relax.Call):
             return
         if isinstance(expr.op, tvm.ir.Op):
-            row(expr)
+            row(expr, matmul=expr.op.name == "relax.nn.conv2d" and from_matmul(expr.args[0]))
         elif isinstance(expr.op, tvm.ir.GlobalVar) and "Composite" in (fused[expr.op].attrs or {}):
             calls = []
             relax.analysis.post_order_visit(fused[expr.op].body,
                                             lambda e: calls.append(e) if isinstance(e, relax.Call) else None)
             conv = next(c for c in calls if isinstance(c.op, tvm.ir.Op) and c.op.name == "relax.nn.conv2d")
             kernel = cpu_strategy.decide(conv, target).kernel
+            matmul = from_matmul(expr.args[list(fused[expr.op].params).index(conv.args[0])])
             for call in calls:
                 if isinstance(call.op, tvm.ir.Op):
-                    row(call, kernel)
+                    row(call, kernel, matmul=matmul and call.same_as(conv))
 
     relax.analysis.post_order_visit(fused["main"], visit)
     return report

@@ -444,31 +444,6 @@ def _accept_user_alignment(func: tirx.PrimFunc, param: str) -> tirx.PrimFunc:
     return tvm.script.from_source(text)
 
 
-def pack_data_func(plan: Conv2dPlan) -> tirx.PrimFunc:
-    """NCHW -> N, C/x, H+pads, W+pads, x: the layout change and the zero border in one pass."""
-    wl = plan.wl
-    top, left = wl.padding[0], wl.padding[1]
-    x = te.placeholder((wl.N, wl.C, wl.H, wl.W), wl.dtype, name="data")
-
-    def body(n, cb, h, w, c):
-        ih, iw = h - top, w - left
-        inside = tirx.all(ih >= 0, ih < wl.H, iw >= 0, iw < wl.W)
-        return tirx.if_then_else(inside, x[n, cb * plan.ic_bn + c, ih, iw], tirx.const(0.0, wl.dtype))
-
-    xb = te.compute(plan.data_shape(), body, name="data_blocked")
-    sch = s_tir.Schedule(_accept_user_alignment(te.create_prim_func([x, xb]), "data"))
-    n, cb, h, w_, c = sch.get_loops(sch.get_sblock("data_blocked"))
-    sch.reorder(c, w_)  # read rows of the source, scatter into an L1-sized destination row
-    sch.parallel(sch.fuse(n, cb, h))
-    if plan.ic_bn % 8 == 0:  # a (channel, pixel) transpose: 8x8 unrolled tiles vectorize (2x)
-        co, ci = sch.split(c, [None, 8])
-        wo, wi = sch.split(w_, [None, 8])
-        sch.reorder(co, wo, ci, wi)
-        sch.unroll(ci)
-        sch.unroll(wi)
-    return sch.mod["main"].with_attr(KERNEL_ATTR, "pack_data_nchwc")
-
-
 def pack_weight_func(plan: Conv2dPlan) -> tirx.PrimFunc:
     """OIHW -> O/y, I/x, KH, KW, x, y (depthwise: O/y, KH, KW, y); missing output channels are zero."""
     wl = plan.wl

@@ -1,4 +1,4 @@
-"""2-D max / average / global pooling on NCHW tensors (LLVM CPU).
+"""2-D max / average / global pooling on NCHW or blocked NCHW[x]c tensors (LLVM CPU).
 
 Each output row is one task of TVM's thread pool; the window is reduced in registers. Borders
 are handled in the index expressions (padding elements are skipped for max and counted or not
@@ -68,33 +68,47 @@ class Pool2dWorkload:
         return self._out(self.W, self.kernel[1], self.stride[1], self.padding[1], self.padding[3], self.dilation[1])
 
 
-def pool2d_func(wl: Pool2dWorkload, dtype: str = "float32") -> tirx.PrimFunc:
-    """Scheduled PrimFunc for `wl` on NCHW data."""
-    x = te.placeholder((wl.N, wl.C, wl.H, wl.W), dtype, name="data")
+def pool2d_func(wl: Pool2dWorkload, dtype: str = "float32", block: int | None = None) -> tirx.PrimFunc:
+    """Scheduled PrimFunc for `wl` on NCHW data, or on blocked (N, C/block, H, W, block) data.
+
+    Blocked, the channel block is the vector: every window element is one vector load.
+    """
+    if block is not None and wl.C % block:
+        raise ValueError(f"pool2d: {wl.C} channels are not a multiple of the block {block}")
+    lead = (wl.N, wl.C) if block is None else (wl.N, wl.C // block)
+    tail = () if block is None else (block,)
+    x = te.placeholder((*lead, wl.H, wl.W, *tail), dtype, name="data")
     (kh_, kw_), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
     top, left = wl.padding[0], wl.padding[1]
-    rh = te.reduce_axis((0, kh_), "rh")
-    rw = te.reduce_axis((0, kw_), "rw")
+    if block is None:
+        rh = te.reduce_axis((0, kh_), "rh")
+        rw = te.reduce_axis((0, kw_), "rw")
+        window = [(rh, rw)]
+    else:  # the window unrolled, so that the channel vector is a plain spatial loop
+        window = [(i, j) for i in range(kh_) for j in range(kw_)]
 
-    def index(n, c, oh, ow):
-        ih, iw = oh * sh + rh * dh - top, ow * sw + rw * dw - left
+    def index(n, c, oh, ow, *i, r=(0, 0)):
+        ih, iw = oh * sh + r[0] * dh - top, ow * sw + r[1] * dw - left
         inside = tirx.all(ih >= 0, ih < wl.H, iw >= 0, iw < wl.W)
-        safe = x[n, c, tirx.max(tirx.min(ih, wl.H - 1), 0), tirx.max(tirx.min(iw, wl.W - 1), 0)]
+        safe = x[(n, c, tirx.max(tirx.min(ih, wl.H - 1), 0), tirx.max(tirx.min(iw, wl.W - 1), 0), *i)]
         return inside, safe
 
-    shape = (wl.N, wl.C, wl.OH, wl.OW)
+    def reduce(idx, combine, empty):
+        terms = [tirx.if_then_else(*index(*idx, r=r), empty) for r in window]
+        if block is None:
+            return combine(terms[0], axis=list(window[0]))
+        value = terms[0]
+        for term in terms[1:]:
+            value = combine(value, term)
+        return value
+
+    shape = (*lead, wl.OH, wl.OW, *tail)
     if wl.mode == "max":
-        def body(n, c, oh, ow):
-            inside, value = index(n, c, oh, ow)
-            return te.max(tirx.if_then_else(inside, value, tirx.min_value(dtype)), axis=[rh, rw])
-
-        y = te.compute(shape, body, name="output")
+        y = te.compute(shape, lambda *idx: reduce(idx, te.max if block is None else tirx.max,
+                                                  tirx.min_value(dtype)), name="output")
     else:
-        def total(n, c, oh, ow):
-            inside, value = index(n, c, oh, ow)
-            return te.sum(tirx.if_then_else(inside, value, tirx.const(0.0, dtype)), axis=[rh, rw])
-
-        s = te.compute(shape, total, name="window_sum")
+        s = te.compute(shape, lambda *idx: reduce(idx, te.sum if block is None else (lambda a, b: a + b),
+                                                  tirx.const(0.0, dtype)), name="window_sum")
 
         def count(size, o, k, st, p0, p1):
             start = o * st - p0
@@ -105,31 +119,46 @@ def pool2d_func(wl: Pool2dWorkload, dtype: str = "float32") -> tirx.PrimFunc:
                 start = tirx.max(start, 0)
             return end - start
 
-        def mean(n, c, oh, ow):
+        def mean(n, c, oh, ow, *i):
             area = (count(wl.H, oh, kh_, sh, top, wl.padding[2])
                     * count(wl.W, ow, kw_, sw, left, wl.padding[3]))
-            return s[n, c, oh, ow] / tirx.Cast(dtype, area)
+            return s[(n, c, oh, ow, *i)] / tirx.Cast(dtype, area)
 
         y = te.compute(shape, mean, name="output")
     sch = s_tir.Schedule(te.create_prim_func([x, y]))
     out = sch.get_sblock("output")
+    reducer = sch.get_sblock("window_sum") if wl.mode == "avg" else out
     n, c, oh, ow = sch.get_loops(out)[:4]
     if wl.mode == "avg":
-        sch.compute_at(sch.get_sblock("window_sum"), ow)
+        sch.compute_at(reducer, ow)
+    if block is not None:
+        sch.vectorize(sch.get_loops(out)[-1])
+        if wl.mode == "avg":
+            sch.vectorize(sch.get_loops(reducer)[-1])
     sch.parallel(sch.fuse(n, c, oh))
     return sch.mod["main"].with_attr(KERNEL_ATTR, f"{wl.mode}_pool2d")
 
 
 def global_avg_pool2d_func(shape, dtype: str = "float32") -> tirx.PrimFunc:
-    N, C, H, W = (int(v) for v in shape)
-    x = te.placeholder((N, C, H, W), dtype, name="data")
+    """Mean over H and W of NCHW data (N, C, 1, 1), or of blocked (N, CB, H, W, c) data (N, CB, 1, 1, c)."""
+    shape = tuple(int(v) for v in shape)
+    N, C, H, W = shape[:4]
+    tail = shape[4:]
+    x = te.placeholder(shape, dtype, name="data")
     rh = te.reduce_axis((0, H), "rh")
     rw = te.reduce_axis((0, W), "rw")
-    s = te.compute((N, C, 1, 1), lambda n, c, i, j: te.sum(x[n, c, rh, rw], axis=[rh, rw]), name="window_sum")
-    y = te.compute((N, C, 1, 1), lambda n, c, i, j: s[n, c, i, j] / float(H * W), name="output")
+    out_shape = (N, C, 1, 1, *tail)
+    s = te.compute(out_shape, lambda n, c, i, j, *v: te.sum(x[(n, c, rh, rw, *v)], axis=[rh, rw]), name="window_sum")
+    y = te.compute(out_shape, lambda n, c, i, j, *v: s[(n, c, i, j, *v)] / float(H * W), name="output")
     sch = s_tir.Schedule(te.create_prim_func([x, y]))
-    n, c, _, _ = sch.get_loops(sch.get_sblock("output"))
+    n, c, *_ = sch.get_loops(sch.get_sblock("output"))
     fused = sch.fuse(n, c)
-    sch.compute_at(sch.get_sblock("window_sum"), fused)
+    reducer = sch.get_sblock("window_sum")
+    sch.compute_at(reducer, fused)
     sch.parallel(fused)
+    if tail:
+        *_, v, r_h, r_w = sch.get_loops(reducer)
+        sch.reorder(r_h, r_w, v)  # contiguous channel vectors innermost (LLVM vectorizes the sum)
+        sch.vectorize(sch.get_loops(sch.decompose_reduction(reducer, r_h))[-1])
+        sch.vectorize(sch.get_loops(sch.get_sblock("output"))[-1])
     return sch.mod["main"].with_attr(KERNEL_ATTR, "global_avg_pool2d")

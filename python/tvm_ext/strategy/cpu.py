@@ -24,6 +24,7 @@ from tvm import relax
 
 from ..kernels import conv2d as _conv
 from ..kernels import elementwise as _elementwise
+from ..kernels import layout as _layout
 from ..kernels import pool2d as _pool
 from ..kernels.conv2d import Epilogue
 from ..target import vector_isa
@@ -73,8 +74,10 @@ def decide(call: relax.Call, target: tvm.target.Target) -> Decision:
     op = call.op.name if isinstance(call.op, tvm.ir.Op) else str(call.op)
     tensors = [arg for arg in call.args if isinstance(arg.ty, relax.TensorType)]
     shapes = tuple(_shape_text(arg) for arg in tensors)
-    if op in _POOLS or op in _ACTIVATION_OPS:
+    if op in _POOLS or op in _ACTIVATION_OPS or op == "relax.mean":
         return _decide_pool_or_activation(call, op, shapes, tensors)
+    if op in _DATA_MOVEMENT_OPS:
+        return Decision(op, shapes, None, "data movement only (a reshape is a view): stock TVM")
     if op != "relax.nn.conv2d":
         return Decision(op, shapes, None, "no tvm_ext kernel for this op yet")
     attrs = call.attrs
@@ -100,6 +103,8 @@ def decide(call: relax.Call, target: tvm.target.Target) -> Decision:
     return Decision(op, shapes, f"{plan.kind}_conv2d", plan.reason, plan)
 
 
+_DATA_MOVEMENT_OPS = {"relax.reshape", "relax.flatten", "relax.permute_dims", "relax.squeeze", "relax.expand_dims"}
+
 _POOLS = {"relax.nn.max_pool2d": "max", "relax.nn.avg_pool2d": "avg", "relax.nn.adaptive_avg_pool2d": "global"}
 
 
@@ -117,6 +122,11 @@ def _decide_pool_or_activation(call: relax.Call, op: str, shapes: tuple, tensors
         return Decision(op, shapes, None, f"dtype {_dtype(tensors[0])} is not float32")
     if static is None:
         return Decision(op, shapes, None, "symbolic shape: tvm_ext kernels are generated per static shape")
+    if op == "relax.mean":
+        axes = sorted(int(a) % len(static) for a in (call.attrs.axis or []))
+        if len(static) != 4 or axes != [2, 3]:
+            return Decision(op, shapes, None, "mean over axes other than H and W of a 4-D tensor")
+        return Decision(op, shapes, "global_avg_pool2d")
     if op in _ACTIVATION_OPS:
         if op == "relax.clip" and not _is_relu6(call):
             return Decision(op, shapes, None, "clip other than relu6 (0, 6)")
@@ -142,55 +152,150 @@ def _add_kernel(bb: relax.BlockBuilder, func: tvm.tirx.PrimFunc, name: str) -> t
 
 
 def _tag(plan: _conv.Conv2dPlan) -> str:
-    """A readable, deterministic name part that tells convolution shapes apart."""
+    """A readable, deterministic name part that tells convolution shapes and blockings apart."""
     wl = plan.wl
     return (f"{wl.N}x{wl.C}x{wl.H}x{wl.W}_{wl.K}x{wl.KH}x{wl.KW}_s{wl.stride[0]}x{wl.stride[1]}"
-            f"_p{'x'.join(map(str, wl.padding))}_d{wl.dilation[0]}x{wl.dilation[1]}_g{wl.groups}")
+            f"_p{'x'.join(map(str, wl.padding))}_d{wl.dilation[0]}x{wl.dilation[1]}_g{wl.groups}"
+            f"_x{plan.ic_bn}y{plan.oc_bn}")
 
 
-_NCHW_OUT = Epilogue(nchw_out=True)  # a bare convolution in an NCHW graph
+_UNPACK = "tvm_ext_unpack_nchwc"
 
 
-def _emit_conv2d(bb: relax.BlockBuilder, plan: _conv.Conv2dPlan, lanes: int, data: relax.Expr, weight: relax.Expr,
-                 epilogue: Epilogue = _NCHW_OUT, extra: tuple = (), suffix: str = "") -> relax.Call:
-    """Pack data and weights (constant weights are packed at build time), then the kernel.
+class _Emitter:
+    """Emits tvm_ext kernel calls for one op, keeping activations blocked between our kernels.
 
-    `extra` are the epilogue's arguments (blocked bias, residual) in the kernel's order.
+    A tensor one of our kernels produced is bound to `unpack_nchwc(blocked)`: the NCHW view
+    that ops outside tvm_ext (and the graph's outputs) read. Our kernels look through that
+    binding and read the blocked tensor itself, so layouts change only at the graph's edges and
+    around fallbacks; DeadCodeElimination then drops every unpack nobody reads.
     """
-    tag = _tag(plan)
-    pack_x = _add_kernel(bb, _conv.pack_data_func(plan), f"tvm_ext_pack_data_{tag}")
-    pack_w = _add_kernel(bb, _conv.pack_weight_func(plan), f"tvm_ext_pack_weight_{tag}")
-    args = [bb.emit(relax.call_tir(pack_x, [data], relax.TensorType(plan.data_shape(), "float32"))),
-            bb.emit(relax.call_tir(pack_w, [weight], relax.TensorType(plan.weight_shape(), "float32"))),
-            *extra]
-    kernel = _add_kernel(bb, _conv.conv2d_blocked_kernel(plan, lanes, epilogue),
-                         f"tvm_ext_{plan.kind}_conv2d_{tag}{suffix}")
-    return relax.call_tir(kernel, args, relax.TensorType(plan.wl.out_shape, "float32"))
+
+    def __init__(self, bb: relax.BlockBuilder, target: tvm.target.Target):
+        self.bb = bb
+        self.target = target
+        self.isa = vector_isa(target)
+
+    def blocked(self, expr: relax.Expr) -> tuple[relax.Expr, int] | None:
+        """(the blocked tensor, its channel block) behind an NCHW view, if there is one."""
+        if not isinstance(expr, relax.Var):
+            return None
+        value = self.bb.lookup_binding(expr)
+        if not (isinstance(value, relax.Call) and value.op == tvm.ir.Op.get("relax.call_tir")
+                and value.args[0].name_hint.startswith(_UNPACK)):
+            return None
+        blocked = value.args[1].fields[0]
+        return blocked, _static_shape(blocked)[-1]
+
+    def _call(self, func: tvm.tirx.PrimFunc, name: str, args: list, shape: tuple) -> relax.Var:
+        kernel = _add_kernel(self.bb, func, name)
+        return self.bb.emit(relax.call_tir(kernel, args, relax.TensorType(shape, "float32")))
+
+    def unpack(self, blocked: relax.Expr, channels: int) -> relax.Call:
+        shape = _static_shape(blocked)
+        n, _, h, w, _ = shape
+        kernel = _add_kernel(self.bb, _layout.unpack_nchwc_func(shape, channels),
+                             f"{_UNPACK}_{'x'.join(map(str, shape))}")
+        return relax.call_tir(kernel, [blocked], relax.TensorType((n, channels, h, w), "float32"))
+
+    def pack(self, data: relax.Expr, block: int, padding=(0, 0, 0, 0)) -> relax.Var:
+        """`data` in blocks of `block` channels with a zero border, from its blocked form if it has one."""
+        shape = _static_shape(data)
+        known = self.blocked(data)
+        pads = tuple(int(p) for p in padding)
+        if known is not None and known[1] == block:
+            if not any(pads):
+                return known[0]
+            bshape = _static_shape(known[0])
+            n, cb, h, w, c = bshape
+            return self._call(_layout.pad_nchwc_func(bshape, pads), f"tvm_ext_pad_nchwc_{'x'.join(map(str, bshape))}",
+                              [known[0]], (n, cb, h + pads[0] + pads[2], w + pads[1] + pads[3], c))
+        n, c, h, w = shape
+        return self._call(_layout.pack_nchwc_func(shape, block, pads),
+                          f"tvm_ext_pack_nchwc_{'x'.join(map(str, shape))}_{block}",
+                          [data], (n, c // block, h + pads[0] + pads[2], w + pads[1] + pads[3], block))
+
+    def _plan(self, plan: _conv.Conv2dPlan, data: relax.Expr) -> _conv.Conv2dPlan:
+        """The plan re-blocked to read `data` in the blocks its producer wrote, when it can."""
+        known = self.blocked(data)
+        if known is None or plan.kind == "direct":
+            return plan
+        wl, block = plan.wl, known[1]
+        if plan.kind == "depthwise":
+            return _conv.plan_conv2d(wl, self.isa, n_r=block)
+        if (wl.C // wl.groups) % block:
+            return plan
+        return _conv.plan_conv2d(wl, self.isa, ic_bn=block)
+
+    def conv2d(self, call: relax.Call, data: relax.Expr, bias: np.ndarray | None = None,
+               residual: relax.Expr | None = None, activation: str | None = None, suffix: str = "") -> relax.Expr:
+        """conv2d (+ bias + residual -> activation): blocked in and out wherever the layouts allow.
+
+        Constant weights and biases are packed here (weights by a kernel that FoldConstant runs
+        at build time).
+        """
+        plan = self._plan(decide(call, self.target).plan, data)
+        wl = plan.wl
+        blocked_out = plan.K_pad == wl.K  # padded channels would reach the next layer's reduction
+        tag = _tag(plan)
+        args = [self.pack(data, plan.ic_bn, wl.padding),
+                self._call(_conv.pack_weight_func(plan), f"tvm_ext_pack_weight_{tag}", [call.args[1]],
+                           plan.weight_shape())]
+        if bias is not None:
+            blocked = np.zeros(plan.K_pad, np.float32)
+            blocked[: wl.K] = bias.reshape(-1)
+            args.append(relax.const(blocked.reshape(plan.OCB, plan.oc_bn)))
+        if residual is not None:
+            args.append(self.pack(residual, plan.oc_bn) if blocked_out else residual)
+        epilogue = Epilogue(bias=bias is not None, residual=residual is not None, activation=activation,
+                            nchw_out=not blocked_out)
+        name = f"tvm_ext_{plan.kind}_conv2d_{tag}{suffix}"
+        func = _conv.conv2d_blocked_kernel(plan, self.isa.lanes, epilogue)
+        if not blocked_out:
+            return relax.call_tir(_add_kernel(self.bb, func, name), args, relax.TensorType(wl.out_shape, "float32"))
+        return self.unpack(self._call(func, name, args, plan.out_shape()), wl.K)
+
+    def pool_or_activation(self, call: relax.Call, decision: Decision) -> relax.Expr:
+        data = call.args[0]
+        known = self.blocked(data)
+        source, block = known if known is not None else (data, None)
+        shape = _static_shape(source)
+        channels = _static_shape(data)[1]
+        if decision.kernel == "global_avg_pool2d":
+            func, out_shape = _pool.global_avg_pool2d_func(shape), (*shape[:2], 1, 1, *shape[4:])
+        elif call.op.name in _POOLS:
+            wl = _pool_workload(call, _static_shape(data))
+            func = _pool.pool2d_func(wl, block=block)
+            out_shape = (*shape[:2], wl.OH, wl.OW, *shape[4:])
+        else:
+            func, out_shape = _elementwise.activation_func(decision.kernel, shape, "float32", self.isa.lanes), shape
+        name = f"tvm_ext_{decision.kernel}_{'x'.join(map(str, shape))}"
+        out = self._call(func, name, [source], out_shape)
+        if block is not None:
+            out = self.unpack(out, channels)
+            if call.op.name != "relax.mean":
+                return out
+            out = self.bb.emit(out)
+        if call.op.name == "relax.mean":  # mean over H, W: a global pool without the unit axes
+            return relax.op.reshape(out, _static_shape(call))
+        return out
 
 
 def legalize_map(target: tvm.target.Target) -> dict:
-    """The customize map for `relax.transform.LegalizeOps` on `target`."""
-    lanes = vector_isa(target).lanes
+    """The customize map for `relax.transform.LegalizeOps` on `target`: ops :func:`lower_to_kernels`
+    left (stock TVM's rule, with the reason logged)."""
 
     def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         decision = decide(call, target)
         if decision.kernel is None:
             logger.info("tvm_ext: %s %s stays with stock TVM: %s", decision.op, decision.shapes, decision.reason)
             return call.op.get_attr("FLegalize")(bb, call)
+        emitter = _Emitter(bb, target)
         if decision.plan is not None:
-            return _emit_conv2d(bb, decision.plan, lanes, call.args[0], call.args[1])
-        shape = _static_shape(call.args[0])
-        if decision.kernel == "global_avg_pool2d":
-            func, out_shape = _pool.global_avg_pool2d_func(shape), (*shape[:2], 1, 1)
-        elif call.op.name in _POOLS:
-            wl = _pool_workload(call, shape)
-            func, out_shape = _pool.pool2d_func(wl), (wl.N, wl.C, wl.OH, wl.OW)
-        else:
-            func, out_shape = _elementwise.activation_func(decision.kernel, shape, "float32", lanes), shape
-        name = f"tvm_ext_{decision.kernel}_{'x'.join(map(str, shape))}"
-        return relax.call_tir(_add_kernel(bb, func, name), [call.args[0]], relax.TensorType(out_shape, "float32"))
+            return emitter.conv2d(call, call.args[0])
+        return emitter.pool_or_activation(call, decision)
 
-    return {op: legalize for op in ("relax.nn.conv2d", *_POOLS, *_ACTIVATION_OPS)}
+    return {op: legalize for op in ("relax.nn.conv2d", "relax.mean", *_POOLS, *_ACTIVATION_OPS)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,8 +366,8 @@ def fusion_patterns(target: tvm.target.Target) -> list:
     return patterns
 
 
-def _epilogue_of(func: relax.Function) -> tuple[relax.Call, Epilogue, tvm.ir.expr.GenericConst | None, int | None]:
-    """Read a fused composite function: its conv call, epilogue, bias constant, residual param."""
+def _epilogue_of(func: relax.Function) -> tuple[relax.Call, tvm.ir.expr.GenericConst | None, int | None, str | None]:
+    """Read a fused composite function: its conv call, bias constant, residual param, activation."""
     conv, bias, residual, activation = None, None, None, None
     params = list(func.params)
 
@@ -283,9 +388,7 @@ def _epilogue_of(func: relax.Function) -> tuple[relax.Call, Epilogue, tvm.ir.exp
             activation = _ACTIVATION_OPS[name]
 
     relax.analysis.post_order_visit(func.body, visit)
-    epilogue = Epilogue(bias=bias is not None, residual=residual is not None, activation=activation,
-                        nchw_out=True)
-    return conv, epilogue, bias, residual
+    return conv, bias, residual, activation
 
 
 def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
@@ -294,22 +397,31 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     The pipeline runs these before lowering; the dispatch report runs them to say what fuses.
     FoldConstant first turns importer biases such as reshape(const) into constants.
     """
-    return [relax.transform.FoldConstant(), fold_batch_norm(),
+    return [relax.transform.FoldConstant(), fold_batch_norm(), matmul_as_conv2d(),
             relax.transform.FuseOpsByPattern(fusion_patterns(target), bind_constants=True)]
 
 
-def lower_fused_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
-    """Replace calls to the composite functions of :func:`fusion_patterns` with our kernels."""
-    lanes = vector_isa(target).lanes
+def lower_to_kernels(target: tvm.target.Target) -> tvm.transform.Pass:
+    """Replace the composite functions of :func:`fusion_patterns` and every op :func:`decide`
+    gives a kernel with tvm_ext kernel calls, in program order, so that each kernel can read
+    its producer's blocked output (see :class:`_Emitter`)."""
 
     @relax.expr_functor.mutator
     class _Lower(relax.PyExprMutator):
         def __init__(self, mod: tvm.IRModule):
             super().__init__(mod)
             self.mod_ = mod
+            self.emitter = _Emitter(self.builder_, target)
 
         def visit_call_(self, call: relax.Call) -> relax.Expr:
             call = super().visit_call_(call)
+            if isinstance(call.op, tvm.ir.Op):
+                decision = decide(call, target)
+                if decision.kernel is None:
+                    return call
+                if decision.plan is not None:
+                    return self.emitter.conv2d(call, call.args[0])
+                return self.emitter.pool_or_activation(call, decision)
             if not isinstance(call.op, tvm.ir.GlobalVar):
                 return call
             func = self.mod_[call.op]
@@ -317,20 +429,16 @@ def lower_fused_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
                 return call
             if not str(func.attrs["Composite"]).startswith("tvm_ext.conv2d"):
                 return call
-            conv, epilogue, bias, residual = _epilogue_of(func)
-            data = call.args[list(func.params).index(conv.args[0])]
-            plan = decide(conv, target).plan
-            extra = []
-            if bias is not None:
-                blocked = np.zeros(plan.K_pad, np.float32)
-                blocked[: plan.wl.K] = bias.value.numpy().reshape(-1)
-                extra.append(relax.const(blocked.reshape(plan.OCB, plan.oc_bn)))
-            if residual is not None:
-                extra.append(call.args[residual])
+            conv, bias, residual, activation = _epilogue_of(func)
+            params = list(func.params)
+            conv = relax.Call(conv.op, [call.args[params.index(conv.args[0])], conv.args[1]], conv.attrs)
             suffix = "_" + str(func.attrs["Composite"]).split(".")[-1]
-            return _emit_conv2d(self.builder_, plan, lanes, data, conv.args[1], epilogue, tuple(extra), suffix)
+            return self.emitter.conv2d(
+                conv, conv.args[0], bias=None if bias is None else bias.value.numpy(),
+                residual=None if residual is None else call.args[residual], activation=activation,
+                suffix=suffix)
 
-    @tvm.transform.module_pass(opt_level=0, name="tvm_ext.LowerFusedConv2d")
+    @tvm.transform.module_pass(opt_level=0, name="tvm_ext.LowerToKernels")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         lowering = _Lower(mod)
         for gvar, func in mod.functions_items():
@@ -374,6 +482,56 @@ def fold_batch_norm() -> tvm.transform.Pass:
         return relax.op.add(new_conv, relax.const(shift.astype(np.float32).reshape(1, -1, 1, 1)))
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.FoldBatchNorm")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        for gvar, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                mod[gvar] = rewrite_call(pattern, rewriter, func)
+        return mod
+
+    return _pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense layers: a GEMM is a batch-reduce of size one, i.e. a 1x1 convolution.
+
+
+def matmul_as_conv2d() -> tvm.transform.Pass:
+    """x (M, K) @ W (K, N) [+ b (N,) [-> relu]]  ==>  conv2d over a 1 x M image of K channels.
+
+    The rows of x become the pixels of one image (the microkernel's m_r dimension, so each
+    weight vector loaded is reused across rows) and W (constant) a 1x1 filter bank that
+    FoldConstant transposes at build time; the bias becomes the convolution's, so it and a
+    following activation fuse into the kernel's epilogue like any convolution's.
+    """
+    from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
+
+    weight, bias = is_const(), is_const()
+    matmul = is_op("relax.matmul")(wildcard(), weight)
+    add = is_op("relax.add")(matmul, bias)
+    relu = is_op("relax.nn.relu")(add)
+    pattern = relu | add | matmul
+
+    def rewriter(orig: relax.Expr, matched: dict) -> relax.Expr:
+        call = matched[matmul]
+        x = call.args[0]
+        x_shape, w_shape = _static_shape(x), _static_shape(call.args[1])
+        dtypes = {_dtype(x), _dtype(call.args[1])}
+        if x_shape is None or w_shape is None or len(x_shape) != 2 or len(w_shape) != 2 or dtypes != {"float32"}:
+            return orig
+        (m, k), n = x_shape, w_shape[1]
+        b = matched.get(bias)
+        if b is not None and _static_shape(b) not in ((n,), (1, n)):
+            return orig
+        w = call.args[1].value.numpy().T.reshape(n, k, 1, 1)
+        image = relax.op.reshape(relax.op.permute_dims(x, [1, 0]), (1, k, 1, m))
+        y = relax.op.nn.conv2d(image, relax.const(np.ascontiguousarray(w)))
+        if b is not None:
+            y = relax.op.add(y, relax.const(b.value.numpy().reshape(1, n, 1, 1)))
+        if relu in matched:
+            y = relax.op.nn.relu(y)
+        return relax.op.permute_dims(relax.op.reshape(y, (n, m)), [1, 0])
+
+    @tvm.transform.module_pass(opt_level=0, name="tvm_ext.MatmulAsConv2d")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         for gvar, func in mod.functions_items():
             if isinstance(func, relax.Function):

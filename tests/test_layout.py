@@ -1,0 +1,72 @@
+"""Layout kernels (NCHW <-> NCHW[x]c, zero borders) and pooling on blocked tensors."""
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from reference import rel_err
+
+from tvm_ext.kernels.layout import pack_nchwc_func, pad_nchwc_func, unpack_nchwc_func
+from tvm_ext.kernels.pool2d import Pool2dWorkload, global_avg_pool2d_func, pool2d_func
+
+TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})
+
+
+def _run(func, *arrays, out_shape):
+    out = tvm.runtime.tensor(np.full(out_shape, np.nan, np.float32))
+    tvm.compile(func, TARGET)(*(tvm.runtime.tensor(a) for a in arrays), out)
+    return out.numpy()
+
+
+def _blocked(x: np.ndarray, block: int) -> np.ndarray:
+    n, c, h, w = x.shape
+    return np.ascontiguousarray(x.reshape(n, c // block, block, h, w).transpose(0, 1, 3, 4, 2))
+
+
+@pytest.mark.parametrize("shape,block,pads", [((1, 32, 7, 9), 16, (1, 1, 1, 1)), ((2, 24, 5, 13), 8, (0, 2, 3, 1)),
+                                              ((1, 3, 11, 6), 3, (3, 3, 3, 3)), ((1, 96, 4, 4), 32, (0, 0, 0, 0))])
+def test_pack_pad_unpack_round_trip(shape, block, pads):
+    x = np.random.default_rng(sum(shape)).standard_normal(shape).astype("float32")
+    top, left, bottom, right = pads
+    n, c, h, w = shape
+    padded_shape = (n, c // block, h + top + bottom, w + left + right, block)
+    expected = _blocked(np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right))), block)
+    packed = _run(pack_nchwc_func(shape, block, pads), x, out_shape=padded_shape)
+    np.testing.assert_array_equal(packed, expected)
+    xb = _blocked(x, block)
+    np.testing.assert_array_equal(_run(pad_nchwc_func(xb.shape, pads), xb, out_shape=padded_shape), expected)
+    np.testing.assert_array_equal(_run(unpack_nchwc_func(xb.shape, c), xb, out_shape=shape), x)
+    if c > block:  # the channels that only fill the last block are dropped
+        kept = c - block // 2
+        np.testing.assert_array_equal(_run(unpack_nchwc_func(xb.shape, kept), xb, out_shape=(n, kept, h, w)),
+                                      x[:, :kept])
+
+
+def test_layout_kernels_reject_bad_blocks():
+    with pytest.raises(ValueError, match="multiple of the block"):
+        pack_nchwc_func((1, 12, 4, 4), 8)
+    with pytest.raises(ValueError, match="do not fit"):
+        unpack_nchwc_func((1, 2, 4, 4, 8), 17)
+    with pytest.raises(ValueError, match="multiple of the block"):
+        pool2d_func(Pool2dWorkload.make((1, 12, 4, 4), "max", 2), block=8)
+
+
+@pytest.mark.parametrize("mode,kernel,stride,pad,ceil,include", [
+    ("max", 3, 2, 1, False, True), ("max", 2, 2, 0, True, True), ("avg", 3, 2, 1, False, False),
+    ("avg", 3, 1, 1, False, True), ("avg", 2, 2, 0, False, True)])
+def test_blocked_pooling_matches_pytorch(mode, kernel, stride, pad, ceil, include):
+    x = np.random.default_rng(kernel * 10 + stride).standard_normal((2, 32, 13, 11)).astype("float32")
+    wl = Pool2dWorkload.make(x.shape, mode, kernel, stride, pad, ceil_mode=ceil, count_include_pad=include)
+    got = _run(pool2d_func(wl, block=16), _blocked(x, 16), out_shape=(2, 2, wl.OH, wl.OW, 16))
+    xt = torch.from_numpy(x).double()
+    if mode == "max":
+        ref = torch.nn.functional.max_pool2d(xt, kernel, stride, pad, ceil_mode=ceil)
+    else:
+        ref = torch.nn.functional.avg_pool2d(xt, kernel, stride, pad, ceil_mode=ceil, count_include_pad=include)
+    assert rel_err(got, _blocked(ref.numpy(), 16)) <= 1e-6
+
+
+def test_blocked_global_average_pool():
+    x = np.random.default_rng(3).standard_normal((2, 48, 7, 5)).astype("float32")
+    got = _run(global_avg_pool2d_func((2, 3, 7, 5, 16)), _blocked(x, 16), out_shape=(2, 3, 1, 1, 16))
+    assert rel_err(got, _blocked(x.astype(np.float64).mean((2, 3), keepdims=True), 16)) <= 1e-6
