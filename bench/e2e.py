@@ -1,0 +1,265 @@
+"""Whole-network benchmark: tvm_ext against ONNX Runtime, PyTorch eager and stock TVM, same run.
+
+For each network (tvm_ext.models, seeded weights shared by every runtime), batch and thread count:
+- tvm_ext: `tvm_ext.build` for the host CPU;
+- ONNX Runtime (CPU): the same network exported with torch.onnx, all graph optimizations,
+  intra-op threads set;
+- PyTorch eager: the same graph evaluated op by op in inference mode, best of NCHW and
+  channels_last;
+- stock TVM: `tvm.compile` with the default pipeline (naive loops, about 1.5 GFLOP/s: only at the
+  batches of --stock-batches).
+Each runtime runs in a process of its own (its peak RSS is its own; thread pools start with the
+right size) on artifacts built once per network and batch. Printed: median latency, images/s,
+GFLOP/s, % of the measured peak (bench/peak.py) for the threads used, peak RSS, and tvm_ext's
+speed-up over each runtime; outputs are checked against ONNX Runtime's. A CSV goes to bench/results/.
+
+Usage: python bench/e2e.py [--models resnet50,vgg16,...] [--batches 1,16] [--threads 1,2] [--repeat 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RUNTIMES = ("tvm_ext", "onnxruntime", "pytorch", "stock_tvm")
+
+
+def _parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="resnet50,vgg16,alexnet,overfeat,mobilenet_v2")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--repeat", type=int, default=10, help="timed runs per measurement (median)")
+    ap.add_argument("--runtimes", default=",".join(RUNTIMES))
+    ap.add_argument("--stock-batches", default="1", help="batches at which stock TVM runs (it is slow)")
+    ap.add_argument("--target", default="llvm")
+    ap.add_argument("--csv", default="")
+    ap.add_argument("--work-dir", default="", help="where built artifacts go (default: a temporary folder)")
+    ap.add_argument("--child", nargs=6, metavar=("RUNTIME", "MODEL", "BATCH", "THREADS", "ARTIFACT", "OUT"),
+                    help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def network_flops(mod) -> int:
+    """Multiply-adds x 2 of every convolution and matmul of `mod["main"]`."""
+    from tvm import relax
+
+    total = 0
+
+    def visit(expr) -> None:
+        nonlocal total
+        if not (isinstance(expr, relax.Call) and hasattr(expr.op, "name")):
+            return
+        if expr.op.name == "relax.nn.conv2d":
+            n, k, oh, ow = (int(v) for v in expr.ty.shape)
+            _, cg, kh, kw = (int(v) for v in expr.args[1].ty.shape)
+            total += 2 * n * k * cg * kh * kw * oh * ow
+        elif expr.op.name == "relax.matmul":
+            m, kk = (int(v) for v in expr.args[0].ty.shape)
+            total += 2 * m * kk * int(expr.args[1].ty.shape[1])
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    return total
+
+
+# ------------------------------------------------------------------------------------------
+# Children: one runtime, one configuration; print {"ms": [...], "rss_mib": ...} as JSON.
+
+
+def _time(fn, repeat: int) -> list[float]:
+    fn()  # warm-up (first-run allocation, lazy initialization)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def _peak_rss_mib() -> float:
+    """This process's peak resident memory. (Not getrusage's ru_maxrss: Linux carries that over
+    from the parent across fork and exec, so every child would report the parent's.)"""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _child(args: argparse.Namespace) -> None:
+    runtime, model, batch, threads, artifact, out = args.child
+    batch, threads = int(batch), int(threads)
+    import numpy as np
+
+    x = None
+    result: dict = {}
+    if runtime in ("tvm_ext", "stock_tvm"):
+        import tvm
+        from tvm import relax
+
+        vm = relax.VirtualMachine(tvm.runtime.load_module(artifact), tvm.cpu())["main"]
+        x = np.load(Path(artifact).with_name("input.npy"))
+        xt = tvm.runtime.tensor(x)
+        repeat = args.repeat if runtime == "tvm_ext" else 1
+        result["ms"] = _time(lambda: vm(xt), repeat)
+        output = vm(xt).numpy()
+    elif runtime == "onnxruntime":
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        session = ort.InferenceSession(artifact, options, providers=["CPUExecutionProvider"])
+        name = session.get_inputs()[0].name
+        x = np.load(Path(artifact).with_name("input.npy"))
+        result["ms"] = _time(lambda: session.run(None, {name: x}), args.repeat)
+        output = session.run(None, {name: x})[0]
+    else:  # pytorch: best of NCHW and channels_last
+        import torch
+
+        from tvm_ext import models
+        from tvm_ext.models.torch_reference import to_torch
+
+        torch.set_num_threads(threads)
+        mod, _ = models.get(model, batch=batch)
+        forward = to_torch(mod)
+        x = np.load(Path(artifact).with_name("input.npy"))
+        best = None
+        with torch.inference_mode():
+            for fmt in (torch.contiguous_format, torch.channels_last):
+                xt = torch.from_numpy(x).contiguous(memory_format=fmt)
+                times = _time(lambda xt=xt: forward(xt), args.repeat)
+                if best is None or statistics.median(times) < statistics.median(best[0]):
+                    best = (times, "channels_last" if fmt is torch.channels_last else "NCHW")
+            result["ms"], result["note"] = best
+            output = forward(torch.from_numpy(x)).numpy()
+    np.save(out, output)
+    result["rss_mib"] = _peak_rss_mib()
+    print(json.dumps(result))
+
+
+# ------------------------------------------------------------------------------------------
+# Parent: build artifacts once per network and batch, run the children, print the table.
+
+
+def _prepare(model: str, batch: int, runtimes: list[str], stock: bool, target, folder: Path) -> tuple[dict, int]:
+    import numpy as np
+    import tvm
+
+    import tvm_ext
+    from tvm_ext import models
+
+    mod, _ = models.get(model, batch=batch)
+    folder.mkdir(parents=True, exist_ok=True)
+    np.save(folder / "input.npy", np.random.default_rng(0).standard_normal(models.image_shape(mod)).astype("float32"))
+    artifacts = {"pytorch": str(folder / "pytorch")}
+    if "tvm_ext" in runtimes:
+        start = time.perf_counter()
+        tvm_ext.build(mod, target).export_library(str(folder / "tvm_ext.so"))
+        print(f"  built {model} batch {batch} with tvm_ext in {time.perf_counter() - start:.0f} s", flush=True)
+        artifacts["tvm_ext"] = str(folder / "tvm_ext.so")
+    if "stock_tvm" in runtimes and stock:
+        tvm.compile(mod, target).export_library(str(folder / "stock_tvm.so"))
+        artifacts["stock_tvm"] = str(folder / "stock_tvm.so")
+    if "onnxruntime" in runtimes:
+        import torch
+
+        from tvm_ext.models.torch_reference import TorchModule
+
+        x = torch.from_numpy(np.load(folder / "input.npy"))
+        torch.onnx.export(TorchModule(mod), (x,), str(folder / "model.onnx"), dynamo=False, input_names=["data"])
+        artifacts["onnxruntime"] = str(folder / "model.onnx")
+    return artifacts, network_flops(mod)
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    if args.child:
+        _child(args)
+        return 0
+    sys.path.insert(0, str(HERE))
+    import numpy as np
+    import peak as peak_bench
+
+    import tvm_ext
+
+    target = tvm_ext.resolve_target(args.target)
+    peaks = peak_bench.load_or_measure()
+    runtimes = [r for r in args.runtimes.split(",") if r]
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="tvm_ext_e2e_"))
+    rows = []
+    print(f"target {target}; peak {peaks['peak_gflops_1thread']} GFLOP/s (1 thread), "
+          f"{peaks['peak_gflops_all']} ({peaks['threads']} threads)")
+    print(" ".join(f"{name:>{width}}" for name, width in _COLUMNS))
+    for model in args.models.split(","):
+        for batch in _ints(args.batches):
+            folder = work / f"{model}_b{batch}"
+            artifacts, flops = _prepare(model, batch, runtimes, batch in _ints(args.stock_batches), target, folder)
+            for threads in _ints(args.threads):
+                peak = peaks["peak_gflops_1thread"] if threads == 1 else peaks["peak_gflops_all"] * threads / peaks[
+                    "threads"]
+                results = {}
+                for runtime in runtimes:
+                    if runtime not in artifacts:
+                        continue
+                    env = dict(os.environ, TVM_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+                    out = folder / f"out_{runtime}.npy"
+                    cmd = [sys.executable, __file__, "--repeat", str(args.repeat), "--child", runtime, model,
+                           str(batch), str(threads), artifacts[runtime], str(out)]
+                    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                    if proc.returncode:
+                        print(f"  {runtime} failed:\n{proc.stderr[-2000:]}", flush=True)
+                        continue
+                    results[runtime] = json.loads(proc.stdout.strip().splitlines()[-1])
+                    results[runtime]["out"] = np.load(out)
+                ref = results.get("onnxruntime", {}).get("out")
+                for r in results.values():
+                    r["median"] = statistics.median(r["ms"])
+                ours = results.get("tvm_ext", {}).get("median")
+                for runtime, r in results.items():
+                    err = "" if ref is None else f"{float(np.abs(r['out'] - ref).max() / np.abs(ref).max()):.1e}"
+                    gflops = flops / r["median"] / 1e6
+                    rows.append({
+                        "model": model, "batch": batch, "threads": threads, "runtime": runtime,
+                        "ms": round(r["median"], 2), "images_s": round(batch * 1e3 / r["median"], 1),
+                        "gflops": round(gflops, 1), "pct_peak": round(100 * gflops / peak),
+                        "rss_mib": round(r["rss_mib"]), "tvm_ext_speedup": "" if ours is None else
+                        round(r["median"] / ours, 2), "err_vs_ort": err, "note": r.get("note", ""),
+                    })
+                _print(rows[len(rows) - len(results):])
+    path = Path(args.csv) if args.csv else HERE / "results" / f"e2e_{'_'.join(args.models.split(','))[:60]}.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["model"])
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"CSV: {path}")
+    return 0
+
+
+_COLUMNS = (("model", 13), ("batch", 5), ("threads", 7), ("runtime", 12), ("ms", 9), ("images_s", 9),
+            ("gflops", 7), ("pct_peak", 8), ("rss_mib", 8), ("tvm_ext_speedup", 15), ("err_vs_ort", 10),
+            ("note", 13))
+
+
+def _print(rows: list[dict]) -> None:
+    for row in rows:
+        print(" ".join(f"{row[name]!s:>{width}}" for name, width in _COLUMNS), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
