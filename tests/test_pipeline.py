@@ -123,11 +123,12 @@ def test_parallel_vectorize_rule():
     assert ParallelVectorize().apply(te.create_prim_func([a, b]), tvm_ext.resolve_target("cuda"), False) is None
 
 
-@pytest.mark.parametrize("activation", ["relu", "relu6", "sigmoid"])
+@pytest.mark.parametrize("activation", ["relu", "relu6", "sigmoid", "silu", "gelu", "leaky_relu"])
 def test_residual_block_fuses_bias_shortcut_and_activation(activation):
     """conv-bias-act-conv-bias-(+x)-act: every add and activation lands in a conv epilogue."""
     rng = np.random.default_rng(3)
-    act = {"relu": relax.op.nn.relu, "sigmoid": relax.op.sigmoid,
+    act = {"relu": relax.op.nn.relu, "sigmoid": relax.op.sigmoid, "silu": relax.op.nn.silu, "gelu": relax.op.nn.gelu,
+           "leaky_relu": lambda v: relax.op.nn.leakyrelu(v, 0.2),
            "relu6": lambda v: relax.op.clip(v, 0.0, 6.0)}[activation]
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((1, 32, 14, 15), "float32"))
@@ -148,6 +149,24 @@ def test_residual_block_fuses_bias_shortcut_and_activation(activation):
              if isinstance(f, tvm.tirx.PrimFunc) and KERNEL_ATTR not in f.attrs]
     assert stock == [], stock  # no separate add / activation pass over memory
     xv = np.random.default_rng(4).standard_normal((1, 32, 14, 15)).astype("float32")
+    assert rel_err(_run(tvm_ext.build(mod, "llvm"), xv), _run(tvm.compile(mod, TARGET), xv)) <= 1e-4
+
+
+def test_channel_scale_folds_into_the_convolution():
+    """conv2d(x, W) * s (s per output channel, e.g. a frozen affine layer) runs as conv2d(x, W * s)."""
+    rng = np.random.default_rng(12)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 8, 10, 10), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.conv2d(x, _const(rng, 16, 8, 3, 3)))
+            y = bb.emit(relax.op.multiply(y, _const(rng, 1, 16, 1, 1)))
+            out = bb.emit_output(bb.emit(relax.op.nn.relu(relax.op.add(y, _const(rng, 1, 16, 1, 1)))))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    report = tvm_ext.dispatch_report(mod, "llvm")
+    assert [r.op for r in report] == ["nn.conv2d", "add", "nn.relu"] and report[2].reason == "fused"
+    xv = rng.standard_normal((1, 8, 10, 10)).astype("float32")
     assert rel_err(_run(tvm_ext.build(mod, "llvm"), xv), _run(tvm.compile(mod, TARGET), xv)) <= 1e-4
 
 

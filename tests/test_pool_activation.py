@@ -66,6 +66,10 @@ def test_activations(size):
     np.testing.assert_array_equal(ops.relu(x), np.maximum(x, 0))
     np.testing.assert_array_equal(ops.relu6(x), np.clip(x, 0, 6))
     np.testing.assert_allclose(ops.sigmoid(x), 1 / (1 + np.exp(-x.astype(np.float64))), rtol=1e-5, atol=1e-6)
+    xt = torch.from_numpy(x).double()
+    np.testing.assert_allclose(ops.silu(x), torch.nn.functional.silu(xt).numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ops.gelu(x), torch.nn.functional.gelu(xt).numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ops.leaky_relu(x, 0.3), torch.nn.functional.leaky_relu(xt, 0.3).numpy(), rtol=1e-6)
 
 
 def test_activation_keeps_shape_and_rejects_unknown():

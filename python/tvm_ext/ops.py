@@ -190,11 +190,11 @@ def global_avg_pool2d(x, *, target: TargetLike = None) -> np.ndarray:
                 (shape[0], shape[1], 1, 1))
 
 
-def _activation(name: str, x, target) -> np.ndarray:
+def _activation(name: str, x, target, alpha: float = 0.01) -> np.ndarray:
     x = _check_array(name, x)
     lanes = vector_isa(target).lanes
     flat = x.reshape(-1)
-    out = _run((name, x.size), lambda: _elementwise.activation_func(name, (x.size,), "float32", lanes),
+    out = _run((name, x.size, alpha), lambda: _elementwise.activation_func(name, (x.size,), "float32", lanes, alpha),
                target, [flat], (x.size,))
     return out.reshape(x.shape)
 
@@ -212,3 +212,18 @@ def relu6(x, *, target: TargetLike = None) -> np.ndarray:
 def sigmoid(x, *, target: TargetLike = None) -> np.ndarray:
     """1 / (1 + exp(-x)), elementwise."""
     return _activation("sigmoid", x, target)
+
+
+def silu(x, *, target: TargetLike = None) -> np.ndarray:
+    """x * sigmoid(x), elementwise."""
+    return _activation("silu", x, target)
+
+
+def gelu(x, *, target: TargetLike = None) -> np.ndarray:
+    """x * (1 + erf(x / sqrt(2))) / 2 (the exact GELU), elementwise."""
+    return _activation("gelu", x, target)
+
+
+def leaky_relu(x, negative_slope: float = 0.01, *, target: TargetLike = None) -> np.ndarray:
+    """max(x, 0) + negative_slope * min(x, 0), elementwise."""
+    return _activation("leaky_relu", x, target, negative_slope)

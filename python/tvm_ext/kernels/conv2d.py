@@ -228,11 +228,23 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
     return Conv2dPlan(wl, "brgemm", ic, tile[1], tile[0])
 
 
+# Activations as TVMScript expressions of the value {v} (and {alpha}, leaky_relu's slope): the
+# one definition behind convolution epilogues and the elementwise kernels.
 ACTIVATIONS = {
     "relu": "T.max({v}, T.float32(0))",
     "relu6": "T.min(T.max({v}, T.float32(0)), T.float32(6))",
     "sigmoid": "T.sigmoid({v})",
+    "silu": "{v} * T.sigmoid({v})",
+    "gelu": "{v} * (T.float32(0.5) + T.erf({v} * T.float32(0.7071067811865476)) * T.float32(0.5))",
+    "leaky_relu": "T.max({v}, T.float32(0)) + T.float32({alpha!r}) * T.min({v}, T.float32(0))",
 }
+
+
+def activation_text(name: str, value: str, alpha: float = 0.01) -> str:
+    """Activation `name` applied to the TVMScript expression `value`."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported; choose from {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name].format(v=f"({value})", alpha=float(alpha))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +257,7 @@ class Epilogue:
     residual: bool = False  # + a tensor of the output's shape and layout (a ResNet shortcut)
     activation: str | None = None
     nchw_out: bool = False
+    alpha: float = 0.01  # leaky_relu's negative slope
 
     def __post_init__(self):
         if self.activation is not None and self.activation not in ACTIVATIONS:
@@ -336,7 +349,7 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
         reduce_bindings="\n".join(f"{' ' * 16}v_{r} = T.axis.reduce({e}, {r})" for r, e in reduce))
     value = "{src}" + (" + B[v_ob, v_o]" if epilogue.bias else "") + (" + {residual}" if epilogue.residual else "")
     if epilogue.activation:
-        value = ACTIVATIONS[epilogue.activation].format(v=value)
+        value = activation_text(epilogue.activation, value, epilogue.alpha)
     body = ""
     residual_shape = wl.out_shape if epilogue.nchw_out else plan.out_shape()
     if epilogue.nchw_out:

@@ -3,14 +3,13 @@
 The strategy is a legalization map (`relax.transform.LegalizeOps(customize_legalize_map)`)
 rather than a dispatch pass of its own: legalization already hands us each op with its
 attributes and shapes, and an op we decline goes straight to stock TVM's own rule (FLegalize).
-Before it, :func:`fold_batch_norm` folds inference batch norms into the weights and
-:func:`fusion_patterns` / :func:`lower_fused_conv2d` turn conv2d + bias + shortcut + activation
-into one kernel call. :func:`decide` is the single place that takes the decision, used by all of
-them and by the dispatch report.
-
-This first version lowers each conv2d through the kernel chain pack data, pack weights, blocked
-convolution writing NCHW; constant weights are packed at build time by FoldConstant. Keeping
-activations blocked across ops is the next step of the graph issue.
+Before it, :func:`fold_batch_norm` folds inference batch norms (and per-channel scales) into the
+weights, :func:`matmul_as_conv2d` turns dense layers into 1x1 convolutions, and
+:func:`fusion_patterns` / :func:`lower_to_kernels` turn conv2d + bias + shortcut + activation into
+one kernel call that reads and writes activations in the blocked layout (see :class:`_Emitter`:
+layouts change only at the graph's edges and around fallbacks). Constant weights are packed at
+build time by FoldConstant. :func:`decide` is the single place that takes the decision, used by
+all of them and by the dispatch report.
 """
 
 from __future__ import annotations
@@ -228,7 +227,8 @@ class _Emitter:
         return _conv.plan_conv2d(wl, self.isa, ic_bn=block)
 
     def conv2d(self, call: relax.Call, data: relax.Expr, bias: np.ndarray | None = None,
-               residual: relax.Expr | None = None, activation: str | None = None, suffix: str = "") -> relax.Expr:
+               residual: relax.Expr | None = None, activation: relax.Call | None = None,
+               suffix: str = "") -> relax.Expr:
         """conv2d (+ bias + residual -> activation): blocked in and out wherever the layouts allow.
 
         Constant weights and biases are packed here (weights by a kernel that FoldConstant runs
@@ -247,8 +247,9 @@ class _Emitter:
             args.append(relax.const(blocked.reshape(plan.OCB, plan.oc_bn)))
         if residual is not None:
             args.append(self.pack(residual, plan.oc_bn) if blocked_out else residual)
-        epilogue = Epilogue(bias=bias is not None, residual=residual is not None, activation=activation,
-                            nchw_out=not blocked_out)
+        epilogue = Epilogue(bias=bias is not None, residual=residual is not None,
+                            activation=None if activation is None else _ACTIVATION_OPS[activation.op.name],
+                            nchw_out=not blocked_out, alpha=_alpha(activation))
         name = f"tvm_ext_{plan.kind}_conv2d_{tag}{suffix}"
         func = _conv.conv2d_blocked_kernel(plan, self.isa.lanes, epilogue)
         if not blocked_out:
@@ -268,7 +269,8 @@ class _Emitter:
             func = _pool.pool2d_func(wl, block=block)
             out_shape = (*shape[:2], wl.OH, wl.OW, *shape[4:])
         else:
-            func, out_shape = _elementwise.activation_func(decision.kernel, shape, "float32", self.isa.lanes), shape
+            func = _elementwise.activation_func(decision.kernel, shape, "float32", self.isa.lanes, _alpha(call))
+            out_shape = shape
         name = f"tvm_ext_{decision.kernel}_{'x'.join(map(str, shape))}"
         out = self._call(func, name, [source], out_shape)
         if block is not None:
@@ -301,7 +303,15 @@ def legalize_map(target: tvm.target.Target) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Epilogue fusion: conv2d [+ bias] [+ residual] [-> activation] becomes one kernel call.
 
-_ACTIVATION_OPS = {"relax.nn.relu": "relu", "relax.sigmoid": "sigmoid", "relax.clip": "relu6"}
+_ACTIVATION_OPS = {"relax.nn.relu": "relu", "relax.sigmoid": "sigmoid", "relax.clip": "relu6", "relax.nn.silu": "silu",
+                   "relax.nn.gelu": "gelu", "relax.nn.leakyrelu": "leaky_relu"}
+
+
+def _alpha(activation: relax.Call | None) -> float:
+    """leaky_relu's negative slope (the other activations have none)."""
+    if activation is None or activation.op.name != "relax.nn.leakyrelu":
+        return 0.01
+    return float(activation.attrs.alpha)
 
 
 def _prim_value(expr) -> float | None:
@@ -339,7 +349,7 @@ def fusion_patterns(target: tvm.target.Target) -> list:
         return act is None or act.op.name != "relax.clip" or _is_relu6(act)
 
     patterns = []
-    for act in ("relax.nn.relu", "relax.clip", "relax.sigmoid", None):
+    for act in (*_ACTIVATION_OPS, None):
         for residual in (True, False):
             for bias in (True, False):
                 if not (bias or residual or act):
@@ -367,7 +377,7 @@ def fusion_patterns(target: tvm.target.Target) -> list:
 
 
 def _epilogue_of(func: relax.Function) -> tuple[relax.Call, tvm.ir.expr.GenericConst | None, int | None, str | None]:
-    """Read a fused composite function: its conv call, bias constant, residual param, activation."""
+    """Read a fused composite function: its conv call, bias constant, residual param, activation call."""
     conv, bias, residual, activation = None, None, None, None
     params = list(func.params)
 
@@ -385,7 +395,7 @@ def _epilogue_of(func: relax.Function) -> tuple[relax.Call, tvm.ir.expr.GenericC
             elif other in params:
                 residual = params.index(other)
         elif name in _ACTIVATION_OPS:
-            activation = _ACTIVATION_OPS[name]
+            activation = expr
 
     relax.analysis.post_order_visit(func.body, visit)
     return conv, bias, residual, activation
@@ -458,7 +468,8 @@ def fold_batch_norm() -> tvm.transform.Pass:
     with s = gamma / sqrt(var + eps) per output channel, computed once here in float64.
 
     Only NCHW/OIHW convolutions with constant weights and statistics, batch norm over axis 1 in
-    inference mode; anything else is left to stock legalization.
+    inference mode; anything else is left to stock legalization. A per-output-channel constant
+    scale after a convolution (conv2d(x, W) * s) folds the same way.
     """
     from tvm.relax.dpl import is_const, is_op, is_tuple_get_item, rewrite_call, wildcard
 
@@ -481,11 +492,27 @@ def fold_batch_norm() -> tvm.transform.Pass:
         new_conv = relax.Call(conv_call.op, [conv_call.args[0], folded_w], conv_call.attrs)
         return relax.op.add(new_conv, relax.const(shift.astype(np.float32).reshape(1, -1, 1, 1)))
 
+    scale = is_const()
+    scaled_conv = is_op("relax.nn.conv2d")(wildcard(), weight)
+    scaled = is_op("relax.multiply")(scaled_conv, scale)
+
+    def scale_rewriter(orig: relax.Expr, matched: dict) -> relax.Expr:
+        """conv2d(x, W) * s, s per output channel  ==>  conv2d(x, W * s)."""
+        conv_call = matched[scaled_conv]
+        k = _static_shape(conv_call)[1] if _static_shape(conv_call) else None
+        layouts = (str(conv_call.attrs.data_layout), str(conv_call.attrs.kernel_layout))
+        if layouts != ("NCHW", "OIHW") or _static_shape(matched[scale]) not in ((1, k, 1, 1), (k, 1, 1)):
+            return orig
+        s = matched[scale].value.numpy().astype(np.float64).reshape(-1)
+        w = matched[weight].value.numpy().astype(np.float64)
+        folded_w = relax.const((w * s[:, None, None, None]).astype(np.float32))
+        return relax.Call(conv_call.op, [conv_call.args[0], folded_w], conv_call.attrs)
+
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.FoldBatchNorm")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         for gvar, func in mod.functions_items():
             if isinstance(func, relax.Function):
-                mod[gvar] = rewrite_call(pattern, rewriter, func)
+                mod[gvar] = rewrite_call(scaled, scale_rewriter, rewrite_call(pattern, rewriter, func))
         return mod
 
     return _pass
