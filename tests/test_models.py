@@ -85,3 +85,30 @@ def test_torch_module_wraps_the_reference():
     x = torch.from_numpy(np.random.default_rng(9).standard_normal(models.image_shape(mod)).astype("float32"))
     with torch.inference_mode():
         np.testing.assert_array_equal(TorchModule(mod)(x).numpy(), to_torch(mod)(x).numpy())
+
+
+def _planned_storage_bytes(lowered: tvm.IRModule) -> int:
+    sizes = []
+    relax.analysis.post_order_visit(lowered["main"], lambda e: sizes.append(int(e.args[0].values[0])) if (
+        isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.vm.alloc_storage") else None)
+    return sum(sizes)
+
+
+def test_resnet50_plans_no_workspace_beyond_activations():
+    """Planned activation storage no larger than stock TVM's, and no kernel of ours allocates
+    more than its register tile's accumulators (no im2col, no packing buffer at run time)."""
+    from tvm.s_tir.analysis import calculate_allocated_bytes
+
+    from tvm_ext.kernels.conv2d import KERNEL_ATTR
+
+    mod, _ = models.get("resnet50")
+    ours = tvm_ext.pipeline(TARGET)(mod)
+    with TARGET:
+        stock = relax.get_pipeline("default")(mod)
+    assert 0 < _planned_storage_bytes(ours) <= _planned_storage_bytes(stock)
+    kernels = tvm.IRModule({gv: f for gv, f in ours.functions_items()
+                            if isinstance(f, tvm.tirx.PrimFunc) and KERNEL_ATTR in f.attrs})
+    assert len(kernels.functions) > 20
+    for name, scopes in calculate_allocated_bytes(kernels).items():
+        assert sum(int(v) for v in scopes.values()) <= 2048, (name, dict(scopes))
+    assert "pack_weight" not in ours["main"].script(), "weights must be packed at build time"
