@@ -104,8 +104,8 @@ def test_pytorch_exported_cnn():
 def test_unsupported_targets_and_options_raise():
     with pytest.raises(tvm_ext.UnsupportedError, match="cuda"):
         tvm_ext.pipeline("cuda -arch=sm_90")
-    with pytest.raises(tvm_ext.UnsupportedError, match="database"):
-        tvm_ext.pipeline("llvm", database="records/")
+    with pytest.raises(FileNotFoundError, match="database_tuning_record"):
+        tvm_ext.pipeline("llvm", database="no/such/records/")
     assert issubclass(tvm_ext.UnsupportedError, ValueError)
 
 

@@ -5,6 +5,7 @@ from ._compat import check_environment
 from .errors import UnsupportedError
 from .pipeline import build, dispatch_report, pipeline
 from .target import resolve_target, vector_isa
+from .tuning import tune
 
 __version__ = "0.1.0"
 __all__ = [
@@ -17,5 +18,6 @@ __all__ = [
     "ops",
     "pipeline",
     "resolve_target",
+    "tune",
     "vector_isa",
 ]

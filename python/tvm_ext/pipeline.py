@@ -38,10 +38,16 @@ def _mark_tvm_ext_scheduled() -> tvm.transform.Pass:
 
 
 def pipeline(target: TargetLike = None, database=None) -> tvm.transform.Pass:
-    """The Relax pipeline for `tvm.compile(mod, target, relax_pipeline=...)`."""
-    if database is not None:
-        raise UnsupportedError("pipeline: tuning databases are not supported yet (see the autotuning issue)")
+    """The Relax pipeline for `tvm.compile(mod, target, relax_pipeline=...)`.
+
+    `database`: tuning records (`tvm_ext.tune`'s work_dir, or a MetaSchedule Database): each
+    convolution uses its best record, the others the analytic schedule.
+    """
     target = resolve_target(target)
+    if database is not None:
+        from .tuning.tune import open_database
+
+        database = open_database(database)
     if target.kind.name != "llvm":
         raise UnsupportedError(f"pipeline: target {target.kind.name} is not supported yet (LLVM CPUs only)")
 
@@ -52,7 +58,7 @@ def pipeline(target: TargetLike = None, database=None) -> tvm.transform.Pass:
                 cpu_pipeline.library_dispatch_passes(target)
                 + cpu_strategy.fusion_passes(target)
                 + [
-                    cpu_strategy.lower_to_kernels(target),
+                    cpu_strategy.lower_to_kernels(target, database),
                     relax.transform.LegalizeOps(cpu_strategy.legalize_map(target)),
                     relax.transform.AnnotateTIROpPattern(),
                     relax.transform.FoldConstant(),

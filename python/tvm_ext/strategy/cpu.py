@@ -27,6 +27,7 @@ from ..kernels import layout as _layout
 from ..kernels import pool2d as _pool
 from ..kernels.conv2d import Epilogue
 from ..target import vector_isa
+from ..tuning import space as _space
 
 logger = logging.getLogger("tvm_ext")
 
@@ -170,10 +171,11 @@ class _Emitter:
     around fallbacks; DeadCodeElimination then drops every unpack nobody reads.
     """
 
-    def __init__(self, bb: relax.BlockBuilder, target: tvm.target.Target):
+    def __init__(self, bb: relax.BlockBuilder, target: tvm.target.Target, database=None):
         self.bb = bb
         self.target = target
         self.isa = vector_isa(target)
+        self.database = database  # a MetaSchedule Database of tuned kernels, or None
 
     def blocked(self, expr: relax.Expr) -> tuple[relax.Expr, int] | None:
         """(the blocked tensor, its channel block) behind an NCHW view, if there is one."""
@@ -251,10 +253,20 @@ class _Emitter:
                             activation=None if activation is None else _ACTIVATION_OPS[activation.op.name],
                             nchw_out=not blocked_out, alpha=_alpha(activation))
         name = f"tvm_ext_{plan.kind}_conv2d_{tag}{suffix}"
-        func = _conv.conv2d_blocked_kernel(plan, self.isa.lanes, epilogue)
+        func = self._conv_kernel(plan, epilogue)
         if not blocked_out:
             return relax.call_tir(_add_kernel(self.bb, func, name), args, relax.TensorType(wl.out_shape, "float32"))
         return self.unpack(self._call(func, name, args, plan.out_shape()), wl.K)
+
+    def _conv_kernel(self, plan: _conv.Conv2dPlan, epilogue: Epilogue) -> tvm.tirx.PrimFunc:
+        """The tuned schedule of this convolution if the database has one, else the analytic one."""
+        if self.database is not None and _space.tunable(plan):
+            from ..tuning.tune import tuned_kernel
+
+            tuned = tuned_kernel(self.database, _space.conv2d_workload(plan, epilogue, self.isa), self.target)
+            if tuned is not None:
+                return tuned
+        return _space.default_kernel(plan, epilogue, self.isa)
 
     def pool_or_activation(self, call: relax.Call, decision: Decision) -> relax.Expr:
         data = call.args[0]
@@ -411,7 +423,7 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
             relax.transform.FuseOpsByPattern(fusion_patterns(target), bind_constants=True)]
 
 
-def lower_to_kernels(target: tvm.target.Target) -> tvm.transform.Pass:
+def lower_to_kernels(target: tvm.target.Target, database=None) -> tvm.transform.Pass:
     """Replace the composite functions of :func:`fusion_patterns` and every op :func:`decide`
     gives a kernel with tvm_ext kernel calls, in program order, so that each kernel can read
     its producer's blocked output (see :class:`_Emitter`)."""
@@ -421,7 +433,7 @@ def lower_to_kernels(target: tvm.target.Target) -> tvm.transform.Pass:
         def __init__(self, mod: tvm.IRModule):
             super().__init__(mod)
             self.mod_ = mod
-            self.emitter = _Emitter(self.builder_, target)
+            self.emitter = _Emitter(self.builder_, target, database)
 
         def visit_call_(self, call: relax.Call) -> relax.Expr:
             call = super().visit_call_(call)

@@ -1,0 +1,181 @@
+"""`tvm_ext.tune`: MetaSchedule tuning of a whole Relax network's tvm_ext convolutions.
+
+Tasks are the graph's BRGEMM convolution kernels as tvm_ext lowers them (layouts included),
+identical ones merged and weighted by how often the network calls them. Each is tuned over
+:func:`tvm_ext.tuning.space.conv2d_space` with MetaSchedule's evolutionary search and XGBoost
+cost model; records go to a JSON database in `work_dir` (one line per measured candidate, so an
+interrupted run keeps what it measured and a rerun continues from it). `tvm_ext.build(mod,
+target, database=work_dir)` then uses the best record of each kernel and the analytic schedule
+for the others: tuning is never required.
+
+Two hazards of MetaSchedule on TVM 0.27 are absorbed here: its default builder and TuneContext
+import `tvm.s_tir.tensor_intrin` (25-55 s, in every builder worker: candidates time out), so the
+builder gets a build function of ours and contexts are made without that import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+
+import tvm
+from tvm import relax
+from tvm.s_tir import Schedule
+from tvm.s_tir import meta_schedule as ms
+
+from ..errors import UnsupportedError
+from ..kernels.conv2d import KERNEL_ATTR
+from ..target import TargetLike, resolve_target, vector_isa
+from . import space
+
+logger = logging.getLogger("tvm_ext")
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One kernel to tune: its workload (unscheduled, self-describing) and how often it runs."""
+
+    name: str
+    workload: tvm.tirx.PrimFunc
+    weight: int
+
+
+def extract_tasks(mod: tvm.IRModule, target: TargetLike = None) -> list[Task]:
+    """The tunable tvm_ext kernels of `mod` on `target`, identical ones merged (weight = count)."""
+    from ..strategy import cpu as cpu_strategy
+
+    target = resolve_target(target)
+    isa = vector_isa(target)
+    with target:
+        lowered = tvm.transform.Sequential(cpu_strategy.fusion_passes(target)
+                                           + [cpu_strategy.lower_to_kernels(target)])(mod)
+    calls: dict[str, int] = {}
+    relax.analysis.post_order_visit(lowered["main"], lambda e: calls.__setitem__(
+        e.args[0].name_hint, calls.get(e.args[0].name_hint, 0) + 1) if (
+        isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir") else None)
+    tasks: dict[str, Task] = {}  # by the workload's self-description: equal kernels, one task
+    for gvar, func in lowered.functions_items():
+        described = space.describe_kernel(func) if isinstance(func, tvm.tirx.PrimFunc) else None
+        if described is None or not space.tunable(described[0]) or gvar.name_hint not in calls:
+            continue
+        workload = space.conv2d_workload(described[0], described[1], isa)
+        key = str(workload.attrs[space.PLAN_ATTR])
+        if key in tasks:
+            tasks[key] = dataclasses.replace(tasks[key], weight=tasks[key].weight + calls[gvar.name_hint])
+        else:
+            tasks[key] = Task(gvar.name_hint, workload, calls[gvar.name_hint])
+    return list(tasks.values())
+
+
+def _build(mod: tvm.IRModule, target: tvm.target.Target, _params) -> tvm.runtime.Module:
+    """MetaSchedule's build step without its wholesale tensor_intrin import."""
+    from tvm.driver import build as tir_build
+
+    return tir_build(mod, target=target)
+
+
+def _tune_context(task: Task, target: tvm.target.Target, seed: int) -> ms.TuneContext:
+    """A TuneContext, made as TuneContext.__init__ makes it minus `import tvm.s_tir.tensor_intrin`."""
+    from tvm.s_tir.meta_schedule import _ffi_api
+    from tvm.s_tir.meta_schedule.logging import get_logger, get_logging_func
+
+    generator = ms.space_generator.ScheduleFn(space.conv2d_space, sch_rules=[], postprocs=[space.TensorizeBRGEMM()],
+                                              mutator_probs={})
+    context = ms.TuneContext.__new__(ms.TuneContext)
+    context.__init_handle_by_constructor__(
+        _ffi_api.TuneContext, tvm.IRModule({"main": task.workload}), target, generator,
+        ms.search_strategy.EvolutionarySearch(), task.name, max(1, os.cpu_count() or 1), seed,
+        get_logging_func(get_logger("tvm_ext.tuning")))
+    _ffi_api.TuneContextInitialize(context)
+    return context
+
+
+def open_database(database: str | os.PathLike | ms.Database, create: bool = False) -> ms.Database:
+    """A Database as given, or the JSON database in a work_dir (which must exist unless `create`)."""
+    if isinstance(database, ms.Database):
+        return database
+    path = Path(database)
+    if create:
+        path.mkdir(parents=True, exist_ok=True)
+    elif not (path / _RECORDS).is_file():
+        raise FileNotFoundError(f"tuning database: {path} has no {_RECORDS} (run tvm_ext.tune)")
+    for name in (_WORKLOADS, _RECORDS):
+        _check_json_lines(path / name)
+    return ms.database.JSONDatabase(work_dir=str(path))
+
+
+_WORKLOADS, _RECORDS = "database_workload.json", "database_tuning_record.json"
+
+
+def _check_json_lines(path: Path) -> None:
+    """Name the file and line of a corrupt record (MetaSchedule's own reader aborts without it).
+
+    Nothing is rewritten: the valid records stay as they are for the user to keep.
+    """
+    if not path.is_file():
+        return
+    with path.open() as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except ValueError as err:
+                raise ValueError(f"{path}:{number}: corrupt tuning record ({err}); the other lines are intact: "
+                                 "delete or repair this one (a run interrupted while writing leaves a "
+                                 "truncated last line)") from None
+
+
+def tune(mod: tvm.IRModule, target: TargetLike, work_dir: str | os.PathLike, max_trials: int = 64,
+         trials_per_task: int | None = None, *, num_trials_per_iter: int = 16, cost_model: str = "xgb",
+         seed: int = 1) -> ms.Database:
+    """Tune the tvm_ext convolutions of `mod` for `target`; records go to `work_dir`.
+
+    `max_trials` is the budget over all tasks (the task scheduler spends it where the weighted
+    latency falls fastest), `trials_per_task` caps each (default: max_trials). `cost_model`:
+    "xgb" (default) or "random".
+    """
+    target = resolve_target(target)
+    if target.kind.name != "llvm":
+        raise UnsupportedError(f"tune: target {target.kind.name} is not supported yet (LLVM CPUs only)")
+    tasks = extract_tasks(mod, target)
+    if not tasks:
+        raise UnsupportedError("tune: the module has no tvm_ext convolution with a design space")
+    logger.info("tvm_ext.tune: %d tasks, %d kernel calls", len(tasks), sum(t.weight for t in tasks))
+    database = open_database(work_dir, create=True)
+    workers = max(1, os.cpu_count() or 1)
+    ms.tune_tasks(
+        tasks=[_tune_context(task, target, seed + i) for i, task in enumerate(tasks)],
+        task_weights=[float(task.weight) for task in tasks],
+        work_dir=str(work_dir),
+        max_trials_global=max_trials,
+        max_trials_per_task=trials_per_task or max_trials,
+        num_trials_per_iter=num_trials_per_iter,
+        builder=ms.builder.LocalBuilder(f_build=_build, max_workers=workers, timeout_sec=60),
+        runner=ms.runner.LocalRunner(evaluator_config=ms.runner.EvaluatorConfig(number=3, repeat=3,
+                                                                                 min_repeat_ms=20)),
+        database=database,
+        cost_model=cost_model,
+    )
+    return database
+
+
+def tuned_kernel(database: ms.Database, workload: tvm.tirx.PrimFunc,
+                 target: tvm.target.Target) -> tvm.tirx.PrimFunc | None:
+    """The best record's schedule of `workload` in `database`, or None when it has none."""
+    mod = tvm.IRModule({"main": workload})
+    record = database.query_tuning_record(mod, target, "main")
+    if record is None:
+        return None
+    sch = Schedule(mod)
+    # Replay the sampled decisions; the tensorize step runs again here, registering the
+    # microkernels it names (a fresh process has none).
+    record.trace.apply_to_schedule(sch, remove_postproc=True)
+    if not space.tensorize_segments(sch):
+        logger.warning("tvm_ext: a tuning record of %s does not apply; using the analytic schedule",
+                       workload.attrs[space.PLAN_ATTR])
+        return None
+    return sch.mod["main"].with_attr(KERNEL_ATTR, "brgemm_conv2d")

@@ -1,0 +1,111 @@
+"""Autotuning: the design space's candidates, tuning a small network, records that persist."""
+
+import json
+
+import numpy as np
+import pytest
+import tvm
+from reference import rel_err
+from tvm import relax
+from tvm.s_tir import Schedule
+
+import tvm_ext
+from tvm_ext.kernels.conv2d import Conv2dWorkload, Epilogue, plan_conv2d
+from tvm_ext.target import AVX2
+from tvm_ext.tuning import extract_tasks, open_database, tuned_kernel
+from tvm_ext.tuning.space import conv2d_space, conv2d_workload, default_kernel, tensorize_segments
+
+TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})  # AVX2: the CI machine's ISA
+
+
+def test_every_candidate_of_the_design_space_computes_the_convolution():
+    """Candidates differ in m_r, n_r and unroll; each that fits the registers gives the same numbers."""
+    wl = Conv2dWorkload.make((1, 16, 9, 13), (32, 16, 3, 3), 1, 1)  # 13 wide: whole tiles and a tail
+    plan = plan_conv2d(wl, AVX2)
+    assert len(plan.row_segments()) == 2
+    epilogue = Epilogue(bias=True, activation="relu")
+    workload = conv2d_workload(plan, epilogue, AVX2)
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal(s).astype("float32") for s in (plan.data_shape(), plan.weight_shape(),
+                                                                (plan.OCB, plan.oc_bn))]
+
+    def run(func) -> np.ndarray:
+        out = tvm.runtime.tensor(np.full(plan.out_shape(), np.nan, np.float32))
+        tvm.compile(func, TARGET)(*(tvm.runtime.tensor(a) for a in args), out)
+        return out.numpy()
+
+    expected = run(default_kernel(plan, epilogue, AVX2))
+    seen, rejected = set(), 0
+    for seed in range(1, 13):
+        sch = Schedule(workload, seed=seed)
+        conv2d_space(sch)
+        decisions = tuple(int(v) for v in sch.trace.decisions.values())
+        if not tensorize_segments(sch):
+            rejected += 1  # a tile larger than the register file
+            continue
+        if decisions in seen:
+            continue
+        seen.add(decisions)
+        assert rel_err(run(sch.mod["main"]), expected) <= 1e-6, decisions
+    assert len(seen) >= 4
+
+
+def _net() -> tvm.IRModule:
+    rng = np.random.default_rng(1)
+
+    def const(*shape):
+        return relax.const((rng.standard_normal(shape) * 0.1).astype("float32"))
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 16, 14, 14), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.relu(relax.op.add(relax.op.nn.conv2d(x, const(32, 16, 3, 3), padding=(1, 1)),
+                                                      const(1, 32, 1, 1))))
+            for _ in range(2):  # the same kernel twice: one task of weight 2
+                y = bb.emit(relax.op.nn.relu(relax.op.add(relax.op.nn.conv2d(y, const(32, 32, 3, 3), padding=(1, 1)),
+                                                          const(1, 32, 1, 1))))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_tune_a_network_then_build_with_its_records(tmp_path):
+    mod = _net()
+    tasks = extract_tasks(mod, TARGET)
+    assert sorted(t.weight for t in tasks) == [1, 2]
+    work_dir = tmp_path / "records"
+    tvm_ext.tune(mod, TARGET, work_dir, max_trials=8, num_trials_per_iter=4)
+    records = [json.loads(line) for line in (work_dir / "database_tuning_record.json").read_text().splitlines()]
+    assert len(records) >= 6 and any(r[1][1][0] < 1 for r in records)  # measured run times, in seconds
+    database = open_database(work_dir)
+    assert all(tuned_kernel(database, t.workload, TARGET) is not None for t in tasks)
+    x = np.random.default_rng(2).standard_normal((1, 16, 14, 14)).astype("float32")
+    run = lambda ex: relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()  # noqa: E731
+    assert rel_err(run(tvm_ext.build(mod, TARGET, database=work_dir)), run(tvm.compile(mod, TARGET))) <= 1e-4
+    # A second run continues from the same records.
+    tvm_ext.tune(mod, TARGET, work_dir, max_trials=4, num_trials_per_iter=4)
+    assert len((work_dir / "database_tuning_record.json").read_text().splitlines()) > len(records)
+
+
+def test_corrupt_database_names_the_file_and_line(tmp_path):
+    (tmp_path / "database_workload.json").write_text("")
+    (tmp_path / "database_tuning_record.json").write_text('[0, [[], [1.0]]]\n[0, [[], [1.0\n')
+    with pytest.raises(ValueError, match=r"database_tuning_record.json:2: corrupt"):
+        open_database(tmp_path)
+    assert (tmp_path / "database_tuning_record.json").read_text().startswith("[0, [[], [1.0]]]")
+    with pytest.raises(FileNotFoundError, match="run tvm_ext.tune"):
+        tvm_ext.build(_net(), TARGET, database=tmp_path / "missing")
+
+
+def test_tune_rejects_what_it_cannot_tune(tmp_path):
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 8, 6, 6), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(relax.op.nn.relu(x)))
+        bb.emit_func_output(out)
+    with pytest.raises(tvm_ext.UnsupportedError, match="no tvm_ext convolution"):
+        tvm_ext.tune(bb.get(), TARGET, tmp_path)
+    with pytest.raises(tvm_ext.UnsupportedError, match="cuda"):
+        tvm_ext.tune(_net(), "cuda", tmp_path)
