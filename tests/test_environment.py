@@ -50,7 +50,7 @@ def test_every_kernel_has_a_unique_symbol_and_attribute():
     from tvm_ext.kernels.pool2d import Pool2dWorkload, pool2d_func
 
     funcs = [activation_func("relu", (64,), "float32", 8), pool2d_func(Pool2dWorkload.make((1, 8, 8, 8), "max", 2))]
-    assert all(str(f.attrs["global_symbol"]) == "main" for f in funcs)  # the hazard
+    assert str(funcs[1].attrs["global_symbol"]) == "main"  # the hazard (a TE-made kernel)
     names = [f"tvm_ext_{f.attrs[KERNEL_ATTR]}" for f in funcs]
     mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in zip(names, funcs, strict=True)})
     lib = tvm.compile(mod, tvm_ext.resolve_target("llvm"))
