@@ -40,3 +40,41 @@ def test_layers_bench_smoke(tmp_path):
 def test_tutorial_02_compile_a_network():
     out = _run("tutorials/02_compile_a_network.py")
     assert "relative error against PyTorch" in out and "brgemm_conv2d epilogue" in out
+
+
+def test_tutorial_03_autotune(tmp_path):
+    out = _run("tutorials/03_autotune.py", "--trials", "8", "--work-dir", str(tmp_path / "records"))
+    assert "called 2x" in out and "tvm_ext.brgemm_float32" in out
+    assert "relative error against stock TVM" in out and "latency: tuned" in out
+    err = float(out.split("relative error against stock TVM ")[1].split()[0])
+    assert err <= 1e-4
+
+
+def test_cli_tune_an_onnx_model(tmp_path):
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((32, 16, 3, 3)).astype("float32"), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c"], ["y"])],
+        "net", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 12, 12])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32, 12, 12])], [w])
+    path = tmp_path / "net.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    work_dir = tmp_path / "records"
+    out = _run("-m", "tvm_ext", "tune", "--onnx", str(path), "--trials", "4", "--work-dir", str(work_dir))
+    assert "1 tasks" in out and "GFLOP/s" in out and "tuned in" in out
+    assert (work_dir / "database_tuning_record.json").read_text().strip()
+    assert (work_dir / "tuning_curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_e2e_bench_smoke(tmp_path):
+    csv = tmp_path / "e2e.csv"
+    out = _run("bench/e2e.py", "--models", "mobilenet_v2", "--batches", "1", "--threads", "1", "--repeat", "2",
+               "--runtimes", "tvm_ext,onnxruntime", "--csv", str(csv), "--work-dir", str(tmp_path / "work"))
+    assert "onnxruntime" in out and "tvm_ext" in out
+    rows = csv.read_text().splitlines()
+    assert rows[0].startswith("model,") and len(rows) == 3
+    tvm_row = next(r for r in rows if ",tvm_ext," in r).split(",")
+    assert float(tvm_row[rows[0].split(",").index("err_vs_ort")]) <= 1e-4

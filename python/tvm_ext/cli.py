@@ -4,6 +4,8 @@ demo   build the model with tvm_ext and with stock TVM, check the outputs agree,
        dispatch summary and the latency against stock TVM and PyTorch eager (same weights).
 report print the dispatch report (one row per op).
 bench  the per-layer convolution benchmark (bench/layers.py) for the model's layers.
+tune   tune the model's convolutions (MetaSchedule, XGBoost cost model) into --work-dir; then
+       build with tvm_ext.build(mod, target, database=WORK_DIR).
 """
 
 from __future__ import annotations
@@ -20,8 +22,12 @@ from pathlib import Path
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m tvm_ext", description=__doc__.split("\n\n")[0])
-    ap.add_argument("command", choices=("demo", "report", "bench"))
+    ap.add_argument("command", choices=("demo", "report", "bench", "tune"))
     ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--onnx", default="", help="tune: an ONNX file instead of --model")
+    ap.add_argument("--trials", type=int, default=64, help="tune: trials over all tasks")
+    ap.add_argument("--trials-per-task", type=int, default=0, help="tune: cap per task (0: --trials)")
+    ap.add_argument("--work-dir", default="tuning", help="tune: where the records go")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--target", default="llvm")
     ap.add_argument("--threads", type=int, default=0, help="TVM and PyTorch threads (0: every core we may use)")
@@ -92,6 +98,35 @@ def demo(args: argparse.Namespace) -> int:
     return status
 
 
+def tune(args: argparse.Namespace) -> int:
+    import tvm_ext
+    from tvm_ext import models
+    from tvm_ext.tuning import extract_tasks
+    from tvm_ext.tuning.progress import TuningProgress
+
+    if args.onnx:
+        import onnx
+        from tvm.relax.frontend.onnx import from_onnx
+
+        mod = from_onnx(onnx.load(args.onnx), keep_params_in_input=False)
+        name = Path(args.onnx).stem
+    else:
+        mod, _ = models.get(args.model, batch=args.batch)
+        name = args.model
+    target = tvm_ext.resolve_target(args.target)
+    tasks = extract_tasks(mod, target)
+    print(f"tvm_ext tune: {name} on {target}: {len(tasks)} tasks ({sum(t.weight for t in tasks)} kernel calls), "
+          f"{args.trials} trials, records in {args.work_dir}")
+    progress = TuningProgress(tasks, args.trials)
+    start = time.perf_counter()
+    tvm_ext.tune(mod, target, args.work_dir, args.trials, args.trials_per_task or None, tasks=tasks,
+                 measure_callbacks=[progress])
+    print(f"\ntuned in {time.perf_counter() - start:.0f} s\n{progress.summary()}")
+    plot = progress.plot(Path(args.work_dir) / "tuning_curve.png")
+    print(f"tuning curve: {plot}" if plot else "tuning curve: matplotlib is not installed, no PNG")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     # Set explicitly: TVM's own default pool ran ResNet-18 at half speed on this 2-core machine.
@@ -99,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
     if args.command == "demo":
         return demo(args)
+    if args.command == "tune":
+        return tune(args)
     if args.command == "report":
         import tvm_ext
         from tvm_ext import models

@@ -131,17 +131,19 @@ def _check_json_lines(path: Path) -> None:
 
 def tune(mod: tvm.IRModule, target: TargetLike, work_dir: str | os.PathLike, max_trials: int = 64,
          trials_per_task: int | None = None, *, num_trials_per_iter: int = 16, cost_model: str = "xgb",
-         seed: int = 1) -> ms.Database:
+         seed: int = 1, tasks: list[Task] | None = None, measure_callbacks: list | None = None) -> ms.Database:
     """Tune the tvm_ext convolutions of `mod` for `target`; records go to `work_dir`.
 
     `max_trials` is the budget over all tasks (the task scheduler spends it where the weighted
     latency falls fastest), `trials_per_task` caps each (default: max_trials). `cost_model`:
-    "xgb" (default) or "random".
+    "xgb" (default) or "random". `tasks`: those of :func:`extract_tasks` (extracted if not given);
+    `measure_callbacks`: MetaSchedule measure callbacks run after MetaSchedule's own (e.g.
+    :class:`tvm_ext.tuning.progress.TuningProgress`).
     """
     target = resolve_target(target)
     if target.kind.name != "llvm":
         raise UnsupportedError(f"tune: target {target.kind.name} is not supported yet (LLVM CPUs only)")
-    tasks = extract_tasks(mod, target)
+    tasks = extract_tasks(mod, target) if tasks is None else tasks
     if not tasks:
         raise UnsupportedError("tune: the module has no tvm_ext convolution with a design space")
     logger.info("tvm_ext.tune: %d tasks, %d kernel calls", len(tasks), sum(t.weight for t in tasks))
@@ -159,6 +161,7 @@ def tune(mod: tvm.IRModule, target: TargetLike, work_dir: str | os.PathLike, max
                                                                                  min_repeat_ms=20)),
         database=database,
         cost_model=cost_model,
+        measure_callbacks=list(ms.measure_callback.MeasureCallback.create("default")) + list(measure_callbacks or []),
     )
     return database
 
