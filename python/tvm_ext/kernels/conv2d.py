@@ -25,8 +25,8 @@ import tvm
 import tvm.script
 from tvm import s_tir, te, tirx
 
-from ..intrin.cpu import BRGEMM, default_tile, get_brgemm_intrin
-from ..target import VectorISA
+from ..intrin.cpu import BRGEMM, default_tile, get_brgemm_intrin, register_tiles
+from ..target import AVX2, AVX512, NEON, SSE, VectorISA
 
 KERNEL_ATTR = "tvm_ext.kernel"
 
@@ -399,32 +399,78 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
     return tvm.script.from_source(text)
 
 
-def _tensorize_segment(sch: s_tir.Schedule, plan: Conv2dPlan, block, lanes: int) -> None:
-    """Tile one row segment into microkernel calls and tensorize them."""
+BRGEMM_UNROLL = "tvm_ext.brgemm_unroll"  # block annotation: the microkernel's k unroll
+UNROLL_CHOICES = (1, 2, 4)
+
+
+def _tile_segment(sch: s_tir.Schedule, plan: Conv2dPlan, block, width: int, lanes: int,
+                  tunable: bool, registers: int | None) -> None:
+    """Split one row segment into m_r x n_r microkernel tiles: the analytic tile, or (tunable)
+    sampled decisions that feed the same primitives, so every decision gives the same loops."""
+    ow, o = sch.get_loops(block)[-6:-4]
+    if tunable:
+        largest_m = max(m for m, _ in register_tiles_for(registers, lanes))
+        choices = ([m for m in range(1, min(width, largest_m) + 1) if width % m == 0],
+                   [n for n in range(lanes, plan.oc_bn + 1, lanes) if plan.oc_bn % n == 0],
+                   list(UNROLL_CHOICES))
+        m_r, n_r, unroll = (sch.sample_categorical(c, [1 / len(c)] * len(c)) for c in choices)
+    else:
+        m_r, n_r, unroll = min(plan.m_r, width), plan.oc_bn, 1
+    ow_outer, ow_inner = sch.split(ow, [None, m_r], preserve_unit_iters=True)
+    o_outer, o_inner = sch.split(o, [None, n_r], preserve_unit_iters=True)
+    sch.reorder(o_outer, ow_outer, ow_inner, o_inner)  # one weight block is reused along the row
+    sch.annotate(block, BRGEMM_UNROLL, unroll)
+
+
+def register_tiles_for(registers: int | None, lanes: int) -> list[tuple[int, int]]:
+    """The (m_r, n_r) tiles that fit a vector register file (one register spare)."""
+    isa = next(i for i in (AVX512, AVX2, NEON, SSE) if i.lanes == lanes and registers in (None, i.registers))
+    return register_tiles(isa, spare=1)
+
+
+def tensorize_brgemm_segments(sch: s_tir.Schedule, plan: Conv2dPlan, lanes: int, registers: int | None = None) -> bool:
+    """Tensorize each tiled segment with the microkernel of its tile (init=True: accumulators start
+    at zero in registers and the tile is stored once, straight into the output; a zero-filled row
+    buffer copied out afterwards cost a third of the time of AVX2 1x1 layers). False, and nothing
+    tensorized, if a tile does not fit the register file."""
     wl = plan.wl
-    ow, o, icb, kh, kw, ic = sch.get_loops(block)[-6:]
-    m_r = min(plan.m_r, int(sch.get(ow).extent))
-    _, owi = sch.split(ow, [None, m_r])
-    # init=True: accumulators start at zero in registers and the tile is stored once, straight
-    # into the output (a zero-filled row buffer copied out afterwards cost a third of the time
-    # of AVX2 1x1 layers).
-    spec = BRGEMM(m_r=m_r, n_r=plan.oc_bn, k=plan.ic_bn, lanes=lanes,
-                  batch=(int(sch.get(icb).extent), wl.KH, wl.KW), stride=wl.stride[1],
-                  dilation=wl.dilation, init=True)
-    sch.tensorize(owi, get_brgemm_intrin(spec))
+    fits = set(register_tiles_for(registers, lanes))
+    tiles = []
+    for name, _, _ in plan.row_segments():
+        block = sch.get_sblock(name)
+        ow_inner, o_inner, icb = sch.get_loops(block)[-6:-3]
+        m_r, n_r = int(sch.get(ow_inner).extent), int(sch.get(o_inner).extent)
+        if (m_r, n_r) not in fits and registers is not None:
+            return False
+        unroll = int(sch.get(block).annotations.get(BRGEMM_UNROLL, 1))
+        tiles.append((ow_inner, BRGEMM(m_r=m_r, n_r=n_r, k=plan.ic_bn, lanes=lanes,
+                                       batch=(int(sch.get(icb).extent), wl.KH, wl.KW), stride=wl.stride[1],
+                                       dilation=wl.dilation, init=True, unroll=unroll)))
+    for loop, spec in tiles:
+        sch.tensorize(loop, get_brgemm_intrin(spec))
+    return True
 
 
-def schedule_conv2d_blocked(sch: s_tir.Schedule, plan: Conv2dPlan, lanes: int) -> None:
-    """Tensorize the row segments (vectorize them, for depthwise and direct).
+def schedule_conv2d_blocked(sch: s_tir.Schedule, plan: Conv2dPlan, lanes: int, tunable: bool = False,
+                            registers: int | None = None) -> None:
+    """Tile and tensorize the row segments (vectorize them, for depthwise and direct).
+
+    One schedule for both uses: the analytic tile by default; with `tunable` (BRGEMM kind) the
+    tile and unroll become MetaSchedule decisions and tensorizing is left to a postprocessor
+    (:func:`tensorize_brgemm_segments`), which needs the sampled tile to pick the microkernel.
+    `registers`: the vector register count that sampled tiles must fit (tunable only).
 
     The epilogue needs nothing: it updates the row in place (a block no schedule primitive can
     transform) and is generated with its channel loop already vectorized.
     """
+    if plan.kind == "brgemm":
+        for name, width, _ in plan.row_segments():
+            _tile_segment(sch, plan, sch.get_sblock(name), width, lanes, tunable, registers)
+        if not tunable:
+            tensorize_brgemm_segments(sch, plan, lanes)
+        return
     for name, _, _ in plan.row_segments():
         block = sch.get_sblock(name)
-        if plan.kind == "brgemm":
-            _tensorize_segment(sch, plan, block, lanes)
-            continue
         loops = sch.get_loops(block)
         ow, o, *reduction = loops[-2 - len(plan.reduce_axes()):]
         sch.reorder(*reduction, o)
