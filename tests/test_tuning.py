@@ -109,3 +109,27 @@ def test_tune_rejects_what_it_cannot_tune(tmp_path):
         tvm_ext.tune(bb.get(), TARGET, tmp_path)
     with pytest.raises(tvm_ext.UnsupportedError, match="cuda"):
         tvm_ext.tune(_net(), "cuda", tmp_path)
+
+
+def test_shipped_records_apply_only_to_their_target(tmp_path, monkeypatch):
+    from tvm_ext.strategy import cpu as cpu_strategy
+    from tvm_ext.tuning.tuner import TUNED_ATTR, shipped_database, target_key
+
+    mod = _net()
+    tvm_ext.tune(mod, TARGET, tmp_path / target_key(TARGET), max_trials=8, num_trials_per_iter=8)
+    monkeypatch.setenv("TVM_EXT_SCHEDULES", str(tmp_path))
+
+    def tuned_kernels(target) -> int:
+        with target:
+            lowered = tvm.transform.Sequential(cpu_strategy.fusion_passes(target) + [
+                cpu_strategy.lower_to_kernels(target, shipped_database(target))])(mod)
+        return sum(1 for _, f in lowered.functions_items() if isinstance(f, tvm.tirx.PrimFunc) and TUNED_ATTR in f.attrs)
+
+    assert target_key(TARGET) == "llvm-znver3"
+    assert tuned_kernels(TARGET) >= 1
+    other = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})
+    assert shipped_database(other) is None and tuned_kernels(other) == 0
+    x = np.random.default_rng(3).standard_normal((1, 16, 14, 14)).astype("float32")
+    ours = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
+    stock = relax.VirtualMachine(tvm.compile(mod, TARGET), tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
+    assert rel_err(ours, stock) <= 1e-4

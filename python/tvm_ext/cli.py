@@ -28,6 +28,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--trials", type=int, default=64, help="tune: trials over all tasks")
     ap.add_argument("--trials-per-task", type=int, default=0, help="tune: cap per task (0: --trials)")
     ap.add_argument("--work-dir", default="tuning", help="tune: where the records go")
+    ap.add_argument("--ship", action="store_true",
+                    help="tune: write into schedules/<target key>/ (the records builds use by default)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--target", default="llvm")
     ap.add_argument("--threads", type=int, default=0, help="TVM and PyTorch threads (0: every core we may use)")
@@ -114,6 +116,10 @@ def tune(args: argparse.Namespace) -> int:
         mod, _ = models.get(args.model, batch=args.batch)
         name = args.model
     target = tvm_ext.resolve_target(args.target)
+    if args.ship:
+        from tvm_ext.tuning.tuner import schedules_root, target_key
+
+        args.work_dir = str(schedules_root() / target_key(target))
     tasks = extract_tasks(mod, target)
     print(f"tvm_ext tune: {name} on {target}: {len(tasks)} tasks ({sum(t.weight for t in tasks)} kernel calls), "
           f"{args.trials} trials, records in {args.work_dir}")

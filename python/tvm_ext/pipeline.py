@@ -41,13 +41,13 @@ def pipeline(target: TargetLike = None, database=None) -> tvm.transform.Pass:
     """The Relax pipeline for `tvm.compile(mod, target, relax_pipeline=...)`.
 
     `database`: tuning records (`tvm_ext.tune`'s work_dir, or a MetaSchedule Database): each
-    convolution uses its best record, the others the analytic schedule.
+    convolution uses its best record, the others the analytic schedule. Without one, the
+    records shipped for this target (schedules/<target key>/) are used if there are any.
     """
-    target = resolve_target(target)
-    if database is not None:
-        from .tuning.tune import open_database
+    from .tuning.tuner import open_database, shipped_database
 
-        database = open_database(database)
+    target = resolve_target(target)
+    database = shipped_database(target) if database is None else open_database(database)
     if target.kind.name != "llvm":
         raise UnsupportedError(f"pipeline: target {target.kind.name} is not supported yet (LLVM CPUs only)")
 

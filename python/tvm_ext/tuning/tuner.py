@@ -181,4 +181,28 @@ def tuned_kernel(database: ms.Database, workload: tvm.tirx.PrimFunc,
         logger.warning("tvm_ext: a tuning record of %s does not apply; using the analytic schedule",
                        workload.attrs[space.PLAN_ATTR])
         return None
-    return sch.mod["main"].with_attr(KERNEL_ATTR, "brgemm_conv2d")
+    return sch.mod["main"].with_attr(KERNEL_ATTR, "brgemm_conv2d").with_attr(TUNED_ATTR, True)
+
+
+TUNED_ATTR = "tvm_ext.tuned"  # on kernels whose schedule came from a tuning record
+
+
+def target_key(target: TargetLike) -> str:
+    """The folder name of a target's shipped records: kind and CPU (e.g. llvm-znver4)."""
+    target = resolve_target(target)
+    cpu = str(target.attrs.get("mcpu", "")) or "generic"
+    return f"{target.kind.name}-{cpu}"
+
+
+def schedules_root() -> Path:
+    """Where shipped records live: $TVM_EXT_SCHEDULES, else the repository's schedules/."""
+    return Path(os.environ.get("TVM_EXT_SCHEDULES") or Path(__file__).resolve().parents[3] / "schedules")
+
+
+def shipped_database(target: TargetLike) -> ms.Database | None:
+    """The records shipped for `target` (schedules/<target key>/), or None when there are none."""
+    path = schedules_root() / target_key(target)
+    if not (path / _RECORDS).is_file():
+        return None
+    logger.info("tvm_ext: using the tuning records shipped in %s", path)
+    return open_database(path)
