@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 import pytest
@@ -198,10 +199,14 @@ def _pack_nchwc(x, plan):
     return np.ascontiguousarray(xp.reshape(n, c // plan.ic_bn, plan.ic_bn, h, w).transpose(0, 1, 3, 4, 2))
 
 
-@pytest.mark.parametrize("activation", [None, "relu", "relu6", "sigmoid"])
+@pytest.mark.parametrize("activation", [None, "relu", "relu6", "sigmoid", "silu", "gelu"])
 @pytest.mark.parametrize("shape", [((1, 32, 9, 17), (48, 32, 3, 3), 1, 1), ((2, 16, 12, 11), (32, 16, 1, 1), 2, 0)])
-def test_blocked_kernel_with_fused_epilogue(activation, shape):
-    """The graph-mode kernel: blocked in and out, bias and activation applied in the row write."""
+@pytest.mark.parametrize("row_order", ["ob_oh", "oh_ob"])
+def test_blocked_kernel_with_fused_epilogue(activation, shape, row_order):
+    """The graph-mode kernel: blocked in and out, bias and activation applied in the row write,
+    with either order of a task's rows."""
+    import dataclasses
+
     import tvm
 
     from tvm_ext.kernels.conv2d import Epilogue, conv2d_blocked_kernel, pack_weight_func
@@ -209,7 +214,7 @@ def test_blocked_kernel_with_fused_epilogue(activation, shape):
 
     x_shape, w_shape, stride, pad = shape
     target = resolve_target("llvm")
-    plan = ops.conv2d_plan(x_shape, w_shape, stride=stride, padding=pad)
+    plan = dataclasses.replace(ops.conv2d_plan(x_shape, w_shape, stride=stride, padding=pad), row_order=row_order)
     rng = np.random.default_rng(11)
     x = rng.standard_normal(x_shape, dtype=np.float32)
     w = rng.standard_normal(w_shape, dtype=np.float32)
@@ -226,5 +231,6 @@ def test_blocked_kernel_with_fused_epilogue(activation, shape):
     y = yb.numpy().transpose(0, 1, 4, 2, 3).reshape(x_shape[0], plan.K_pad, plan.wl.OH, plan.wl.OW)[:, : w_shape[0]]
     ref = conv2d_nchw(x, w, b, plan.wl.stride, plan.wl.padding)
     ref = {None: ref, "relu": np.maximum(ref, 0), "relu6": np.clip(ref, 0, 6),
-           "sigmoid": 1 / (1 + np.exp(-ref))}[activation]
+           "sigmoid": 1 / (1 + np.exp(-ref)), "silu": ref / (1 + np.exp(-ref)),
+           "gelu": ref * (1 + np.vectorize(math.erf)(ref / math.sqrt(2))) / 2}[activation]
     assert rel_err(y, ref) <= TOL

@@ -142,6 +142,9 @@ class Conv2dPlan:
     oc_bn: int  # channels per output block (y); n_r of the microkernel
     m_r: int  # output pixels per microkernel call
     reason: str = ""  # why not "brgemm"
+    # Order of a task's rows within an image: output block outer ("ob_oh": its weights are
+    # reused by every row) or row outer ("oh_ob": one input row is reused by every block).
+    row_order: str = "ob_oh"
 
     @property
     def K_pad(self) -> int:
@@ -202,7 +205,7 @@ def _largest_divisor(n: int, limit: int, multiple_of: int = 1) -> int:
 
 
 def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r: int | None = None,
-                ic_bn: int | None = None) -> Conv2dPlan:
+                ic_bn: int | None = None, row_order: str | None = None) -> Conv2dPlan:
     """Choose blocking and register tile analytically (tuning overrides m_r / n_r / ic_bn)."""
     lanes = isa.lanes
     Cg, Kg = wl.C // wl.groups, wl.K // wl.groups
@@ -225,7 +228,20 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
     if m_r is not None:
         tile = (min(m_r, wl.OW), tile[1])
     ic = ic_bn or _largest_divisor(Cg, 16 if Cg > 16 else Cg)
-    return Conv2dPlan(wl, "brgemm", ic, tile[1], tile[0])
+    return Conv2dPlan(wl, "brgemm", ic, tile[1], tile[0], row_order=row_order or _row_order(wl))
+
+
+ROW_ORDER_WEIGHT_BYTES = 256 * 1024  # a quarter of a Zen 4 L2, half of a Zen 3 one
+
+
+def _row_order(wl: Conv2dWorkload) -> str:
+    """Rows outer when a batch's activations no longer fit the caches (N > 1) and all the weights
+    stay in L2 next to an input row: each input row is then read from memory once instead of
+    once per output block (measured at batch 16: 1.1-1.2x on ResNet-50's 1x1 layers, up to 1.25x
+    with 2 threads). At batch 1 the input sits in L3 and output blocks outer measured as fast or
+    faster."""
+    weight_bytes = 4 * wl.K * (wl.C // wl.groups) * wl.KH * wl.KW
+    return "oh_ob" if wl.N > 1 and weight_bytes <= ROW_ORDER_WEIGHT_BYTES else "ob_oh"
 
 
 # Activations as TVMScript expressions of the value {v} (and {alpha}, leaky_relu's slope): the
@@ -280,8 +296,8 @@ def conv(x: T.handle, w: T.handle, {bias_param}{out_param}) -> None:
 _SEGMENT = """        for ow, o, {reduce_loops} in T.grid({width}, {oc_bn}, {reduce_extents}):
             with T.sblock("{name}"):
                 v_n = T.axis.spatial({N}, row // {rows_per_image})
-                v_ob = T.axis.spatial({OCB}, row // {OH} % {OCB})
-                v_oh = T.axis.spatial({OH}, row % {OH})
+                v_ob = T.axis.spatial({OCB}, {ob_expr})
+                v_oh = T.axis.spatial({OH}, {oh_expr})
                 v_ow = T.axis.spatial({width}, ow)
                 v_o = T.axis.spatial({oc_bn}, o)
 {reduce_bindings}
@@ -294,8 +310,8 @@ _EPILOGUE = """        for ow in T.serial({OW}):
           for o in T.vectorized({oc_bn}):
             with T.sblock("epilogue"):
                 v_n = T.axis.spatial({N}, row // {rows_per_image})
-                v_ob = T.axis.spatial({OCB}, row // {OH} % {OCB})
-                v_oh = T.axis.spatial({OH}, row % {OH})
+                v_ob = T.axis.spatial({OCB}, {ob_expr})
+                v_oh = T.axis.spatial({OH}, {oh_expr})
                 v_ow, v_o = T.axis.remap("SS", [ow, o])
                 Y_epilogue[v_n, v_ob, v_oh, v_ow, v_o] = {value}
 """
@@ -307,11 +323,11 @@ _EPILOGUE_NCHW = """        for oo, wo in T.grid({oc_bn} // {t}, ({width} + {t} 
             for wi in T.unroll({t}):
               with T.sblock("{name}_epilogue"):
                 v_n = T.axis.spatial({N}, row // {rows_per_image})
-                v_ob = T.axis.spatial({OCB}, row // {OH} % {OCB})
-                v_oh = T.axis.spatial({OH}, row % {OH})
+                v_ob = T.axis.spatial({OCB}, {ob_expr})
+                v_oh = T.axis.spatial({OH}, {oh_expr})
                 v_o = T.axis.spatial({oc_bn}, oo * {t} + oi)
                 v_ow = T.axis.spatial({width}, wo * {t} + wi)
-                T.where(wo * {t} + wi < {width} and row // {OH} % {OCB} * {oc_bn} + oo * {t} + oi < {K})
+                T.where(wo * {t} + wi < {width} and {ob_expr} * {oc_bn} + oo * {t} + oi < {K})
                 Out[v_n, v_ob * {oc_bn} + v_o, v_oh, v_ow + {start}] = {value}
 """
 
@@ -342,7 +358,12 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
                    "(v_ow + {start}) * {sw} + v_kw * {dw}, v_ic] * W[v_ob, v_icb, v_kh, v_kw, v_ic, v_o]")
     extents = {"icb": (wl.C // wl.groups) // plan.ic_bn, "kh": wl.KH, "kw": wl.KW, "ic": plan.ic_bn}
     reduce = [(axis, extents[axis]) for axis in plan.reduce_axes()]
-    common = dict(N=wl.N, OCB=plan.OCB, OH=wl.OH, OW=wl.OW, oc_bn=plan.oc_bn, rows_per_image=rows_per_image)
+    if plan.row_order == "ob_oh":  # one output block's rows in a row: its weights stay in cache
+        ob_expr, oh_expr = f"row // {wl.OH} % {plan.OCB}", f"row % {wl.OH}"
+    else:  # "oh_ob": one input row serves every output block while it is in cache
+        ob_expr, oh_expr = f"row % {plan.OCB}", f"row // {plan.OCB} % {wl.OH}"
+    common = dict(N=wl.N, OCB=plan.OCB, OH=wl.OH, OW=wl.OW, oc_bn=plan.oc_bn, rows_per_image=rows_per_image,
+                  ob_expr=ob_expr, oh_expr=oh_expr)
     reduce_fields = dict(
         reduce_loops=", ".join(r for r, _ in reduce),
         reduce_extents=", ".join(str(e) for _, e in reduce),
