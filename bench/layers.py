@@ -3,6 +3,7 @@
 For each layer of a set in ../shared/workloads.json (or bench/workloads.json) it times
 - tvm_ext's blocked kernel (NCHW[x]c in, NCHW[y]c out: what runs inside a compiled graph),
 - tvm_ext.ops.conv2d (NCHW NumPy in and out, warm cache: packing included),
+- tvm_ext.ops.Conv2d (the same with its weights packed once, as for inference),
 - torch.nn.functional.conv2d in NCHW and in channels_last (oneDNN), inference mode,
 - stock TVM: a Relax conv2d through `tvm.compile` with the default pipeline (fewer repeats: it is
   about 1.5 GFLOP/s),
@@ -134,6 +135,15 @@ def bench_ops(wl: K.Conv2dWorkload, target, repeat: int) -> float:
                                                  dilation=wl.dilation, groups=wl.groups, target=target), repeat)
 
 
+def bench_prepacked(wl: K.Conv2dWorkload, target, repeat: int) -> float:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((wl.N, wl.C, wl.H, wl.W), dtype=np.float32)
+    conv = tvm_ext.ops.Conv2d(rng.standard_normal((wl.K, wl.C // wl.groups, wl.KH, wl.KW), dtype=np.float32),
+                              stride=wl.stride, padding=wl.padding, dilation=wl.dilation, groups=wl.groups,
+                              target=target)
+    return _median_ms(lambda: conv(x), repeat)
+
+
 def geomean(values: list[float]) -> float:
     values = [v for v in values if v > 0 and math.isfinite(v)]
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
@@ -152,7 +162,8 @@ def main() -> int:
     print(f"# tvm_ext layer benchmark: set={ARGS.set} batch={ARGS.batch} threads={ARGS.threads} "
           f"target={target} isa={isa.name} peak={peak_gflops:.1f} GFLOP/s (bench/peak.py)")
     header = ["layer", "shape", "kernel", "tile", "ms", "GFLOP/s", "%peak", "x_torch_nchw", "x_torch_cl",
-              "x_stock_tvm", "ops_ms", "torch_nchw_ms", "x_ops_vs_torch_nchw", "extra_bytes"]
+              "x_stock_tvm", "ops_ms", "torch_nchw_ms", "x_ops_vs_torch_nchw", "Conv2d_ms",
+              "x_Conv2d_vs_torch_nchw", "extra_bytes"]
     rows = []
     print(" | ".join(header))
     for layer in layers:
@@ -166,10 +177,12 @@ def main() -> int:
         t_cl = bench_torch(wl, True, ARGS.repeat)
         t_stock = float("nan") if ARGS.no_stock else bench_stock_tvm(wl, target, 3)
         t_ops = bench_ops(wl, target, ARGS.repeat)
+        t_prepacked = bench_prepacked(wl, target, ARGS.repeat)
         row = [layer["name"], f"{wl.C}x{wl.H}x{wl.W}->{wl.K} {wl.KH}x{wl.KW}/s{wl.stride[0]}", plan.kind,
                f"{plan.m_r}x{plan.oc_bn}", f"{ms:.3f}", f"{gflops:.1f}", f"{100 * gflops / peak_gflops:.0f}",
                f"{t_nchw / ms:.2f}", f"{t_cl / ms:.2f}", f"{t_stock / ms:.0f}", f"{t_ops:.3f}", f"{t_nchw:.3f}",
-               f"{t_nchw / t_ops:.2f}", str(plan.pad_bytes() + plan.channel_pad_bytes())]
+               f"{t_nchw / t_ops:.2f}", f"{t_prepacked:.3f}", f"{t_nchw / t_prepacked:.2f}",
+               str(plan.pad_bytes() + plan.channel_pad_bytes())]
         rows.append(row)
         print(" | ".join(row), flush=True)
     pct = [float(r[6]) for r in rows]
@@ -177,7 +190,8 @@ def main() -> int:
     print(f"# median %peak {statistics.median(pct):.0f}, min %peak {min(pct):.0f}; geomean speed-up: "
           f"vs torch NCHW {geomean([float(r[7]) for r in rows]):.2f}x, "
           f"vs torch channels_last {geomean([float(r[8]) for r in rows]):.2f}x, {stock}"
-          f"ops.conv2d vs torch NCHW {geomean([float(r[12]) for r in rows]):.2f}x")
+          f"ops.conv2d vs torch NCHW {geomean([float(r[12]) for r in rows]):.2f}x, "
+          f"ops.Conv2d (prepacked weights) vs torch NCHW {geomean([float(r[14]) for r in rows]):.2f}x")
     out = Path(ARGS.csv) if ARGS.csv else HERE / "results" / f"layers_{ARGS.set}_b{ARGS.batch}_t{ARGS.threads}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:

@@ -234,3 +234,22 @@ def test_blocked_kernel_with_fused_epilogue(activation, shape, row_order):
            "sigmoid": 1 / (1 + np.exp(-ref)), "silu": ref / (1 + np.exp(-ref)),
            "gelu": ref * (1 + np.vectorize(math.erf)(ref / math.sqrt(2))) / 2}[activation]
     assert rel_err(y, ref) <= TOL
+
+
+def test_prepacked_conv2d_module():
+    """ops.Conv2d packs its weights once per input shape; results equal ops.conv2d's reference."""
+    rng = np.random.default_rng(21)
+    w = rng.standard_normal((24, 8, 3, 3), dtype=np.float32)
+    b = rng.standard_normal(24, dtype=np.float32)
+    conv = ops.Conv2d(w, b, stride=2, padding=(1, 0, 2, 1))
+    original = w.copy()
+    w[...] = 0  # the module copied its weights
+    for shape in ((1, 8, 11, 13), (2, 8, 9, 9)):
+        x = rng.standard_normal(shape, dtype=np.float32)
+        for _ in range(2):  # the second call reuses the packed weights
+            assert rel_err(conv(x), conv2d_nchw(x, original, b, (2, 2), (1, 0, 2, 1))) <= TOL
+    assert len(conv._packed) == 2
+    with pytest.raises(ValueError, match="bias has 3 entries"):
+        ops.Conv2d(w, b[:3])
+    with pytest.raises(ValueError, match="float32"):
+        conv(np.zeros((1, 8, 9, 9), np.float64))

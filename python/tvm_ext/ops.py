@@ -116,16 +116,28 @@ class _Conv2dKernel:
         self.bias = _as_tvm(np.zeros((plan.OCB, plan.oc_bn), np.float32)) if bias else None
         self.lock = threading.Lock()  # the workspace belongs to one call at a time
 
-    def __call__(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    def packed_weight(self, w: np.ndarray) -> tvm.runtime.Tensor:
+        """`w` in the kernel's blocked layout, in memory of its own (for :class:`Conv2d`)."""
+        packed = _as_tvm(aligned_empty(self.plan.weight_shape()))
+        self.pack_weight(_as_tvm(w, _conv.USER_ALIGNMENT), packed)
+        return packed
+
+    def blocked_bias(self, bias: np.ndarray) -> np.ndarray:
+        blocked = np.zeros(self.plan.OCB * self.plan.oc_bn, np.float32)
+        blocked[: bias.shape[0]] = bias
+        return blocked.reshape(self.plan.OCB, self.plan.oc_bn)
+
+    def __call__(self, x: np.ndarray, w: np.ndarray | tvm.runtime.Tensor, bias: np.ndarray | None) -> np.ndarray:
+        """`w`: OIHW weights (packed here), or weights :meth:`packed_weight` packed already."""
         out = aligned_empty(self.out_shape)
         with self.lock:
             self.pack_data(_as_tvm(x, _conv.USER_ALIGNMENT), self.data)
-            self.pack_weight(_as_tvm(w, _conv.USER_ALIGNMENT), self.weight)
-            args = [self.data, self.weight]
+            if isinstance(w, np.ndarray):
+                self.pack_weight(_as_tvm(w, _conv.USER_ALIGNMENT), self.weight)
+                w = self.weight
+            args = [self.data, w]
             if self.bias is not None:
-                blocked = np.zeros(self.plan.OCB * self.plan.oc_bn, np.float32)
-                blocked[: bias.shape[0]] = bias
-                self.bias.copyfrom(blocked.reshape(self.plan.OCB, self.plan.oc_bn))
+                self.bias.copyfrom(self.blocked_bias(bias))
                 args.append(self.bias)
             self.conv(*args, _as_tvm(out))
         return out
@@ -152,15 +164,45 @@ def conv2d(x, w, bias=None, *, stride=1, padding=0, dilation=1, groups: int = 1,
         bias = _check_array("conv2d bias", bias, 1)
         if bias.shape[0] != w.shape[0]:
             raise ValueError(f"conv2d: bias has {bias.shape[0]} entries for {w.shape[0]} output channels")
-    key = (x.shape, w.shape, bias is not None, str(stride), str(padding), str(dilation), groups,
-           _target_key(target))
+    kernel = _conv_kernel(x.shape, w.shape, bias is not None, stride, padding, dilation, groups, target)
+    return kernel(x, w, bias)
+
+
+def _conv_kernel(x_shape, w_shape, bias: bool, stride, padding, dilation, groups, target) -> _Conv2dKernel:
+    key = (x_shape, w_shape, bias, str(stride), str(padding), str(dilation), groups, _target_key(target))
     kernel = _CONV_KERNELS.get(key)
     if kernel is None:
         resolved = resolve_target(target)
-        plan = conv2d_plan(x.shape, w.shape, stride=stride, padding=padding, dilation=dilation,
+        plan = conv2d_plan(x_shape, w_shape, stride=stride, padding=padding, dilation=dilation,
                            groups=groups, target=resolved)
-        kernel = _CONV_KERNELS[key] = _Conv2dKernel(plan, resolved, bias is not None)
-    return kernel(x, w, bias)
+        kernel = _CONV_KERNELS[key] = _Conv2dKernel(plan, resolved, bias)
+    return kernel
+
+
+class Conv2d:
+    """A convolution whose weights are fixed: packed once per input shape, not on every call.
+
+    `ops.conv2d` re-lays out its weights at each call, as a stateless API must (the caller may
+    change them); this is the inference-time form (cuDNN keeps its filter in place the same way,
+    and oneDNN calls it prepacking). Copy semantics: the weights are read when first packed.
+    """
+
+    def __init__(self, weight, bias=None, *, stride=1, padding=0, dilation=1, groups: int = 1,
+                 target: TargetLike = None):
+        self.weight = _check_array("Conv2d weight", weight, 4).copy()
+        self.bias = None if bias is None else _check_array("Conv2d bias", bias, 1).copy()
+        if self.bias is not None and self.bias.shape[0] != self.weight.shape[0]:
+            raise ValueError(f"Conv2d: bias has {self.bias.shape[0]} entries for {self.weight.shape[0]} channels")
+        self.options = dict(stride=stride, padding=padding, dilation=dilation, groups=groups, target=target)
+        self._packed: dict[tuple, tvm.runtime.Tensor] = {}
+
+    def __call__(self, x) -> np.ndarray:
+        x = _check_array("Conv2d data", x, 4)
+        kernel = _conv_kernel(x.shape, self.weight.shape, self.bias is not None, **self.options)
+        packed = self._packed.get(x.shape)
+        if packed is None:
+            packed = self._packed[x.shape] = kernel.packed_weight(self.weight)
+        return kernel(x, packed, self.bias)
 
 
 def _pool_op(mode: str, x, kernel_size, stride, padding, dilation, ceil_mode, count_include_pad, target):
