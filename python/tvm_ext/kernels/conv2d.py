@@ -143,7 +143,9 @@ class Conv2dPlan:
     m_r: int  # output pixels per microkernel call
     reason: str = ""  # why not "brgemm"
     # Order of a task's rows within an image: output block outer ("ob_oh": its weights are
-    # reused by every row) or row outer ("oh_ob": one input row is reused by every block).
+    # reused by every row) or row outer ("oh_ob": one input row is reused by every block). Rows
+    # outer won 1.1-1.25x on isolated ResNet-50 1x1 layers at batch 16 but measured neutral to
+    # slightly slower inside the network (1332 vs 1309 ms at batch 16), so the default stays.
     row_order: str = "ob_oh"
 
     @property
@@ -228,20 +230,7 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
     if m_r is not None:
         tile = (min(m_r, wl.OW), tile[1])
     ic = ic_bn or _largest_divisor(Cg, 16 if Cg > 16 else Cg)
-    return Conv2dPlan(wl, "brgemm", ic, tile[1], tile[0], row_order=row_order or _row_order(wl))
-
-
-ROW_ORDER_WEIGHT_BYTES = 256 * 1024  # a quarter of a Zen 4 L2, half of a Zen 3 one
-
-
-def _row_order(wl: Conv2dWorkload) -> str:
-    """Rows outer when a batch's activations no longer fit the caches (N > 1) and all the weights
-    stay in L2 next to an input row: each input row is then read from memory once instead of
-    once per output block (measured at batch 16: 1.1-1.2x on ResNet-50's 1x1 layers, up to 1.25x
-    with 2 threads). At batch 1 the input sits in L3 and output blocks outer measured as fast or
-    faster."""
-    weight_bytes = 4 * wl.K * (wl.C // wl.groups) * wl.KH * wl.KW
-    return "oh_ob" if wl.N > 1 and weight_bytes <= ROW_ORDER_WEIGHT_BYTES else "ob_oh"
+    return Conv2dPlan(wl, "brgemm", ic, tile[1], tile[0], row_order=row_order or "ob_oh")
 
 
 # Activations as TVMScript expressions of the value {v} (and {alpha}, leaky_relu's slope): the
