@@ -355,8 +355,9 @@ def fusion_patterns(target: tvm.target.Target) -> list:
         if bias is not None and _static_shape(bias) not in ((1, out_shape[1], 1, 1), (out_shape[1], 1, 1)):
             return False
         residual = ctx.annotated_expr.get("residual")
-        if residual is not None and (_static_shape(residual) != out_shape or _dtype(residual) != "float32"):
-            return False
+        if residual is not None and (_static_shape(residual) != out_shape or _dtype(residual) != "float32"
+                                     or isinstance(residual, tvm.ir.expr.GenericConst)):
+            return False  # a constant of the output's shape (a 1x1 output's bias) is a bias
         act = ctx.annotated_expr.get("activation")
         return act is None or act.op.name != "relax.clip" or _is_relu6(act)
 
