@@ -134,3 +134,67 @@ def test_shipped_records_apply_only_to_their_target(tmp_path, monkeypatch):
     ours = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
     stock = relax.VirtualMachine(tvm.compile(mod, TARGET), tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
     assert rel_err(ours, stock) <= 1e-4
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_rpc_tuning_on_loopback_survives_a_dead_server(tmp_path):
+    """A tracker and two servers on loopback measure the candidates; one server is killed after
+    the first batch, and tuning still finishes with its records."""
+    import subprocess
+    import sys
+    import time
+
+    from tvm.ir.utils import derived_object
+    from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
+
+    port, key = _free_port(), "tvm_ext_test"
+    procs = [subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1",
+                               "--port", str(port), "--port-end", str(port + 1)])]
+    try:
+        time.sleep(2)
+        for _ in range(2):
+            server_port = _free_port()
+            procs.append(subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_server", "--tracker",
+                                           f"127.0.0.1:{port}", "--key", key, "--host", "127.0.0.1",
+                                           "--port", str(server_port), "--port-end", str(server_port + 1)]))
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                summary = tvm.rpc.connect_tracker("127.0.0.1", port).summary()
+                if len(summary["server_info"]) == 2:
+                    break
+            except (RuntimeError, ConnectionError, OSError):
+                pass
+            time.sleep(1)
+        else:
+            pytest.fail("the RPC servers did not register with the tracker")
+
+        @derived_object
+        class KillOneServer(PyMeasureCallback):
+            def apply(self, task_scheduler, task_id, candidates, builder_results, runner_results) -> None:
+                if procs[1].poll() is None:
+                    procs[1].kill()
+
+        work_dir = tmp_path / "records"
+        tvm_ext.tune(_net(), TARGET, work_dir, max_trials=12, num_trials_per_iter=4,
+                     rpc=f"127.0.0.1:{port}:{key}", measure_callbacks=[KillOneServer()])
+        assert procs[1].poll() is not None  # the server was killed during tuning
+        records = [json.loads(line) for line in (work_dir / "database_tuning_record.json").read_text().splitlines()]
+        assert len(records) >= 8
+        assert sum(r[1][1][0] < 1 for r in records) >= 4  # measured by the surviving server too
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_rpc_address_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="host:port:key"):
+        tvm_ext.tune(_net(), TARGET, tmp_path, max_trials=1, rpc="localhost:9190")

@@ -1,13 +1,13 @@
 """tvm_ext: BRGEMM and maxDNN microkernels, direct convolution and a primitive library for TVM."""
 
-from . import intrin, kernels, ops
+from . import intrin, kernels, models, ops, tuning
 from ._compat import check_environment
 from .errors import UnsupportedError
 from .pipeline import build, dispatch_report, pipeline
 from .target import resolve_target, vector_isa
 from .tuning import tune
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = [
     "UnsupportedError",
     "build",
@@ -15,9 +15,11 @@ __all__ = [
     "dispatch_report",
     "intrin",
     "kernels",
+    "models",
     "ops",
     "pipeline",
     "resolve_target",
     "tune",
+    "tuning",
     "vector_isa",
 ]

@@ -28,6 +28,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--trials", type=int, default=64, help="tune: trials over all tasks")
     ap.add_argument("--trials-per-task", type=int, default=0, help="tune: cap per task (0: --trials)")
     ap.add_argument("--work-dir", default="tuning", help="tune: where the records go")
+    ap.add_argument("--rpc", default="", help="tune: host:port:key of a TVM RPC tracker whose servers measure")
     ap.add_argument("--ship", action="store_true",
                     help="tune: write into schedules/<target key>/ (the records builds use by default)")
     ap.add_argument("--batch", type=int, default=1)
@@ -126,7 +127,7 @@ def tune(args: argparse.Namespace) -> int:
     progress = TuningProgress(tasks, args.trials)
     start = time.perf_counter()
     tvm_ext.tune(mod, target, args.work_dir, args.trials, args.trials_per_task or None, tasks=tasks,
-                 measure_callbacks=[progress])
+                 measure_callbacks=[progress], rpc=args.rpc or None)
     print(f"\ntuned in {time.perf_counter() - start:.0f} s\n{progress.summary()}")
     plot = progress.plot(Path(args.work_dir) / "tuning_curve.png")
     print(f"tuning curve: {plot}" if plot else "tuning curve: matplotlib is not installed, no PNG")

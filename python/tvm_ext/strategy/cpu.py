@@ -186,7 +186,10 @@ class _Emitter:
                 and value.args[0].name_hint.startswith(_UNPACK)):
             return None
         blocked = value.args[1].fields[0]
-        return blocked, _static_shape(blocked)[-1]
+        _, blocks, _, _, block = _static_shape(blocked)
+        if _static_shape(expr)[1] != blocks * block:  # channels filling the last block: not the same tensor
+            return None
+        return blocked, block
 
     def _call(self, func: tvm.tirx.PrimFunc, name: str, args: list, shape: tuple) -> relax.Var:
         kernel = _add_kernel(self.bb, func, name)

@@ -131,14 +131,18 @@ def _check_json_lines(path: Path) -> None:
 
 def tune(mod: tvm.IRModule, target: TargetLike, work_dir: str | os.PathLike, max_trials: int = 64,
          trials_per_task: int | None = None, *, num_trials_per_iter: int = 16, cost_model: str = "xgb",
-         seed: int = 1, tasks: list[Task] | None = None, measure_callbacks: list | None = None) -> ms.Database:
+         seed: int = 1, tasks: list[Task] | None = None, measure_callbacks: list | None = None,
+         rpc: str | None = None) -> ms.Database:
     """Tune the tvm_ext convolutions of `mod` for `target`; records go to `work_dir`.
 
     `max_trials` is the budget over all tasks (the task scheduler spends it where the weighted
     latency falls fastest), `trials_per_task` caps each (default: max_trials). `cost_model`:
     "xgb" (default) or "random". `tasks`: those of :func:`extract_tasks` (extracted if not given);
     `measure_callbacks`: MetaSchedule measure callbacks run after MetaSchedule's own (e.g.
-    :class:`tvm_ext.tuning.progress.TuningProgress`).
+    :class:`tvm_ext.tuning.progress.TuningProgress`). `rpc`: "host:port:key" of a TVM RPC
+    tracker (`python -m tvm.exec.rpc_tracker`) whose servers (`python -m tvm.exec.rpc_server
+    --tracker host:port --key key`) run the candidates; a server that dies fails only the
+    candidates it held.
     """
     target = resolve_target(target)
     if target.kind.name != "llvm":
@@ -157,13 +161,28 @@ def tune(mod: tvm.IRModule, target: TargetLike, work_dir: str | os.PathLike, max
         max_trials_per_task=trials_per_task or max_trials,
         num_trials_per_iter=num_trials_per_iter,
         builder=ms.builder.LocalBuilder(f_build=_build, max_workers=workers, timeout_sec=60),
-        runner=ms.runner.LocalRunner(evaluator_config=ms.runner.EvaluatorConfig(number=3, repeat=3,
-                                                                                 min_repeat_ms=20)),
+        runner=_runner(rpc),
         database=database,
         cost_model=cost_model,
         measure_callbacks=list(ms.measure_callback.MeasureCallback.create("default")) + list(measure_callbacks or []),
     )
     return database
+
+
+_EVALUATOR = ms.runner.EvaluatorConfig(number=3, repeat=3, min_repeat_ms=20)
+
+
+def _runner(rpc: str | None) -> ms.runner.Runner:
+    """The local runner, or MetaSchedule's RPC runner on the tracker `rpc` ("host:port:key")."""
+    if rpc is None:
+        return ms.runner.LocalRunner(evaluator_config=_EVALUATOR)
+    try:
+        host, port, key = rpc.rsplit(":", 2)
+        port = int(port)
+    except ValueError:
+        raise ValueError(f"tune: rpc must be 'host:port:key' (a TVM RPC tracker), got {rpc!r}") from None
+    config = ms.runner.RPCConfig(tracker_host=host, tracker_port=port, tracker_key=key, session_timeout_sec=60)
+    return ms.runner.RPCRunner(rpc_config=config, evaluator_config=_EVALUATOR, max_workers=os.cpu_count() or 1)
 
 
 def tuned_kernel(database: ms.Database, workload: tvm.tirx.PrimFunc,
