@@ -1,7 +1,8 @@
 """Whole-network compilation through tvm_ext: `build`, `pipeline` and `dispatch_report`.
 
 The pipeline is TVM's CPU pipeline (relax/backend/cpu_generic) with tvm_ext's strategy in front
-of legalization (see :mod:`tvm_ext.strategy.cpu`: batch norm folded into convolution weights,
+of legalization. A batch's convolutional trunk first becomes one call per image
+(:mod:`tvm_ext.strategy.split_batch`: activations stay in cache). Then (see :mod:`tvm_ext.strategy.cpu`: batch norm folded into convolution weights,
 conv + bias + shortcut + activation fused into one kernel call, our kernels for convolution,
 pooling and activations, stock TVM with a reason for the rest), and a default schedule for
 every PrimFunc left unscheduled (dlight's CPU rules, then
@@ -21,6 +22,7 @@ from .dlight.cpu import ParallelVectorize
 from .errors import UnsupportedError
 from .kernels.conv2d import KERNEL_ATTR
 from .strategy import cpu as cpu_strategy
+from .strategy.split_batch import split_batch
 from .target import TargetLike, resolve_target
 
 
@@ -55,7 +57,8 @@ def pipeline(target: TargetLike = None, database=None) -> tvm.transform.Pass:
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         with target:
             passes = (
-                cpu_pipeline.library_dispatch_passes(target)
+                [split_batch()]
+                + cpu_pipeline.library_dispatch_passes(target)
                 + cpu_strategy.fusion_passes(target)
                 + [
                     cpu_strategy.lower_to_kernels(target, database),
