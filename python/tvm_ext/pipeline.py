@@ -2,10 +2,11 @@
 
 The pipeline is TVM's CPU pipeline (relax/backend/cpu_generic) with tvm_ext's strategy in front
 of legalization. A batch's convolutional trunk first becomes one call per image
-(:mod:`tvm_ext.strategy.split_batch`: activations stay in cache). Then (see :mod:`tvm_ext.strategy.cpu`: batch norm folded into convolution weights,
-conv + bias + shortcut + activation fused into one kernel call, our kernels for convolution,
-pooling and activations, stock TVM with a reason for the rest), and a default schedule for
-every PrimFunc left unscheduled (dlight's CPU rules, then
+(:mod:`tvm_ext.strategy.split_batch`: activations stay in cache). Then
+:mod:`tvm_ext.strategy.cpu` folds batch norms into convolution weights, fuses conv + bias +
+shortcut + activation into one kernel call, and lowers convolutions, dense layers, pooling and
+activations to our kernels (stock TVM, with a reason, for the rest). Every PrimFunc left
+unscheduled gets a default schedule (dlight's CPU rules, then
 :class:`tvm_ext.dlight.cpu.ParallelVectorize`) instead of stock TVM's naive loops.
 """
 
