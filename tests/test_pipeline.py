@@ -296,7 +296,7 @@ def test_batch_trunk_runs_one_image_at_a_time():
     from tvm_ext.strategy.split_batch import split_batch
 
     mod, _ = models.get("resnet18", batch=3)
-    split = split_batch()(mod)
+    split = split_batch(images_per_call=1)(mod)
     assert "main_image" in [gv.name_hint for gv in split.get_global_vars()]
     assert split["main_image"].params[0].ty.shape[0] == 1
     calls = split["main"].script().count("main_image(")
@@ -312,4 +312,6 @@ def test_batch_trunk_runs_one_image_at_a_time():
             out = bb.emit_output(bb.emit(relax.op.sum(y, axis=[0])))  # mixes the images
         bb.emit_func_output(out)
     mixed = bb.get()
-    assert "main_image" not in [gv.name_hint for gv in split_batch()(mixed).get_global_vars()]
+    assert "main_image" not in [gv.name_hint for gv in split_batch(images_per_call=1)(mixed).get_global_vars()]
+    pairs = split_batch(images_per_call=2)(models.get("resnet18", batch=4)[0])  # one image per core
+    assert pairs["main_image"].params[0].ty.shape[0] == 2 and pairs["main"].script().count("main_image(") == 2

@@ -6,8 +6,8 @@ bound (55-80 GFLOP/s instead of 100-110). One image at a time, every activation 
 The dense layers that follow keep the whole batch: there a batch is what amortizes reading the
 weights (VGG-16's classifier reads 480 MB of them).
 
-So `main(x: (N, ...))` becomes N calls of `main_image` (the ops before the first matmul, on a
-slice of x), a concatenation, and the rest of `main` at batch N. It applies only when every op
+So `main(x: (N, ...))` becomes N / c calls of `main_image` (the ops before the first matmul, on
+a slice of c images: one per core), a concatenation, and the rest of `main` at batch N. It applies only when every op
 before the cut computes each image from that image alone; otherwise the graph is left whole,
 with the reason logged.
 """
@@ -15,6 +15,7 @@ with the reason logged.
 from __future__ import annotations
 
 import logging
+import os
 
 import tvm
 from tvm import relax
@@ -77,8 +78,13 @@ def _substitute(expr: relax.Expr, remap: dict) -> relax.Expr:
     return expr
 
 
-def split_batch() -> tvm.transform.Pass:
-    """The pass; a graph it cannot split is returned unchanged."""
+def split_batch(images_per_call: int | None = None) -> tvm.transform.Pass:
+    """The pass; a graph it cannot split is returned unchanged.
+
+    `images_per_call` (default: the cores this process may use, as a divisor of the batch): with
+    one image per core, each thread of the pool works on an image of its own (the rows of the
+    first image go to the first thread) while all of them still fit in cache.
+    """
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.SplitBatch")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -87,6 +93,10 @@ def split_batch() -> tvm.transform.Pass:
             return mod
         batch = _first_dim(func.params[0])
         if batch is None or batch < 2:
+            return mod
+        wanted = images_per_call or len(os.sched_getaffinity(0))
+        chunk = max(d for d in range(1, min(wanted, batch) + 1) if batch % d == 0)
+        if chunk == batch:
             return mod
         bindings = [b for block in func.body.blocks for b in block.bindings]
         cut = next((i for i, b in enumerate(bindings) if isinstance(b.value, relax.Call)
@@ -105,13 +115,13 @@ def split_batch() -> tvm.transform.Pass:
 
         bb = relax.BlockBuilder()
         param = func.params[0]
-        image = relax.Var("image", relax.TensorType((1, *list(param.ty.shape)[1:]), param.ty.dtype))
+        image = relax.Var("image", relax.TensorType((chunk, *list(param.ty.shape)[1:]), param.ty.dtype))
         remap = {param: image}
 
         def rebind(value: relax.Expr) -> relax.Expr:
             def arg(expr):
-                if isinstance(expr, relax.ShapeExpr):  # a reshape's target shape: batch -> 1
-                    return relax.ShapeExpr([1, *list(expr.values)[1:]])
+                if isinstance(expr, relax.ShapeExpr):  # a reshape's target shape: batch -> chunk
+                    return relax.ShapeExpr([chunk, *list(expr.values)[1:]])
                 return remap.get(expr, expr) if isinstance(expr, relax.Var) else expr
 
             if isinstance(value, relax.TupleGetItem):
@@ -134,14 +144,14 @@ def split_batch() -> tvm.transform.Pass:
         attrs = {str(k): v for k, v in (func.attrs or {}).items()}
         with bb.function("main", [x], attrs=attrs or None):
             with bb.dataflow():
-                outs = [bb.emit(relax.Call(image_gv, [bb.emit(relax.op.strided_slice(x, [0], [i], [i + 1]))]))
-                        for i in range(batch)]
+                outs = [bb.emit(relax.Call(image_gv, [bb.emit(relax.op.strided_slice(x, [0], [i], [i + chunk]))]))
+                        for i in range(0, batch, chunk)]
                 remap = {trunk_out: bb.emit(relax.op.concat(outs, axis=0))}
                 for binding in bindings[cut:]:
                     remap[binding.var] = bb.emit(_substitute(binding.value, remap))
                 out = bb.emit_output(_substitute(func.body.body, remap))
             bb.emit_func_output(out)
-        logger.info("tvm_ext: the first %d ops run one image at a time (%d calls)", cut, batch)
+        logger.info("tvm_ext: the first %d ops run %d image(s) at a time (%d calls)", cut, chunk, batch // chunk)
         return bb.get()
 
     return _pass
