@@ -156,7 +156,8 @@ def _child(args: argparse.Namespace) -> None:
 # Parent: build artifacts once per network and batch, run the children, print the table.
 
 
-def _prepare(model: str, batch: int, runtimes: list[str], stock: bool, target, folder: Path) -> tuple[dict, int]:
+def _prepare(model: str, batch: int, runtimes: list[str], stock: bool, target, folder: Path,
+             threads: list[int]) -> tuple[dict, int]:
     import numpy as np
     import tvm
 
@@ -168,10 +169,13 @@ def _prepare(model: str, batch: int, runtimes: list[str], stock: bool, target, f
     np.save(folder / "input.npy", np.random.default_rng(0).standard_normal(models.image_shape(mod)).astype("float32"))
     artifacts = {"pytorch": str(folder / "pytorch")}
     if "tvm_ext" in runtimes:
-        start = time.perf_counter()
-        tvm_ext.build(mod, target).export_library(str(folder / "tvm_ext.so"))
-        print(f"  built {model} batch {batch} with tvm_ext in {time.perf_counter() - start:.0f} s", flush=True)
-        artifacts["tvm_ext"] = str(folder / "tvm_ext.so")
+        # At batch > 1 the trunk runs one image per runtime thread: one build per thread count.
+        for t in threads if batch > 1 else [0]:
+            start = time.perf_counter()
+            path = folder / f"tvm_ext_t{t}.so"
+            tvm_ext.build(mod, target, images_per_call=t or None).export_library(str(path))
+            print(f"  built {model} batch {batch} with tvm_ext in {time.perf_counter() - start:.0f} s", flush=True)
+            artifacts[f"tvm_ext_t{t}"] = str(path)
     if "stock_tvm" in runtimes and stock:
         tvm.compile(mod, target).export_library(str(folder / "stock_tvm.so"))
         artifacts["stock_tvm"] = str(folder / "stock_tvm.so")
@@ -208,18 +212,20 @@ def main(argv=None) -> int:
     for model in args.models.split(","):
         for batch in _ints(args.batches):
             folder = work / f"{model}_b{batch}"
-            artifacts, flops = _prepare(model, batch, runtimes, batch in _ints(args.stock_batches), target, folder)
+            artifacts, flops = _prepare(model, batch, runtimes, batch in _ints(args.stock_batches), target, folder,
+                                        _ints(args.threads))
             for threads in _ints(args.threads):
                 peak = peaks["peak_gflops_1thread"] if threads == 1 else peaks["peak_gflops_all"] * threads / peaks[
                     "threads"]
                 results = {}
                 for runtime in runtimes:
-                    if runtime not in artifacts:
+                    artifact = artifacts.get(runtime) or artifacts.get(f"{runtime}_t{threads if batch > 1 else 0}")
+                    if artifact is None:
                         continue
                     env = dict(os.environ, TVM_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
                     out = folder / f"out_{runtime}.npy"
                     cmd = [sys.executable, __file__, "--repeat", str(args.repeat), "--child", runtime, model,
-                           str(batch), str(threads), artifacts[runtime], str(out)]
+                           str(batch), str(threads), artifact, str(out)]
                     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
                     if proc.returncode:
                         print(f"  {runtime} failed:\n{proc.stderr[-2000:]}", flush=True)

@@ -40,8 +40,12 @@ def _mark_tvm_ext_scheduled() -> tvm.transform.Pass:
     return _pass
 
 
-def pipeline(target: TargetLike = None, database=None) -> tvm.transform.Pass:
+def pipeline(target: TargetLike = None, database=None, images_per_call: int | None = None) -> tvm.transform.Pass:
     """The Relax pipeline for `tvm.compile(mod, target, relax_pipeline=...)`.
+
+    `images_per_call`: how many images of a batch the convolutional trunk runs at a time
+    (default: one per core this process may use; best when the runtime uses that many threads,
+    as TVM does by default. With 1 runtime thread, 1 is best).
 
     `database`: tuning records (`tvm_ext.tune`'s work_dir, or a MetaSchedule Database): each
     convolution uses its best record, the others the analytic schedule. Without one, the
@@ -58,7 +62,7 @@ def pipeline(target: TargetLike = None, database=None) -> tvm.transform.Pass:
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         with target:
             passes = (
-                [split_batch()]
+                [split_batch(images_per_call)]
                 + cpu_pipeline.library_dispatch_passes(target)
                 + cpu_strategy.fusion_passes(target)
                 + [
@@ -79,10 +83,14 @@ def pipeline(target: TargetLike = None, database=None) -> tvm.transform.Pass:
     return _pipeline
 
 
-def build(mod: tvm.IRModule, target: TargetLike = None, database=None) -> relax.VMExecutable:
-    """Compile a Relax module through tvm_ext; run it with `relax.VirtualMachine(ex, tvm.cpu())`."""
+def build(mod: tvm.IRModule, target: TargetLike = None, database=None,
+          images_per_call: int | None = None) -> relax.VMExecutable:
+    """Compile a Relax module through tvm_ext; run it with `relax.VirtualMachine(ex, tvm.cpu())`.
+
+    `database` and `images_per_call`: see :func:`pipeline`.
+    """
     target = resolve_target(target)
-    return tvm.compile(mod, target, relax_pipeline=pipeline(target, database))
+    return tvm.compile(mod, target, relax_pipeline=pipeline(target, database, images_per_call))
 
 
 @dataclasses.dataclass(frozen=True)
