@@ -313,5 +313,13 @@ def test_batch_trunk_runs_one_image_at_a_time():
         bb.emit_func_output(out)
     mixed = bb.get()
     assert "main_image" not in [gv.name_hint for gv in split_batch(images_per_call=1)(mixed).get_global_vars()]
+    bb = relax.BlockBuilder()
+    v = relax.Var("x", relax.TensorType((2, 4, 6, 6), "float32"))
+    with bb.function("main", [v]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(relax.op.add(v, relax.const(np.ones((2, 4, 1, 1), "float32")))))
+        bb.emit_func_output(out)
+    per_image_constant = bb.get()  # one constant per image: slicing the input alone would be wrong
+    assert "main_image" not in [gv.name_hint for gv in split_batch(1)(per_image_constant).get_global_vars()]
     pairs = split_batch(images_per_call=2)(models.get("resnet18", batch=4)[0])  # one image per core
     assert pairs["main_image"].params[0].ty.shape[0] == 2 and pairs["main"].script().count("main_image(") == 2

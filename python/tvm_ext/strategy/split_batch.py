@@ -56,6 +56,11 @@ def _not_per_image(value: relax.Expr, batch: int) -> str | None:
         return "reshape that moves the batch axis"
     if any(isinstance(a, relax.Var) and _first_dim(a) not in (None, batch) for a in value.args):
         return f"{name} reads a tensor whose first axis is not the batch"
+    rank = len(getattr(value.ty, "shape", None) or [])
+    for a in value.args:
+        shape = getattr(a.ty, "shape", None) if isinstance(a, tvm.ir.expr.GenericConst) else None
+        if shape is not None and len(shape) == rank and _first_dim(a) == batch:
+            return f"{name} reads a constant with one entry per image"
     return None
 
 
