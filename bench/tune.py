@@ -124,12 +124,14 @@ def main() -> int:
         stock, stock_s = float("nan"), 0.0
         if not ARGS.no_stock:
             start = time.perf_counter()
-            stock_db = ms.tune_tir(stock_conv2d(wl), target, str(work / "stock"), max_trials_global=ARGS.trials,
+            # MetaSchedule's own rules need the core count in the target.
+            stock_target = tvm.target.Target({**dict(target.export()), "num-cores": os.cpu_count() or 1})
+            stock_db = ms.tune_tir(stock_conv2d(wl), stock_target, str(work / "stock"), max_trials_global=ARGS.trials,
                                    num_trials_per_iter=16,
                                    builder=ms.builder.LocalBuilder(f_build=tuner._build, timeout_sec=60),
                                    runner=tuner._runner(None))
             stock_s = time.perf_counter() - start
-            sch = ms.tir_integration.compile_tir(stock_db, stock_conv2d(wl), target)
+            sch = ms.tir_integration.compile_tir(stock_db, stock_conv2d(wl), stock_target)
             if sch is not None:
                 stock = _time_ms(sch.mod["main"], [(wl.N, wl.C, wl.H, wl.W), (wl.K, wl.C, wl.KH, wl.KW),
                                                    wl.out_shape], target)

@@ -166,6 +166,7 @@ def test_rpc_tuning_on_loopback_survives_a_dead_server(tmp_path):
                                            "--port", str(server_port), "--port-end", str(server_port + 1)]))
         deadline = time.time() + 60
         while time.time() < deadline:
+            assert procs[0].poll() is None, "the RPC tracker exited (is tornado installed?)"
             try:
                 summary = tvm.rpc.connect_tracker("127.0.0.1", port).summary()
                 if len(summary["server_info"]) == 2:

@@ -78,3 +78,9 @@ def test_e2e_bench_smoke(tmp_path):
     assert rows[0].startswith("model,") and len(rows) == 3
     tvm_row = next(r for r in rows if ",tvm_ext," in r).split(",")
     assert float(tvm_row[rows[0].split(",").index("err_vs_ort")]) <= 1e-4
+
+
+def test_tune_bench_smoke():
+    out = _run("bench/tune.py", "--layers", "1", "--trials", "4", "--no-stock")
+    row = out.strip().splitlines()[-1].split(" | ")
+    assert row[0] == "stem_7x7s2" and float(row[1]) > 0 and float(row[2]) > 0
