@@ -136,32 +136,30 @@ def _vgg16(batch: int, seed: int) -> tuple[IRModule, dict]:
     return _network(batch, seed, 224, body)
 
 
-def _alexnet(batch: int, seed: int) -> tuple[IRModule, dict]:
-    """torchvision's AlexNet (the single-GPU variant of Krizhevsky et al.), 224x224 input."""
+def _five_conv_net(batch: int, seed: int, size: int, convs: tuple, pool: int, widths: tuple):
+    """Five conv + relu layers (max pooling after the 1st, 2nd and 5th), then the classifier:
+    the AlexNet / OverFeat family. `convs`: (in, out, kernel, stride, padding) per layer."""
 
     def body(m: _Builder, x):
-        x = m.max_pool(m.conv(x, "conv1", 3, 64, 11, stride=4, pad=2, bn=False), 3, 2)
-        x = m.max_pool(m.conv(x, "conv2", 64, 192, 5, bn=False), 3, 2)
-        x = m.conv(x, "conv3", 192, 384, 3, bn=False)
-        x = m.conv(x, "conv4", 384, 256, 3, bn=False)
-        x = m.max_pool(m.conv(x, "conv5", 256, 256, 3, bn=False), 3, 2)
-        return _classifier(m, x, (256 * 6 * 6, 4096, 4096, 1000))
+        for i, (cin, cout, k, stride, pad) in enumerate(convs, 1):
+            x = m.conv(x, f"conv{i}", cin, cout, k, stride=stride, pad=pad, bn=False)
+            if i in (1, 2, 5):
+                x = m.max_pool(x, pool, 2)
+        return _classifier(m, x, widths)
 
-    return _network(batch, seed, 224, body)
+    return _network(batch, seed, size, body)
+
+
+def _alexnet(batch: int, seed: int) -> tuple[IRModule, dict]:
+    """torchvision's AlexNet (the single-GPU variant of Krizhevsky et al.), 224x224 input."""
+    convs = ((3, 64, 11, 4, 2), (64, 192, 5, 1, 2), (192, 384, 3, 1, 1), (384, 256, 3, 1, 1), (256, 256, 3, 1, 1))
+    return _five_conv_net(batch, seed, 224, convs, 3, (256 * 6 * 6, 4096, 4096, 1000))
 
 
 def _overfeat(batch: int, seed: int) -> tuple[IRModule, dict]:
     """OverFeat "fast" (Sermanet et al. 2013), 231x231 input: the maxDNN paper's layers."""
-
-    def body(m: _Builder, x):
-        x = m.max_pool(m.conv(x, "conv1", 3, 96, 11, stride=4, pad=0, bn=False), 2, 2)
-        x = m.max_pool(m.conv(x, "conv2", 96, 256, 5, pad=0, bn=False), 2, 2)
-        x = m.conv(x, "conv3", 256, 512, 3, bn=False)
-        x = m.conv(x, "conv4", 512, 1024, 3, bn=False)
-        x = m.max_pool(m.conv(x, "conv5", 1024, 1024, 3, bn=False), 2, 2)
-        return _classifier(m, x, (1024 * 6 * 6, 3072, 4096, 1000))
-
-    return _network(batch, seed, 231, body)
+    convs = ((3, 96, 11, 4, 0), (96, 256, 5, 1, 0), (256, 512, 3, 1, 1), (512, 1024, 3, 1, 1), (1024, 1024, 3, 1, 1))
+    return _five_conv_net(batch, seed, 231, convs, 2, (1024 * 6 * 6, 3072, 4096, 1000))
 
 
 def _mobilenet_v2(batch: int, seed: int) -> tuple[IRModule, dict]:
