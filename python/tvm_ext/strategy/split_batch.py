@@ -76,16 +76,19 @@ def _uses(expr: relax.Expr) -> set:
     return found
 
 
-def _substitute(expr: relax.Expr, remap: dict) -> relax.Expr:
-    """`expr` with the variables of `remap` replaced (calls, tuples, tuple items)."""
+def _substitute(expr: relax.Expr, remap: dict, batch: int | None = None) -> relax.Expr:
+    """`expr` with the variables of `remap` replaced (calls, tuples, tuple items); with `batch`,
+    a reshape's target shape gets that batch too."""
     if isinstance(expr, relax.Var):
         return remap.get(expr, expr)
+    if isinstance(expr, relax.ShapeExpr) and batch is not None:
+        return relax.ShapeExpr([batch, *list(expr.values)[1:]])
     if isinstance(expr, relax.Tuple):
-        return relax.Tuple([_substitute(f, remap) for f in expr.fields])
+        return relax.Tuple([_substitute(f, remap, batch) for f in expr.fields])
     if isinstance(expr, relax.TupleGetItem):
-        return relax.TupleGetItem(_substitute(expr.tuple_value, remap), expr.index)
+        return relax.TupleGetItem(_substitute(expr.tuple_value, remap, batch), expr.index)
     if isinstance(expr, relax.Call):
-        return relax.Call(expr.op, [_substitute(a, remap) for a in expr.args], expr.attrs, expr.ty_args)
+        return relax.Call(expr.op, [_substitute(a, remap, batch) for a in expr.args], expr.attrs, expr.ty_args)
     return expr
 
 
@@ -129,22 +132,10 @@ def split_batch(images_per_call: int | None = None) -> tvm.transform.Pass:
         image = relax.Var("image", relax.TensorType((chunk, *list(param.ty.shape)[1:]), param.ty.dtype))
         remap = {param: image}
 
-        def rebind(value: relax.Expr) -> relax.Expr:
-            def arg(expr):
-                if isinstance(expr, relax.ShapeExpr):  # a reshape's target shape: batch -> chunk
-                    return relax.ShapeExpr([chunk, *list(expr.values)[1:]])
-                return remap.get(expr, expr) if isinstance(expr, relax.Var) else expr
-
-            if isinstance(value, relax.TupleGetItem):
-                return relax.TupleGetItem(arg(value.tuple_value), value.index)
-            if isinstance(value, relax.Var):
-                return arg(value)
-            return relax.Call(value.op, [arg(a) for a in value.args], value.attrs, value.ty_args)
-
         with bb.function("main_image", [image]):
             with bb.dataflow():
                 for binding in bindings[:cut]:
-                    remap[binding.var] = bb.emit(rebind(binding.value))
+                    remap[binding.var] = bb.emit(_substitute(binding.value, remap, batch=chunk))
                 out = bb.emit_output(remap[trunk_out])
             bb.emit_func_output(out)
         per_image = bb.get()["main_image"]
