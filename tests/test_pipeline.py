@@ -42,6 +42,17 @@ def _small_cnn(layout_of_second_conv: str = "NCHW") -> tvm.IRModule:
     return bb.get()
 
 
+def _graph(shape, body) -> tvm.IRModule:
+    """`main(x: float32 tensor of shape)` whose dataflow block is `body(bb, x)` (its output)."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(body(bb, x))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
 def _run(ex, x: np.ndarray) -> np.ndarray:
     out = relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x))
     return out.numpy()
@@ -130,17 +141,14 @@ def test_residual_block_fuses_bias_shortcut_and_activation(activation):
     act = {"relu": relax.op.nn.relu, "sigmoid": relax.op.sigmoid, "silu": relax.op.nn.silu, "gelu": relax.op.nn.gelu,
            "leaky_relu": lambda v: relax.op.nn.leakyrelu(v, 0.2),
            "relu6": lambda v: relax.op.clip(v, 0.0, 6.0)}[activation]
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((1, 32, 14, 15), "float32"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            y = bb.emit(relax.op.nn.conv2d(x, _const(rng, 32, 32, 3, 3), padding=(1, 1)))
-            y = bb.emit(act(relax.op.add(y, _const(rng, 1, 32, 1, 1))))
-            y = bb.emit(relax.op.nn.conv2d(y, _const(rng, 32, 32, 3, 3), padding=(1, 1)))
-            y = bb.emit(relax.op.add(relax.op.add(y, _const(rng, 1, 32, 1, 1)), x))
-            out = bb.emit_output(bb.emit(act(y)))
-        bb.emit_func_output(out)
-    mod = bb.get()
+    def body(bb, x):
+        y = bb.emit(relax.op.nn.conv2d(x, _const(rng, 32, 32, 3, 3), padding=(1, 1)))
+        y = bb.emit(act(relax.op.add(y, _const(rng, 1, 32, 1, 1))))
+        y = bb.emit(relax.op.nn.conv2d(y, _const(rng, 32, 32, 3, 3), padding=(1, 1)))
+        y = bb.emit(relax.op.add(relax.op.add(y, _const(rng, 1, 32, 1, 1)), x))
+        return bb.emit(act(y))
+
+    mod = _graph((1, 32, 14, 15), body)
     report = tvm_ext.dispatch_report(mod, "llvm")
     assert all(r.kernel.startswith("brgemm_conv2d") for r in report), str(report)
     assert sum(r.reason == "fused" for r in report) == 5  # bias+act, bias+shortcut+act
@@ -155,15 +163,12 @@ def test_residual_block_fuses_bias_shortcut_and_activation(activation):
 def test_channel_scale_folds_into_the_convolution():
     """conv2d(x, W) * s (s per output channel, e.g. a frozen affine layer) runs as conv2d(x, W * s)."""
     rng = np.random.default_rng(12)
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((1, 8, 10, 10), "float32"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            y = bb.emit(relax.op.nn.conv2d(x, _const(rng, 16, 8, 3, 3)))
-            y = bb.emit(relax.op.multiply(y, _const(rng, 1, 16, 1, 1)))
-            out = bb.emit_output(bb.emit(relax.op.nn.relu(relax.op.add(y, _const(rng, 1, 16, 1, 1)))))
-        bb.emit_func_output(out)
-    mod = bb.get()
+    def body(bb, x):
+        y = bb.emit(relax.op.nn.conv2d(x, _const(rng, 16, 8, 3, 3)))
+        y = bb.emit(relax.op.multiply(y, _const(rng, 1, 16, 1, 1)))
+        return bb.emit(relax.op.nn.relu(relax.op.add(y, _const(rng, 1, 16, 1, 1))))
+
+    mod = _graph((1, 8, 10, 10), body)
     report = tvm_ext.dispatch_report(mod, "llvm")
     assert [r.op for r in report] == ["nn.conv2d", "add", "nn.relu"] and report[2].reason == "fused"
     xv = rng.standard_normal((1, 8, 10, 10)).astype("float32")
@@ -203,14 +208,8 @@ def test_onnx_model():
 def test_symbolic_batch_falls_back_and_runs():
     rng = np.random.default_rng(7)
     n = tvm.tirx.Var("n", "int64")
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((n, 8, 10, 10), "float32"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            y = bb.emit(relax.op.nn.conv2d(x, _const(rng, 16, 8, 3, 3), padding=(1, 1)))
-            out = bb.emit_output(bb.emit(relax.op.nn.relu(y)))
-        bb.emit_func_output(out)
-    mod = bb.get()
+    mod = _graph((n, 8, 10, 10), lambda bb, x: bb.emit(relax.op.nn.relu(
+        bb.emit(relax.op.nn.conv2d(x, _const(rng, 16, 8, 3, 3), padding=(1, 1))))))
     conv = next(r for r in tvm_ext.dispatch_report(mod, "llvm") if r.op == "nn.conv2d")
     assert conv.kernel == "fallback" and "symbolic" in conv.reason and conv.shapes[0][0] == "n"
     xv = rng.standard_normal((3, 8, 10, 10)).astype("float32")
@@ -219,21 +218,19 @@ def test_symbolic_batch_falls_back_and_runs():
 
 def test_pools_and_activations_use_tvm_ext_kernels():
     """Every pool and activation that is not fused into a convolution gets a kernel of ours."""
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((2, 8, 13, 11), "float32"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            a = bb.emit(relax.op.nn.max_pool2d(x, (3, 3), (2, 2), (1, 1)))
-            b = bb.emit(relax.op.nn.avg_pool2d(x, (3, 3), (2, 2), (1, 1), count_include_pad=True))
-            c = bb.emit(relax.op.nn.avg_pool2d(x, (3, 3), (2, 2), (1, 1), count_include_pad=False))
-            d = bb.emit(relax.op.nn.adaptive_avg_pool2d(x, (1, 1)))
-            e = bb.emit(relax.op.nn.relu(x))
-            f = bb.emit(relax.op.sigmoid(x))
-            g = bb.emit(relax.op.clip(x, 0.0, 6.0))
-            h = bb.emit(relax.op.clip(x, 0.0, 5.0))  # not relu6: stock TVM, with the reason
-            out = bb.emit_output(relax.Tuple([a, b, c, d, e, f, g, h]))
-        bb.emit_func_output(out)
-    mod = bb.get()
+    def body(bb, x):
+        return relax.Tuple([bb.emit(op) for op in (
+            relax.op.nn.max_pool2d(x, (3, 3), (2, 2), (1, 1)),
+            relax.op.nn.avg_pool2d(x, (3, 3), (2, 2), (1, 1), count_include_pad=True),
+            relax.op.nn.avg_pool2d(x, (3, 3), (2, 2), (1, 1), count_include_pad=False),
+            relax.op.nn.adaptive_avg_pool2d(x, (1, 1)),
+            relax.op.nn.relu(x),
+            relax.op.sigmoid(x),
+            relax.op.clip(x, 0.0, 6.0),
+            relax.op.clip(x, 0.0, 5.0),  # not relu6: stock TVM, with the reason
+        )])
+
+    mod = _graph((2, 8, 13, 11), body)
     kernels = [r.kernel for r in tvm_ext.dispatch_report(mod, "llvm")]
     assert kernels == ["max_pool2d", "avg_pool2d", "avg_pool2d", "global_avg_pool2d", "relu", "sigmoid", "relu6",
                        "fallback"]
@@ -272,16 +269,13 @@ def test_activations_stay_blocked_between_kernels():
 
 def test_fallback_between_kernels_converts_layouts_around_it():
     rng = np.random.default_rng(11)
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((1, 16, 12, 12), "float32"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            y = bb.emit(relax.op.nn.conv2d(x, _const(rng, 32, 16, 3, 3), padding=(1, 1)))
-            y = bb.emit(relax.op.clip(y, -0.5, 0.5))  # no kernel of ours: stock TVM, NCHW
-            y = bb.emit(relax.op.nn.conv2d(y, _const(rng, 32, 32, 3, 3), padding=(1, 1)))
-            out = bb.emit_output(bb.emit(relax.op.nn.relu(y)))
-        bb.emit_func_output(out)
-    mod = bb.get()
+    def body(bb, x):
+        y = bb.emit(relax.op.nn.conv2d(x, _const(rng, 32, 16, 3, 3), padding=(1, 1)))
+        y = bb.emit(relax.op.clip(y, -0.5, 0.5))  # no kernel of ours: stock TVM, NCHW
+        y = bb.emit(relax.op.nn.conv2d(y, _const(rng, 32, 32, 3, 3), padding=(1, 1)))
+        return bb.emit(relax.op.nn.relu(y))
+
+    mod = _graph((1, 16, 12, 12), body)
     calls = _kernel_calls(mod)
     assert sum(c.startswith("tvm_ext_pack_nchwc") for c in calls) == 2
     assert sum(c.startswith("tvm_ext_unpack_nchwc") for c in calls) == 2
@@ -304,22 +298,11 @@ def test_batch_trunk_runs_one_image_at_a_time():
     x = np.random.default_rng(13).standard_normal((3, 3, 224, 224)).astype("float32")
     assert rel_err(_run(tvm_ext.build(mod, "llvm"), x), _run(tvm.compile(mod, TARGET), x)) <= 1e-4
 
-    bb = relax.BlockBuilder()
-    v = relax.Var("x", relax.TensorType((2, 4, 6, 6), "float32"))
-    with bb.function("main", [v]):
-        with bb.dataflow():
-            y = bb.emit(relax.op.nn.relu(v))
-            out = bb.emit_output(bb.emit(relax.op.sum(y, axis=[0])))  # mixes the images
-        bb.emit_func_output(out)
-    mixed = bb.get()
+    mixed = _graph((2, 4, 6, 6), lambda bb, x: bb.emit(relax.op.sum(bb.emit(relax.op.nn.relu(x)), axis=[0])))
     assert "main_image" not in [gv.name_hint for gv in split_batch(images_per_call=1)(mixed).get_global_vars()]
-    bb = relax.BlockBuilder()
-    v = relax.Var("x", relax.TensorType((2, 4, 6, 6), "float32"))
-    with bb.function("main", [v]):
-        with bb.dataflow():
-            out = bb.emit_output(bb.emit(relax.op.add(v, relax.const(np.ones((2, 4, 1, 1), "float32")))))
-        bb.emit_func_output(out)
-    per_image_constant = bb.get()  # one constant per image: slicing the input alone would be wrong
+    # One constant per image: slicing the input alone would be wrong.
+    per_image_constant = _graph((2, 4, 6, 6), lambda bb, x: bb.emit(
+        relax.op.add(x, relax.const(np.ones((2, 4, 1, 1), "float32")))))
     assert "main_image" not in [gv.name_hint for gv in split_batch(1)(per_image_constant).get_global_vars()]
     pairs = split_batch(images_per_call=2)(models.get("resnet18", batch=4)[0])  # one image per core
     assert pairs["main_image"].params[0].ty.shape[0] == 2 and pairs["main"].script().count("main_image(") == 2
