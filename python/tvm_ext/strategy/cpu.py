@@ -1,9 +1,10 @@
 """Which tvm_ext kernel serves which Relax op on LLVM CPUs, or why none does.
 
-The strategy is a legalization map (`relax.transform.LegalizeOps(customize_legalize_map)`)
-rather than a dispatch pass of its own: legalization already hands us each op with its
-attributes and shapes, and an op we decline goes straight to stock TVM's own rule (FLegalize).
-Before it, :func:`fold_batch_norm` folds inference batch norms (and per-channel scales) into the
+The strategy is a dispatch pass, :func:`lower_to_kernels`, rather than a legalization map: it
+must see ops in program order and look through their producers' bindings to keep activations
+blocked, which legalization (one op at a time) cannot. Ops it leaves go through
+`relax.transform.LegalizeOps` with :func:`legalize_map`, which logs why and hands them to stock
+TVM's own rule (FLegalize). Before it, :func:`fold_batch_norm` folds inference batch norms (and per-channel scales) into the
 weights, :func:`matmul_as_conv2d` turns dense layers into 1x1 convolutions, and
 :func:`fusion_patterns` / :func:`lower_to_kernels` turn conv2d + bias + shortcut + activation into
 one kernel call that reads and writes activations in the blocked layout (see :class:`_Emitter`:
@@ -300,7 +301,8 @@ class _Emitter:
 
 def legalize_map(target: tvm.target.Target) -> dict:
     """The customize map for `relax.transform.LegalizeOps` on `target`: ops :func:`lower_to_kernels`
-    left (stock TVM's rule, with the reason logged)."""
+    left go to stock TVM's rule with the reason logged. (In the pipeline none of them has a
+    kernel; used on its own, the map lowers those that do, in NCHW, one op at a time.)"""
 
     def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         decision = decide(call, target)
