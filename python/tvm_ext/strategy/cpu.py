@@ -4,10 +4,10 @@ The strategy is a dispatch pass, :func:`lower_to_kernels`, rather than a legaliz
 must see ops in program order and look through their producers' bindings to keep activations
 blocked, which legalization (one op at a time) cannot. Ops it leaves go through
 `relax.transform.LegalizeOps` with :func:`legalize_map`, which logs why and hands them to stock
-TVM's own rule (FLegalize). Before it, :func:`fold_batch_norm` folds inference batch norms (and per-channel scales) into the
-weights, :func:`matmul_as_conv2d` turns dense layers into 1x1 convolutions, and
-:func:`fusion_patterns` / :func:`lower_to_kernels` turn conv2d + bias + shortcut + activation into
-one kernel call that reads and writes activations in the blocked layout (see :class:`_Emitter`:
+TVM's own rule (FLegalize). Before it, :func:`fold_batch_norm` folds inference batch norms (and
+per-channel scales) into the weights, :func:`matmul_as_conv2d` turns dense layers into 1x1
+convolutions, and :func:`fusion_patterns` groups conv2d + bias + shortcut + activation into one
+kernel call that reads and writes activations in the blocked layout (see :class:`_Emitter`:
 layouts change only at the graph's edges and around fallbacks). Constant weights are packed at
 build time by FoldConstant. :func:`decide` is the single place that takes the decision, used by
 all of them and by the dispatch report.
