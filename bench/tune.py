@@ -51,6 +51,7 @@ from tvm_ext.tuning.progress import TuningProgress  # noqa: E402
 from tvm_ext.tuning.space import conv2d_workload, default_kernel  # noqa: E402
 
 sys.path.insert(0, str(HERE))
+import e2e as e2e_bench  # noqa: E402
 import peak as peak_bench  # noqa: E402
 
 
@@ -61,17 +62,11 @@ def load_layers(name: str) -> list[dict]:
 
 
 def _time_ms(func: tvm.tirx.PrimFunc, shapes: list[tuple], target) -> float:
-    """Median of 15 calls after a warm-up."""
+    """Median of 15 calls after a warm-up (e2e's timing loop)."""
     fn = tvm.compile(func, target).mod["main"]
     rng = np.random.default_rng(0)
     args = [tvm.runtime.tensor(rng.standard_normal(s).astype("float32")) for s in shapes]
-    fn(*args)
-    times = []
-    for _ in range(15):
-        start = time.perf_counter()
-        fn(*args)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return statistics.median(e2e_bench._time(lambda: fn(*args), 15))
 
 
 def stock_conv2d(wl: K.Conv2dWorkload) -> tvm.tirx.PrimFunc:
