@@ -11,6 +11,7 @@ from reference import conv2d_nchw, rel_err
 
 from tvm_ext import ops
 from tvm_ext.kernels.conv2d import Conv2dWorkload, normalize_padding
+from tvm_ext.target import resolve_target
 
 TOL = 1e-4
 
@@ -253,3 +254,31 @@ def test_prepacked_conv2d_module():
         ops.Conv2d(w, b[:3])
     with pytest.raises(ValueError, match="float32"):
         conv(np.zeros((1, 8, 9, 9), np.float64))
+
+
+@pytest.mark.parametrize("x_shape,w_shape,groups", [
+    ((1, 64, 8, 8), (96, 64, 3, 3), 1),     # register tiles, 3x3 rows cross channel boundaries
+    ((1, 32, 8, 8), (40, 32, 1, 1), 1),     # 40 channels: the last block is partly zero
+    ((1, 32, 8, 8), (48, 16, 7, 1), 2),     # groups, non-square filter
+    ((1, 3, 8, 8), (16, 3, 7, 7), 1),       # 3 input channels: the element-wise schedule
+    ((1, 32, 8, 8), (32, 1, 3, 3), 32),     # depthwise
+])
+def test_pack_weight_is_the_blocked_layout(x_shape, w_shape, groups):
+    """pack_weight_func writes exactly OIHW -> O/y, I/x, KH, KW, x, y, zeros past the last channel."""
+    import tvm
+
+    from tvm_ext.kernels.conv2d import pack_weight_func
+
+    plan = ops.conv2d_plan(x_shape, w_shape, padding=1, groups=groups)
+    w = np.random.default_rng(5).standard_normal(w_shape, dtype=np.float32)
+    packed = tvm.runtime.tensor(np.full(plan.weight_shape(), np.nan, np.float32))
+    tvm.compile(pack_weight_func(plan), resolve_target("llvm"))(tvm.runtime.tensor(w), packed)
+    padded = np.zeros((plan.K_pad,) + w_shape[1:], np.float32)
+    padded[: w_shape[0]] = w
+    k, c, kh, kw = padded.shape
+    if plan.kind == "depthwise":
+        expected = padded.reshape(k // plan.oc_bn, plan.oc_bn, kh, kw).transpose(0, 2, 3, 1)
+    else:
+        expected = padded.reshape(k // plan.oc_bn, plan.oc_bn, c // plan.ic_bn, plan.ic_bn, kh, kw)
+        expected = expected.transpose(0, 2, 4, 5, 3, 1)
+    np.testing.assert_array_equal(packed.numpy(), expected)

@@ -24,7 +24,8 @@ def _blocked(x: np.ndarray, block: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("shape,block,pads", [((1, 32, 7, 9), 16, (1, 1, 1, 1)), ((2, 24, 5, 13), 8, (0, 2, 3, 1)),
-                                              ((1, 3, 11, 6), 3, (3, 3, 3, 3)), ((1, 96, 4, 4), 32, (0, 0, 0, 0))])
+                                              ((1, 3, 11, 6), 3, (3, 3, 3, 3)), ((1, 96, 4, 4), 32, (0, 0, 0, 0)),
+                                              ((1, 64, 6, 21), 32, (2, 0, 1, 3)), ((1, 16, 3, 5), 4, (1, 0, 0, 1))])
 def test_pack_pad_unpack_round_trip(shape, block, pads):
     x = np.random.default_rng(sum(shape)).standard_normal(shape).astype("float32")
     top, left, bottom, right = pads

@@ -27,6 +27,7 @@ from tvm import s_tir, te, tirx
 
 from ..intrin.cpu import BRGEMM, default_tile, get_brgemm_intrin, register_tiles
 from ..target import AVX2, AVX512, NEON, SSE, VectorISA
+from .transpose import transpose8x8
 
 KERNEL_ATTR = "tvm_ext.kernel"
 
@@ -513,9 +514,59 @@ def _accept_user_alignment(func: tirx.PrimFunc, param: str) -> tirx.PrimFunc:
     return tvm.script.from_source(text)
 
 
+_PACK_WEIGHT_TEMPLATE = """
+@T.prim_func(s_tir=True)
+def pack_weight(w: T.handle, d: T.handle):
+    T.func_attr({{"tirx.noalias": True, "{attr}": "pack_weight_blocked"}})
+    W = T.match_buffer(w, ({K}, {Cg}, {KH}, {KW}), "float32", align={align})
+    D = T.match_buffer(d, ({OCB}, {ICB}, {KH}, {KW}, {ic_bn}, {oc_bn}), "float32")
+    W_rows = T.decl_buffer(({K}, {row}), "float32", data=W.data, align={align})
+    with T.sblock("root"):
+        for task in T.parallel({OCB} * {ICB}):
+            ob: T.let = task // {ICB}
+            ib: T.let = task % {ICB}
+            for q0, o0 in T.grid({q_tiles}, {o_tiles}):
+                if ob * {oc_bn} + o0 * 8 + 8 <= {K}:
+{tile}
+                else:
+                    for q, o in T.grid(8, 8):
+                        D[ob, ib, (q0 * 8 + q) % {KHW} // {KW}, (q0 * 8 + q) % {KW}, (q0 * 8 + q) // {KHW}, o0 * 8 + o] = (
+                            T.if_then_else(ob * {oc_bn} + o0 * 8 + o < {K},
+                                           W_rows[T.min(ob * {oc_bn} + o0 * 8 + o, {K_last}), ib * {q_block} + q0 * 8 + q],
+                                           T.float32(0)))
+"""
+
+
+def _pack_weight_tiled(plan: Conv2dPlan) -> tirx.PrimFunc:
+    """The OIHW -> blocked transpose in 8x8 register tiles of (output channel, (i, kh, kw)).
+
+    A row of OIHW holds one output channel's (i, kh, kw) contiguously, so 8 rows x 8 of them
+    load as vectors; each column of the tile is 8 output channels of one (i, kh, kw): a vector
+    store into the blocked weights.
+    """
+    wl = plan.wl
+    khw = wl.KH * wl.KW
+    q_block = plan.ic_bn * khw  # one input-channel block's (i, kh, kw), contiguous in a row
+
+    def store(j: int, value: str) -> str:
+        q = f"q0 * 8 + {j}"
+        return f"D[ob, ib, ({q}) % {khw} // {wl.KW}, ({q}) % {wl.KW}, ({q}) // {khw}, T.Ramp(o0 * 8, 1, 8)] = {value}"
+
+    tile = transpose8x8(lambda i: f"W_rows[ob * {plan.oc_bn} + o0 * 8 + {i}, T.Ramp(ib * {q_block} + q0 * 8, 1, 8)]",
+                        store, indent=" " * 20)
+    return tvm.script.from_source(_PACK_WEIGHT_TEMPLATE.format(
+        attr=KERNEL_ATTR, K=wl.K, Cg=wl.C // wl.groups, KH=wl.KH, KW=wl.KW, KHW=khw, align=USER_ALIGNMENT,
+        row=(wl.C // wl.groups) * khw, OCB=plan.OCB, ICB=plan.weight_shape()[1], ic_bn=plan.ic_bn,
+        oc_bn=plan.oc_bn, q_block=q_block, q_tiles=q_block // 8, o_tiles=plan.oc_bn // 8, K_last=wl.K - 1,
+        tile=tile))
+
+
 def pack_weight_func(plan: Conv2dPlan) -> tirx.PrimFunc:
     """OIHW -> O/y, I/x, KH, KW, x, y (depthwise: O/y, KH, KW, y); missing output channels are zero."""
     wl = plan.wl
+    if (plan.kind != "depthwise" and wl.dtype == "float32" and plan.oc_bn % 8 == 0
+            and (plan.ic_bn * wl.KH * wl.KW) % 8 == 0):
+        return _pack_weight_tiled(plan)
     w = te.placeholder((wl.K, wl.C // wl.groups, wl.KH, wl.KW), wl.dtype, name="weight")
     if plan.kind == "depthwise":
         wb = te.compute(plan.weight_shape(), lambda ob, r, s, o: w[ob * plan.oc_bn + o, 0, r, s],
@@ -533,16 +584,6 @@ def pack_weight_func(plan: Conv2dPlan) -> tirx.PrimFunc:
         sch.parallel(loops[0])
     else:
         ob, ib, r, s, i, o = loops
-        if (plan.ic_bn * wl.KH * wl.KW) % 8 == 0 and plan.oc_bn % 8 == 0:
-            # A transpose of [o] x [(i, r, s), contiguous in OIHW]: 8x8 tiles, fully unrolled,
-            # become vector loads, shuffles and vector stores (2x faster than element-wise).
-            sch.reorder(i, r, s, o)
-            qo, qi = sch.split(sch.fuse(i, r, s), [None, 8])
-            oo, oi = sch.split(o, [None, 8])
-            sch.reorder(qo, oo, qi, oi)
-            sch.unroll(qi)
-            sch.unroll(oi)
-        else:
-            sch.reorder(o, i, r, s)
+        sch.reorder(o, i, r, s)
         sch.parallel(sch.fuse(ob, ib))
     return sch.mod["main"].with_attr(KERNEL_ATTR, "pack_weight_blocked")
