@@ -10,7 +10,15 @@ from tvm import s_tir, te
 from tvm.s_tir import TensorIntrin
 
 from tvm_ext.asm import fma_blocks, inner_loop
-from tvm_ext.intrin.cpu import BRGEMM, default_tile, get_brgemm_intrin, register_tiles, tile_efficiency
+from tvm_ext.intrin.cpu import (
+    BRGEMM,
+    brgemm_from_name,
+    default_tile,
+    get_brgemm_intrin,
+    register_named,
+    register_tiles,
+    tile_efficiency,
+)
 from tvm_ext.kernels.conv2d import KERNEL_ATTR, Conv2dWorkload, Epilogue, conv2d_blocked_kernel, plan_conv2d
 from tvm_ext.target import AVX2, AVX512, NEON, resolve_target, vector_isa
 
@@ -134,3 +142,17 @@ def test_blocked_kernel_allocates_nothing_but_registers():
     assert allocs == {"bv"} | {f"acc{i}" for i in range(plan.m_r)} and len(plan.row_segments()) == 2
     lib = tvm.compile(tvm.IRModule({"conv": func.with_attr("global_symbol", "conv")}), resolve_target("llvm"))
     assert "ptr @__TVMBackendAllocWorkspace" not in lib.mod.inspect_source("ll")  # declared, never called
+
+
+def test_intrinsic_names_parse_back_to_their_brgemm():
+    """Tuning records name intrinsics; a fresh process registers them from those names."""
+    specs = [BRGEMM(5, 16, 16, 8, (1, 3, 3), init=True, unroll=2),
+             BRGEMM(14, 32, 16, 16, (2, 1, 7), stride=2, dilation=(2, 3), unroll=4),
+             BRGEMM(1, 8, 3, 8)]
+    for spec in specs:
+        assert brgemm_from_name(spec.name).name == spec.name
+    record = f'[0, [["Tensorize", "{specs[1].name}"], ["Tensorize", "{specs[2].name}"]]]'
+    assert register_named(record) == sorted([specs[1].name, specs[2].name])
+    assert TensorIntrin.get(specs[1].name, allow_missing=True) is not None
+    with pytest.raises(ValueError, match="not the name"):
+        brgemm_from_name("tvm_ext.brgemm_float32_5x16")

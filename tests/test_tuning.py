@@ -98,6 +98,46 @@ def test_tune_a_network_then_build_with_its_records(tmp_path):
     assert len((work_dir / "database_tuning_record.json").read_text().splitlines()) > len(records)
 
 
+_TUNE_UNTIL_KILLED = """
+import sys
+sys.path.insert(0, {tests!r})
+import tvm, tvm_ext
+from test_tuning import _net
+tvm_ext.tune(_net(), tvm.target.Target({{"kind": "llvm", "mcpu": "znver3"}}), {work_dir!r}, max_trials=64,
+             num_trials_per_iter=4)
+"""
+
+
+def test_sigkill_loses_no_finished_trial_and_the_rerun_continues(tmp_path):
+    """A tuning process killed with SIGKILL keeps every record it wrote; tuning again resumes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    work_dir = tmp_path / "records"
+    script = _TUNE_UNTIL_KILLED.format(tests=str(Path(__file__).parent), work_dir=str(work_dir))
+    child = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "TVM_NUM_THREADS": "1"})
+    records = work_dir / "database_tuning_record.json"
+    deadline = time.monotonic() + 300
+    while child.poll() is None and time.monotonic() < deadline:
+        if records.is_file() and len(records.read_text().splitlines()) >= 6:
+            break
+        time.sleep(0.2)
+    assert child.poll() is None, "the tuning run ended before it could be killed"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    before = records.read_text().splitlines()
+    assert len(before) >= 6
+    lines = [json.loads(line) for line in before]  # each finished trial is a whole line
+    assert all(len(line[1][1]) >= 1 for line in lines)
+    tvm_ext.tune(_net(), TARGET, work_dir, max_trials=4, num_trials_per_iter=4)
+    after = records.read_text().splitlines()
+    assert after[: len(before)] == before and len(after) > len(before)
+
+
 def test_corrupt_database_names_the_file_and_line(tmp_path):
     (tmp_path / "database_workload.json").write_text("")
     (tmp_path / "database_tuning_record.json").write_text('[0, [[], [1.0]]]\n[0, [[], [1.0\n')

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import tvm
 import tvm.script
@@ -85,6 +86,32 @@ class BRGEMM:
             f"tvm_ext.brgemm_{self.dtype}_{self.m_r}x{self.n_r}x{self.k}_l{self.lanes}"
             f"_b{b0}x{b1}x{b2}_s{self.stride}_d{dh}x{dw}_u{self.k_unroll}{'_init' if self.init else ''}"
         )
+
+
+_NAME = re.compile(r"tvm_ext\.brgemm_(\w+?)_(\d+)x(\d+)x(\d+)_l(\d+)_b(\d+)x(\d+)x(\d+)_s(\d+)_d(\d+)x(\d+)"
+                   r"_u(\d+)(_init)?\b")
+
+
+def brgemm_from_name(name: str) -> BRGEMM:
+    """The BRGEMM whose intrinsic is registered as `name` (the inverse of :attr:`BRGEMM.name`).
+
+    Tuning records name the intrinsics their traces tensorize with; a process that replays
+    them registers those first.
+    """
+    match = _NAME.fullmatch(name)
+    if match is None:
+        raise ValueError(f"{name!r} is not the name of a tvm_ext BRGEMM intrinsic")
+    dtype, *v, init = match.groups()
+    m_r, n_r, k, lanes, b0, b1, b2, stride, dh, dw, unroll = (int(x) for x in v)
+    return BRGEMM(m_r, n_r, k, lanes, (b0, b1, b2), stride, (dh, dw), dtype, init is not None, unroll)
+
+
+def register_named(text: str) -> list[str]:
+    """Register every tvm_ext BRGEMM intrinsic named in `text` (e.g. a tuning record file)."""
+    names = sorted({m.group(0) for m in _NAME.finditer(text)})
+    for name in names:
+        get_brgemm_intrin(brgemm_from_name(name))
+    return names
 
 
 def register_tiles(isa: VectorISA, max_vectors: int = 4, spare: int = 0) -> list[tuple[int, int]]:

@@ -522,18 +522,15 @@ def pack_weight(w: T.handle, d: T.handle):
     D = T.match_buffer(d, ({OCB}, {ICB}, {KH}, {KW}, {ic_bn}, {oc_bn}), "float32")
     W_rows = T.decl_buffer(({K}, {row}), "float32", data=W.data, align={align})
     with T.sblock("root"):
-        for task in T.parallel({OCB} * {ICB}):
-            ob: T.let = task // {ICB}
-            ib: T.let = task % {ICB}
-            for q0, o0 in T.grid({q_tiles}, {o_tiles}):
+{loops}
                 if ob * {oc_bn} + o0 * 8 + 8 <= {K}:
 {tile}
                 else:
                     for q, o in T.grid(8, 8):
-                        D[ob, ib, (q0 * 8 + q) % {KHW} // {KW}, (q0 * 8 + q) % {KW}, (q0 * 8 + q) // {KHW}, o0 * 8 + o] = (
-                            T.if_then_else(ob * {oc_bn} + o0 * 8 + o < {K},
-                                           W_rows[T.min(ob * {oc_bn} + o0 * 8 + o, {K_last}), ib * {q_block} + q0 * 8 + q],
-                                           T.float32(0)))
+                        k: T.let = ob * {oc_bn} + o0 * 8 + o
+                        p: T.let = q0 * 8 + q
+                        D[ob, ib, p % {KHW} // {KW}, p % {KW}, p // {KHW}, o0 * 8 + o] = T.if_then_else(
+                            k < {K}, W_rows[T.min(k, {K_last}), ib * {q_block} + p], T.float32(0))
 """
 
 
@@ -554,11 +551,21 @@ def _pack_weight_tiled(plan: Conv2dPlan) -> tirx.PrimFunc:
 
     tile = transpose8x8(lambda i: f"W_rows[ob * {plan.oc_bn} + o0 * 8 + {i}, T.Ramp(ib * {q_block} + q0 * 8, 1, 8)]",
                         store, indent=" " * 20)
+    ICB = plan.weight_shape()[1]
+    if khw == 1:
+        # 1x1: a block's rows are one cache line each, 4 KiB apart when C is a power of two
+        # (same L1 set); sweep 8 whole rows at a time instead (0.67 -> 0.45 ms, 2048x1024).
+        loops = (f"        for ob in T.parallel({plan.OCB}):\n"
+                 f"            for o0, ib, q0 in T.grid({plan.oc_bn // 8}, {ICB}, {q_block // 8}):")
+    else:  # one (ob, ib) block at a time: its rows are 576+ bytes, its output stays in L1
+        loops = (f"        for task in T.parallel({plan.OCB} * {ICB}):\n"
+                 f"            ob: T.let = task // {ICB}\n"
+                 f"            ib: T.let = task % {ICB}\n"
+                 f"            for q0, o0 in T.grid({q_block // 8}, {plan.oc_bn // 8}):")
     return tvm.script.from_source(_PACK_WEIGHT_TEMPLATE.format(
         attr=KERNEL_ATTR, K=wl.K, Cg=wl.C // wl.groups, KH=wl.KH, KW=wl.KW, KHW=khw, align=USER_ALIGNMENT,
-        row=(wl.C // wl.groups) * khw, OCB=plan.OCB, ICB=plan.weight_shape()[1], ic_bn=plan.ic_bn,
-        oc_bn=plan.oc_bn, q_block=q_block, q_tiles=q_block // 8, o_tiles=plan.oc_bn // 8, K_last=wl.K - 1,
-        tile=tile))
+        row=(wl.C // wl.groups) * khw, OCB=plan.OCB, ICB=ICB, ic_bn=plan.ic_bn, oc_bn=plan.oc_bn,
+        q_block=q_block, K_last=wl.K - 1, loops=loops, tile=tile))
 
 
 def pack_weight_func(plan: Conv2dPlan) -> tirx.PrimFunc:

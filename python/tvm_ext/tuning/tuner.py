@@ -27,6 +27,7 @@ from tvm.s_tir import Schedule
 from tvm.s_tir import meta_schedule as ms
 
 from ..errors import UnsupportedError
+from ..intrin.cpu import register_named
 from ..kernels.conv2d import KERNEL_ATTR
 from ..target import TargetLike, resolve_target, vector_isa
 from . import space
@@ -104,6 +105,10 @@ def open_database(database: str | os.PathLike | ms.Database, create: bool = Fals
         raise FileNotFoundError(f"tuning database: {path} has no {_RECORDS} (run tvm_ext.tune)")
     for name in (_WORKLOADS, _RECORDS):
         _check_json_lines(path / name)
+    if (path / _RECORDS).is_file():
+        # Records name the microkernels their traces tensorize with, registered on demand by the
+        # process that tuned: MetaSchedule replays them when it resumes, so register them first.
+        register_named((path / _RECORDS).read_text())
     return ms.database.JSONDatabase(work_dir=str(path))
 
 
