@@ -1,7 +1,8 @@
 """Whole-network benchmark: tvm_ext against ONNX Runtime, PyTorch eager and stock TVM, same run.
 
 For each network (tvm_ext.models, seeded weights shared by every runtime), batch and thread count:
-- tvm_ext: `tvm_ext.build` for the host CPU;
+- tvm_ext: `tvm_ext.build` for the host CPU (with the tuning records shipped for it, if any);
+- tvm_ext_untuned: the same with no tuning records (the analytic schedules; not run by default);
 - ONNX Runtime (CPU): the same network exported with torch.onnx, all graph optimizations,
   intra-op threads set;
 - PyTorch eager: the same graph evaluated op by op in inference mode, best of NCHW and
@@ -31,7 +32,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-RUNTIMES = ("tvm_ext", "onnxruntime", "pytorch", "stock_tvm")
+RUNTIMES = ("tvm_ext", "onnxruntime", "pytorch", "stock_tvm")  # and "tvm_ext_untuned" on request
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
@@ -106,14 +107,14 @@ def _child(args: argparse.Namespace) -> None:
 
     x = None
     result: dict = {}
-    if runtime in ("tvm_ext", "stock_tvm"):
+    if runtime in ("tvm_ext", "tvm_ext_untuned", "stock_tvm"):
         import tvm
         from tvm import relax
 
         vm = relax.VirtualMachine(tvm.runtime.load_module(artifact), tvm.cpu())["main"]
         x = np.load(Path(artifact).with_name("input.npy"))
         xt = tvm.runtime.tensor(x)
-        repeat = args.repeat if runtime == "tvm_ext" else 1
+        repeat = 1 if runtime == "stock_tvm" else args.repeat
         result["ms"] = _time(lambda: vm(xt), repeat)
         output = vm(xt).numpy()
     elif runtime == "onnxruntime":
@@ -160,6 +161,7 @@ def _prepare(model: str, batch: int, runtimes: list[str], stock: bool, target, f
              threads: list[int]) -> tuple[dict, int]:
     import numpy as np
     import tvm
+    from tvm.s_tir import meta_schedule as ms
 
     import tvm_ext
     from tvm_ext import models
@@ -168,14 +170,18 @@ def _prepare(model: str, batch: int, runtimes: list[str], stock: bool, target, f
     folder.mkdir(parents=True, exist_ok=True)
     np.save(folder / "input.npy", np.random.default_rng(0).standard_normal(models.image_shape(mod)).astype("float32"))
     artifacts = {"pytorch": str(folder / "pytorch")}
-    if "tvm_ext" in runtimes:
+    for runtime in ("tvm_ext", "tvm_ext_untuned"):
+        if runtime not in runtimes:
+            continue
+        # No records at all, not even the shipped ones: the analytic schedules.
+        database = ms.database.MemoryDatabase() if runtime == "tvm_ext_untuned" else None
         # At batch > 1 the trunk runs one image per runtime thread: one build per thread count.
         for t in threads if batch > 1 else [0]:
             start = time.perf_counter()
-            path = folder / f"tvm_ext_t{t}.so"
-            tvm_ext.build(mod, target, images_per_call=t or None).export_library(str(path))
-            print(f"  built {model} batch {batch} with tvm_ext in {time.perf_counter() - start:.0f} s", flush=True)
-            artifacts[f"tvm_ext_t{t}"] = str(path)
+            path = folder / f"{runtime}_t{t}.so"
+            tvm_ext.build(mod, target, database=database, images_per_call=t or None).export_library(str(path))
+            print(f"  built {model} batch {batch} with {runtime} in {time.perf_counter() - start:.0f} s", flush=True)
+            artifacts[f"{runtime}_t{t}"] = str(path)
     if "stock_tvm" in runtimes and stock:
         tvm.compile(mod, target).export_library(str(folder / "stock_tvm.so"))
         artifacts["stock_tvm"] = str(folder / "stock_tvm.so")
@@ -257,7 +263,7 @@ def main(argv=None) -> int:
     return 0
 
 
-_COLUMNS = (("model", 13), ("batch", 5), ("threads", 7), ("runtime", 12), ("ms", 9), ("images_s", 9),
+_COLUMNS = (("model", 13), ("batch", 5), ("threads", 7), ("runtime", 15), ("ms", 9), ("images_s", 9),
             ("gflops", 7), ("pct_peak", 8), ("rss_mib", 8), ("tvm_ext_speedup", 15), ("err_vs_ort", 10),
             ("note", 13))
 

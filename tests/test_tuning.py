@@ -119,7 +119,9 @@ def test_sigkill_loses_no_finished_trial_and_the_rerun_continues(tmp_path):
 
     work_dir = tmp_path / "records"
     script = _TUNE_UNTIL_KILLED.format(tests=str(Path(__file__).parent), work_dir=str(work_dir))
-    child = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "TVM_NUM_THREADS": "1"})
+    # A session of its own: the kill takes the run's builder and runner workers with it.
+    child = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "TVM_NUM_THREADS": "1"},
+                             start_new_session=True)
     records = work_dir / "database_tuning_record.json"
     deadline = time.monotonic() + 300
     while child.poll() is None and time.monotonic() < deadline:
@@ -127,7 +129,7 @@ def test_sigkill_loses_no_finished_trial_and_the_rerun_continues(tmp_path):
             break
         time.sleep(0.2)
     assert child.poll() is None, "the tuning run ended before it could be killed"
-    child.send_signal(signal.SIGKILL)
+    os.killpg(child.pid, signal.SIGKILL)
     child.wait()
     before = records.read_text().splitlines()
     assert len(before) >= 6

@@ -306,19 +306,34 @@ _EPILOGUE = """        for ow in T.serial({OW}):
                 Y_epilogue[v_n, v_ob, v_oh, v_ow, v_o] = {value}
 """
 
-# The NCHW write transposes (channel, pixel) of the row in 8x8 tiles, unrolled so that LLVM turns
-# each into vector loads, shuffles and vector stores.
-_EPILOGUE_NCHW = """        for oo, wo in T.grid({oc_bn} // {t}, ({width} + {t} - 1) // {t}):
-          for oi in T.unroll({t}):
-            for wi in T.unroll({t}):
-              with T.sblock("{name}_epilogue"):
-                v_n = T.axis.spatial({N}, row // {rows_per_image})
-                v_ob = T.axis.spatial({OCB}, {ob_expr})
-                v_oh = T.axis.spatial({OH}, {oh_expr})
-                v_o = T.axis.spatial({oc_bn}, oo * {t} + oi)
-                v_ow = T.axis.spatial({width}, wo * {t} + wi)
-                T.where(wo * {t} + wi < {width} and {ob_expr} * {oc_bn} + oo * {t} + oi < {K})
-                Out[v_n, v_ob * {oc_bn} + v_o, v_oh, v_ow + {start}] = {value}
+# The NCHW write: the scratch row (pixels x channels) goes out in 8x8 register transposes (whole
+# tiles), element by element at the edges (a group of 8 channels that K cuts, channels past the
+# last group of 8, pixels past the last whole tile),
+# then the epilogue runs in place on the NCHW rows just written (still in L1), contiguous along
+# pixels as a residual in NCHW is.
+_NCHW_ROW = """        v_n: T.let = row // {rows_per_image}
+        v_ob: T.let = {ob_expr}
+        v_oh: T.let = {oh_expr}
+"""
+_NCHW_WRITE = """        for oo in range({oc_bn} // 8):
+            if v_ob * {oc_bn} + oo * 8 + 8 <= {K}:
+                for wo in range({width} // 8):
+{tile}
+            else:
+                for oi, v_ow in T.grid(8, {tiled}):
+                    if v_ob * {oc_bn} + oo * 8 + oi < {K}:
+                        Out[v_n, v_ob * {oc_bn} + oo * 8 + oi, v_oh, {start} + v_ow] = {name}_row[v_ow, oo * 8 + oi]
+        for v_o, v_ow in T.grid({oc_bn} - {grouped}, {tiled}):
+            if v_ob * {oc_bn} + {grouped} + v_o < {K}:
+                Out[v_n, v_ob * {oc_bn} + {grouped} + v_o, v_oh, {start} + v_ow] = {name}_row[v_ow, {grouped} + v_o]
+        for v_o, v_ow in T.grid({oc_bn}, {width} - {tiled}):
+            if v_ob * {oc_bn} + v_o < {K}:
+                Out[v_n, v_ob * {oc_bn} + v_o, v_oh, {start} + {tiled} + v_ow] = {name}_row[{tiled} + v_ow, v_o]
+"""
+_NCHW_EPILOGUE = """        for v_o in range({oc_bn}):
+            if v_ob * {oc_bn} + v_o < {K}:
+                for v_ow in range({width}):
+                    Out[v_n, v_ob * {oc_bn} + v_o, v_oh, {start} + v_ow] = {value}
 """
 
 
@@ -372,17 +387,24 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
         # hold them would break blockize, which drops bindings to variables outside its scope.)
         body = "".join(f'        {name}_row = T.decl_buffer(({width}, {plan.oc_bn}), "float32")\n'
                        for name, width, _ in plan.row_segments())
-        tile = 8 if plan.oc_bn % 8 == 0 else 1
         rows = ""
         for name, width, start in plan.row_segments():
             rows += _SEGMENT.format(
                 name=name, width=width, start=start, out=f"{name}_row", out_index="v_ow, v_o",
                 product=product.format(sh=sh, sw=sw, dh=dh, dw=dw, start=start), **reduce_fields, **common)
+        rows += _NCHW_ROW.format(**common)
         for name, width, start in plan.row_segments():
-            rows += _EPILOGUE_NCHW.format(name=name, width=width, start=start, t=tile, K=wl.K,
-                                          value=value.format(src=f"{name}_row[v_ow, v_o]", residual=(
-                                              f"R[v_n, v_ob * {plan.oc_bn} + v_o, v_oh, v_ow + {start}]")),
-                                          **common)
+            tile = transpose8x8(
+                lambda i, name=name: f"{name}_row[wo * 8 + {i}, T.Ramp(oo * 8, 1, 8)]",
+                lambda j, v, start=start: (f"Out[v_n, v_ob * {plan.oc_bn} + oo * 8 + {j}, v_oh, "
+                                           f"T.Ramp({start} + wo * 8, 1, 8)] = {v}"),
+                indent=" " * 20)
+            rows += _NCHW_WRITE.format(name=name, width=width, start=start, K=wl.K, tile=tile,
+                                       tiled=width // 8 * 8, grouped=plan.oc_bn // 8 * 8, **common)
+            if not epilogue.empty:
+                rows += _NCHW_EPILOGUE.format(width=width, start=start, K=wl.K, oc_bn=plan.oc_bn, value=value.format(
+                    src=f"Out[v_n, v_ob * {plan.oc_bn} + v_o, v_oh, {start} + v_ow]",
+                    residual=f"R[v_n, v_ob * {plan.oc_bn} + v_o, v_oh, {start} + v_ow]"))
         body += rows
         params = "out: T.handle"
     else:
