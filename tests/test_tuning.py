@@ -13,7 +13,7 @@ import tvm_ext
 from tvm_ext.kernels.conv2d import Conv2dWorkload, Epilogue, plan_conv2d
 from tvm_ext.target import AVX2
 from tvm_ext.tuning import extract_tasks, open_database, tuned_kernel
-from tvm_ext.tuning.space import conv2d_space, conv2d_workload, default_kernel, tensorize_segments
+from tvm_ext.tuning.space import conv2d_space, conv2d_workload, default_kernel, default_trace, tensorize_segments
 
 TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})  # AVX2: the CI machine's ISA
 
@@ -60,6 +60,22 @@ def test_every_candidate_of_the_design_space_computes_the_convolution():
     assert len(seen) >= 4
 
 
+def test_the_default_point_of_the_space_is_the_analytic_schedule():
+    """default_trace picks, per segment, the analytic m_r, n_r and unroll: the same kernel."""
+    wl = Conv2dWorkload.make((1, 16, 9, 13), (32, 16, 3, 3), 1, 1)
+    plan = plan_conv2d(wl, AVX2)
+    epilogue = Epilogue(bias=True)
+    workload = conv2d_workload(plan, epilogue, AVX2)
+    sch = Schedule(workload)
+    default_trace(workload).apply_to_schedule(sch, remove_postproc=False)
+    assert tensorize_segments(sch)
+
+    def body(func) -> str:  # the kernel without its attributes
+        return "\n".join(line for line in func.script().splitlines() if "T.func_attr" not in line)
+
+    assert body(sch.mod["main"]) == body(default_kernel(plan, epilogue, AVX2))
+
+
 def _net() -> tvm.IRModule:
     rng = np.random.default_rng(1)
 
@@ -90,6 +106,10 @@ def test_tune_a_network_then_build_with_its_records(tmp_path):
     assert len(records) >= 6 and any(r[1][1][0] < 1 for r in records)  # measured run times, in seconds
     database = open_database(work_dir)
     assert all(tuned_kernel(database, t.workload, TARGET) is not None for t in tasks)
+    for task in tasks:  # each task's analytic schedule was measured and recorded too
+        workload = database.commit_workload(tvm.IRModule({"main": task.workload}))
+        decisions = [[int(v) for v in r.trace.decisions.values()] for r in database.get_top_k(workload, 100)]
+        assert [int(v) for v in default_trace(task.workload).decisions.values()] in decisions
     x = np.random.default_rng(2).standard_normal((1, 16, 14, 14)).astype("float32")
     run = lambda ex: relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()  # noqa: E731
     assert rel_err(run(tvm_ext.build(mod, TARGET, database=work_dir)), run(tvm.compile(mod, TARGET))) <= 1e-4
@@ -199,6 +219,8 @@ def _free_port() -> int:
 def test_rpc_tuning_on_loopback_survives_a_dead_server(tmp_path):
     """A tracker and two servers on loopback measure the candidates; one server is killed after
     the first batch, and tuning still finishes with its records."""
+    import os
+    import signal
     import subprocess
     import sys
     import time
@@ -207,15 +229,17 @@ def test_rpc_tuning_on_loopback_survives_a_dead_server(tmp_path):
     from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
 
     port, key = _free_port(), "tvm_ext_test"
+    # Each in a session of its own: killing one takes the processes it forked with it.
     procs = [subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1",
-                               "--port", str(port), "--port-end", str(port + 1)])]
+                               "--port", str(port), "--port-end", str(port + 1)], start_new_session=True)]
     try:
         time.sleep(2)
         for _ in range(2):
             server_port = _free_port()
             procs.append(subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_server", "--tracker",
                                            f"127.0.0.1:{port}", "--key", key, "--host", "127.0.0.1",
-                                           "--port", str(server_port), "--port-end", str(server_port + 1)]))
+                                           "--port", str(server_port), "--port-end", str(server_port + 1)],
+                                          start_new_session=True))
         deadline = time.time() + 60
         while time.time() < deadline:
             assert procs[0].poll() is None, "the RPC tracker exited (is tornado installed?)"
@@ -233,7 +257,8 @@ def test_rpc_tuning_on_loopback_survives_a_dead_server(tmp_path):
         class KillOneServer(PyMeasureCallback):
             def apply(self, task_scheduler, task_id, candidates, builder_results, runner_results) -> None:
                 if procs[1].poll() is None:
-                    procs[1].kill()
+                    os.killpg(procs[1].pid, signal.SIGKILL)
+                    procs[1].wait()
 
         work_dir = tmp_path / "records"
         tvm_ext.tune(_net(), TARGET, work_dir, max_trials=12, num_trials_per_iter=4,
@@ -244,7 +269,10 @@ def test_rpc_tuning_on_loopback_survives_a_dead_server(tmp_path):
         assert sum(r[1][1][0] < 1 for r in records) >= 4  # measured by the surviving server too
     finally:
         for proc in procs:
-            proc.kill()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             proc.wait()
 
 

@@ -72,6 +72,26 @@ def conv2d_space(sch: Schedule) -> None:
     _conv.schedule_conv2d_blocked(sch, plan, lanes, tunable=True, registers=registers)
 
 
+def default_trace(workload: tvm.tirx.PrimFunc) -> tvm.s_tir.Trace:
+    """The point of :func:`conv2d_space` that is the analytic schedule (the default kernel).
+
+    Tuning measures it first: a record of it keeps the best record from being a candidate
+    slower than the schedule used without tuning. Postprocessing (tensorizing) is not in the
+    trace; it is applied when the record is, as for every record.
+    """
+    plan = describe_kernel(workload)[0]
+    sch = Schedule(tvm.IRModule({"main": workload}))
+    conv2d_space(sch)
+    defaults = [value for _, width, _ in plan.row_segments() for value in (min(plan.m_r, width), plan.oc_bn, 1)]
+    trace = sch.trace
+    samples = [inst for inst in trace.insts if inst.kind.name == "SampleCategorical"]
+    if len(samples) != len(defaults):
+        raise ValueError(f"conv2d space: {len(samples)} sampled decisions, expected {len(defaults)}")
+    for inst, value in zip(samples, defaults, strict=True):
+        trace = trace.with_decision(inst, [int(c) for c in inst.attrs[0]].index(value), remove_postproc=True)
+    return trace
+
+
 def tensorize_segments(sch: Schedule) -> bool:
     """Tensorize every sampled segment with the microkernel of its tile; False if one does not fit."""
     described = describe_kernel(sch.mod["main"])
