@@ -76,6 +76,25 @@ def test_the_default_point_of_the_space_is_the_analytic_schedule():
     assert body(sch.mod["main"]) == body(default_kernel(plan, epilogue, AVX2))
 
 
+def test_only_blocked_brgemm_kernels_have_a_design_space():
+    """NCHW-writing kernels (channels that do not fill their last block) and depthwise ones are
+    not tuning tasks: MetaSchedule's FLOP estimator rejects the former's register transposes."""
+    from tvm_ext.tuning.space import tunable
+
+    plan = plan_conv2d(Conv2dWorkload.make((1, 16, 8, 8), (32, 16, 3, 3), 1, 1), AVX2)
+    assert tunable(plan, Epilogue()) and not tunable(plan, Epilogue(nchw_out=True))
+    depthwise = plan_conv2d(Conv2dWorkload.make((1, 16, 8, 8), (16, 1, 3, 3), 1, 1, groups=16), AVX2)
+    assert depthwise.kind == "depthwise" and not tunable(depthwise, Epilogue())
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 16, 8, 8), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            w = relax.const(np.ones((20, 16, 3, 3), "float32"))  # 20 channels: NCHW output
+            out = bb.emit_output(bb.emit(relax.op.nn.conv2d(x, w, padding=(1, 1))))
+        bb.emit_func_output(out)
+    assert extract_tasks(bb.get(), TARGET) == []
+
+
 def _net() -> tvm.IRModule:
     rng = np.random.default_rng(1)
 

@@ -264,7 +264,7 @@ class _Emitter:
 
     def _conv_kernel(self, plan: _conv.Conv2dPlan, epilogue: Epilogue) -> tvm.tirx.PrimFunc:
         """The tuned schedule of this convolution if the database has one, else the analytic one."""
-        if self.database is not None and _space.tunable(plan):
+        if self.database is not None and _space.tunable(plan, epilogue):
             from ..tuning.tuner import tuned_kernel
 
             tuned = tuned_kernel(self.database, _space.conv2d_workload(plan, epilogue, self.isa), self.target)

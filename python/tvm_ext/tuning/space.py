@@ -60,9 +60,14 @@ def default_kernel(plan: _conv.Conv2dPlan, epilogue: _conv.Epilogue, isa) -> tvm
     return func.with_attr(PLAN_ATTR, _describe(plan, epilogue, isa.lanes, isa.registers))
 
 
-def tunable(plan: _conv.Conv2dPlan) -> bool:
-    """Only the BRGEMM kind has a design space (depthwise and direct keep their schedule)."""
-    return plan.kind == "brgemm"
+def tunable(plan: _conv.Conv2dPlan, epilogue: _conv.Epilogue) -> bool:
+    """Whether a kernel has a design space: the BRGEMM kind with a blocked output.
+
+    Depthwise and direct kernels keep their schedule. So do kernels that write NCHW (output
+    channels that do not fill their last block, e.g. a 1000-class classifier): their register
+    transposes are `Shuffle` nodes, which MetaSchedule's FLOP estimator rejects.
+    """
+    return plan.kind == "brgemm" and not epilogue.nchw_out
 
 
 def conv2d_space(sch: Schedule) -> None:

@@ -61,7 +61,7 @@ def extract_tasks(mod: tvm.IRModule, target: TargetLike = None) -> list[Task]:
     tasks: dict[str, Task] = {}  # by the workload's self-description: equal kernels, one task
     for gvar, func in lowered.functions_items():
         described = space.describe_kernel(func) if isinstance(func, tvm.tirx.PrimFunc) else None
-        if described is None or not space.tunable(described[0]) or gvar.name_hint not in calls:
+        if described is None or not space.tunable(*described[:2]) or gvar.name_hint not in calls:
             continue
         workload = space.conv2d_workload(described[0], described[1], isa)
         key = str(workload.attrs[space.PLAN_ATTR])
