@@ -306,11 +306,10 @@ _EPILOGUE = """        for ow in T.serial({OW}):
                 Y_epilogue[v_n, v_ob, v_oh, v_ow, v_o] = {value}
 """
 
-# The NCHW write: the scratch row (pixels x channels) goes out in 8x8 register transposes (whole
-# tiles), element by element at the edges (a group of 8 channels that K cuts, channels past the
-# last group of 8, pixels past the last whole tile),
-# then the epilogue runs in place on the NCHW rows just written (still in L1), contiguous along
-# pixels as a residual in NCHW is.
+# The NCHW write: the scratch row (pixels x channels) goes out in 8x8 register transposes for
+# whole tiles, element by element at the edges (a group of 8 channels that K cuts, channels past
+# the last group of 8, pixels past the last whole tile). The epilogue then runs in place on the
+# NCHW rows just written (still in L1), contiguous along pixels as an NCHW residual is.
 _NCHW_ROW = """        v_n: T.let = row // {rows_per_image}
         v_ob: T.let = {ob_expr}
         v_oh: T.let = {oh_expr}
