@@ -14,6 +14,7 @@ from tvm_ext.kernels.conv2d import Conv2dWorkload, Epilogue, plan_conv2d
 from tvm_ext.target import AVX2
 from tvm_ext.tuning import extract_tasks, open_database, tuned_kernel
 from tvm_ext.tuning.space import conv2d_space, conv2d_workload, default_kernel, default_trace, tensorize_segments
+from tvm_ext.tuning.tuner import compact_database
 
 TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})  # AVX2: the CI machine's ISA
 
@@ -132,6 +133,17 @@ def test_tune_a_network_then_build_with_its_records(tmp_path):
     x = np.random.default_rng(2).standard_normal((1, 16, 14, 14)).astype("float32")
     run = lambda ex: relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()  # noqa: E731
     assert rel_err(run(tvm_ext.build(mod, TARGET, database=work_dir)), run(tvm.compile(mod, TARGET))) <= 1e-4
+    # Compacted (as shipped records are): one record per task, no tensorize steps, same kernels.
+    import shutil
+
+    compact_dir = tmp_path / "compact"
+    shutil.copytree(work_dir, compact_dir)
+    assert compact_database(compact_dir) == len(tasks)
+    assert "Tensorize" not in (compact_dir / "database_tuning_record.json").read_text()
+    compact = open_database(compact_dir)
+    for task in tasks:
+        assert tuned_kernel(compact, task.workload, TARGET).script() == tuned_kernel(
+            database, task.workload, TARGET).script()
     # A second run continues from the same records.
     tvm_ext.tune(mod, TARGET, work_dir, max_trials=4, num_trials_per_iter=4)
     assert len((work_dir / "database_tuning_record.json").read_text().splitlines()) > len(records)

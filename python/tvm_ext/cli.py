@@ -129,6 +129,10 @@ def tune(args: argparse.Namespace) -> int:
     tvm_ext.tune(mod, target, args.work_dir, args.trials, args.trials_per_task or None, tasks=tasks,
                  measure_callbacks=[progress], rpc=args.rpc or None)
     print(f"\ntuned in {time.perf_counter() - start:.0f} s\n{progress.summary()}")
+    if args.ship:
+        from tvm_ext.tuning.tuner import compact_database
+
+        print(f"shipped: the best record of each workload, {compact_database(args.work_dir)} records")
     plot = progress.plot(Path(args.work_dir) / "tuning_curve.png")
     print(f"tuning curve: {plot}" if plot else "tuning curve: matplotlib is not installed, no PNG")
     return 0
