@@ -174,14 +174,19 @@ def test_sigkill_loses_no_finished_trial_and_the_rerun_continues(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "TVM_NUM_THREADS": "1"},
                              start_new_session=True)
     records = work_dir / "database_tuning_record.json"
-    deadline = time.monotonic() + 300
-    while child.poll() is None and time.monotonic() < deadline:
-        if records.is_file() and len(records.read_text().splitlines()) >= 6:
-            break
-        time.sleep(0.2)
-    assert child.poll() is None, "the tuning run ended before it could be killed"
-    os.killpg(child.pid, signal.SIGKILL)
-    child.wait()
+    try:
+        deadline = time.monotonic() + 300
+        while child.poll() is None and time.monotonic() < deadline:
+            if records.is_file() and len(records.read_text().splitlines()) >= 6:
+                break
+            time.sleep(0.2)
+        assert child.poll() is None, "the tuning run ended before it could be killed"
+    finally:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        child.wait()
     before = records.read_text().splitlines()
     assert len(before) >= 6
     lines = [json.loads(line) for line in before]  # each finished trial is a whole line
