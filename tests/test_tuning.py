@@ -221,7 +221,7 @@ def test_tune_rejects_what_it_cannot_tune(tmp_path):
 
 def test_shipped_records_apply_only_to_their_target(tmp_path, monkeypatch):
     from tvm_ext.strategy import cpu as cpu_strategy
-    from tvm_ext.tuning.tuner import TUNED_ATTR, shipped_database, target_key
+    from tvm_ext.tuning.tuner import TUNED_ATTR, shipped_database, shipped_records_dir, target_key
 
     mod = _net()
     tvm_ext.tune(mod, TARGET, tmp_path / target_key(TARGET), max_trials=8, num_trials_per_iter=8)
@@ -238,6 +238,7 @@ def test_shipped_records_apply_only_to_their_target(tmp_path, monkeypatch):
     assert tuned_kernels(TARGET) >= 1
     other = tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"})
     assert shipped_database(other) is None and tuned_kernels(other) == 0
+    assert shipped_records_dir(TARGET) == tmp_path / "llvm-znver3" and shipped_records_dir(other) is None
     x = np.random.default_rng(3).standard_normal((1, 16, 14, 14)).astype("float32")
     ours = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
     stock = relax.VirtualMachine(tvm.compile(mod, TARGET), tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()

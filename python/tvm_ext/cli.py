@@ -66,7 +66,11 @@ def demo(args: argparse.Namespace) -> int:
     print("dispatch: " + ", ".join(f"{n} x {k}" for k, n in counts.most_common()))
     start = time.perf_counter()
     ex = tvm_ext.build(mod, target)
-    print(f"built with tvm_ext in {time.perf_counter() - start:.1f} s")
+    from tvm_ext.tuning.tuner import shipped_records_dir, target_key
+
+    shipped = shipped_records_dir(target)
+    print(f"built with tvm_ext in {time.perf_counter() - start:.1f} s; tuning records for {target_key(target)}: "
+          + (f"shipped ({shipped})" if shipped else "none (analytic schedules)"))
     x = np.random.default_rng(0).standard_normal(models.image_shape(mod)).astype("float32")
     xt = tvm.runtime.tensor(x)
     run = relax.VirtualMachine(ex, tvm.cpu())["main"]

@@ -313,10 +313,16 @@ def schedules_root() -> Path:
     return Path(os.environ.get("TVM_EXT_SCHEDULES") or Path(__file__).resolve().parents[3] / "schedules")
 
 
+def shipped_records_dir(target: TargetLike) -> Path | None:
+    """schedules/<target key>/ when records are shipped for `target`, else None."""
+    path = schedules_root() / target_key(target)
+    return path if (path / _RECORDS).is_file() else None
+
+
 def shipped_database(target: TargetLike) -> ms.Database | None:
     """The records shipped for `target` (schedules/<target key>/), or None when there are none."""
-    path = schedules_root() / target_key(target)
-    if not (path / _RECORDS).is_file():
+    path = shipped_records_dir(target)
+    if path is None:
         return None
     logger.info("tvm_ext: using the tuning records shipped in %s", path)
     return open_database(path)
