@@ -56,3 +56,13 @@ def test_vector_isa_from_target():
     assert vector_isa("llvm").lanes in (4, 8, 16)
     with pytest.raises(ValueError, match="not a CPU"):
         vector_isa("cuda -arch=sm_80")
+
+
+def test_usable_cores_is_the_affinity_mask(monkeypatch):
+    import os
+
+    from tvm_ext.target import usable_cores
+
+    assert usable_cores() == len(os.sched_getaffinity(0))
+    monkeypatch.delattr(os, "sched_getaffinity")  # an OS that cannot say: every core
+    assert usable_cores() == (os.cpu_count() or 1)

@@ -149,6 +149,18 @@ def test_tune_a_network_then_build_with_its_records(tmp_path):
     assert len((work_dir / "database_tuning_record.json").read_text().splitlines()) > len(records)
 
 
+def _kill_session(proc) -> None:
+    """SIGKILL a process started with start_new_session=True and everything it forked."""
+    import os
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the whole session is gone already
+        pass
+    proc.wait()
+
+
 _TUNE_UNTIL_KILLED = """
 import sys
 sys.path.insert(0, {tests!r})
@@ -162,7 +174,6 @@ tvm_ext.tune(_net(), tvm.target.Target({{"kind": "llvm", "mcpu": "znver3"}}), {w
 def test_sigkill_loses_no_finished_trial_and_the_rerun_continues(tmp_path):
     """A tuning process killed with SIGKILL keeps every record it wrote; tuning again resumes."""
     import os
-    import signal
     import subprocess
     import sys
     import time
@@ -182,11 +193,7 @@ def test_sigkill_loses_no_finished_trial_and_the_rerun_continues(tmp_path):
             time.sleep(0.2)
         assert child.poll() is None, "the tuning run ended before it could be killed"
     finally:
-        try:
-            os.killpg(child.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        child.wait()
+        _kill_session(child)
     before = records.read_text().splitlines()
     assert len(before) >= 6
     lines = [json.loads(line) for line in before]  # each finished trial is a whole line
@@ -256,8 +263,6 @@ def _free_port() -> int:
 def test_rpc_tuning_on_loopback_survives_a_dead_server(tmp_path):
     """A tracker and two servers on loopback measure the candidates; one server is killed after
     the first batch, and tuning still finishes with its records."""
-    import os
-    import signal
     import subprocess
     import sys
     import time
@@ -294,8 +299,7 @@ def test_rpc_tuning_on_loopback_survives_a_dead_server(tmp_path):
         class KillOneServer(PyMeasureCallback):
             def apply(self, task_scheduler, task_id, candidates, builder_results, runner_results) -> None:
                 if procs[1].poll() is None:
-                    os.killpg(procs[1].pid, signal.SIGKILL)
-                    procs[1].wait()
+                    _kill_session(procs[1])
 
         work_dir = tmp_path / "records"
         tvm_ext.tune(_net(), TARGET, work_dir, max_trials=12, num_trials_per_iter=4,
@@ -306,11 +310,7 @@ def test_rpc_tuning_on_loopback_survives_a_dead_server(tmp_path):
         assert sum(r[1][1][0] < 1 for r in records) >= 4  # measured by the surviving server too
     finally:
         for proc in procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            _kill_session(proc)
 
 
 def test_rpc_address_is_checked(tmp_path):

@@ -144,8 +144,10 @@ def tune(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    from .target import usable_cores
+
     # Set explicitly: TVM's own default pool ran ResNet-18 at half speed on this 2-core machine.
-    args.threads = args.threads or len(os.sched_getaffinity(0))
+    args.threads = args.threads or usable_cores()
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
     if args.command == "demo":
         return demo(args)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 from typing import Any, Union
 
 from tvm.target import Target, codegen
@@ -52,6 +53,12 @@ def parse_cli_target(text: str) -> dict:
 
 
 @functools.lru_cache(maxsize=1)
+def usable_cores() -> int:
+    """The cores this process may run on (the affinity mask; all cores where the OS cannot say)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+
+
 def host_target() -> Target:
     """The LLVM target for this machine's CPU (its mcpu, hence its vector ISA)."""
     return Target({"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu()})

@@ -15,10 +15,11 @@ with the reason logged.
 from __future__ import annotations
 
 import logging
-import os
 
 import tvm
 from tvm import relax
+
+from ..target import usable_cores
 
 logger = logging.getLogger("tvm_ext")
 
@@ -64,12 +65,6 @@ def _not_per_image(value: relax.Expr, batch: int) -> str | None:
     return None
 
 
-def _usable_cores() -> int:
-    """The cores this process may run on (all of them where the OS cannot say)."""
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
-
-
 def _uses(expr: relax.Expr) -> set:
     found = set()
     relax.analysis.post_order_visit(expr, lambda e: found.add(e) if isinstance(e, relax.Var) else None)
@@ -108,7 +103,7 @@ def split_batch(images_per_call: int | None = None) -> tvm.transform.Pass:
         batch = _first_dim(func.params[0])
         if batch is None or batch < 2:
             return mod
-        wanted = images_per_call or _usable_cores()
+        wanted = images_per_call or usable_cores()
         chunk = max(d for d in range(1, min(wanted, batch) + 1) if batch % d == 0)
         if chunk == batch:
             return mod

@@ -116,12 +116,10 @@ def open_database(database: str | os.PathLike | ms.Database, create: bool = Fals
         path.mkdir(parents=True, exist_ok=True)
     elif not (path / _RECORDS).is_file():
         raise FileNotFoundError(f"tuning database: {path} has no {_RECORDS} (run tvm_ext.tune)")
-    for name in (_WORKLOADS, _RECORDS):
-        _check_json_lines(path / name)
-    if (path / _RECORDS).is_file():
-        # Records name the microkernels their traces tensorize with, registered on demand by the
-        # process that tuned: MetaSchedule replays them when it resumes, so register them first.
-        register_named((path / _RECORDS).read_text())
+    _check_json_lines(path / _WORKLOADS)
+    # Records name the microkernels their traces tensorize with, registered on demand by the
+    # process that tuned; JSONDatabase replays every trace when it loads, so register them first.
+    register_named(_check_json_lines(path / _RECORDS))
     return ms.database.JSONDatabase(work_dir=str(path))
 
 
@@ -134,7 +132,7 @@ def compact_database(work_dir: str | os.PathLike) -> int:
 
     For shipped records. Loading a JSON database replays every trace, and a trace that
     tensorizes needs its microkernels registered first (about 0.1 s each, a TVMScript parse):
-    the 1000 records shipped for ResNet-50 and VGG-16 named 542 of them and took 39 s to load.
+    the 991 records first shipped for ResNet-50 and VGG-16 named 542 of them and took 39 s to load.
     Builds replay records without postprocessing and tensorize again, so they lose nothing; a
     later tuning run starts from these records.
     """
@@ -162,23 +160,25 @@ def compact_database(work_dir: str | os.PathLike) -> int:
     return len(compacted.get_all_tuning_records())
 
 
-def _check_json_lines(path: Path) -> None:
+def _check_json_lines(path: Path) -> str:
     """Name the file and line of a corrupt record (MetaSchedule's own reader aborts without it).
 
-    Nothing is rewritten: the valid records stay as they are for the user to keep.
+    Returns the file's text ("" when there is none). Nothing is rewritten: the valid records
+    stay as they are for the user to keep.
     """
     if not path.is_file():
-        return
-    with path.open() as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                json.loads(line)
-            except ValueError as err:
-                raise ValueError(f"{path}:{number}: corrupt tuning record ({err}); the other lines are intact: "
-                                 "delete or repair this one (a run interrupted while writing leaves a "
-                                 "truncated last line)") from None
+        return ""
+    text = path.read_text()
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            json.loads(line)
+        except ValueError as err:
+            raise ValueError(f"{path}:{number}: corrupt tuning record ({err}); the other lines are intact: "
+                             "delete or repair this one (a run interrupted while writing leaves a "
+                             "truncated last line)") from None
+    return text
 
 
 def tune(mod: tvm.IRModule, target: TargetLike, work_dir: str | os.PathLike, max_trials: int = 64,
@@ -237,10 +237,11 @@ def _measure_defaults(tasks: list[Task], target: tvm.target.Target, database: ms
     todo = [task for task in tasks if not database.has_workload(tvm.IRModule({"main": task.workload}))]
     if not todo:
         return
+    traces = [space.default_trace(task.workload) for task in todo]
     schedules = []
-    for task in todo:
+    for task, trace in zip(todo, traces, strict=True):
         sch = Schedule(tvm.IRModule({"main": task.workload}))
-        space.default_trace(task.workload).apply_to_schedule(sch, remove_postproc=False)
+        trace.apply_to_schedule(sch, remove_postproc=False)
         space.tensorize_segments(sch)
         schedules.append(sch)
     built = builder.build([ms.builder.BuilderInput(sch.mod, target) for sch in schedules])
@@ -251,7 +252,7 @@ def _measure_defaults(tasks: list[Task], target: tvm.target.Target, database: ms
     for b in built:
         if b.artifact_path:
             shutil.rmtree(os.path.dirname(b.artifact_path), ignore_errors=True)
-    for task, b, a in zip(todo, built, args, strict=True):
+    for task, trace, b, a in zip(todo, traces, built, args, strict=True):
         if b.error_msg is not None:
             logger.warning("tvm_ext.tune: the analytic schedule of %s did not build: %s", task.name, b.error_msg)
             continue
@@ -260,8 +261,7 @@ def _measure_defaults(tasks: list[Task], target: tvm.target.Target, database: ms
             logger.warning("tvm_ext.tune: the analytic schedule of %s did not run: %s", task.name, result.error_msg)
             continue
         workload = database.commit_workload(tvm.IRModule({"main": task.workload}))
-        database.commit_tuning_record(ms.database.TuningRecord(
-            space.default_trace(task.workload), workload, result.run_secs, target, a))
+        database.commit_tuning_record(ms.database.TuningRecord(trace, workload, result.run_secs, target, a))
 
 
 _EVALUATOR = ms.runner.EvaluatorConfig(number=3, repeat=3, min_repeat_ms=20)
