@@ -173,10 +173,38 @@ def _conv_kernel(x_shape, w_shape, bias: bool, stride, padding, dilation, groups
     kernel = _CONV_KERNELS.get(key)
     if kernel is None:
         resolved = resolve_target(target)
+        if resolved.kind.name == "cuda":
+            wl = _conv.Conv2dWorkload.make(x_shape, w_shape, stride, padding, dilation, groups)
+            kernel = _CONV_KERNELS[key] = _CudaConv2dKernel(wl, resolved, bias)
+            return kernel
         plan = conv2d_plan(x_shape, w_shape, stride=stride, padding=padding, dilation=dilation,
                            groups=groups, target=resolved)
         kernel = _CONV_KERNELS[key] = _Conv2dKernel(plan, resolved, bias)
     return kernel
+
+
+class _CudaConv2dKernel:
+    """The maxDNN kernel for one signature on this machine's GPU (NCHW in and out)."""
+
+    def __init__(self, wl: _conv.Conv2dWorkload, target: tvm.target.Target, bias: bool):
+        from .kernels.cuda import conv2d as cuda_conv
+        from .kernels.cuda.ptx import build_for_device
+
+        self.device = tvm.cuda(0)
+        if not self.device.exist:
+            raise RuntimeError(
+                f"conv2d: target {target.kind.name} ({target.attrs.get('arch', '')}) needs an NVIDIA GPU and this "
+                "machine has none; tvm_ext.kernels.cuda.conv2d.emulate runs the same kernel on the CPU")
+        self.cuda_conv = cuda_conv
+        self.plan = cuda_conv.MaxDNNPlan.make(wl, epilogue=cuda_conv.Epilogue(bias=bias))
+        func = cuda_conv.maxdnn_conv2d_func(self.plan)
+        self.fn = build_for_device(func, target)["main"]
+
+    def __call__(self, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+        arrays = self.cuda_conv.kernel_arrays(self.plan, x, w, bias)
+        args = [tvm.runtime.tensor(arrays[name], self.device) for name in self.plan.shapes()]
+        self.fn(*args)
+        return self.cuda_conv.output_to_nchw(args[-1].numpy())
 
 
 class Conv2d:

@@ -1,0 +1,513 @@
+"""maxDNN-style direct convolution for CUDA: implicit GEMM, 64x64 block tile, 8x8 per thread.
+
+The convolution is the GEMM  Y[o, col] = sum_k Wt[k, o] * im2col(X)[k, col]  with o the output
+channel, col = (p, q, n) the output pixel and image, k = (c, r, s) the filter tap. The im2col
+matrix is never stored: each k step's tile of it is gathered straight from the input into shared
+memory. Layouts (those of maxDNN/cuda-convnet, chosen so that every global access is a coalesced
+128-bit one):
+
+- activations CHWN (the image index innermost): four consecutive columns of a tile are four images
+  at the same pixel, one float4 in memory; the output, KPQN, is the same layout;
+- weights CRSK per group ([groups, C/groups*R*S, K/groups]): a k step's row of the A tile is
+  contiguous in output channels.
+
+One thread block computes a `rows x cols` tile of Y (64x64 by default; 32 or 96 rows where the
+output channels fit those better) with rows/8 x cols/8 threads, each holding an 8x8 register tile
+updated by the :class:`~tvm_ext.intrin.cuda.ThreadTile` tensor intrinsic. The k loop runs in steps
+of 8 through two shared buffers: while the block computes on one, each thread has the next step's
+global loads in flight in registers and stores them to the other buffer afterwards, so one barrier
+per k step suffices. The loop is unrolled by two so the two buffers are distinct allocations,
+which lets TVM's barrier planner see that the compute and the store do not conflict (with one
+buffer indexed by k % 2 it inserts a second barrier). The finished tile is staged through shared
+memory so the global stores are coalesced float4 rows, with the epilogue (bias, residual add,
+activation) applied on the way out.
+
+Where a float4 would straddle a row of memory (images per batch or output channels not a multiple
+of 4) the loads fall back to scalars, and all bounds (K not a multiple of 8, tiles past the edge,
+padding) are guarded, so every shape is computed exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import tvm
+import tvm.script
+from tvm import s_tir
+
+from ...intrin.cuda import ThreadTile, get_outer_product_intrin
+from ...target import resolve_target
+from ..conv2d import KERNEL_ATTR, Conv2dWorkload
+from .ptx import generate_source
+
+KERNEL_NAME = "maxdnn_conv2d"
+ACTIVATIONS = (None, "relu", "relu6")
+# Deliberate bugs for the tests: compute on the buffer being filled instead of the one filled
+# last step; never move the prefetched tile into shared memory.
+FAULTS = (None, "wrong_buffer", "no_store")
+# The kernel indexes flat views of its tensors; these names are its CUDA parameters (`<name>_ptr`).
+_FLAT = {"x": "Xf", "w": "Wf", "y": "Yf", "residual": "Rf", "bias": "bias"}
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTile:
+    """One thread block's output tile and its threads' register tiles."""
+
+    rows: int = 64  # output channels per block
+    cols: int = 64  # output columns (pixels x images) per block
+    thread_rows: int = 8
+    thread_cols: int = 8
+    k_step: int = 8
+    vec: int = 4
+
+    @property
+    def threads_m(self) -> int:
+        return self.rows // self.thread_rows
+
+    @property
+    def threads_n(self) -> int:
+        return self.cols // self.thread_cols
+
+    @property
+    def threads(self) -> int:
+        return self.threads_m * self.threads_n
+
+    def thread_tile(self) -> ThreadTile:
+        return ThreadTile(
+            rows=self.thread_rows, cols=self.thread_cols, k_step=self.k_step, vec=self.vec,
+            row_gap=self.rows * self.vec // self.thread_rows, col_gap=self.cols * self.vec // self.thread_cols)
+
+    def validate(self) -> None:
+        for extent, per_thread in ((self.rows, self.thread_rows), (self.cols, self.thread_cols)):
+            if extent % per_thread or (extent * self.vec) % per_thread:
+                raise ValueError(f"BlockTile: {extent} is not a multiple of the thread tile {per_thread}")
+        if not 32 <= self.threads <= 1024:
+            raise ValueError(f"BlockTile: {self.threads} threads per block (32..1024 allowed)")
+        self.thread_tile().validate()
+
+    def shared_bytes(self) -> int:
+        return 4 * (2 * self.k_step * (self.rows + self.cols) + self.rows * self.cols)
+
+
+TILE_ROWS = (64, 32, 96, 128)  # candidate block heights, the default first
+
+
+def choose_tile(out_channels_per_group: int) -> BlockTile:
+    """The block height that wastes the fewest rows on `out_channels_per_group` (64 on ties).
+
+    maxDNN's fixed 64 lost a quarter of its speed on OverFeat layer 1 (96 filters = 1.5 tiles);
+    a 96- or 32-row tile covers 96 exactly.
+    """
+    def waste(rows: int) -> int:
+        return -(-out_channels_per_group // rows) * rows - out_channels_per_group
+
+    best = min(TILE_ROWS, key=lambda rows: (waste(rows), TILE_ROWS.index(rows)))
+    return BlockTile(rows=best)
+
+
+@dataclasses.dataclass(frozen=True)
+class Epilogue:
+    """What the output write applies: Y = act(acc + bias[o] + residual)."""
+
+    bias: bool = False
+    residual: bool = False
+    activation: str | None = None
+
+    def __post_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"maxdnn_conv2d: activation {self.activation!r} is not one of {ACTIVATIONS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxDNNPlan:
+    """A workload, its block tile and its epilogue: everything the generator reads."""
+
+    wl: Conv2dWorkload
+    tile: BlockTile
+    epilogue: Epilogue = Epilogue()
+
+    @staticmethod
+    def make(wl: Conv2dWorkload, tile: BlockTile | None = None, epilogue: Epilogue | None = None) -> MaxDNNPlan:
+        if wl.dtype != "float32":
+            raise ValueError(f"maxdnn_conv2d: dtype {wl.dtype} is not supported (float32 only)")
+        tile = tile or choose_tile(wl.K // wl.groups)
+        tile.validate()
+        return MaxDNNPlan(wl, tile, epilogue or Epilogue())
+
+    @property
+    def gemm(self) -> tuple[int, int, int]:
+        """(M, N, K) of one group's implicit GEMM."""
+        wl = self.wl
+        return wl.K // wl.groups, wl.OH * wl.OW * wl.N, wl.C // wl.groups * wl.KH * wl.KW
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        m, n, _ = self.gemm
+        return (-(-n // self.tile.cols), -(-m // self.tile.rows), self.wl.groups)
+
+    @property
+    def k_steps(self) -> int:
+        return -(-self.gemm[2] // self.tile.k_step)
+
+    @property
+    def vector_a(self) -> bool:
+        """Weight rows hold whole float4 (output channels per group a multiple of 4)."""
+        return self.gemm[0] % self.tile.vec == 0
+
+    @property
+    def vector_b(self) -> bool:
+        """Four consecutive columns are four images of one pixel (batch a multiple of 4)."""
+        return self.wl.N % self.tile.vec == 0
+
+    @property
+    def vector_y(self) -> bool:
+        return self.gemm[1] % self.tile.vec == 0
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """The kernel's parameters in order, with their shapes: x, w[, bias][, residual], y."""
+        wl = self.wl
+        m, _, k = self.gemm
+        y = (wl.K, wl.OH, wl.OW, wl.N)
+        shapes = {"x": (wl.C, wl.H, wl.W, wl.N), "w": (wl.groups, k, m)}
+        if self.epilogue.bias:
+            shapes["bias"] = (wl.K,)
+        if self.epilogue.residual:
+            shapes["residual"] = y
+        shapes["y"] = y
+        return shapes
+
+
+class _Emitter:
+    """Builds the kernel's TVMScript text line by line (indentation tracked)."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.depth = 0
+
+    def __call__(self, line: str) -> None:
+        self.lines.append("    " * self.depth + line)
+
+    def block(self, header: str):
+        emitter = self
+
+        class _Scope:
+            def __enter__(self):
+                emitter(header)
+                emitter.depth += 1
+
+            def __exit__(self, *exc):
+                emitter.depth -= 1
+
+        return _Scope()
+
+
+def _zero(vec: int) -> str:
+    return f"T.Broadcast(T.float32(0), {vec})"
+
+
+class _Generator:
+    """Emits the kernel for one plan (see the module docstring for the algorithm)."""
+
+    def __init__(self, plan: MaxDNNPlan, fault: str | None = None):
+        self.plan, self.t, self.wl = plan, plan.tile, plan.wl
+        self.M, self.NCOLS, self.K = plan.gemm
+        self.e = _Emitter()
+        if fault not in FAULTS:
+            raise ValueError(f"maxdnn_conv2d: fault {fault!r} is not one of {FAULTS}")
+        self.fault = fault
+        self.load_sites = 0
+
+    # -- per-thread constants -------------------------------------------------------------
+    def slots(self, count: int) -> list[tuple[int, bool]]:
+        """(slot, guarded) for distributing `count` float4 slots over the block's threads."""
+        n = -(-count // self.t.threads)
+        return [(s, (s + 1) * self.t.threads > count) for s in range(n)]
+
+    def b_columns(self) -> None:
+        """Bind, per B load slot (and lane if scalar), the k-invariant part of the gather."""
+        t, wl, e = self.t, self.wl, self.e
+        per_row = t.cols // t.vec
+        sh, sw = wl.stride
+        pt, pl = wl.padding[0], wl.padding[1]
+        lanes = [0] if self.plan.vector_b else list(range(t.vec))
+        for s, _ in self.slots(t.k_step * per_row):
+            e(f"bf{s}: T.let = tid + {s * t.threads}")
+            for lane in lanes:
+                v = f"{s}_{lane}"
+                e(f"bc{v}: T.let = bx * {t.cols} + bf{s} % {per_row} * {t.vec} + {lane}")
+                e(f"bpq{v}: T.let = bc{v} // {wl.N}")
+                e(f"bh{v}: T.let = bpq{v} // {wl.OW} * {sh} - {pt}")
+                e(f"bw{v}: T.let = bpq{v} % {wl.OW} * {sw} - {pl}")
+                e(f"bn{v}: T.let = bc{v} % {wl.N}")
+
+    # -- global -> registers -> shared -----------------------------------------------------
+    def load_global(self, kt: str) -> None:
+        """Issue the global loads of k step `kt` into the prefetch registers."""
+        t, wl, e = self.t, self.wl, self.e
+        M, K = self.M, self.K
+        z = f"_{self.load_sites}"  # TVMScript lets are scoped to the function: one name per site
+        self.load_sites += 1
+        per_row_a = t.rows // t.vec
+        for s, guarded in self.slots(t.k_step * per_row_a):
+            f = f"(tid + {s * t.threads})"
+            e(f"ak{s}{z}: T.let = {kt} * {t.k_step} + {f} // {per_row_a}")
+            e(f"ao{s}{z}: T.let = by * {t.rows} + {f} % {per_row_a} * {t.vec}")
+            live = f"ak{s}{z} < {K}" + (f" and {f} < {t.k_step * per_row_a}" if guarded else "")
+            base = f"(g * {K} + ak{s}{z}) * {M} + ao{s}{z}"
+            if self.plan.vector_a:
+                with e.block(f"if {live} and ao{s}{z} < {M}:"):
+                    e(f"a_pre[T.ramp({s * t.vec}, 1, {t.vec})] = Wf[T.ramp({base}, 1, {t.vec})]")
+                with e.block("else:"):
+                    e(f"a_pre[T.ramp({s * t.vec}, 1, {t.vec})] = {_zero(t.vec)}")
+            else:
+                for lane in range(t.vec):
+                    e(f"a_pre[{s * t.vec + lane}] = T.if_then_else({live} and ao{s}{z} + {lane} < {M}, "
+                      f"Wf[{base} + {lane}], T.float32(0))")
+        per_row_b = t.cols // t.vec
+        rs, S = wl.KH * wl.KW, wl.KW
+        dh, dw = wl.dilation
+        cg = wl.C // wl.groups
+        for s, guarded in self.slots(t.k_step * per_row_b):
+            e(f"bk{s}{z}: T.let = {kt} * {t.k_step} + bf{s} // {per_row_b}")
+            e(f"bcin{s}{z}: T.let = g * {cg} + bk{s}{z} // {rs}")
+            e(f"br{s}{z}: T.let = bk{s}{z} % {rs} // {S} * {dh}")
+            e(f"bs{s}{z}: T.let = bk{s}{z} % {S} * {dw}")
+            k_live = f"bk{s}{z} < {self.K}" + (f" and bf{s} < {t.k_step * per_row_b}" if guarded else "")
+            lanes = [0] if self.plan.vector_b else list(range(t.vec))
+            for lane in lanes:
+                v = f"{s}_{lane}"
+                h, w = f"bh{v} + br{s}{z}", f"bw{v} + bs{s}{z}"
+                live = (f"{k_live} and bc{v} < {self.NCOLS} and 0 <= {h} and {h} < {wl.H} "
+                        f"and 0 <= {w} and {w} < {wl.W}")
+                addr = f"((bcin{s}{z} * {wl.H} + {h}) * {wl.W} + {w}) * {wl.N} + bn{v}"
+                if self.plan.vector_b:
+                    with e.block(f"if {live}:"):
+                        e(f"b_pre[T.ramp({s * t.vec}, 1, {t.vec})] = Xf[T.ramp({addr}, 1, {t.vec})]")
+                    with e.block("else:"):
+                        e(f"b_pre[T.ramp({s * t.vec}, 1, {t.vec})] = {_zero(t.vec)}")
+                else:
+                    e(f"b_pre[{s * t.vec + lane}] = T.if_then_else({live}, Xf[{addr}], T.float32(0))")
+
+    def store_shared(self, buf: int) -> None:
+        t, e = self.t, self.e
+        for name, extent, reg in (("A", t.rows, "a_pre"), ("B", t.cols, "b_pre")):
+            per_row = extent // t.vec
+            for s, guarded in self.slots(t.k_step * per_row):
+                f = f"(tid + {s * t.threads})"
+                store = (f"{name}_sh{buf}[{f} // {per_row}, T.ramp({f} % {per_row} * {t.vec}, 1, {t.vec})] = "
+                         f"{reg}[T.ramp({s * t.vec}, 1, {t.vec})]")
+                if guarded:
+                    with e.block(f"if {f} < {t.k_step * per_row}:"):
+                        e(store)
+                else:
+                    e(store)
+
+    def sync(self) -> None:
+        self.e('T.evaluate(T.tvm_storage_sync("shared"))')
+
+    def compute(self, buf: int, name: str) -> None:
+        t, e = self.t, self.e
+        tt = t.thread_tile()
+        with e.block(f"for kk, i0, i1, j0, j1 in T.grid({t.k_step}, {tt.rows // t.vec}, {t.vec}, "
+                     f"{tt.cols // t.vec}, {t.vec}):"):
+            with e.block(f'with T.sblock("{name}"):'):
+                e(f"vty = T.axis.spatial({t.threads_m}, tid // {t.threads_n})")
+                e(f"vtx = T.axis.spatial({t.threads_n}, tid % {t.threads_n})")
+                e(f"vk = T.axis.reduce({t.k_step}, kk)")
+                e('vi0, vi1, vj0, vj1 = T.axis.remap("SSSS", [i0, i1, j0, j1])')
+                c = f"vi0 * {t.vec} + vi1, vj0 * {t.vec} + vj1"
+                e(f"acc[{c}] = acc[{c}] + A_sh{buf}[vk, vty * {t.vec} + vi0 * {tt.row_gap} + vi1] * "
+                  f"B_sh{buf}[vk, vtx * {t.vec} + vj0 * {tt.col_gap} + vj1]")
+
+    def step(self, kt: str, buf: int, prefetch: bool) -> None:
+        """One k step on buffer `buf`; with `prefetch`, the next step's loads overlap it."""
+        if prefetch:
+            self.load_global(f"({kt} + 1)")
+        self.compute(1 - buf if self.fault == "wrong_buffer" else buf, f"update{len(self.updates)}")
+        self.updates.append(f"update{len(self.updates)}")
+        if prefetch and self.fault != "no_store":
+            self.store_shared(1 - buf)
+        self.sync()
+
+    # -- output ----------------------------------------------------------------------------
+    def write_output(self) -> None:
+        t, e, ep = self.t, self.e, self.plan.epilogue
+        tt = t.thread_tile()
+        M, NC = self.M, self.NCOLS
+        for i in range(tt.rows):
+            row = f"ty * {t.vec} + {i // t.vec * tt.row_gap + i % t.vec}"
+            for h in range(tt.cols // t.vec):
+                e(f"O_sh[{row}, T.ramp(tx * {t.vec} + {h * tt.col_gap}, 1, {t.vec})] = "
+                  f"acc[{i}, T.ramp({h * t.vec}, 1, {t.vec})]")
+        e('T.evaluate(T.tvm_storage_sync("shared"))')
+        per_row = t.cols // t.vec
+        vec = t.vec if self.plan.vector_y else 1
+        for s, _ in self.slots(t.rows * per_row):
+            f = f"(tid + {s * t.threads})"
+            e(f"oo{s}: T.let = by * {t.rows} + {f} // {per_row}")
+            e(f"oc{s}: T.let = bx * {t.cols} + {f} % {per_row} * {t.vec}")
+            for lane in range(0, t.vec, vec):
+                sidx = (f"T.ramp({f} % {per_row} * {t.vec} + {lane}, 1, {vec})" if vec > 1
+                        else f"{f} % {per_row} * {t.vec} + {lane}")
+                value = f"O_sh[{f} // {per_row}, {sidx}]"
+                yaddr = f"(g * {M} + oo{s}) * {NC} + "
+                yidx = (f"T.ramp({yaddr}oc{s} + {lane}, 1, {vec})" if vec > 1 else f"{yaddr}oc{s} + {lane}")
+                if ep.bias:
+                    b = f"bias[g * {M} + oo{s}]"
+                    value = f"{value} + " + (f"T.Broadcast({b}, {vec})" if vec > 1 else b)
+                if ep.residual:
+                    value = f"{value} + Rf[{yidx}]"
+                zero = _zero(vec) if vec > 1 else "T.float32(0)"
+                if ep.activation in ("relu", "relu6"):
+                    value = f"T.max({value}, {zero})"
+                if ep.activation == "relu6":
+                    six = f"T.Broadcast(T.float32(6), {vec})" if vec > 1 else "T.float32(6)"
+                    value = f"T.min({value}, {six})"
+                with e.block(f"if oo{s} < {M} and oc{s} + {lane} < {NC}:"):
+                    e(f"Yf[{yidx}] = {value}")
+
+    # -- the whole function ----------------------------------------------------------------
+    def text(self, symbol: str) -> str:
+        plan, t, e = self.plan, self.t, self.e
+        tt = t.thread_tile()
+        shapes = plan.shapes()
+        self.updates: list[str] = []
+        params = list(shapes)
+        e("# from tvm.script import tirx as T")
+        e("@T.prim_func(s_tir=True)")
+        e("def main(" + ", ".join(f'{n}: T.Buffer({shapes[n]}, "float32")' for n in params) + "):")
+        e.depth += 1
+        e(f'T.func_attr({{"global_symbol": "{symbol}", "tirx.noalias": True, '
+          f'"{KERNEL_ATTR}": "{KERNEL_NAME}"}})')
+        # The explicit root block comes first: a statement before it would make it a child of an
+        # implicit root whose inferred reads name the buffers allocated here (ill-formed TIR).
+        with e.block('with T.sblock("root"):'):
+            flat = _FLAT
+            sizes = {n: math.prod(shape) for n, shape in shapes.items()}
+            for n in params:
+                if flat[n] != n:
+                    e(f'{flat[n]} = T.decl_buffer(({sizes[n]},), "float32", data={n}.data)')
+            gx, gy, gz = plan.grid
+            e(f'for g in T.thread_binding({gz}, thread="blockIdx.z"):')
+            e.depth += 1
+            e(f'for by in T.thread_binding({gy}, thread="blockIdx.y"):')
+            e.depth += 1
+            e(f'for bx in T.thread_binding({gx}, thread="blockIdx.x"):')
+            e.depth += 1
+            e(f'for tid in T.thread_binding({t.threads}, thread="threadIdx.x"):')
+            e.depth += 1
+            # Declared (allocated) here, under the thread loops: block allocations would be
+            # hoisted out of the kernel, and a block here would hide `tid` from blockize.
+            for buf in (0, 1):
+                e(f'A_sh{buf} = T.decl_buffer(({t.k_step}, {t.rows}), "float32", scope="shared")')
+                e(f'B_sh{buf} = T.decl_buffer(({t.k_step}, {t.cols}), "float32", scope="shared")')
+            e(f'O_sh = T.decl_buffer(({t.rows}, {t.cols}), "float32", scope="shared")')
+            e(f'acc = T.decl_buffer(({tt.rows}, {tt.cols}), "float32", scope="local")')
+            na = len(self.slots(t.k_step * t.rows // t.vec))
+            nb = len(self.slots(t.k_step * t.cols // t.vec))
+            e(f'a_pre = T.decl_buffer(({na * t.vec},), "float32", scope="local")')
+            e(f'b_pre = T.decl_buffer(({nb * t.vec},), "float32", scope="local")')
+            e(f"ty: T.let = tid // {t.threads_n}")
+            e(f"tx: T.let = tid % {t.threads_n}")
+            with e.block(f"for i, j in T.grid({tt.rows}, {tt.cols}):"):
+                e("acc[i, j] = T.float32(0)")
+            self.b_columns()
+            steps = plan.k_steps
+            self.load_global("0")
+            self.store_shared(0)
+            self.sync()
+            pairs = (steps - 1) // 2  # pairs of steps that both prefetch
+            if pairs:
+                with e.block(f"for kt2 in range({pairs}):"):
+                    self.step("kt2 * 2", 0, True)
+                    self.step("kt2 * 2 + 1", 1, True)
+            tail = steps - 2 * pairs  # 1 or 2 steps; only the last has nothing to prefetch
+            if tail == 2:
+                self.step(str(2 * pairs), 0, True)
+                self.step(str(2 * pairs + 1), 1, False)
+            else:
+                self.step(str(2 * pairs), 0, False)
+            self.write_output()
+        return "\n".join(e.lines) + "\n"
+
+
+def maxdnn_conv2d_func(plan: MaxDNNPlan, symbol: str = "maxdnn_conv2d", *, tensorize: bool = True,
+                       fault: str | None = None) -> tvm.tirx.PrimFunc:
+    """The CUDA PrimFunc of `plan`, its 8x8 updates tensorized onto the thread-tile intrinsic.
+
+    Parameters are (x, w[, bias][, residual], y) in the layouts of :meth:`MaxDNNPlan.shapes`.
+    `fault` builds a deliberately broken kernel for the tests (see :data:`FAULTS`). A missing
+    barrier cannot be built this way: TVM's barrier planner puts it back, so the tests delete one
+    from the generated CUDA instead.
+    """
+    gen = _Generator(plan, fault)
+    func = tvm.script.from_source(gen.text(symbol))
+    if not tensorize:
+        return func
+    intrin = get_outer_product_intrin(plan.tile.thread_tile())
+    sch = s_tir.Schedule(func)
+    for name in gen.updates:
+        sch.tensorize(sch.get_loops(sch.get_sblock(name))[-5], intrin)
+    return sch.mod["main"]
+
+
+def data_to_chwn(x: np.ndarray) -> np.ndarray:
+    """NCHW activations -> the kernel's CHWN (a copy; graph edges do this once)."""
+    return np.ascontiguousarray(np.asarray(x).transpose(1, 2, 3, 0))
+
+
+def output_to_nchw(y: np.ndarray) -> np.ndarray:
+    """The kernel's KPQN output -> NCHW."""
+    return np.ascontiguousarray(np.asarray(y).transpose(3, 0, 1, 2))
+
+
+def weight_to_crsk(w: np.ndarray, groups: int = 1) -> np.ndarray:
+    """OIHW weights -> [groups, I*H*W, O/groups], the A operand of each group's GEMM."""
+    w = np.asarray(w)
+    o, i, kh, kw = w.shape
+    if o % groups:
+        raise ValueError(f"weight_to_crsk: {o} output channels do not split into {groups} groups")
+    per_group = w.reshape(groups, o // groups, i, kh, kw).transpose(0, 2, 3, 4, 1)
+    return np.ascontiguousarray(per_group.reshape(groups, i * kh * kw, o // groups))
+
+
+def kernel_arrays(plan: MaxDNNPlan, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None,
+                  residual: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The kernel's parameters from NCHW/OIHW NumPy arrays (and an NCHW residual), by name.
+
+    The output, "y", starts filled with NaN so that anything the kernel fails to write shows.
+    """
+    wl, ep = plan.wl, plan.epilogue
+    if (bias is not None) != ep.bias or (residual is not None) != ep.residual:
+        raise ValueError(f"kernel_arrays: the plan's epilogue {ep} does not match the arrays given")
+    arrays = {"x": data_to_chwn(x.astype(np.float32, copy=False)),
+              "w": weight_to_crsk(w.astype(np.float32, copy=False), wl.groups)}
+    if bias is not None:
+        arrays["bias"] = np.ascontiguousarray(bias, dtype=np.float32)
+    if residual is not None:
+        arrays["residual"] = data_to_chwn(residual.astype(np.float32, copy=False))
+    arrays["y"] = np.full(plan.shapes()["y"], np.nan, np.float32)
+    for name, shape in plan.shapes().items():
+        if arrays[name].shape != shape:
+            raise ValueError(f"kernel_arrays: {name} has shape {arrays[name].shape}, the plan needs {shape}")
+    return arrays
+
+
+def cuda_source(plan: MaxDNNPlan, target="nvidia/nvidia-h100", fault: str | None = None) -> str:
+    """The CUDA C that TVM generates for `plan` (no GPU needed)."""
+    return generate_source(maxdnn_conv2d_func(plan, fault=fault), resolve_target(target))
+
+
+def emulate(plan: MaxDNNPlan, arrays: dict[str, np.ndarray], source: str | None = None) -> np.ndarray:
+    """Run the kernel of `plan` on the CPU emulator (:mod:`tvm_ext.testing.cuda_emulator`).
+
+    `arrays` are the kernel's parameters (:func:`kernel_arrays`); returns arrays["y"], written.
+    """
+    from ...testing.cuda_emulator import run_kernel
+
+    source = source or cuda_source(plan)
+    named = {_FLAT[name]: arr for name, arr in arrays.items()}
+    run_kernel(source, "maxdnn_conv2d_kernel", plan.grid, (plan.tile.threads, 1, 1), named)
+    return arrays["y"]

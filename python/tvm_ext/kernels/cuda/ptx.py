@@ -1,0 +1,115 @@
+"""CUDA kernels from source to machine code, with or without a GPU.
+
+- :func:`generate_source`: the CUDA C TVM emits for a PrimFunc (no GPU, no CUDA runtime needed).
+- :func:`compile_source`, :func:`ptx_instructions`, :func:`ptxas_resources`: what it compiles to
+  (TVM's own nvcc driver for PTX and cubin; register use and spills from `ptxas -v`, which only
+  nvcc's command line reports).
+- :func:`build_for_device`: a runnable module for a machine that has a GPU.
+
+TVM 0.27 hazard: once `tvm.support.nvcc` is imported, its `tvm_callback_cuda_compile` is
+registered and every `tvm.compile` for CUDA compiles to a cubin and wraps it in a CUDA runtime
+module. Without a GPU the wheel's CUDA runtime is not loaded and that fails ("CUDA runtime is not
+linked into this build"); without the `cuda-bindings` package the default NVRTC path fails too. So
+source generation hides the callback, and device builds pick the compiler that is there.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+import tvm
+import tvm_ffi
+
+_CALLBACK = "tvm_callback_cuda_compile"
+
+
+def have_nvcc() -> bool:
+    return shutil.which("nvcc") is not None
+
+
+@contextlib.contextmanager
+def _source_only():
+    """Within: `tvm.compile` for CUDA stops at CUDA C (the compile callback is unregistered)."""
+    callback = tvm_ffi.get_global_func(_CALLBACK, allow_missing=True)
+    if callback is None:
+        yield
+        return
+    tvm_ffi.remove_global_func(_CALLBACK)
+    try:
+        yield
+    finally:
+        tvm_ffi.register_global_func(_CALLBACK, callback, override=True)
+
+
+def generate_source(func: tvm.tirx.PrimFunc | tvm.IRModule, target: tvm.target.Target) -> str:
+    """The CUDA C of `func` for the CUDA `target` (works on any machine)."""
+    mod = func if isinstance(func, tvm.IRModule) else tvm.IRModule({"main": func})
+    with _source_only():
+        lib = tvm.compile(mod, target=target)
+    sources = [m.inspect_source() for m in lib.mod.imports if m.kind == "cuda"]
+    if not sources:
+        raise RuntimeError(f"tvm.compile for {target} produced no CUDA module")
+    return "\n".join(sources)
+
+
+def build_for_device(func: tvm.tirx.PrimFunc | tvm.IRModule, target: tvm.target.Target) -> tvm.runtime.Executable:
+    """Compile `func` to a module that runs on this machine's GPU.
+
+    TVM compiles the CUDA C with NVRTC when the `cuda-bindings` package is installed and with
+    nvcc otherwise (TVM_CUDA_COMPILE_MODE, unless the user set it).
+    """
+    if "TVM_CUDA_COMPILE_MODE" not in os.environ and importlib.util.find_spec("cuda.bindings") is None:
+        if not have_nvcc():
+            raise RuntimeError("compiling for the GPU needs the cuda-bindings package (NVRTC) or nvcc on PATH")
+        os.environ["TVM_CUDA_COMPILE_MODE"] = "nvcc"
+    import tvm.support.nvcc  # noqa: F401  (registers the compile callback)
+
+    mod = func if isinstance(func, tvm.IRModule) else tvm.IRModule({"main": func})
+    return tvm.compile(mod, target=target)
+
+
+def compile_source(source: str, arch: str, target_format: str = "ptx") -> bytes:
+    """Compile CUDA C for `arch` ("sm_80", "sm_90", ...) to "ptx" or "cubin" with nvcc."""
+    from tvm.support import nvcc
+
+    with tvm.target.Target({"kind": "cuda", "arch": arch}):
+        return bytes(nvcc.compile_cuda(source, target_format, arch=arch, compiler="nvcc"))
+
+
+def ptx_instructions(ptx: str) -> collections.Counter:
+    """How often each PTX instruction (opcode with its modifiers, e.g. "ld.shared.v4.f32") occurs."""
+    ops = re.findall(r"^\s+(?:@%p\d+\s+)?([a-z][\w.]*)", ptx, flags=re.M)
+    return collections.Counter(ops)
+
+
+def ptxas_resources(source: str, arch: str) -> dict[str, int]:
+    """`ptxas -v` for each kernel of `source`, summed: registers (max), spill bytes, shared bytes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cu")
+        with open(path, "w") as f:
+            f.write(source)
+        cmd = ["nvcc", "-cubin", f"-arch={arch}", "-O3", "-Xptxas", "-v", "-w", path, "-o",
+               os.path.join(tmp, "kernel.cubin")]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"nvcc failed for {arch}:\n{result.stderr[-3000:]}")
+    info = result.stderr
+    numbers = {
+        "registers": [int(v) for v in re.findall(r"Used (\d+) registers", info)],
+        "spill_stores": [int(v) for v in re.findall(r"(\d+) bytes spill stores", info)],
+        "spill_loads": [int(v) for v in re.findall(r"(\d+) bytes spill loads", info)],
+        "stack": [int(v) for v in re.findall(r"(\d+) bytes stack frame", info)],
+        "shared": [int(v) for v in re.findall(r"(\d+) bytes smem", info)],
+    }
+    if not numbers["registers"]:
+        raise RuntimeError(f"no ptxas resource lines in nvcc's output:\n{info[-2000:]}")
+    return {"registers": max(numbers["registers"]), "spill_stores": sum(numbers["spill_stores"]),
+            "spill_loads": sum(numbers["spill_loads"]), "stack": sum(numbers["stack"]),
+            "shared": max(numbers["shared"], default=0)}

@@ -1,0 +1,223 @@
+"""Run generated CUDA C on the CPU: numbers for CUDA kernels on a machine without a GPU.
+
+The kernel source TVM emits is compiled with g++ against a small emulation header. Each thread of
+a block is a fiber (ucontext) and the fibers run cooperatively, one at a time, each from one
+`__syncthreads()` to the next; blocks run one after the other. That order is deterministic and
+adversarial for the bugs a barrier exists to prevent: thread 0 runs ahead to its barrier before
+any other thread has written its part of a shared tile, so a missing barrier reads data that is
+not there yet, and a buffer overwritten before everyone has read it shows up as a wrong result.
+Shared memory is a per-block arena filled with NaN when the block starts, so reading shared data
+nobody wrote poisons the output instead of passing silently with a previous block's values.
+
+What it does not model: warps, timing, memory coalescing, out-of-bounds global accesses (they are
+plain C++ accesses), and any CUDA feature beyond what TVM's fp32 kernels use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Mapping
+
+import numpy as np
+
+HEADER = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <vector>
+#include <ucontext.h>
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define uint unsigned int
+#define uchar unsigned char
+#define ushort unsigned short
+
+struct dim3 { unsigned int x, y, z; };
+struct float4 { float x, y, z, w; };
+struct float2 { float x, y; };
+static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+static inline float2 make_float2(float x, float y) { return {x, y}; }
+static inline float max(float a, float b) { return a > b ? a : b; }
+static inline float min(float a, float b) { return a < b ? a : b; }
+static inline int max(int a, int b) { return a > b ? a : b; }
+static inline int min(int a, int b) { return a < b ? a : b; }
+static inline float __fdividef(float a, float b) { return a / b; }
+
+namespace emu {
+struct Fiber {
+  ucontext_t ctx;
+  std::vector<char> stack;
+  dim3 tid;
+  bool done = false;
+  bool at_barrier = false;
+  size_t shared_index = 0;
+};
+static ucontext_t scheduler;
+static std::vector<Fiber> fibers;
+static size_t current = 0;
+static dim3 thread_idx, block_idx, block_dim, grid_dim;
+static std::function<void()> body;
+static std::vector<std::vector<unsigned char>> arena;  // this block's shared allocations
+
+static void fiber_main() {
+  body();
+  fibers[current].done = true;
+}
+
+template <typename T>
+static T* shared(size_t count) {
+  Fiber& f = fibers[current];
+  if (f.shared_index == arena.size()) {
+    arena.emplace_back(count * sizeof(T) + 64, (unsigned char)0xFF);  // NaN-filled
+  }
+  unsigned char* p = arena[f.shared_index++].data();
+  return reinterpret_cast<T*>(p + (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64);
+}
+
+// Returns 0, or 1 when the threads of a block did not all reach the same barrier.
+static int run_grid(dim3 grid, dim3 block) {
+  grid_dim = grid;
+  block_dim = block;
+  size_t n = (size_t)block.x * block.y * block.z;
+  fibers.assign(n, Fiber());
+  for (auto& f : fibers) f.stack.resize(256 * 1024);
+  for (unsigned bz = 0; bz < grid.z; ++bz)
+  for (unsigned by = 0; by < grid.y; ++by)
+  for (unsigned bx = 0; bx < grid.x; ++bx) {
+    block_idx = {bx, by, bz};
+    arena.clear();
+    for (size_t i = 0; i < n; ++i) {
+      Fiber& f = fibers[i];
+      f.tid = {(unsigned)(i % block.x), (unsigned)(i / block.x % block.y), (unsigned)(i / block.x / block.y)};
+      f.done = false;
+      f.shared_index = 0;
+      getcontext(&f.ctx);
+      f.ctx.uc_stack.ss_sp = f.stack.data();
+      f.ctx.uc_stack.ss_size = f.stack.size();
+      f.ctx.uc_link = &scheduler;
+      makecontext(&f.ctx, fiber_main, 0);
+    }
+    for (;;) {
+      size_t done = 0, waiting = 0;
+      for (size_t i = 0; i < n; ++i) {
+        if (fibers[i].done) continue;
+        current = i;
+        thread_idx = fibers[i].tid;
+        fibers[i].at_barrier = false;
+        swapcontext(&scheduler, &fibers[i].ctx);
+      }
+      for (auto& f : fibers) { done += f.done; waiting += f.at_barrier && !f.done; }
+      if (done == n) break;
+      if (done + waiting != n || done) return 1;
+    }
+  }
+  return 0;
+}
+}  // namespace emu
+
+static inline void __syncthreads() {
+  emu::Fiber& f = emu::fibers[emu::current];
+  f.at_barrier = true;
+  swapcontext(&f.ctx, &emu::scheduler);
+}
+
+#define threadIdx (emu::thread_idx)
+#define blockIdx (emu::block_idx)
+#define blockDim (emu::block_dim)
+#define gridDim (emu::grid_dim)
+"""
+
+_KERNEL = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(([^)]*)\)\s*\{')
+_SHARED = re.compile(r"__shared__\s+(?:alignas\(\d+\)\s+)?(\w+)\s+(\w+)\[(\d+)\];")
+_PARAM = re.compile(r"^\s*(\w+)\s*\*\s*(?:__restrict__\s+)?(\w+)\s*$")
+
+
+class EmulationError(RuntimeError):
+    """The kernel could not be compiled or did something the emulator cannot run."""
+
+
+def kernel_params(source: str, kernel: str) -> list[tuple[str, str]]:
+    """(element type, name) of each pointer parameter of `kernel` in CUDA `source`."""
+    for match in _KERNEL.finditer(source):
+        if match.group(1) == kernel:
+            params = []
+            for text in match.group(2).split(","):
+                param = _PARAM.match(text)
+                if param is None:
+                    raise EmulationError(f"{kernel}: parameter {text.strip()!r} is not a pointer")
+                params.append((param.group(1), param.group(2)))
+            return params
+    raise EmulationError(f"no kernel named {kernel!r} in the source")
+
+
+def _device_code(source: str) -> str:
+    """The kernels without TVM's CUDA preamble, shared arrays turned into per-block arenas."""
+    start = source.find('extern "C" __global__')
+    if start < 0:
+        raise EmulationError("the source has no __global__ kernel")
+    return _SHARED.sub(r"\1* \2 = emu::shared<\1>(\3);", source[start:])
+
+
+def _cache_dir() -> str:
+    path = os.path.join(tempfile.gettempdir(), f"tvm_ext_cuda_emu_{os.getuid()}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def compile_kernel(source: str, kernel: str) -> ctypes.CDLL:
+    """Compile `kernel` of `source` for the CPU (cached by content) and load it."""
+    params = kernel_params(source, kernel)
+    args = ", ".join(f"({ty}*)args[{i}]" for i, (ty, _) in enumerate(params))
+    text = (HEADER + _device_code(source) + f"""
+extern "C" int emu_launch(void** args, unsigned gx, unsigned gy, unsigned gz,
+                          unsigned bx, unsigned by, unsigned bz) {{
+  emu::body = [args]() {{ {kernel}({args}); }};
+  return emu::run_grid({{gx, gy, gz}}, {{bx, by, bz}});
+}}
+""")
+    digest = hashlib.sha256(text.encode()).hexdigest()[:20]
+    lib = os.path.join(_cache_dir(), f"{kernel}_{digest}.so")
+    if not os.path.exists(lib):
+        src = lib[:-3] + ".cc"
+        with open(src, "w") as f:
+            f.write(text)
+        cmd = ["g++", "-std=c++17", "-O1", "-w", "-shared", "-fPIC", src, "-o", lib + ".tmp"]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode:
+            raise EmulationError(f"g++ failed on {kernel}:\n{result.stderr[-4000:]}")
+        os.replace(lib + ".tmp", lib)
+    return ctypes.CDLL(lib)
+
+
+def run_kernel(source: str, kernel: str, grid: tuple[int, int, int], block: tuple[int, int, int],
+               arrays: Mapping[str, np.ndarray]) -> None:
+    """Run `kernel` over `grid` x `block` on the CPU, on `arrays` named as its parameters.
+
+    A parameter `X_ptr` takes `arrays["X"]` (or `arrays["X_ptr"]`); arrays must be C-contiguous
+    and of the parameter's element type. Outputs are written in place.
+    """
+    params = kernel_params(source, kernel)
+    ctype = {"float": np.float32, "double": np.float64, "int": np.int32, "float4": np.float32}
+    pointers = []
+    for ty, name in params:
+        key = name if name in arrays else name.removesuffix("_ptr")
+        if key not in arrays:
+            raise EmulationError(f"{kernel}: no array for parameter {name}")
+        arr = arrays[key]
+        if not arr.flags.c_contiguous or arr.dtype != ctype.get(ty, None):
+            raise EmulationError(f"{kernel}: {name} needs a C-contiguous {ty} array, got {arr.dtype}")
+        pointers.append(arr.ctypes.data_as(ctypes.c_void_p))
+    lib = compile_kernel(source, kernel)
+    argv = (ctypes.c_void_p * max(1, len(pointers)))(*pointers)
+    if lib.emu_launch(argv, *(ctypes.c_uint(v) for v in (*grid, *block))):
+        raise EmulationError(f"{kernel}: the threads of a block did not all reach the same __syncthreads()")
