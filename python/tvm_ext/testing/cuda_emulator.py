@@ -19,6 +19,7 @@ import ctypes
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Mapping
@@ -144,6 +145,11 @@ _PARAM = re.compile(r"^\s*(\w+)\s*\*\s*(?:__restrict__\s+)?(\w+)\s*$")
 
 class EmulationError(RuntimeError):
     """The kernel could not be compiled or did something the emulator cannot run."""
+
+
+def have_compiler() -> bool:
+    """Whether g++ (which the emulator compiles with) is installed."""
+    return shutil.which("g++") is not None
 
 
 def kernel_params(source: str, kernel: str) -> list[tuple[str, str]]:

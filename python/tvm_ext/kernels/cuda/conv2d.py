@@ -91,11 +91,13 @@ class BlockTile:
         return 4 * (2 * self.k_step * (self.rows + self.cols) + self.rows * self.cols)
 
 
-TILE_ROWS = (64, 32, 96, 128)  # candidate block heights, the default first
+TILE_ROWS = (64, 96, 128, 32)  # candidate block heights in order of preference: maxDNN's, then taller
 
 
 def choose_tile(out_channels_per_group: int) -> BlockTile:
-    """The block height that wastes the fewest rows on `out_channels_per_group` (64 on ties).
+    """The block height that wastes the fewest rows on `out_channels_per_group`.
+
+    Ties go to 64 (maxDNN's tile), then to taller tiles (more FMAs per byte loaded), then 32.
 
     maxDNN's fixed 64 lost a quarter of its speed on OverFeat layer 1 (96 filters = 1.5 tiles);
     a 96- or 32-row tile covers 96 exactly.
@@ -150,6 +152,12 @@ class MaxDNNPlan:
     @property
     def k_steps(self) -> int:
         return -(-self.gemm[2] // self.tile.k_step)
+
+    @property
+    def code_steps(self) -> int:
+        """k steps written out in the kernel's code: the loop's unrolled pair plus the tail."""
+        pairs = (self.k_steps - 1) // 2
+        return (2 if pairs else 0) + self.k_steps - 2 * pairs
 
     @property
     def vector_a(self) -> bool:

@@ -1,0 +1,293 @@
+"""CUDA: the maxDNN convolution and its thread-tile intrinsic, checked without a GPU.
+
+Numbers come from the CPU emulator (the generated CUDA C compiled with g++), machine code from
+nvcc (PTX and ptxas for sm_80 and sm_90). Tests marked `gpu` run the kernel on a device.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import tvm
+from reference import conv2d_nchw, rel_err
+
+from tvm_ext import ops
+from tvm_ext.intrin.cuda import ThreadTile, get_outer_product_intrin
+from tvm_ext.kernels.conv2d import KERNEL_ATTR, Conv2dWorkload
+from tvm_ext.kernels.cuda import conv2d as cc
+from tvm_ext.kernels.cuda import ptx
+from tvm_ext.testing import cuda_emulator
+
+needs_nvcc = pytest.mark.skipif(not ptx.have_nvcc(), reason="nvcc is not installed")
+needs_gxx = pytest.mark.skipif(not cuda_emulator.have_compiler(), reason="g++ is not installed")
+has_gpu = tvm.cuda(0).exist
+
+
+def _inputs(wl: Conv2dWorkload, epilogue: cc.Epilogue, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((wl.N, wl.C, wl.H, wl.W)).astype(np.float32)
+    w = rng.standard_normal((wl.K, wl.C // wl.groups, wl.KH, wl.KW)).astype(np.float32)
+    bias = rng.standard_normal(wl.K).astype(np.float32) if epilogue.bias else None
+    residual = rng.standard_normal(wl.out_shape).astype(np.float32) if epilogue.residual else None
+    return x, w, bias, residual
+
+
+def _reference(wl, epilogue, x, w, bias, residual) -> np.ndarray:
+    ref = conv2d_nchw(x, w, bias, stride=wl.stride, padding=wl.padding, dilation=wl.dilation, groups=wl.groups)
+    if residual is not None:
+        ref = ref + residual.astype(np.float64)
+    if epilogue.activation in ("relu", "relu6"):
+        ref = np.maximum(ref, 0)
+    if epilogue.activation == "relu6":
+        ref = np.minimum(ref, 6)
+    return ref
+
+
+def _emulated(plan: cc.MaxDNNPlan, source: str | None = None, seed: int = 0):
+    x, w, bias, residual = _inputs(plan.wl, plan.epilogue, seed)
+    y = cc.emulate(plan, cc.kernel_arrays(plan, x, w, bias, residual), source)
+    return cc.output_to_nchw(y), _reference(plan.wl, plan.epilogue, x, w, bias, residual)
+
+
+# (x shape, w shape, options): vector and scalar paths, every kind of edge
+SHAPES = [
+    ((8, 16, 12, 12), (64, 16, 3, 3), dict(padding=1)),  # everything float4, 18 k steps
+    ((3, 5, 9, 7), (70, 5, 3, 2), dict(padding=(1, 0, 2, 1), stride=2)),  # batch 3, 70 filters: scalar paths
+    ((4, 6, 9, 7), (96, 3, 5, 5), dict(padding=2, dilation=2, groups=2)),
+    ((1, 3, 23, 23), (96, 3, 11, 11), dict(stride=4, padding=2)),  # AlexNet conv1 in small, batch 1
+    ((4, 32, 7, 7), (16, 32, 1, 1), {}),  # 16 filters: a 32-row tile
+    ((2, 8, 6, 6), (8, 1, 3, 3), dict(padding=1, groups=8)),  # depthwise
+    ((5, 12, 5, 9), (40, 12, 1, 7), dict(padding=(0, 3))),  # 1x7
+    ((4, 2, 5, 5), (8, 2, 1, 1), {}),  # one k step
+    ((4, 16, 5, 5), (8, 16, 1, 1), {}),  # two k steps
+    ((4, 24, 5, 5), (8, 24, 1, 1), {}),  # three: one loop pair and a tail of one
+    ((8, 3, 4, 4), (130, 3, 2, 2), dict(stride=2)),  # 130 filters: three 64-row tiles
+]
+
+
+@needs_gxx
+@pytest.mark.parametrize("x_shape, w_shape, options", SHAPES)
+def test_emulated_conv2d_matches_reference(x_shape, w_shape, options):
+    plan = cc.MaxDNNPlan.make(Conv2dWorkload.make(x_shape, w_shape, **options))
+    got, ref = _emulated(plan)
+    assert np.isfinite(got).all()
+    assert rel_err(got, ref) < 1e-4
+
+
+@needs_gxx
+@pytest.mark.parametrize("epilogue, batch", [
+    (cc.Epilogue(bias=True, residual=True, activation="relu"), 4),
+    (cc.Epilogue(bias=True, activation="relu6"), 3),
+    (cc.Epilogue(residual=True), 1),
+])
+def test_emulated_epilogue(epilogue, batch):
+    wl = Conv2dWorkload.make((batch, 8, 7, 6), (72, 8, 3, 3), padding=1)
+    got, ref = _emulated(cc.MaxDNNPlan.make(wl, epilogue=epilogue))
+    assert rel_err(got, ref) < 1e-4
+
+
+@needs_gxx
+@pytest.mark.parametrize("rows", [32, 64, 96, 128])
+def test_emulated_tile_heights(rows):
+    wl = Conv2dWorkload.make((4, 10, 6, 6), (100, 10, 3, 3), padding=1)
+    got, ref = _emulated(cc.MaxDNNPlan.make(wl, cc.BlockTile(rows=rows)))
+    assert rel_err(got, ref) < 1e-4
+
+
+# -- deliberately broken kernels must fail the same check ------------------------------------
+
+_WL_FAULT = Conv2dWorkload.make((8, 16, 6, 6), (64, 16, 3, 3), padding=1)  # 18 k steps: the loop runs
+
+
+def _fails(got, ref) -> bool:
+    return not np.isfinite(got).all() or rel_err(got, ref) > 1e-4
+
+
+@needs_gxx
+@pytest.mark.parametrize("fault", ["wrong_buffer", "no_store"])
+def test_emulator_catches_broken_kernels(fault):
+    plan = cc.MaxDNNPlan.make(_WL_FAULT)
+    got, ref = _emulated(plan, cc.cuda_source(plan, fault=fault))
+    assert _fails(got, ref)
+
+
+@needs_gxx
+def test_emulator_catches_a_missing_barrier():
+    """TVM puts back a barrier missing from the TIR, so delete the k loop's first from the CUDA C."""
+    plan = cc.MaxDNNPlan.make(_WL_FAULT)
+    source = cc.cuda_source(plan)
+    loop = source.index("for (int kt2")
+    barrier = source.index("__syncthreads();", loop)
+    broken = source[:barrier] + source[barrier + len("__syncthreads();"):]
+    got, ref = _emulated(plan, broken)
+    assert _fails(got, ref)
+
+
+@needs_gxx
+def test_emulator_reports_divergent_barriers():
+    source = """
+extern "C" __global__ void __launch_bounds__(4) k(float* __restrict__ y_ptr) {
+  if (threadIdx.x > 0) { __syncthreads(); }
+  y_ptr[threadIdx.x] = 1.0f;
+}
+"""
+    y = np.zeros(4, np.float32)
+    with pytest.raises(cuda_emulator.EmulationError, match="same __syncthreads"):
+        cuda_emulator.run_kernel(source, "k", (1, 1, 1), (4, 1, 1), {"y": y})
+
+
+@needs_gxx
+def test_emulator_shared_memory_is_per_block_and_poisoned():
+    """A block that reads shared memory it never wrote sees NaN, not the last block's data."""
+    source = """
+extern "C" __global__ void __launch_bounds__(2) k(float* __restrict__ y_ptr) {
+  __shared__ alignas(64) float s_ptr[2];
+  if (blockIdx.x == 0) { s_ptr[threadIdx.x] = 5.0f; }
+  __syncthreads();
+  y_ptr[blockIdx.x * 2 + threadIdx.x] = s_ptr[1 - threadIdx.x];
+}
+"""
+    y = np.zeros(4, np.float32)
+    cuda_emulator.run_kernel(source, "k", (2, 1, 1), (2, 1, 1), {"y": y})
+    assert (y[:2] == 5).all() and np.isnan(y[2:]).all()
+
+
+def test_emulator_argument_errors():
+    source = 'extern "C" __global__ void k(float* __restrict__ y_ptr, int n) {}'
+    with pytest.raises(cuda_emulator.EmulationError, match="not a pointer"):
+        cuda_emulator.kernel_params(source, "k")
+    source = 'extern "C" __global__ void k(float* __restrict__ y_ptr) {}'
+    assert cuda_emulator.kernel_params(source, "k") == [("float", "y_ptr")]
+    with pytest.raises(cuda_emulator.EmulationError, match="no kernel named"):
+        cuda_emulator.kernel_params(source, "other")
+    with pytest.raises(cuda_emulator.EmulationError, match="no array"):
+        cuda_emulator.run_kernel(source, "k", (1, 1, 1), (1, 1, 1), {})
+    with pytest.raises(cuda_emulator.EmulationError, match="C-contiguous float"):
+        cuda_emulator.run_kernel(source, "k", (1, 1, 1), (1, 1, 1), {"y": np.zeros(2)})
+
+
+# -- machine code: PTX and ptxas for sm_80 and sm_90 ------------------------------------------
+
+_WL_STATIC = Conv2dWorkload.make((128, 96, 13, 13), (256, 96, 3, 3), padding=1)  # OverFeat L3 shape
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("rows", [64, 96])
+def test_machine_code(arch, rows):
+    plan = cc.MaxDNNPlan.make(_WL_STATIC, cc.BlockTile(rows=rows))
+    source = cc.cuda_source(plan, {"kind": "cuda", "arch": arch})
+    ops_count = ptx.ptx_instructions(ptx.compile_source(source, arch).decode())
+    t, steps = plan.tile, plan.code_steps
+    tt = t.thread_tile()
+    fma = sum(n for op, n in ops_count.items() if op.startswith("fma.rn") and op.endswith(".f32"))
+    assert fma == tt.ffma_per_k() * t.k_step * steps  # 64 FMAs per thread per k
+    # per k: a thread's 8 rows and 8 columns as four 128-bit shared loads
+    assert ops_count["ld.shared.v4.f32"] == (tt.rows + tt.cols) // t.vec * t.k_step * steps
+    assert ops_count["ld.global.nc.v4.f32"] > 0  # 128-bit loads through the read-only path
+    assert ops_count["bar.sync"] == steps + 2  # one per k step, the prologue's and the staging's
+    assert sum(n for op, n in ops_count.items() if op.startswith("st.global.v4")) > 0  # coalesced float4
+    assert len(re.findall(r"__shared__[^;]*\b[AB]_sh[01]_ptr\[", source)) == 4  # the double buffer
+    resources = ptx.ptxas_resources(source, arch)
+    assert resources["spill_stores"] == resources["spill_loads"] == resources["stack"] == 0
+    assert resources["registers"] <= 255
+    cubin = ptx.compile_source(source, arch, "cubin")
+    assert cubin[:4] == b"\x7fELF"
+
+
+def test_source_generation_survives_the_nvcc_callback():
+    """With tvm.support.nvcc imported, tvm.compile for CUDA needs a CUDA runtime; we do not."""
+    import tvm.support.nvcc  # noqa: F401
+
+    plan = cc.MaxDNNPlan.make(Conv2dWorkload.make((4, 8, 5, 5), (8, 8, 1, 1)))
+    for target in ("cuda -arch=sm_90", "nvidia/nvidia-h100", {"kind": "cuda", "arch": "sm_80"}):
+        assert "maxdnn_conv2d_kernel" in cc.cuda_source(plan, target)
+
+
+# -- descriptions, plans and layouts ----------------------------------------------------------
+
+def test_thread_tile_description():
+    spec = ThreadTile()
+    assert (spec.span_a, spec.span_b, spec.ffma_per_k()) == (36, 36, 64)
+    name = get_outer_product_intrin(spec)
+    assert name == spec.name and tvm.s_tir.TensorIntrin.get(name) is not None
+    assert get_outer_product_intrin(ThreadTile(row_gap=48, col_gap=32)) != name
+    with pytest.raises(ValueError, match="float32"):
+        ThreadTile(dtype="float16").validate()
+    with pytest.raises(ValueError, match="multiple of vec"):
+        ThreadTile(rows=6).validate()
+    with pytest.raises(ValueError, match="overlap"):
+        ThreadTile(row_gap=2).validate()
+    with pytest.raises(ValueError, match="spills"):
+        ThreadTile(rows=16, cols=16).validate()
+
+
+def test_block_tile_and_choice():
+    assert cc.BlockTile().threads == 64 and cc.BlockTile(rows=96).threads == 96
+    assert cc.choose_tile(96).rows == 96  # OverFeat L1: one 96-row tile, not 1.5 of 64
+    assert cc.choose_tile(256).rows == 64 and cc.choose_tile(1000).rows == 64
+    assert cc.choose_tile(16).rows == 32
+    with pytest.raises(ValueError, match="multiple of the thread tile"):
+        cc.BlockTile(rows=60).validate()
+    with pytest.raises(ValueError, match="threads per block"):
+        cc.BlockTile(rows=16, cols=8).validate()
+    assert cc.BlockTile().shared_bytes() == 4 * (2 * 8 * 128 + 64 * 64)
+
+
+def test_plan_and_function():
+    wl = Conv2dWorkload.make((128, 3, 231, 231), (96, 3, 11, 11), stride=4)  # OverFeat L1
+    plan = cc.MaxDNNPlan.make(wl)
+    assert plan.gemm == (96, 56 * 56 * 128, 3 * 11 * 11) and plan.grid == (6272, 1, 1)
+    assert plan.vector_a and plan.vector_b and plan.k_steps == 46
+    assert list(plan.shapes()) == ["x", "w", "y"]
+    func = cc.maxdnn_conv2d_func(plan)
+    assert func.attrs[KERNEL_ATTR] == cc.KERNEL_NAME
+    assert "tvm_ext.cuda_outer" in func.script()  # the updates are tensorized
+    ep = cc.Epilogue(bias=True, residual=True, activation="relu")
+    assert list(cc.MaxDNNPlan.make(wl, epilogue=ep).shapes()) == ["x", "w", "bias", "residual", "y"]
+    with pytest.raises(ValueError, match="activation"):
+        cc.Epilogue(activation="tanh")
+    with pytest.raises(ValueError, match="fault"):
+        cc.maxdnn_conv2d_func(plan, fault="typo")
+
+
+def test_layout_helpers():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 3, 4, 5)).astype(np.float32)
+    assert cc.data_to_chwn(x)[1, 2, 3, 0] == x[0, 1, 2, 3]
+    assert np.array_equal(cc.output_to_nchw(cc.data_to_chwn(x)), x)
+    w = rng.standard_normal((6, 2, 3, 3)).astype(np.float32)  # 2 groups of 3 filters
+    a = cc.weight_to_crsk(w, groups=2)
+    assert a.shape == (2, 2 * 9, 3)
+    assert a[1, 1 * 9 + 2 * 3 + 0, 2] == w[3 + 2, 1, 2, 0]
+    with pytest.raises(ValueError, match="groups"):
+        cc.weight_to_crsk(w, groups=4)
+    plan = cc.MaxDNNPlan.make(Conv2dWorkload.make(x.shape, (4, 3, 3, 3)))
+    with pytest.raises(ValueError, match="epilogue"):
+        cc.kernel_arrays(plan, x, w[:4, :3], bias=np.zeros(4, np.float32))
+
+
+@pytest.mark.skipif(has_gpu, reason="checks the message on a machine without a GPU")
+def test_ops_conv2d_on_cuda_without_gpu_says_so():
+    x = np.ones((1, 3, 8, 8), np.float32)
+    w = np.ones((4, 3, 3, 3), np.float32)
+    with pytest.raises(RuntimeError, match="needs an NVIDIA GPU"):
+        ops.conv2d(x, w, target="cuda -arch=sm_90")
+
+
+# -- on a GPU ---------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu, reason="no CUDA device")
+@pytest.mark.parametrize("x_shape, w_shape, options", SHAPES)
+def test_gpu_conv2d_matches_reference(x_shape, w_shape, options):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    bias = rng.standard_normal(w_shape[0]).astype(np.float32)
+    got = ops.conv2d(x, w, bias, target="cuda", **options)
+    wl = Conv2dWorkload.make(x_shape, w_shape, **options)
+    ref = conv2d_nchw(x, w, bias, wl.stride, wl.padding, wl.dilation, wl.groups)
+    assert rel_err(got, ref) < 1e-4
