@@ -244,7 +244,8 @@ def test_plan_and_function():
     assert list(plan.shapes()) == ["x", "w", "y"]
     func = cc.maxdnn_conv2d_func(plan)
     assert func.attrs[KERNEL_ATTR] == cc.KERNEL_NAME
-    assert "tvm_ext.cuda_outer" in func.script()  # the updates are tensorized
+    script = func.script()  # the updates are tensorized: blockized, the intrinsic's body inlined
+    assert 'T.sblock("update0_o")' in script and "a_reg" in script
     ep = cc.Epilogue(bias=True, residual=True, activation="relu")
     assert list(cc.MaxDNNPlan.make(wl, epilogue=ep).shapes()) == ["x", "w", "bias", "residual", "y"]
     with pytest.raises(ValueError, match="activation"):
