@@ -1,9 +1,13 @@
 """The tutorials run, and the benchmark scripts still work (smoke runs; speed is not tested)."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,3 +88,27 @@ def test_tune_bench_smoke():
     out = _run("bench/tune.py", "--layers", "1", "--trials", "4", "--no-stock")
     row = out.strip().splitlines()[-1].split(" | ")
     assert row[0] == "stem_7x7s2" and float(row[1]) > 0 and float(row[2]) > 0
+
+
+def test_gpu_check_pipeline_without_gpu(tmp_path):
+    """What the GPU check does before it needs a GPU: export the CUDA C, compile it with nvcc."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not installed")
+    out = _run("bench/gpu_export.py", "--out", str(tmp_path), "--sets", "overfeat", "--batch", "4",
+               "--layers", "1")
+    assert "overfeat_conv1" in out and "tile 96x64" in out  # 96 filters: one 96-row tile
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    (entry,) = manifest["layers"]
+    assert sorted(entry["cuda_args"]) == ["w", "x", "y"] and entry["params"]["y"] == [96, 56, 56, 4]
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_check
+
+    cubins = gpu_check.compile_all([tmp_path / entry["file"]], "sm_90")
+    (cubin,) = cubins.values()
+    assert not isinstance(cubin, Exception), cubin
+    assert cubin.read_bytes()[:4] == b"\x7fELF"
+    env = {**os.environ, "KERNELS": str(tmp_path), "PYTHON": sys.executable,
+           "EXPORT_ARGS": "--sets overfeat --batch 4 --layers 1"}
+    result = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env=env)
+    assert result.returncode == 2 and "gpu_check:" in result.stderr  # no GPU (or no CuPy) here: says so

@@ -519,3 +519,15 @@ def emulate(plan: MaxDNNPlan, arrays: dict[str, np.ndarray], source: str | None 
     named = {_FLAT[name]: arr for name, arr in arrays.items()}
     run_kernel(source, "maxdnn_conv2d_kernel", plan.grid, (plan.tile.threads, 1, 1), named)
     return arrays["y"]
+
+
+def cuda_param_order(source: str, kernel: str = "maxdnn_conv2d_kernel") -> list[str]:
+    """The plan parameter ("x", "w", "bias", "residual", "y") behind each CUDA kernel argument.
+
+    TVM orders a kernel's arguments its own way (not as the PrimFunc's); whoever launches the
+    CUDA C directly (the GPU check, the emulator) passes them in this order.
+    """
+    from ...testing.cuda_emulator import kernel_params
+
+    by_flat = {flat: name for name, flat in _FLAT.items()}
+    return [by_flat[param.removesuffix("_ptr")] for _, param in kernel_params(source, kernel)]

@@ -1,0 +1,225 @@
+"""GPU check: tvm_ext's maxDNN convolution against cuDNN, on a machine with an NVIDIA GPU.
+
+Reads the CUDA C that bench/gpu_export.py generated (manifest.json + one .cu per layer), compiles
+it with nvcc for this GPU, and for every layer:
+- checks the output against a float64 PyTorch convolution on the GPU (relative error < 1e-4);
+- times it (CUDA events, median) against cuDNN through PyTorch, fp32 with TF32 off and with TF32 on;
+- prints GFLOP/s and % of the fp32 FFMA peak, which it measures itself with an FFMA-chain kernel.
+
+Needs numpy, torch (CUDA) and cupy (to load a cubin and launch it); not TVM. Layouts: the kernel
+takes activations CHWN and weights CRSK (maxDNN's); the conversion from NCHW/OIHW is done once
+per layer, outside the timing, as a graph does it once at its edges.
+
+    python3 bench/gpu_check.py --kernels bench/gpu_kernels --repeat 30 --report $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+FFMA_SOURCE = r"""
+extern "C" __global__ void ffma_peak(float* __restrict__ out, int iters, float b, float c) {
+  float a[16];
+#pragma unroll
+  for (int k = 0; k < 16; ++k) a[k] = threadIdx.x * 1e-3f + k;
+  for (int i = 0; i < iters; ++i) {
+#pragma unroll
+    for (int k = 0; k < 16; ++k) a[k] = fmaf(a[k], b, c);
+  }
+  float s = 0.f;
+#pragma unroll
+  for (int k = 0; k < 16; ++k) s += a[k];
+  out[blockIdx.x * blockDim.x + threadIdx.x] = s;
+}
+"""
+
+
+def nvcc_cubin(source: Path, arch: str) -> Path:
+    """Compile one .cu file to a cubin next to it (nvcc -O3); returns the cubin's path."""
+    cubin = source.with_suffix(f".{arch}.cubin")
+    cmd = ["nvcc", "-cubin", f"-arch={arch}", "-O3", "-w", str(source), "-o", str(cubin)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"nvcc failed on {source.name}:\n{result.stderr[-2000:]}")
+    return cubin
+
+
+def compile_all(sources: list[Path], arch: str, jobs: int | None = None) -> dict[Path, Path | Exception]:
+    """nvcc every source in parallel; a failure is returned in place of its cubin."""
+    def one(path: Path):
+        try:
+            return nvcc_cubin(path, arch)
+        except Exception as err:  # reported per layer, the others still run
+            return err
+
+    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 4) as pool:
+        return dict(zip(sources, pool.map(one, sources), strict=True))
+
+
+def median_ms(torch, fn, repeat: int) -> float:
+    """Median time of one call over `repeat` calls, each between two CUDA events (after warm-up)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def ffma_peak_gflops(torch, cp, cubin: Path, repeat: int) -> float:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    kernel = cp.RawModule(path=str(cubin)).get_function("ffma_peak")
+    blocks, threads, iters = sms * 8, 256, 4096
+    out = cp.empty(blocks * threads, dtype=cp.float32)
+    args = (out, cp.int32(iters), cp.float32(1.0000001), cp.float32(1e-7))
+    ms = median_ms(torch, lambda: kernel((blocks,), (threads,), args), repeat)
+    return 2 * 16 * iters * blocks * threads / ms / 1e6
+
+
+def set_tf32(torch, on: bool) -> None:
+    torch.backends.cudnn.allow_tf32 = on
+    torch.backends.cuda.matmul.allow_tf32 = on
+
+
+def run_layer(torch, cp, entry: dict, cubin: Path, repeat: int) -> dict:
+    """Check and time one layer: ours against cuDNN fp32 and cuDNN TF32."""
+    F = torch.nn.functional
+    n, c, h, w_ = entry["x_nchw"]
+    groups = entry["groups"]
+    x = torch.randn(n, c, h, w_, device="cuda")
+    w = torch.randn(*entry["w_oihw"], device="cuda")
+    k, cg, r, s = entry["w_oihw"]
+    top, left, bottom, right = entry["padding"]
+    options = dict(stride=tuple(entry["stride"]), dilation=tuple(entry["dilation"]), groups=groups)
+
+    def pad(t):
+        return F.pad(t, (left, right, top, bottom))
+
+    # the kernel's operands, laid out once
+    tensors = {
+        "x": x.permute(1, 2, 3, 0).contiguous(),
+        "w": w.reshape(groups, k // groups, cg, r, s).permute(0, 2, 3, 4, 1).reshape(groups, cg * r * s, k // groups)
+              .contiguous(),
+        "y": torch.full(entry["params"]["y"], float("nan"), device="cuda"),
+    }
+    for name, shape in entry["params"].items():
+        assert list(tensors[name].shape) == shape, (name, tensors[name].shape, shape)
+    kernel = cp.RawModule(path=str(cubin)).get_function(entry["kernel"])
+    args = tuple(cp.asarray(tensors[name]) for name in entry["cuda_args"])
+    grid, block = tuple(entry["grid"]), tuple(entry["block"])
+
+    def ours():
+        kernel(grid, block, args)
+
+    ours()
+    torch.cuda.synchronize()
+    got = tensors["y"].permute(3, 0, 1, 2)
+    ref = F.conv2d(pad(x.double()), w.double(), **options)
+    scale = ref.abs().max().item()
+    err = (got.double() - ref).abs().max().item() / scale
+    set_tf32(torch, False)
+    xp = pad(x)
+    err_cudnn = (F.conv2d(xp, w, **options).double() - ref).abs().max().item() / scale
+
+    t_ours = median_ms(torch, ours, repeat)
+    t_fp32 = median_ms(torch, lambda: F.conv2d(xp, w, **options), repeat)
+    set_tf32(torch, True)
+    t_tf32 = median_ms(torch, lambda: F.conv2d(xp, w, **options), repeat)
+    set_tf32(torch, False)
+    return {"err": err, "err_cudnn_fp32": err_cudnn, "ours_ms": t_ours, "cudnn_fp32_ms": t_fp32,
+            "cudnn_tf32_ms": t_tf32}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernels", type=Path, default=HERE / "gpu_kernels", help="bench/gpu_export.py's --out")
+    parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--report", type=Path, default=None, help="folder for gpu_check.json and gpu_check.md")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting layers after this long")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+
+    import torch
+
+    try:
+        import cupy as cp
+    except ImportError:
+        print("gpu_check: needs CuPy (to load the compiled kernels); pip install cupy-cuda12x or -cuda13x",
+              file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device visible to PyTorch", file=sys.stderr)
+        return 2
+    torch.backends.cudnn.benchmark = True  # cuDNN picks its fastest algorithm per shape
+    manifest = json.loads((args.kernels / "manifest.json").read_text())
+    major, minor = torch.cuda.get_device_capability(0)
+    arch = f"sm_{major}{minor}"
+    ffma_src = args.kernels / "ffma_peak.cu"
+    ffma_src.write_text(FFMA_SOURCE)
+    sources = [ffma_src] + [args.kernels / e["file"] for e in manifest["layers"]]
+    cubins = compile_all(sources, arch)
+    print(f"device: {torch.cuda.get_device_name(0)} ({arch}), torch {torch.version.__version__}, "
+          f"cuDNN {torch.backends.cudnn.version()}; {len(sources)} kernels compiled in "
+          f"{time.perf_counter() - start:.0f} s", flush=True)
+    if isinstance(cubins[ffma_src], Exception):
+        raise cubins[ffma_src]
+    peak = ffma_peak_gflops(torch, cp, cubins[ffma_src], args.repeat)
+    print(f"measured fp32 FFMA peak: {peak:,.0f} GFLOP/s", flush=True)
+
+    header = ("| layer | tile | err | ours ms | GFLOP/s | % FFMA peak | cuDNN fp32 ms | vs cuDNN fp32 | "
+              "cuDNN TF32 ms | vs cuDNN TF32 |")
+    lines = [header, "|" + "---|" * 10]
+    print(header, flush=True)
+    rows = []
+    for entry in manifest["layers"]:
+        if time.perf_counter() - start > args.budget_s:
+            print(f"| {entry['name']} | budget of {args.budget_s:.0f} s spent: not run |")
+            continue
+        cubin = cubins[args.kernels / entry["file"]]
+        try:
+            if isinstance(cubin, Exception):
+                raise cubin
+            result = run_layer(torch, cp, entry, cubin, args.repeat)
+        except Exception as err:  # one broken layer must not hide the others
+            line = f"| {entry['name']} | error: {str(err).splitlines()[0][:120]} |"
+            rows.append({"name": entry["name"], "error": str(err)})
+        else:
+            gflops = entry["flops"] / result["ours_ms"] / 1e6
+            result.update(name=entry["name"], gflops=gflops, peak_pct=100 * gflops / peak,
+                          tile=entry["tile"], ok=result["err"] < 1e-4)
+            rows.append(result)
+            line = (f"| {entry['name']} | {entry['tile'][0]}x{entry['tile'][1]} | {result['err']:.1e}"
+                    f"{'' if result['ok'] else ' FAIL'} | {result['ours_ms']:.3f} | {gflops:,.0f} | "
+                    f"{result['peak_pct']:.1f}% | {result['cudnn_fp32_ms']:.3f} | "
+                    f"{result['cudnn_fp32_ms'] / result['ours_ms']:.2f}x | {result['cudnn_tf32_ms']:.3f} | "
+                    f"{result['cudnn_tf32_ms'] / result['ours_ms']:.2f}x |")
+        lines.append(line)
+        print(line, flush=True)
+    failed = [r["name"] for r in rows if not r.get("ok")]
+    print(f"{len(rows) - len(failed)}/{len(manifest['layers'])} layers correct; "
+          f"total {time.perf_counter() - start:.0f} s" + (f"; failed: {failed}" if failed else ""))
+    if args.report:
+        args.report.mkdir(parents=True, exist_ok=True)
+        (args.report / "gpu_check.md").write_text("\n".join(lines) + "\n")
+        (args.report / "gpu_check.json").write_text(json.dumps({"peak_gflops": peak, "arch": arch, "layers": rows},
+                                                               indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
