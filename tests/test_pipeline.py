@@ -113,8 +113,10 @@ def test_pytorch_exported_cnn():
 
 
 def test_unsupported_targets_and_options_raise():
-    with pytest.raises(tvm_ext.UnsupportedError, match="cuda"):
-        tvm_ext.pipeline("cuda -arch=sm_90")
+    with pytest.raises(tvm_ext.UnsupportedError, match="opencl"):
+        tvm_ext.pipeline("opencl")
+    with pytest.raises(tvm_ext.UnsupportedError, match="CPU targets only"):
+        tvm_ext.pipeline("cuda -arch=sm_90", database="no/such/records/")
     with pytest.raises(FileNotFoundError, match="database_tuning_record"):
         tvm_ext.pipeline("llvm", database="no/such/records/")
     assert issubclass(tvm_ext.UnsupportedError, ValueError)

@@ -17,6 +17,7 @@ import dataclasses
 import tvm
 from tvm import relax
 from tvm.relax.backend.cpu_generic import pipeline as cpu_pipeline
+from tvm.relax.backend.cuda import pipeline as cuda_pipeline
 from tvm.s_tir import dlight
 
 from .dlight.cpu import ParallelVectorize
@@ -54,9 +55,14 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
     from .tuning.tuner import open_database, shipped_database
 
     target = resolve_target(target)
-    database = shipped_database(target) if database is None else open_database(database)
+    if target.kind.name == "cuda":
+        if database is not None:
+            raise UnsupportedError("pipeline: tuning records apply to CPU targets only (the CUDA kernels use "
+                                   "their analytic tiles)")
+        return _cuda_pipeline(target)
     if target.kind.name != "llvm":
-        raise UnsupportedError(f"pipeline: target {target.kind.name} is not supported yet (LLVM CPUs only)")
+        raise UnsupportedError(f"pipeline: target {target.kind.name} is not supported (LLVM CPUs and CUDA)")
+    database = shipped_database(target) if database is None else open_database(database)
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.Pipeline")
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -83,13 +89,49 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
     return _pipeline
 
 
+def _cuda_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
+    """TVM's CUDA pipeline (relax/backend/cuda) with tvm_ext's strategy in front of legalization;
+    what is left gets dlight's GPU schedules."""
+
+    @tvm.transform.module_pass(opt_level=0, name="tvm_ext.CudaPipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        with target:
+            passes = (
+                cuda_pipeline.library_dispatch_passes(target)
+                + cpu_strategy.fusion_passes(target)
+                + [
+                    cpu_strategy.lower_to_kernels(target),
+                    relax.transform.LegalizeOps(cpu_strategy.legalize_map(target)),
+                    relax.transform.AnnotateTIROpPattern(),
+                    relax.transform.FoldConstant(),
+                    relax.transform.FuseOps(),
+                    relax.transform.FuseTIR(),
+                    _mark_tvm_ext_scheduled(),
+                    dlight.ApplyDefaultSchedule(dlight.gpu.Matmul(), dlight.gpu.GEMV(), dlight.gpu.Reduction(),
+                                                dlight.gpu.GeneralReduction(), dlight.gpu.Fallback()),
+                ]
+                + cuda_pipeline.dataflow_lower_passes(target)
+                + cuda_pipeline.finalize_passes(target)
+            )
+            return tvm.transform.Sequential(passes)(mod)
+
+    return _pipeline
+
+
 def build(mod: tvm.IRModule, target: TargetLike = None, database=None,
           images_per_call: int | None = None) -> relax.VMExecutable:
-    """Compile a Relax module through tvm_ext; run it with `relax.VirtualMachine(ex, tvm.cpu())`.
+    """Compile a Relax module through tvm_ext; run it with `relax.VirtualMachine(ex, tvm.cpu())`
+    (`tvm.cuda()` for a CUDA target; without a GPU a CUDA build still compiles, and its executable
+    carries the kernels' CUDA C for inspection).
 
     `database` and `images_per_call`: see :func:`pipeline`.
     """
     target = resolve_target(target)
+    if target.kind.name == "cuda" and not tvm.cuda(0).exist:
+        from .kernels.cuda.ptx import cuda_source_only
+
+        with cuda_source_only():  # no GPU: the executable carries the kernels' CUDA C, to inspect
+            return tvm.compile(mod, target, relax_pipeline=pipeline(target, database, images_per_call))
     return tvm.compile(mod, target, relax_pipeline=pipeline(target, database, images_per_call))
 
 

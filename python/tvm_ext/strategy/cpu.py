@@ -29,6 +29,7 @@ from ..kernels import pool2d as _pool
 from ..kernels.conv2d import Epilogue
 from ..target import vector_isa
 from ..tuning import space as _space
+from . import cuda as _cuda
 
 logger = logging.getLogger("tvm_ext")
 
@@ -92,14 +93,17 @@ def decide(call: relax.Call, target: tvm.target.Target) -> Decision:
     static = [_static_shape(arg) for arg in tensors[:2]]
     if any(s is None for s in static):
         return Decision(op, shapes, None, "symbolic shape: tvm_ext kernels are generated per static shape")
-    if target.kind.name != "llvm":
-        return Decision(op, shapes, None, f"target {target.kind.name} has no tvm_ext conv2d yet")
+    if target.kind.name not in ("llvm", "cuda"):
+        return Decision(op, shapes, None, f"target {target.kind.name} has no tvm_ext conv2d")
     try:
         wl = _conv.Conv2dWorkload.make(static[0], static[1], [int(s) for s in attrs.strides],
                                        [int(p) for p in attrs.padding], [int(d) for d in attrs.dilation],
                                        int(attrs.groups))
     except ValueError as err:
         return Decision(op, shapes, None, str(err))
+    if target.kind.name == "cuda":
+        kernel, reason, cuda_plan = _cuda.conv2d_decision(wl)
+        return Decision(op, shapes, kernel, reason, cuda_plan)
     plan = _conv.plan_conv2d(wl, vector_isa(target))
     return Decision(op, shapes, f"{plan.kind}_conv2d", plan.reason, plan)
 
@@ -299,6 +303,13 @@ class _Emitter:
         return out
 
 
+def make_emitter(bb: relax.BlockBuilder, target: tvm.target.Target, database=None):
+    """The emitter of `target`'s kernels: blocked NCHW[x]c on CPUs, CHWN on CUDA."""
+    if target.kind.name == "cuda":
+        return _cuda.CudaEmitter(bb, target, database)
+    return _Emitter(bb, target, database)
+
+
 def legalize_map(target: tvm.target.Target) -> dict:
     """The customize map for `relax.transform.LegalizeOps` on `target`: ops :func:`lower_to_kernels`
     left go to stock TVM's rule with the reason logged. (In the pipeline none of them has a
@@ -309,7 +320,7 @@ def legalize_map(target: tvm.target.Target) -> dict:
         if decision.kernel is None:
             logger.info("tvm_ext: %s %s stays with stock TVM: %s", decision.op, decision.shapes, decision.reason)
             return call.op.get_attr("FLegalize")(bb, call)
-        emitter = _Emitter(bb, target)
+        emitter = make_emitter(bb, target)
         if decision.plan is not None:
             return emitter.conv2d(call, call.args[0])
         return emitter.pool_or_activation(call, decision)
@@ -364,6 +375,9 @@ def fusion_patterns(target: tvm.target.Target) -> list:
                                      or isinstance(residual, tvm.ir.expr.GenericConst)):
             return False  # a constant of the output's shape (a 1x1 output's bias) is a bias
         act = ctx.annotated_expr.get("activation")
+        cuda = target.kind.name == "cuda"
+        if act is not None and cuda and _ACTIVATION_OPS[act.op.name] not in _cuda.FUSED_ACTIVATIONS:
+            return False  # the maxDNN epilogue applies relu and relu6 only
         return act is None or act.op.name != "relax.clip" or _is_relu6(act)
 
     patterns = []
@@ -439,7 +453,7 @@ def lower_to_kernels(target: tvm.target.Target, database=None) -> tvm.transform.
         def __init__(self, mod: tvm.IRModule):
             super().__init__(mod)
             self.mod_ = mod
-            self.emitter = _Emitter(self.builder_, target, database)
+            self.emitter = make_emitter(self.builder_, target, database)
 
         def visit_call_(self, call: relax.Call) -> relax.Expr:
             call = super().visit_call_(call)
@@ -472,9 +486,23 @@ def lower_to_kernels(target: tvm.target.Target, database=None) -> tvm.transform.
         for gvar, func in mod.functions_items():
             if isinstance(func, relax.Function) and "Composite" not in (func.attrs or {}):
                 lowering.builder_.update_func(gvar, lowering.visit_expr(func))
-        return relax.transform.DeadCodeElimination()(lowering.builder_.get())
+        return _drop_unused_kernels(relax.transform.DeadCodeElimination()(lowering.builder_.get()))
 
     return _pass
+
+
+def _drop_unused_kernels(mod: tvm.IRModule) -> tvm.IRModule:
+    """Remove our PrimFuncs that no Relax function calls any more (layout views nobody read):
+    DeadCodeElimination drops their calls but keeps the functions, which would still be compiled."""
+    used = set()
+    for _, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(
+                func, lambda e: used.add(e.name_hint) if isinstance(e, tvm.ir.GlobalVar) else None)
+    for gvar, func in list(mod.functions_items()):
+        if isinstance(func, tvm.tirx.PrimFunc) and _conv.KERNEL_ATTR in func.attrs and gvar.name_hint not in used:
+            del mod[gvar]
+    return mod
 
 
 # ---------------------------------------------------------------------------------------------

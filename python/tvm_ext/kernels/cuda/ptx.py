@@ -35,8 +35,10 @@ def have_nvcc() -> bool:
 
 
 @contextlib.contextmanager
-def _source_only():
-    """Within: `tvm.compile` for CUDA stops at CUDA C (the compile callback is unregistered)."""
+def cuda_source_only():
+    """Within: `tvm.compile` for CUDA stops at CUDA C (the compile callback is unregistered), as
+    it does in a process that never imported `tvm.support.nvcc`: what builds on a machine
+    without a GPU."""
     callback = tvm_ffi.get_global_func(_CALLBACK, allow_missing=True)
     if callback is None:
         yield
@@ -51,11 +53,26 @@ def _source_only():
 def generate_source(func: tvm.tirx.PrimFunc | tvm.IRModule, target: tvm.target.Target) -> str:
     """The CUDA C of `func` for the CUDA `target` (works on any machine)."""
     mod = func if isinstance(func, tvm.IRModule) else tvm.IRModule({"main": func})
-    with _source_only():
+    with cuda_source_only():
         lib = tvm.compile(mod, target=target)
     sources = [m.inspect_source() for m in lib.mod.imports if m.kind == "cuda"]
     if not sources:
         raise RuntimeError(f"tvm.compile for {target} produced no CUDA module")
+    return "\n".join(sources)
+
+
+def executable_cuda_source(executable) -> str:
+    """The CUDA C inside a built module or Relax executable (its CUDA modules, at any depth)."""
+    root = getattr(executable, "mod", executable)
+    sources, stack, seen = [], [root], set()
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        if module.kind == "cuda":
+            sources.append(module.inspect_source())
+        stack.extend(module.imports)
     return "\n".join(sources)
 
 

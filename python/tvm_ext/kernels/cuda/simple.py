@@ -1,0 +1,130 @@
+"""Memory-bound CUDA kernels of the graph strategy: layout changes, pooling, activations.
+
+Activations travel between tvm_ext's CUDA kernels in CHWN (the maxDNN convolution's layout);
+these kernels change layout at the graph's edges and pool or activate in CHWN without leaving it.
+Each output element is one thread (the image index innermost, so a warp's loads and stores are
+contiguous in CHWN); a pooling window is reduced in registers, borders handled in the index
+expressions (no padded copy), as the CPU kernels do.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tvm
+import tvm.script
+from tvm import s_tir, te, tirx
+
+from ..conv2d import KERNEL_ATTR
+from ..elementwise import ACTIVATIONS, activation_text
+from ..pool2d import Pool2dWorkload
+
+THREADS = 256  # per block: enough warps to hide memory latency, small enough for full occupancy
+
+
+def _bind(func: tirx.PrimFunc, kernel: str, reducer: str | None = None) -> tirx.PrimFunc:
+    """One thread per element of the "output" block (its spatial loops fused); a reduction (the
+    window) runs inside the thread, `reducer` (a separate reduction block) too, in registers."""
+    sch = s_tir.Schedule(func)
+    out = sch.get_sblock("output")
+    spatial = sum(1 for iv in sch.get(out).iter_vars if iv.iter_type == tirx.IterVar.DataPar)
+    fused = sch.fuse(*sch.get_loops(out)[:spatial])  # TE puts the spatial loops first
+    bx, tx = sch.split(fused, [None, THREADS])
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+    if reducer is not None:
+        sch.compute_at(sch.get_sblock(reducer), tx)
+        sch.set_scope(sch.get_sblock(reducer), 0, "local")
+    return sch.mod["main"].with_attr(KERNEL_ATTR, kernel)
+
+
+def transpose_func(shape, axes, kernel: str = "transpose") -> tirx.PrimFunc:
+    """out = permute_dims(x, axes) for a float32 tensor of `shape` (e.g. NCHW -> CHWN)."""
+    shape = tuple(int(v) for v in shape)
+    x = te.placeholder(shape, "float32", name="data")
+    out_shape = tuple(shape[a] for a in axes)
+
+    def value(*idx):
+        src = [None] * len(shape)
+        for i, a in enumerate(axes):
+            src[a] = idx[i]
+        return x[tuple(src)]
+
+    y = te.compute(out_shape, value, name="output")
+    return _bind(te.create_prim_func([x, y]), kernel)
+
+
+NCHW_TO_CHWN = (1, 2, 3, 0)
+CHWN_TO_NCHW = (3, 0, 1, 2)
+
+
+def pool2d_chwn_func(wl: Pool2dWorkload) -> tirx.PrimFunc:
+    """max/avg pooling of CHWN data (C, H, W, N) -> (C, OH, OW, N); `wl` in NCHW terms."""
+    x = te.placeholder((wl.C, wl.H, wl.W, wl.N), "float32", name="data")
+    (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
+    top, left = wl.padding[0], wl.padding[1]
+    rh, rw = te.reduce_axis((0, kh), "rh"), te.reduce_axis((0, kw), "rw")
+
+    def term(c, oh, ow, n, empty):
+        ih, iw = oh * sh + rh * dh - top, ow * sw + rw * dw - left
+        inside = tirx.all(ih >= 0, ih < wl.H, iw >= 0, iw < wl.W)
+        safe = x[c, tirx.max(tirx.min(ih, wl.H - 1), 0), tirx.max(tirx.min(iw, wl.W - 1), 0), n]
+        return tirx.if_then_else(inside, safe, empty)
+
+    shape = (wl.C, wl.OH, wl.OW, wl.N)
+    if wl.mode == "max":
+        y = te.compute(shape, lambda c, oh, ow, n: te.max(term(c, oh, ow, n, tirx.min_value("float32")),
+                                                          axis=[rh, rw]), name="output")
+        return _bind(te.create_prim_func([x, y]), "max_pool2d")
+    s = te.compute(shape, lambda c, oh, ow, n: te.sum(term(c, oh, ow, n, tirx.const(0.0, "float32")),
+                                                      axis=[rh, rw]), name="window_sum")
+
+    def count(size, o, k, st, p0, p1):
+        start = o * st - p0
+        if wl.count_include_pad:
+            return tirx.min(start + k, size + p1) - start
+        return tirx.min(start + k, size) - tirx.max(start, 0)
+
+    def mean(c, oh, ow, n):
+        area = count(wl.H, oh, kh, sh, top, wl.padding[2]) * count(wl.W, ow, kw, sw, left, wl.padding[3])
+        return s[c, oh, ow, n] / tirx.Cast("float32", area)
+
+    y = te.compute(shape, mean, name="output")
+    return _bind(te.create_prim_func([x, y]), "avg_pool2d", reducer="window_sum")
+
+
+def global_avg_pool2d_chwn_func(shape) -> tirx.PrimFunc:
+    """Mean over H and W of CHWN data (C, H, W, N) -> (C, 1, 1, N)."""
+    c, h, w, n = (int(v) for v in shape)
+    x = te.placeholder((c, h, w, n), "float32", name="data")
+    rh, rw = te.reduce_axis((0, h), "rh"), te.reduce_axis((0, w), "rw")
+    s = te.compute((c, 1, 1, n), lambda i, a, b, j: te.sum(x[i, rh, rw, j], axis=[rh, rw]), name="window_sum")
+    y = te.compute((c, 1, 1, n), lambda i, a, b, j: s[i, a, b, j] / float(h * w), name="output")
+    return _bind(te.create_prim_func([x, y]), "global_avg_pool2d", reducer="window_sum")
+
+
+_ACTIVATION = """
+@T.prim_func(s_tir=True)
+def activation(x: T.handle, y: T.handle) -> None:
+    X = T.match_buffer(x, {shape}, "float32")
+    Y = T.match_buffer(y, {shape}, "float32")
+    X_flat = T.decl_buffer(({size},), "float32", data=X.data)
+    Y_flat = T.decl_buffer(({size},), "float32", data=Y.data)
+    for bx in T.thread_binding({blocks}, thread="blockIdx.x"):
+        for tx in T.thread_binding({threads}, thread="threadIdx.x"):
+            with T.sblock("output"):
+                v = T.axis.spatial({size}, bx * {threads} + tx)
+                T.where(bx * {threads} + tx < {size})
+                Y_flat[v] = {value}
+"""
+
+
+def activation_func(name: str, shape, alpha: float = 0.01) -> tirx.PrimFunc:
+    """Activation `name` over a float32 tensor of any shape (layout does not matter)."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported; choose from {sorted(ACTIVATIONS)}")
+    shape = tuple(int(v) for v in shape)
+    size = math.prod(shape)
+    text = _ACTIVATION.format(shape=shape, size=size, threads=THREADS, blocks=-(-size // THREADS),
+                              value=activation_text(name, "X_flat[v]", alpha))
+    return tvm.script.from_source(text).with_attr(KERNEL_ATTR, name)

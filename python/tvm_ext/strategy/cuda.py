@@ -1,0 +1,142 @@
+"""Which tvm_ext CUDA kernel serves which Relax op, and how the calls are emitted.
+
+The dispatch framework is the CPU strategy's (:mod:`tvm_ext.strategy.cpu`: `decide`, the fusion
+patterns, batch-norm folding, `lower_to_kernels`); this module supplies what differs on CUDA:
+
+- convolutions run the maxDNN kernel (:mod:`tvm_ext.kernels.cuda.conv2d`), with bias, residual
+  and relu/relu6 fused into its output write; other activations stay separate kernels;
+- activations travel between our kernels in CHWN, the convolution's layout: a tensor one of our
+  kernels produced is bound to `chwn_to_nchw(y)`, the view the rest of the graph reads, and our
+  kernels look through that binding, so layouts change only at the graph's edges and around
+  fallbacks (DeadCodeElimination drops the views nobody reads);
+- constant weights are re-laid out (OIHW -> CRSK) here, at build time, in NumPy;
+- pooling, global pooling and activations run the memory-bound kernels of
+  :mod:`tvm_ext.kernels.cuda.simple`, in CHWN where their input is.
+
+Depthwise convolutions stay with stock TVM: one filter per group leaves 63 of a tile's 64 rows
+empty, which is a correct but poor use of the maxDNN tile.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ..kernels import conv2d as _conv
+from ..kernels.cuda import conv2d as _maxdnn
+from ..kernels.cuda import simple as _simple
+
+_TO_NCHW = "tvm_ext_chwn_to_nchw"
+_OPAQUE = 8  # Relax's FuseOps must leave our scheduled kernels alone: kOpaque
+
+# The activations the maxDNN kernel's epilogue applies itself.
+FUSED_ACTIVATIONS = tuple(a for a in _maxdnn.ACTIVATIONS if a is not None)
+
+
+def conv2d_decision(wl: _conv.Conv2dWorkload) -> tuple[str | None, str, _maxdnn.MaxDNNPlan | None]:
+    """(kernel or None, reason, plan) for a validated float32 NCHW/OIHW convolution."""
+    if wl.depthwise:
+        return None, "depthwise: one filter per group would fill 1 row of a 64-row maxDNN tile; stock TVM", None
+    plan = _maxdnn.MaxDNNPlan.make(wl)
+    reason = f"{plan.tile.rows}x{plan.tile.cols} tile, grid {plan.grid}"
+    return _maxdnn.KERNEL_NAME, reason, plan
+
+
+def _shape(expr: relax.Expr) -> tuple[int, ...]:
+    return tuple(int(v) for v in expr.ty.shape)
+
+
+def _name(kind: str, *parts) -> str:
+    return "tvm_ext_" + kind + "_" + "_".join("x".join(map(str, p)) if isinstance(p, tuple) else str(p) for p in parts)
+
+
+class CudaEmitter:
+    """Emits tvm_ext CUDA kernel calls for one op (the CPU strategy's `_Emitter`, for CUDA)."""
+
+    def __init__(self, bb: relax.BlockBuilder, target: tvm.target.Target, database=None):
+        if database is not None:
+            raise ValueError("tuning records apply to CPU targets only; the CUDA kernels use their analytic tiles")
+        self.bb = bb
+        self.target = target
+
+    def _call(self, func: tvm.tirx.PrimFunc, name: str, args: list, shape: tuple) -> relax.Var:
+        gvar = self.bb.add_func(func.with_attr("op_pattern", _OPAQUE), name)
+        return self.bb.emit(relax.call_tir(gvar, args, relax.TensorType(shape, "float32")))
+
+    def chwn(self, expr: relax.Expr) -> relax.Expr:
+        """`expr` (NCHW) in CHWN: the tensor behind it if one of our kernels made it, else a transpose."""
+        if isinstance(expr, relax.Var):
+            value = self.bb.lookup_binding(expr)
+            if (isinstance(value, relax.Call) and value.op == tvm.ir.Op.get("relax.call_tir")
+                    and value.args[0].name_hint.startswith(_TO_NCHW)):
+                return value.args[1].fields[0]
+        shape = _shape(expr)
+        out = tuple(shape[a] for a in _simple.NCHW_TO_CHWN)
+        func = _simple.transpose_func(shape, _simple.NCHW_TO_CHWN, "nchw_to_chwn")
+        return self._call(func, _name("nchw_to_chwn", shape), [expr], out)
+
+    def nchw(self, chwn: relax.Expr) -> relax.Call:
+        """The NCHW view of a CHWN result (a call the caller binds; our kernels look through it)."""
+        shape = _shape(chwn)
+        out = tuple(shape[a] for a in _simple.CHWN_TO_NCHW)
+        name = _name(_TO_NCHW.removeprefix("tvm_ext_"), shape)
+        func = _simple.transpose_func(shape, _simple.CHWN_TO_NCHW, "chwn_to_nchw")
+        gvar = self.bb.add_func(func.with_attr("op_pattern", _OPAQUE), name)
+        return relax.call_tir(gvar, [chwn], relax.TensorType(out, "float32"))
+
+    def _weight(self, weight: relax.Expr, groups: int) -> relax.Expr:
+        """OIHW -> [groups, I*H*W, O/groups]: in NumPy for a constant, else in the graph."""
+        if isinstance(weight, tvm.ir.expr.GenericConst):
+            return relax.const(_maxdnn.weight_to_crsk(weight.value.numpy(), groups))
+        k, cg, r, s = _shape(weight)
+        grouped = relax.op.reshape(weight, (groups, k // groups, cg * r * s))
+        return self.bb.emit(relax.op.permute_dims(grouped, [0, 2, 1]))
+
+    def conv2d(self, call: relax.Call, data: relax.Expr, bias: np.ndarray | None = None,
+               residual: relax.Expr | None = None, activation: relax.Call | None = None,
+               suffix: str = "") -> relax.Expr:
+        from .cpu import _ACTIVATION_OPS, decide
+
+        wl = decide(call, self.target).plan.wl
+        act = None if activation is None else _ACTIVATION_OPS[activation.op.name]
+        epilogue = _maxdnn.Epilogue(bias=bias is not None, residual=residual is not None, activation=act)
+        plan = _maxdnn.MaxDNNPlan.make(wl, epilogue=epilogue)
+        args = [self.chwn(data), self._weight(call.args[1], wl.groups)]
+        if bias is not None:
+            args.append(relax.const(np.ascontiguousarray(bias.reshape(-1), dtype=np.float32)))
+        if residual is not None:
+            args.append(self.chwn(residual))
+        name = _name("maxdnn_conv2d", (wl.N, wl.C, wl.H, wl.W), (wl.K, wl.KH, wl.KW),
+                     f"s{wl.stride[0]}x{wl.stride[1]}_p{'x'.join(map(str, wl.padding))}"
+                     f"_d{wl.dilation[0]}x{wl.dilation[1]}_g{wl.groups}") + suffix
+        func = _maxdnn.maxdnn_conv2d_func(plan, symbol=name)
+        return self.nchw(self._call(func, name, args, plan.shapes()["y"]))
+
+    def pool_or_activation(self, call: relax.Call, decision) -> relax.Expr:
+        from .cpu import _alpha, _pool_workload
+
+        data = call.args[0]
+        if decision.kernel in ("global_avg_pool2d", "max_pool2d", "avg_pool2d"):
+            source = self.chwn(data)
+            shape = _shape(source)
+            if decision.kernel == "global_avg_pool2d":
+                func, out = _simple.global_avg_pool2d_chwn_func(shape), (shape[0], 1, 1, shape[3])
+            else:
+                wl = _pool_workload(call, _shape(data))
+                func, out = _simple.pool2d_chwn_func(wl), (wl.C, wl.OH, wl.OW, wl.N)
+            result = self.nchw(self._call(func, _name(decision.kernel, shape, out), [source], out))
+            if call.op.name == "relax.mean":  # mean over H, W: a global pool without the unit axes
+                return relax.op.reshape(self.bb.emit(result), _shape(call))
+            return result
+        chwn = None
+        if isinstance(data, relax.Var):
+            value = self.bb.lookup_binding(data)
+            if (isinstance(value, relax.Call) and value.op == tvm.ir.Op.get("relax.call_tir")
+                    and value.args[0].name_hint.startswith(_TO_NCHW)):
+                chwn = value.args[1].fields[0]
+        source = chwn if chwn is not None else data
+        shape = _shape(source)
+        func = _simple.activation_func(decision.kernel, shape, _alpha(call))
+        out = self._call(func, _name(decision.kernel, shape), [source], shape)
+        return self.nchw(out) if chwn is not None else out

@@ -1,0 +1,97 @@
+"""Run a whole network's CUDA strategy on the CPU: every CUDA kernel through the emulator.
+
+`lower(mod, target)` is the Relax module right after tvm_ext's CUDA strategy: our kernels as
+`call_tir` to CUDA PrimFuncs, everything else still Relax ops. :func:`emulated_executable`
+replaces each of those calls by a call to a Python function that runs that PrimFunc's generated
+CUDA C on the CPU emulator (:mod:`tvm_ext.testing.cuda_emulator`), builds the rest for the CPU
+with stock TVM, and returns a CPU executable. Its output checks the graph-level work (layouts at
+the edges, weights laid out at build time, fused epilogues, residual wiring) with the very CUDA C
+a GPU would run, on a machine without one.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import tvm
+import tvm_ffi
+from tvm import relax
+
+from ..kernels.conv2d import KERNEL_ATTR
+from ..kernels.cuda.ptx import generate_source
+from .cuda_emulator import kernel_params, run_kernel
+
+_THREAD = re.compile(r'T\.thread_binding\((\d+), thread="(blockIdx|threadIdx)\.([xyz])"\)')
+# a flat view of a parameter, as TVMScript prints it: `Xf = x.view(800)` or a decl_buffer on x.data
+_ALIAS = re.compile(r"(\w+) = (?:(\w+)\.view\(|T\.decl_buffer\([^\n]*data=(\w+)\.data)")
+
+
+def lower(mod: tvm.IRModule, target) -> tvm.IRModule:
+    """`mod` after tvm_ext's fusion and lowering passes for `target` (before legalization)."""
+    from ..strategy import cpu as strategy
+    from ..target import resolve_target
+
+    target = resolve_target(target)
+    with target:
+        return tvm.transform.Sequential(strategy.fusion_passes(target) + [strategy.lower_to_kernels(target)])(mod)
+
+
+def launch_shape(func: tvm.tirx.PrimFunc) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(grid, block) of a PrimFunc whose loops are bound to CUDA threads."""
+    dims = {"blockIdx": [1, 1, 1], "threadIdx": [1, 1, 1]}
+    for extent, kind, axis in _THREAD.findall(func.script()):
+        dims[kind]["xyz".index(axis)] = int(extent)
+    return tuple(dims["blockIdx"]), tuple(dims["threadIdx"])
+
+
+class _EmulatedKernel:
+    """One of our CUDA PrimFuncs as a destination-passing Python function (inputs..., output)."""
+
+    def __init__(self, name: str, func: tvm.tirx.PrimFunc, target: tvm.target.Target):
+        self.source = generate_source(func.with_attr("global_symbol", name), target)
+        kernels = re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(', self.source)
+        if len(set(kernels)) != 1:
+            raise ValueError(f"{name}: expected one CUDA kernel, found {sorted(set(kernels))}")
+        self.kernel = kernels[0]
+        self.grid, self.block = launch_shape(func)
+        script = func.script()
+        params = [p.name for p in func.params]
+        aliases = {alias: params.index(view or decl) for alias, view, decl in _ALIAS.findall(script)
+                   if (view or decl) in params}
+        self.order = {}  # CUDA parameter -> the PrimFunc argument behind it
+        for _, cuda_name in kernel_params(self.source, self.kernel):
+            base = cuda_name.removesuffix("_ptr")
+            self.order[cuda_name] = aliases[base] if base in aliases else params.index(base)
+
+    def __call__(self, *tensors) -> None:
+        arrays = [np.ascontiguousarray(t.numpy()) for t in tensors]
+        out = arrays[-1]
+        out[...] = np.nan  # what the kernel does not write shows
+        named = {cuda_name: arrays[index] for cuda_name, index in self.order.items()}
+        run_kernel(self.source, self.kernel, self.grid, self.block, named)
+        tensors[-1].copyfrom(out)
+
+
+def emulated_executable(lowered: tvm.IRModule, target, prefix: str = "tvm_ext.emulated.") -> relax.VMExecutable:
+    """A CPU executable of `lowered` (see :func:`lower`) whose CUDA kernels run on the emulator."""
+    from ..target import resolve_target
+
+    target = resolve_target(target)
+    ours = {gvar.name_hint: func for gvar, func in lowered.functions_items()
+            if isinstance(func, tvm.tirx.PrimFunc) and KERNEL_ATTR in func.attrs}
+    for name, func in ours.items():
+        tvm_ffi.register_global_func(prefix + name, _EmulatedKernel(name, func, target), override=True)
+
+    @relax.expr_functor.mutator
+    class _ToPacked(relax.PyExprMutator):
+        def visit_call_(self, call: relax.Call) -> relax.Expr:
+            call = super().visit_call_(call)
+            if call.op == tvm.ir.Op.get("relax.call_tir") and call.args[0].name_hint in ours:
+                return relax.call_dps_packed(prefix + call.args[0].name_hint, call.args[1], call.ty)
+            return call
+
+    rewriter = _ToPacked(lowered)
+    mod = tvm.IRModule({gvar: rewriter.visit_expr(func) for gvar, func in lowered.functions_items()
+                        if isinstance(func, relax.Function)})
+    return tvm.compile(mod, "llvm")
