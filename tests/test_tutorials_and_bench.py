@@ -23,6 +23,14 @@ def test_tutorial_01_brgemm_microkernel():
     assert "relative error against float64 NumPy" in out and "spilled stack slots: 0" in out
 
 
+def test_tutorial_04_cuda_maxdnn_tile():
+    out = _run("tutorials/04_cuda_maxdnn_tile.py", "--small")
+    assert "64 FFMA per k" in out and "relative error against float64 NumPy" in out
+    err = float(out.split("relative error against float64 NumPy ")[1].split()[0])
+    assert err < 1e-4
+    assert "ops served by tvm_ext kernels" in out
+
+
 def test_peak_quick(tmp_path):
     sys.path.insert(0, str(ROOT / "bench"))
     import peak
