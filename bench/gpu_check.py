@@ -1,10 +1,13 @@
 """GPU check: tvm_ext's maxDNN convolution against cuDNN, on a machine with an NVIDIA GPU.
 
-Reads the CUDA C that bench/gpu_export.py generated (manifest.json + one .cu per layer), compiles
-it with nvcc for this GPU, and for every layer:
-- checks the output against a float64 PyTorch convolution on the GPU (relative error < 1e-4);
-- times it (CUDA events, median) against cuDNN through PyTorch, fp32 with TF32 off and with TF32 on;
-- prints GFLOP/s and % of the fp32 FFMA peak, which it measures itself with an FFMA-chain kernel.
+Reads the CUDA C that bench/gpu_export.py generated (manifest.json + one .cu per layer and
+engine), compiles it with nvcc for this GPU, and for every kernel:
+- checks the output against a float64 PyTorch convolution on the GPU: relative error < 1e-4 for
+  the FFMA kernel; for the tf32 tensor-core kernel < 1e-5 against the float64 convolution of the
+  inputs as the tensor cores read them (low 13 mantissa bits dropped);
+- times it (CUDA events, median) against cuDNN through PyTorch: the FFMA kernel against cuDNN fp32
+  (TF32 off), the tensor-core kernel against cuDNN with TF32 on;
+- prints GFLOP/s and, for FFMA, % of the fp32 FFMA peak it measures itself with an FFMA-chain kernel.
 
 Needs numpy, torch (CUDA) and cupy (to load a cubin and launch it); not TVM. Layouts: the kernel
 takes activations CHWN and weights CRSK (maxDNN's); the conversion from NCHW/OIHW is done once
@@ -129,20 +132,21 @@ def run_layer(torch, cp, entry: dict, cubin: Path, repeat: int) -> dict:
     ours()
     torch.cuda.synchronize()
     got = tensors["y"].permute(3, 0, 1, 2)
-    ref = F.conv2d(pad(x.double()), w.double(), **options)
+    tf32 = entry.get("engine") == "mma_tf32"
+
+    def as_read(t):  # what the kernel's arithmetic sees of an fp32 input
+        return (t.view(torch.int32) & -8192).view(torch.float32) if tf32 else t
+
+    ref = F.conv2d(pad(as_read(x).double()), as_read(w).double(), **options)
     scale = ref.abs().max().item()
     err = (got.double() - ref).abs().max().item() / scale
-    set_tf32(torch, False)
     xp = pad(x)
-    err_cudnn = (F.conv2d(xp, w, **options).double() - ref).abs().max().item() / scale
-
+    set_tf32(torch, tf32)  # the baseline at the same precision
     t_ours = median_ms(torch, ours, repeat)
-    t_fp32 = median_ms(torch, lambda: F.conv2d(xp, w, **options), repeat)
-    set_tf32(torch, True)
-    t_tf32 = median_ms(torch, lambda: F.conv2d(xp, w, **options), repeat)
+    t_cudnn = median_ms(torch, lambda: F.conv2d(xp, w, **options), repeat)
     set_tf32(torch, False)
-    return {"err": err, "err_cudnn_fp32": err_cudnn, "ours_ms": t_ours, "cudnn_fp32_ms": t_fp32,
-            "cudnn_tf32_ms": t_tf32}
+    return {"err": err, "ok": err < (1e-5 if tf32 else 1e-4), "ours_ms": t_ours, "cudnn_ms": t_cudnn,
+            "cudnn": "cuDNN TF32" if tf32 else "cuDNN fp32"}
 
 
 def main(argv=None) -> int:
@@ -181,8 +185,7 @@ def main(argv=None) -> int:
     peak = ffma_peak_gflops(torch, cp, cubins[ffma_src], args.repeat)
     print(f"measured fp32 FFMA peak: {peak:,.0f} GFLOP/s", flush=True)
 
-    header = ("| layer | tile | err | ours ms | GFLOP/s | % FFMA peak | cuDNN fp32 ms | vs cuDNN fp32 | "
-              "cuDNN TF32 ms | vs cuDNN TF32 |")
+    header = "| layer | engine | tile | err | ms | GFLOP/s | % FFMA peak | baseline | baseline ms | speed-up |"
     lines = [header, "|" + "---|" * 10]
     print(header, flush=True)
     rows = []
@@ -200,14 +203,15 @@ def main(argv=None) -> int:
             rows.append({"name": entry["name"], "error": str(err)})
         else:
             gflops = entry["flops"] / result["ours_ms"] / 1e6
-            result.update(name=entry["name"], gflops=gflops, peak_pct=100 * gflops / peak,
-                          tile=entry["tile"], ok=result["err"] < 1e-4)
+            engine = entry.get("engine", "ffma")
+            result.update(name=entry["name"], engine=engine, gflops=gflops, peak_pct=100 * gflops / peak,
+                          tile=entry["tile"])
             rows.append(result)
-            line = (f"| {entry['name']} | {entry['tile'][0]}x{entry['tile'][1]} | {result['err']:.1e}"
-                    f"{'' if result['ok'] else ' FAIL'} | {result['ours_ms']:.3f} | {gflops:,.0f} | "
-                    f"{result['peak_pct']:.1f}% | {result['cudnn_fp32_ms']:.3f} | "
-                    f"{result['cudnn_fp32_ms'] / result['ours_ms']:.2f}x | {result['cudnn_tf32_ms']:.3f} | "
-                    f"{result['cudnn_tf32_ms'] / result['ours_ms']:.2f}x |")
+            pct = f"{result['peak_pct']:.1f}%" if engine == "ffma" else "-"
+            line = (f"| {entry['set']} {entry['layer']} | {engine} | {entry['tile'][0]}x{entry['tile'][1]} | "
+                    f"{result['err']:.1e}{'' if result['ok'] else ' FAIL'} | {result['ours_ms']:.3f} | "
+                    f"{gflops:,.0f} | {pct} | {result['cudnn']} | {result['cudnn_ms']:.3f} | "
+                    f"{result['cudnn_ms'] / result['ours_ms']:.2f}x |")
         lines.append(line)
         print(line, flush=True)
     failed = [r["name"] for r in rows if not r.get("ok")]

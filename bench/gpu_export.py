@@ -1,8 +1,9 @@
 """Generate the CUDA C of tvm_ext's maxDNN convolution for the GPU check's layers (no GPU needed).
 
-Writes one .cu file per layer and manifest.json (shapes, grid, block, parameter order) into
---out. bench/gpu_check.py compiles and runs them with nvcc and CuPy on a GPU machine, so that
-machine needs no TVM: apache-tvm's wheel is 100 MB and the lent GPU machines here take 64 MiB.
+Writes one .cu file per layer and engine (FFMA; tf32 tensor cores) and manifest.json (shapes,
+grid, block, parameter order) into --out. bench/gpu_check.py compiles and runs them with nvcc and
+CuPy on a GPU machine, so that machine needs no TVM: apache-tvm's wheel is 100 MB and the GPU
+machines lent here take 64 MiB.
 
     python bench/gpu_export.py --out bench/gpu_kernels            # AlexNet/OverFeat b128, ResNet-50 b32
     python bench/gpu_export.py --out /tmp/k --sets alexnet --batch 4 --layers 2
@@ -29,7 +30,8 @@ def load_layers(name: str) -> list[dict]:
     raise FileNotFoundError("workloads.json not found in bench/ or ../shared/")
 
 
-def export(out: Path, sets: dict[str, int], layers: int | None, arch: str) -> list[dict]:
+def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
+           engines: tuple[str, ...] = ("ffma", "mma_tf32")) -> list[dict]:
     from tvm_ext.kernels.conv2d import Conv2dWorkload
     from tvm_ext.kernels.cuda import conv2d as cc
 
@@ -41,25 +43,33 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str) -> li
             wl = Conv2dWorkload.make((batch, layer["C"], layer["H"], layer["W"]),
                                      (layer["K"], layer["C"] // groups, layer["R"], layer["S"]),
                                      stride=layer["stride"], padding=layer["pad"], groups=groups)
-            plan = cc.MaxDNNPlan.make(wl)
-            start = time.perf_counter()
-            source = cc.cuda_source(plan, {"kind": "cuda", "arch": arch})
-            name = f"{set_name}_{layer['name']}"
-            (out / f"{name}.cu").write_text(source)
-            entries.append({
-                "name": name, "set": set_name, "layer": layer["name"], "file": f"{name}.cu",
-                "kernel": "maxdnn_conv2d_kernel", "grid": list(plan.grid), "block": [plan.tile.threads, 1, 1],
-                "tile": [plan.tile.rows, plan.tile.cols],
-                "x_nchw": [wl.N, wl.C, wl.H, wl.W], "w_oihw": [wl.K, wl.C // wl.groups, wl.KH, wl.KW],
-                "stride": list(wl.stride), "padding": list(wl.padding), "dilation": list(wl.dilation),
-                "groups": wl.groups, "flops": wl.flops,
-                "params": {k: list(v) for k, v in plan.shapes().items()},
-                "cuda_args": cc.cuda_param_order(source),
-            })
-            print(f"{name:28s} tile {plan.tile.rows}x{plan.tile.cols} grid {plan.grid} "
-                  f"({time.perf_counter() - start:.1f} s)", flush=True)
+            for engine in engines:
+                plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(wl.K // wl.groups, engine))
+                start = time.perf_counter()
+                source = cc.cuda_source(plan, {"kind": "cuda", "arch": arch})
+                name = f"{set_name}_{layer['name']}_{engine}"
+                (out / f"{name}.cu").write_text(source)
+                entries.append(_entry(name, set_name, layer["name"], engine, wl, plan, source))
+                print(f"{name:36s} tile {plan.tile.rows}x{plan.tile.cols} grid {plan.grid} "
+                      f"({time.perf_counter() - start:.1f} s)", flush=True)
     (out / "manifest.json").write_text(json.dumps({"arch": arch, "layers": entries}, indent=1))
     return entries
+
+
+def _entry(name: str, set_name: str, layer: str, engine: str, wl, plan, source: str) -> dict:
+    """The manifest entry bench/gpu_check.py launches and checks the kernel from."""
+    from tvm_ext.kernels.cuda import conv2d as cc
+
+    return {
+        "name": name, "set": set_name, "layer": layer, "engine": engine, "file": f"{name}.cu",
+        "kernel": "maxdnn_conv2d_kernel", "grid": list(plan.grid), "block": [plan.tile.threads, 1, 1],
+        "tile": [plan.tile.rows, plan.tile.cols],
+        "x_nchw": [wl.N, wl.C, wl.H, wl.W], "w_oihw": [wl.K, wl.C // wl.groups, wl.KH, wl.KW],
+        "stride": list(wl.stride), "padding": list(wl.padding), "dilation": list(wl.dilation),
+        "groups": wl.groups, "flops": wl.flops,
+        "params": {k: list(v) for k, v in plan.shapes().items()},
+        "cuda_args": cc.cuda_param_order(source),
+    }
 
 
 def main(argv=None) -> int:
@@ -70,9 +80,10 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=None, help="one batch for every set (default: per set)")
     parser.add_argument("--layers", type=int, default=None, help="first N layers of each set")
     parser.add_argument("--arch", default="sm_90", help="the arch TVM generates for (the source is portable)")
+    parser.add_argument("--engines", nargs="+", default=["ffma", "mma_tf32"], choices=["ffma", "mma_tf32"])
     args = parser.parse_args(argv)
     sets = {name: args.batch or DEFAULT_SETS.get(name, 32) for name in args.sets}
-    export(args.out, sets, args.layers, args.arch)
+    export(args.out, sets, args.layers, args.arch, tuple(args.engines))
     return 0
 
 

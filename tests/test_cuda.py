@@ -292,3 +292,70 @@ def test_gpu_conv2d_matches_reference(x_shape, w_shape, options):
     wl = Conv2dWorkload.make(x_shape, w_shape, **options)
     ref = conv2d_nchw(x, w, bias, wl.stride, wl.padding, wl.dilation, wl.groups)
     assert rel_err(got, ref) < 1e-4
+
+
+# -- the tensor-core (mma.sync tf32) variant of the tile ---------------------------------------
+
+def _tf32(a: np.ndarray) -> np.ndarray:
+    """The tf32 value the tensor cores read from an fp32 register: the low 13 mantissa bits dropped."""
+    return (np.ascontiguousarray(a, np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+@needs_gxx
+@pytest.mark.parametrize("x_shape, w_shape, options, epilogue", [
+    ((8, 16, 12, 12), (64, 16, 3, 3), dict(padding=1), cc.Epilogue()),
+    ((3, 5, 9, 7), (70, 5, 3, 2), dict(padding=(1, 0, 2, 1), stride=2), cc.Epilogue(bias=True, activation="relu")),
+    ((4, 6, 9, 7), (96, 3, 5, 5), dict(padding=2, dilation=2, groups=2), cc.Epilogue(residual=True)),
+])
+def test_emulated_tensor_core_conv2d(x_shape, w_shape, options, epilogue):
+    wl = Conv2dWorkload.make(x_shape, w_shape, **options)
+    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(wl.K // wl.groups, "mma_tf32"), epilogue)
+    x, w, bias, residual = _inputs(wl, epilogue)
+    got = cc.output_to_nchw(cc.emulate(plan, cc.kernel_arrays(plan, x, w, bias, residual)))
+    assert rel_err(got, _reference(wl, epilogue, _tf32(x), _tf32(w), bias, residual)) < 1e-5
+    assert rel_err(got, _reference(wl, epilogue, x, w, bias, residual)) > 1e-5  # it really is tf32
+
+
+@needs_gxx
+def test_emulator_catches_broken_tensor_core_kernels():
+    plan = cc.MaxDNNPlan.make(_WL_FAULT, cc.BlockTile(engine="mma_tf32"))
+    got, ref = _emulated(plan, cc.cuda_source(plan, fault="wrong_buffer"))
+    assert _fails(got, ref)
+    source = cc.cuda_source(plan)
+    barrier = source.index("__syncthreads();", source.index("for (int kt2"))
+    got, ref = _emulated(plan, source[:barrier] + source[barrier + len("__syncthreads();"):])
+    assert _fails(got, ref)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_tensor_core_machine_code(arch):
+    plan = cc.MaxDNNPlan.make(_WL_STATIC, cc.BlockTile(engine="mma_tf32"))
+    source = cc.cuda_source(plan, {"kind": "cuda", "arch": arch})
+    ops_count = ptx.ptx_instructions(ptx.compile_source(source, arch).decode())
+    mt, nt = plan.tile.mma_tiles
+    assert ops_count["mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"] == mt * nt * plan.code_steps
+    assert ops_count["bar.sync"] == plan.code_steps + 2 and ops_count["ld.global.nc.v4.f32"] > 0
+    resources = ptx.ptxas_resources(source, arch)
+    assert resources["spill_stores"] == resources["spill_loads"] == resources["stack"] == 0
+
+
+def test_tensor_core_tile_validation():
+    assert cc.BlockTile(rows=96, engine="mma_tf32").threads == 96  # three warps of 32 rows
+    assert cc.choose_tile(96, "mma_tf32").engine == "mma_tf32"
+    with pytest.raises(ValueError, match="engine"):
+        cc.BlockTile(engine="wgmma").validate()
+    with pytest.raises(ValueError, match="rows % 32"):
+        cc.BlockTile(rows=48, engine="mma_tf32").validate()
+    with pytest.raises(ValueError, match="accumulators"):
+        cc.BlockTile(cols=256, engine="mma_tf32").validate()
+
+
+def test_emulator_refuses_unknown_inline_ptx():
+    source = """
+extern "C" __global__ void k(float* __restrict__ y_ptr) {
+  __asm__ __volatile__("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" "{%0}" : "=f"(y_ptr[0]) : );
+}
+"""
+    with pytest.raises(cuda_emulator.EmulationError, match="no mma"):
+        cuda_emulator.run_kernel(source, "k", (1, 1, 1), (32, 1, 1), {"y": np.zeros(1, np.float32)})

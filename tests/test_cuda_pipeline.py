@@ -98,3 +98,25 @@ def test_build_for_cuda_without_gpu_and_report():
     source = executable_cuda_source(ex)
     assert source.count("maxdnn_conv2d") >= 4 and "tvm_ext_max_pool2d" in source
     assert "__syncthreads" in source and "ld.global" not in source  # CUDA C, not PTX, without a GPU
+
+
+@needs_gxx
+def test_network_on_tensor_cores():
+    """tensor_cores=True: the convolutions run the tf32 mma.sync tile; tf32 keeps 10 mantissa bits,
+    so the network agrees with float64 to about 1e-3, not 1e-6."""
+    mod = _net(4)
+    lowered = lower(mod, TARGET, tensor_cores=True)
+    assert any("mma.sync" in cuda_source for cuda_source in _sources(lowered))
+    vm = relax.VirtualMachine(emulated_executable(lowered, TARGET), tvm.cpu())
+    x = np.random.default_rng(1).standard_normal((4, 3, 16, 14)).astype(np.float32)
+    out = vm["main"](tvm.runtime.tensor(x)).numpy()
+    ref = to_torch(mod, torch.float64)(torch.from_numpy(x).double()).numpy()
+    assert 1e-6 < rel_err(out, ref) < 1e-2
+
+
+def _sources(lowered: tvm.IRModule) -> list[str]:
+    from tvm_ext.kernels.cuda.ptx import generate_source
+    from tvm_ext.target import resolve_target
+
+    return [generate_source(func, resolve_target(TARGET)) for gvar, func in lowered.functions_items()
+            if gvar.name_hint.startswith("tvm_ext_maxdnn")]

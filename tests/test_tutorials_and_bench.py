@@ -104,17 +104,19 @@ def test_gpu_check_pipeline_without_gpu(tmp_path):
         pytest.skip("nvcc is not installed")
     out = _run("bench/gpu_export.py", "--out", str(tmp_path), "--sets", "overfeat", "--batch", "4",
                "--layers", "1")
-    assert "overfeat_conv1" in out and "tile 96x64" in out  # 96 filters: one 96-row tile
+    assert "overfeat_conv1_ffma" in out and "tile 96x64" in out  # 96 filters: one 96-row tile
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    (entry,) = manifest["layers"]
-    assert sorted(entry["cuda_args"]) == ["w", "x", "y"] and entry["params"]["y"] == [96, 56, 56, 4]
+    entries = manifest["layers"]
+    assert [e["engine"] for e in entries] == ["ffma", "mma_tf32"]
+    for entry in entries:
+        assert sorted(entry["cuda_args"]) == ["w", "x", "y"] and entry["params"]["y"] == [96, 56, 56, 4]
     sys.path.insert(0, str(ROOT / "bench"))
     import gpu_check
 
-    cubins = gpu_check.compile_all([tmp_path / entry["file"]], "sm_90")
-    (cubin,) = cubins.values()
-    assert not isinstance(cubin, Exception), cubin
-    assert cubin.read_bytes()[:4] == b"\x7fELF"
+    cubins = gpu_check.compile_all([tmp_path / e["file"] for e in entries], "sm_90")
+    for cubin in cubins.values():
+        assert not isinstance(cubin, Exception), cubin
+        assert cubin.read_bytes()[:4] == b"\x7fELF"
     env = {**os.environ, "KERNELS": str(tmp_path), "PYTHON": sys.executable,
            "EXPORT_ARGS": "--sets overfeat --batch 4 --layers 1"}
     result = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=600,

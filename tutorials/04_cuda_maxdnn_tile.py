@@ -5,7 +5,8 @@ What you will see:
 2. the implicit-GEMM convolution (64x64 block tile, double-buffered shared memory, float4 loads,
    one barrier per k step, output staged through shared memory), generated as TensorIR with its
    updates tensorized, and the CUDA C TVM makes of it;
-3. what nvcc makes of that for sm_90: instruction counts in the PTX, registers and spills;
+3. what nvcc makes of that for sm_90: instruction counts in the PTX, registers and spills, and
+   the tensor-core (mma.sync tf32) variant of the same block;
 4. its numbers: on the GPU if there is one, else on the CPU emulator (the same CUDA C, compiled
    with g++, one fiber per CUDA thread);
 5. a whole network through `tvm_ext.build(mod, "cuda")`: which kernel serves each op.
@@ -57,6 +58,11 @@ def main(small: bool = False) -> None:
               f"{counts['ld.shared.v4.f32']} ld.shared.v4.f32, {counts['ld.global.nc.v4.f32']} ld.global.nc.v4.f32, "
               f"{counts['bar.sync']} bar.sync")
         print(f"   ptxas: {ptx.ptxas_resources(source, 'sm_90')}")
+        # The tensor-core variant: the same block, its compute as mma.sync m16n8k8 (tf32) per warp.
+        tc_plan = maxdnn.MaxDNNPlan.make(wl, maxdnn.BlockTile(engine="mma_tf32"), plan.epilogue)
+        tc_counts = ptx.ptx_instructions(ptx.compile_source(maxdnn.cuda_source(tc_plan), "sm_90").decode())
+        mma = sum(v for op, v in tc_counts.items() if op.startswith("mma.sync"))
+        print(f"   tensor-core tile: {mma} mma.sync.m16n8k8.tf32 ({mma // tc_plan.code_steps} per warp per k step)")
     else:
         print("\n3. nvcc is not installed: no PTX to look at")
 

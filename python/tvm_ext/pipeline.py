@@ -41,7 +41,8 @@ def _mark_tvm_ext_scheduled() -> tvm.transform.Pass:
     return _pass
 
 
-def pipeline(target: TargetLike = None, database=None, images_per_call: int | None = None) -> tvm.transform.Pass:
+def pipeline(target: TargetLike = None, database=None, images_per_call: int | None = None, *,
+             tensor_cores: bool = False) -> tvm.transform.Pass:
     """The Relax pipeline for `tvm.compile(mod, target, relax_pipeline=...)`.
 
     `images_per_call`: how many images of a batch the convolutional trunk runs at a time
@@ -51,6 +52,9 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
     `database`: tuning records (`tvm_ext.tune`'s work_dir, or a MetaSchedule Database): each
     convolution uses its best record, the others the analytic schedule. Without one, the
     records shipped for this target (schedules/<target key>/) are used if there are any.
+
+    `tensor_cores` (CUDA): convolutions run the tf32 tensor-core tile (inputs read as tf32, as
+    cuDNN does with TF32 allowed) instead of the fp32 FFMA tile.
     """
     from .tuning.tuner import open_database, shipped_database
 
@@ -59,7 +63,7 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
         if database is not None:
             raise UnsupportedError("pipeline: tuning records apply to CPU targets only (the CUDA kernels use "
                                    "their analytic tiles)")
-        return _cuda_pipeline(target)
+        return _cuda_pipeline(target, tensor_cores)
     if target.kind.name != "llvm":
         raise UnsupportedError(f"pipeline: target {target.kind.name} is not supported (LLVM CPUs and CUDA)")
     database = shipped_database(target) if database is None else open_database(database)
@@ -89,7 +93,7 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
     return _pipeline
 
 
-def _cuda_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
+def _cuda_pipeline(target: tvm.target.Target, tensor_cores: bool) -> tvm.transform.Pass:
     """TVM's CUDA pipeline (relax/backend/cuda) with tvm_ext's strategy in front of legalization;
     what is left gets dlight's GPU schedules."""
 
@@ -100,7 +104,7 @@ def _cuda_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
                 cuda_pipeline.library_dispatch_passes(target)
                 + cpu_strategy.fusion_passes(target)
                 + [
-                    cpu_strategy.lower_to_kernels(target),
+                    cpu_strategy.lower_to_kernels(target, tensor_cores=tensor_cores),
                     relax.transform.LegalizeOps(cpu_strategy.legalize_map(target)),
                     relax.transform.AnnotateTIROpPattern(),
                     relax.transform.FoldConstant(),
@@ -119,20 +123,21 @@ def _cuda_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
 
 
 def build(mod: tvm.IRModule, target: TargetLike = None, database=None,
-          images_per_call: int | None = None) -> relax.VMExecutable:
+          images_per_call: int | None = None, *, tensor_cores: bool = False) -> relax.VMExecutable:
     """Compile a Relax module through tvm_ext; run it with `relax.VirtualMachine(ex, tvm.cpu())`
     (`tvm.cuda()` for a CUDA target; without a GPU a CUDA build still compiles, and its executable
     carries the kernels' CUDA C for inspection).
 
-    `database` and `images_per_call`: see :func:`pipeline`.
+    `database`, `images_per_call` and `tensor_cores`: see :func:`pipeline`.
     """
     target = resolve_target(target)
+    relax_pipeline = pipeline(target, database, images_per_call, tensor_cores=tensor_cores)
     if target.kind.name == "cuda" and not tvm.cuda(0).exist:
         from .kernels.cuda.ptx import cuda_source_only
 
         with cuda_source_only():  # no GPU: the executable carries the kernels' CUDA C, to inspect
-            return tvm.compile(mod, target, relax_pipeline=pipeline(target, database, images_per_call))
-    return tvm.compile(mod, target, relax_pipeline=pipeline(target, database, images_per_call))
+            return tvm.compile(mod, target, relax_pipeline=relax_pipeline)
+    return tvm.compile(mod, target, relax_pipeline=relax_pipeline)
 
 
 @dataclasses.dataclass(frozen=True)

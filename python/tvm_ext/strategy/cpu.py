@@ -303,10 +303,11 @@ class _Emitter:
         return out
 
 
-def make_emitter(bb: relax.BlockBuilder, target: tvm.target.Target, database=None):
-    """The emitter of `target`'s kernels: blocked NCHW[x]c on CPUs, CHWN on CUDA."""
+def make_emitter(bb: relax.BlockBuilder, target: tvm.target.Target, database=None, tensor_cores: bool = False):
+    """The emitter of `target`'s kernels: blocked NCHW[x]c on CPUs, CHWN on CUDA (`tensor_cores`:
+    the tf32 tensor-core tile instead of FFMA)."""
     if target.kind.name == "cuda":
-        return _cuda.CudaEmitter(bb, target, database)
+        return _cuda.CudaEmitter(bb, target, database, engine="mma_tf32" if tensor_cores else "ffma")
     return _Emitter(bb, target, database)
 
 
@@ -443,7 +444,7 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
             relax.transform.FuseOpsByPattern(fusion_patterns(target), bind_constants=True)]
 
 
-def lower_to_kernels(target: tvm.target.Target, database=None) -> tvm.transform.Pass:
+def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: bool = False) -> tvm.transform.Pass:
     """Replace the composite functions of :func:`fusion_patterns` and every op :func:`decide`
     gives a kernel with tvm_ext kernel calls, in program order, so that each kernel can read
     its producer's blocked output (see :class:`_Emitter`)."""
@@ -453,7 +454,7 @@ def lower_to_kernels(target: tvm.target.Target, database=None) -> tvm.transform.
         def __init__(self, mod: tvm.IRModule):
             super().__init__(mod)
             self.mod_ = mod
-            self.emitter = make_emitter(self.builder_, target, database)
+            self.emitter = make_emitter(self.builder_, target, database, tensor_cores)
 
         def visit_call_(self, call: relax.Call) -> relax.Expr:
             call = super().visit_call_(call)

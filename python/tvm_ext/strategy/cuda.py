@@ -54,11 +54,12 @@ def _name(kind: str, *parts) -> str:
 class CudaEmitter:
     """Emits tvm_ext CUDA kernel calls for one op (the CPU strategy's `_Emitter`, for CUDA)."""
 
-    def __init__(self, bb: relax.BlockBuilder, target: tvm.target.Target, database=None):
+    def __init__(self, bb: relax.BlockBuilder, target: tvm.target.Target, database=None, engine: str = "ffma"):
         if database is not None:
             raise ValueError("tuning records apply to CPU targets only; the CUDA kernels use their analytic tiles")
         self.bb = bb
         self.target = target
+        self.engine = engine  # "ffma" (fp32) or "mma_tf32" (tensor cores)
 
     def _call(self, func: tvm.tirx.PrimFunc, name: str, args: list, shape: tuple) -> relax.Var:
         gvar = self.bb.add_func(func.with_attr("op_pattern", _OPAQUE), name)
@@ -101,7 +102,7 @@ class CudaEmitter:
         wl = decide(call, self.target).plan.wl
         act = None if activation is None else _ACTIVATION_OPS[activation.op.name]
         epilogue = _maxdnn.Epilogue(bias=bias is not None, residual=residual is not None, activation=act)
-        plan = _maxdnn.MaxDNNPlan.make(wl, epilogue=epilogue)
+        plan = _maxdnn.MaxDNNPlan.make(wl, _maxdnn.choose_tile(wl.K // wl.groups, self.engine), epilogue)
         args = [self.chwn(data), self._weight(call.args[1], wl.groups)]
         if bias is not None:
             args.append(relax.const(np.ascontiguousarray(bias.reshape(-1), dtype=np.float32)))

@@ -8,6 +8,9 @@ any other thread has written its part of a shared tile, so a missing barrier rea
 not there yet, and a buffer overwritten before everyone has read it shows up as a wrong result.
 Shared memory is a per-block arena filled with NaN when the block starts, so reading shared data
 nobody wrote poisons the output instead of passing silently with a previous block's values.
+Warp-collective tensor-core instructions (`mma.sync` m16n8k8 tf32, as TVM's inline PTX) become a
+rendezvous of the calling warp's lanes (only theirs: a missing `__syncthreads` still shows) and
+the PTX ISA's fragment layouts, with tf32 operands truncated as the hardware reads them.
 
 What it does not model: warps, timing, memory coalescing, out-of-bounds global accesses (they are
 plain C++ accesses), and any CUDA feature beyond what TVM's fp32 kernels use.
@@ -61,6 +64,7 @@ struct Fiber {
   dim3 tid;
   bool done = false;
   bool at_barrier = false;
+  bool at_warp_barrier = false;
   size_t shared_index = 0;
 };
 static ucontext_t scheduler;
@@ -85,6 +89,14 @@ static T* shared(size_t count) {
   return reinterpret_cast<T*>(p + (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64);
 }
 
+static void yield_to_scheduler() { swapcontext(&fibers[current].ctx, &scheduler); }
+
+// A warp-collective operation's rendezvous: the lanes of the calling thread's warp only.
+static void warp_sync() {
+  fibers[current].at_warp_barrier = true;
+  yield_to_scheduler();
+}
+
 // Returns 0, or 1 when the threads of a block did not all reach the same barrier.
 static int run_grid(dim3 grid, dim3 block) {
   grid_dim = grid;
@@ -100,7 +112,7 @@ static int run_grid(dim3 grid, dim3 block) {
     for (size_t i = 0; i < n; ++i) {
       Fiber& f = fibers[i];
       f.tid = {(unsigned)(i % block.x), (unsigned)(i / block.x % block.y), (unsigned)(i / block.x / block.y)};
-      f.done = false;
+      f.done = f.at_barrier = f.at_warp_barrier = false;
       f.shared_index = 0;
       getcontext(&f.ctx);
       f.ctx.uc_stack.ss_sp = f.stack.data();
@@ -109,20 +121,67 @@ static int run_grid(dim3 grid, dim3 block) {
       makecontext(&f.ctx, fiber_main, 0);
     }
     for (;;) {
-      size_t done = 0, waiting = 0;
+      // Run every runnable thread to its next barrier (or its end), in thread order.
       for (size_t i = 0; i < n; ++i) {
-        if (fibers[i].done) continue;
+        Fiber& f = fibers[i];
+        if (f.done || f.at_barrier || f.at_warp_barrier) continue;
         current = i;
-        thread_idx = fibers[i].tid;
-        fibers[i].at_barrier = false;
-        swapcontext(&scheduler, &fibers[i].ctx);
+        thread_idx = f.tid;
+        swapcontext(&scheduler, &f.ctx);
       }
+      size_t done = 0, waiting = 0;
       for (auto& f : fibers) { done += f.done; waiting += f.at_barrier && !f.done; }
       if (done == n) break;
-      if (done + waiting != n || done) return 1;
+      bool released = false;  // warps whose live lanes all wait at a warp rendezvous go on
+      for (size_t w = 0; w < n; w += 32) {
+        size_t end = w + 32 < n ? w + 32 : n, live = 0, at = 0;
+        for (size_t i = w; i < end; ++i) { live += !fibers[i].done; at += fibers[i].at_warp_barrier; }
+        if (at && at == live) {
+          for (size_t i = w; i < end; ++i) fibers[i].at_warp_barrier = false;
+          released = true;
+        }
+      }
+      if (released) continue;
+      if (done || waiting != n) return 1;  // some threads ended or wait elsewhere: divergent barriers
+      for (auto& f : fibers) f.at_barrier = false;
     }
   }
   return 0;
+}
+
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 over the calling warp (PTX ISA fragment
+// layouts: a lane's group g = lane / 4 and index t = lane % 4). tf32 operands keep the top 19
+// bits of each 32-bit register, as the tensor cores read them.
+struct MmaSlot { float a[4], b[2]; };
+static MmaSlot mma_slots[1024];
+
+static float tf32(unsigned bits) {
+  bits &= 0xffffe000u;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+static void mma_m16n8k8_tf32(float* d0, float* d1, float* d2, float* d3, unsigned a0, unsigned a1,
+                             unsigned a2, unsigned a3, unsigned b0, unsigned b1, float c0, float c1,
+                             float c2, float c3) {
+  size_t me = current, base = me - me % 32;
+  mma_slots[me] = {{tf32(a0), tf32(a1), tf32(a2), tf32(a3)}, {tf32(b0), tf32(b1)}};
+  warp_sync();
+  auto A = [&](int r, int k) { return mma_slots[base + (r % 8) * 4 + k % 4].a[(r >= 8) + 2 * (k >= 4)]; };
+  auto B = [&](int k, int c) { return mma_slots[base + c * 4 + k % 4].b[k >= 4]; };
+  int g = (int)(me % 32) / 4, t = (int)(me % 32) % 4;
+  float c[4] = {c0, c1, c2, c3};
+  float* d[4] = {d0, d1, d2, d3};
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    int r = g + 8 * (i / 2), col = 2 * t + i % 2;
+    double sum = 0.0;
+    for (int k = 0; k < 8; ++k) sum += (double)A(r, k) * (double)B(k, col);
+    out[i] = (float)(sum + (double)c[i]);
+  }
+  warp_sync();  // every lane has read the slots before any lane's next mma overwrites them
+  for (int i = 0; i < 4; ++i) *d[i] = out[i];
 }
 }  // namespace emu
 
@@ -166,12 +225,47 @@ def kernel_params(source: str, kernel: str) -> list[tuple[str, str]]:
     raise EmulationError(f"no kernel named {kernel!r} in the source")
 
 
+_MMA = re.compile(r'__asm__ __volatile__\(\s*"mma\.sync\.aligned\.([\w.]+)"\s*"[^"]*"\s*:(.*?)\);', re.S)
+_SUPPORTED_MMA = {"m16n8k8.row.col.f32.tf32.tf32.f32": "mma_m16n8k8_tf32"}
+
+
+def _operands(text: str) -> list[str]:
+    """The C expressions of an inline-asm operand list: `"=f"(expr), "r"(expr), ...`."""
+    exprs, i = [], 0
+    while True:
+        i = text.find('"(', i)
+        if i < 0:
+            return exprs
+        depth, j = 0, i + 1
+        while True:
+            depth += {"(": 1, ")": -1}.get(text[j], 0)
+            if depth == 0:
+                break
+            j += 1
+        exprs.append(text[i + 2:j])
+        i = j
+
+
+def _emulate_mma(match: re.Match) -> str:
+    kind = match.group(1)
+    if kind not in _SUPPORTED_MMA:
+        raise EmulationError(f"the emulator has no mma.sync.aligned.{kind}")
+    outputs, _, inputs = match.group(2).partition(":")
+    args = [f"&({e})" for e in _operands(outputs)] + _operands(inputs)
+    return f"emu::{_SUPPORTED_MMA[kind]}({', '.join(args)});"
+
+
 def _device_code(source: str) -> str:
-    """The kernels without TVM's CUDA preamble, shared arrays turned into per-block arenas."""
+    """The kernels without TVM's CUDA preamble: shared arrays turned into per-block arenas,
+    tensor-core instructions (inline PTX) into calls of their emulation."""
     start = source.find('extern "C" __global__')
     if start < 0:
         raise EmulationError("the source has no __global__ kernel")
-    return _SHARED.sub(r"\1* \2 = emu::shared<\1>(\3);", source[start:])
+    code = _SHARED.sub(r"\1* \2 = emu::shared<\1>(\3);", source[start:])
+    code = _MMA.sub(_emulate_mma, code)
+    if "__asm__" in code or "asm volatile" in code:
+        raise EmulationError("the kernel has inline PTX the emulator does not know")
+    return code
 
 
 def _cache_dir() -> str:

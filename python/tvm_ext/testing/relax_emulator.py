@@ -27,14 +27,15 @@ _THREAD = re.compile(r'T\.thread_binding\((\d+), thread="(blockIdx|threadIdx)\.(
 _ALIAS = re.compile(r"(\w+) = (?:(\w+)\.view\(|T\.decl_buffer\([^\n]*data=(\w+)\.data)")
 
 
-def lower(mod: tvm.IRModule, target) -> tvm.IRModule:
+def lower(mod: tvm.IRModule, target, tensor_cores: bool = False) -> tvm.IRModule:
     """`mod` after tvm_ext's fusion and lowering passes for `target` (before legalization)."""
     from ..strategy import cpu as strategy
     from ..target import resolve_target
 
     target = resolve_target(target)
     with target:
-        return tvm.transform.Sequential(strategy.fusion_passes(target) + [strategy.lower_to_kernels(target)])(mod)
+        passes = strategy.fusion_passes(target) + [strategy.lower_to_kernels(target, tensor_cores=tensor_cores)]
+        return tvm.transform.Sequential(passes)(mod)
 
 
 def launch_shape(func: tvm.tirx.PrimFunc) -> tuple[tuple[int, int, int], tuple[int, int, int]]:

@@ -61,6 +61,7 @@ class BlockTile:
     thread_cols: int = 8
     k_step: int = 8
     vec: int = 4
+    engine: str = "ffma"  # "ffma": 8x8 FFMA per thread; "mma_tf32": tensor cores, one 32-row slab per warp
 
     @property
     def threads_m(self) -> int:
@@ -72,7 +73,20 @@ class BlockTile:
 
     @property
     def threads(self) -> int:
+        if self.engine == "mma_tf32":
+            return self.rows  # rows / 32 warps of 32 threads
         return self.threads_m * self.threads_n
+
+    @property
+    def pad(self) -> int:
+        """Extra floats per shared row: with rows of 64 + 8, the 4 k-rows a tensor-core fragment
+        load touches fall in different banks (without, a 4-way conflict)."""
+        return 8 if self.engine == "mma_tf32" else 0
+
+    @property
+    def mma_tiles(self) -> tuple[int, int]:
+        """(m16 tiles, n8 tiles) of one warp's 32 x cols slab."""
+        return 2, self.cols // 8
 
     def thread_tile(self) -> ThreadTile:
         return ThreadTile(
@@ -80,6 +94,15 @@ class BlockTile:
             row_gap=self.rows * self.vec // self.thread_rows, col_gap=self.cols * self.vec // self.thread_cols)
 
     def validate(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"BlockTile: engine {self.engine!r} is not one of {ENGINES}")
+        if self.engine == "mma_tf32":
+            if self.rows % 32 or self.cols % 8 or self.k_step != 8 or self.vec != 4:
+                raise ValueError(f"BlockTile: the tf32 tensor-core tile needs rows % 32 == 0, cols % 8 == 0 "
+                                 f"and k_step 8, got {self}")
+            if self.mma_tiles[0] * self.mma_tiles[1] * 4 > 128:
+                raise ValueError(f"BlockTile: a 32x{self.cols} warp slab needs more than 128 accumulators")
+            return
         for extent, per_thread in ((self.rows, self.thread_rows), (self.cols, self.thread_cols)):
             if extent % per_thread or (extent * self.vec) % per_thread:
                 raise ValueError(f"BlockTile: {extent} is not a multiple of the thread tile {per_thread}")
@@ -88,13 +111,14 @@ class BlockTile:
         self.thread_tile().validate()
 
     def shared_bytes(self) -> int:
-        return 4 * (2 * self.k_step * (self.rows + self.cols) + self.rows * self.cols)
+        return 4 * (2 * self.k_step * (self.rows + self.cols + 2 * self.pad) + self.rows * self.cols)
 
 
+ENGINES = ("ffma", "mma_tf32")
 TILE_ROWS = (64, 96, 128, 32)  # candidate block heights in order of preference: maxDNN's, then taller
 
 
-def choose_tile(out_channels_per_group: int) -> BlockTile:
+def choose_tile(out_channels_per_group: int, engine: str = "ffma") -> BlockTile:
     """The block height that wastes the fewest rows on `out_channels_per_group`.
 
     Ties go to 64 (maxDNN's tile), then to taller tiles (more FMAs per byte loaded), then 32.
@@ -106,7 +130,7 @@ def choose_tile(out_channels_per_group: int) -> BlockTile:
         return -(-out_channels_per_group // rows) * rows - out_channels_per_group
 
     best = min(TILE_ROWS, key=lambda rows: (waste(rows), TILE_ROWS.index(rows)))
-    return BlockTile(rows=best)
+    return BlockTile(rows=best, engine=engine)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,12 +353,52 @@ class _Generator:
                 e(f"acc[{c}] = acc[{c}] + A_sh{buf}[vk, vty * {t.vec} + vi0 * {tt.row_gap} + vi1] * "
                   f"B_sh{buf}[vk, vtx * {t.vec} + vj0 * {tt.col_gap} + vj1]")
 
+    def compute_mma(self, buf: int) -> None:
+        """One k step on the tensor cores: a warp's 32 x cols slab as 2 x cols/8 mma.m16n8k8 (tf32).
+
+        Fragments follow the PTX ISA: lane (g, t) = (lane // 4, lane % 4) holds A[g (+8)][t (+4)]
+        and B[t (+4)][g] of each tile; fp32 values go in as they are (the tensor cores read
+        their tf32 bits).
+        """
+        t, e = self.t, self.e
+        mt, nt = t.mma_tiles
+        with e.block(f"for mi in T.unroll({mt}):"):
+            with e.block("for j in T.unroll(4):"):
+                e(f"af[mi * 4 + j] = A_sh{buf}[tq + j // 2 * 4, warp * 32 + mi * 16 + gq + j % 2 * 8]")
+        with e.block(f"for ni in T.unroll({nt}):"):
+            with e.block("for j in T.unroll(2):"):
+                e(f"bf[ni * 2 + j] = B_sh{buf}[tq + j * 4, ni * 8 + gq]")
+        with e.block(f"for mi in T.unroll({mt}):"):
+            with e.block(f"for ni in T.unroll({nt}):"):
+                e('T.evaluate(T.ptx_legacy.mma("m16n8k8", "row", "col", "tf32", "tf32", "fp32", af.data, mi * 4, '
+                  f'bf.data, ni * 2, acc.data, (mi * {nt} + ni) * 4, False, dtype="float32"))')
+
+    def stage_accumulators(self) -> None:
+        """Each thread's accumulators into the block's output tile in shared memory."""
+        t, e = self.t, self.e
+        if t.engine == "mma_tf32":
+            mt, nt = t.mma_tiles
+            with e.block(f"for mi, ni, h in T.grid({mt}, {nt}, 2):"):
+                e(f"O_sh[warp * 32 + mi * 16 + gq + h * 8, T.ramp(ni * 8 + tq * 2, 1, 2)] = "
+                  f"acc[T.ramp((mi * {nt} + ni) * 4 + h * 2, 1, 2)]")
+            return
+        tt = t.thread_tile()
+        for i in range(tt.rows):
+            row = f"ty * {t.vec} + {i // t.vec * tt.row_gap + i % t.vec}"
+            for h in range(tt.cols // t.vec):
+                e(f"O_sh[{row}, T.ramp(tx * {t.vec} + {h * tt.col_gap}, 1, {t.vec})] = "
+                  f"acc[{i}, T.ramp({h * t.vec}, 1, {t.vec})]")
+
     def step(self, kt: str, buf: int, prefetch: bool) -> None:
         """One k step on buffer `buf`; with `prefetch`, the next step's loads overlap it."""
         if prefetch:
             self.load_global(f"({kt} + 1)")
-        self.compute(1 - buf if self.fault == "wrong_buffer" else buf, f"update{len(self.updates)}")
-        self.updates.append(f"update{len(self.updates)}")
+        source = 1 - buf if self.fault == "wrong_buffer" else buf
+        if self.t.engine == "mma_tf32":
+            self.compute_mma(source)
+        else:
+            self.compute(source, f"update{len(self.updates)}")
+            self.updates.append(f"update{len(self.updates)}")
         if prefetch and self.fault != "no_store":
             self.store_shared(1 - buf)
         self.sync()
@@ -342,13 +406,8 @@ class _Generator:
     # -- output ----------------------------------------------------------------------------
     def write_output(self) -> None:
         t, e, ep = self.t, self.e, self.plan.epilogue
-        tt = t.thread_tile()
         M, NC = self.M, self.NCOLS
-        for i in range(tt.rows):
-            row = f"ty * {t.vec} + {i // t.vec * tt.row_gap + i % t.vec}"
-            for h in range(tt.cols // t.vec):
-                e(f"O_sh[{row}, T.ramp(tx * {t.vec} + {h * tt.col_gap}, 1, {t.vec})] = "
-                  f"acc[{i}, T.ramp({h * t.vec}, 1, {t.vec})]")
+        self.stage_accumulators()
         e('T.evaluate(T.tvm_storage_sync("shared"))')
         per_row = t.cols // t.vec
         vec = t.vec if self.plan.vector_y else 1
@@ -379,7 +438,7 @@ class _Generator:
     # -- the whole function ----------------------------------------------------------------
     def text(self, symbol: str) -> str:
         plan, t, e = self.plan, self.t, self.e
-        tt = t.thread_tile()
+        tt = t.thread_tile() if t.engine == "ffma" else None
         shapes = plan.shapes()
         self.updates: list[str] = []
         params = list(shapes)
@@ -392,6 +451,9 @@ class _Generator:
         # The explicit root block comes first: a statement before it would make it a child of an
         # implicit root whose inferred reads name the buffers allocated here (ill-formed TIR).
         with e.block('with T.sblock("root"):'):
+            # explicit regions: inference cannot read the tensor-core calls' raw buffer pointers
+            e("T.reads(" + ", ".join(f"{n}[{', '.join(f'0:{d}' for d in shapes[n])}]" for n in params[:-1]) + ")")
+            e(f"T.writes(y[{', '.join(f'0:{d}' for d in shapes['y'])}])")
             flat = _FLAT
             sizes = {n: math.prod(shape) for n, shape in shapes.items()}
             for n in params:
@@ -409,18 +471,31 @@ class _Generator:
             # Declared (allocated) here, under the thread loops: block allocations would be
             # hoisted out of the kernel, and a block here would hide `tid` from blockize.
             for buf in (0, 1):
-                e(f'A_sh{buf} = T.decl_buffer(({t.k_step}, {t.rows}), "float32", scope="shared")')
-                e(f'B_sh{buf} = T.decl_buffer(({t.k_step}, {t.cols}), "float32", scope="shared")')
+                e(f'A_sh{buf} = T.decl_buffer(({t.k_step}, {t.rows + t.pad}), "float32", scope="shared")')
+                e(f'B_sh{buf} = T.decl_buffer(({t.k_step}, {t.cols + t.pad}), "float32", scope="shared")')
             e(f'O_sh = T.decl_buffer(({t.rows}, {t.cols}), "float32", scope="shared")')
-            e(f'acc = T.decl_buffer(({tt.rows}, {tt.cols}), "float32", scope="local")')
+            if t.engine == "mma_tf32":
+                mt, nt = t.mma_tiles
+                e(f'acc = T.decl_buffer(({mt * nt * 4},), "float32", scope="local")')
+                e(f'af = T.decl_buffer(({mt * 4},), "float32", scope="local")')
+                e(f'bf = T.decl_buffer(({nt * 2},), "float32", scope="local")')
+            else:
+                e(f'acc = T.decl_buffer(({tt.rows}, {tt.cols}), "float32", scope="local")')
             na = len(self.slots(t.k_step * t.rows // t.vec))
             nb = len(self.slots(t.k_step * t.cols // t.vec))
             e(f'a_pre = T.decl_buffer(({na * t.vec},), "float32", scope="local")')
             e(f'b_pre = T.decl_buffer(({nb * t.vec},), "float32", scope="local")')
-            e(f"ty: T.let = tid // {t.threads_n}")
-            e(f"tx: T.let = tid % {t.threads_n}")
-            with e.block(f"for i, j in T.grid({tt.rows}, {tt.cols}):"):
-                e("acc[i, j] = T.float32(0)")
+            if t.engine == "mma_tf32":
+                e("warp: T.let = tid // 32")
+                e("gq: T.let = tid % 32 // 4")
+                e("tq: T.let = tid % 4")
+                with e.block(f"for i in T.serial({mt * nt * 4}):"):
+                    e("acc[i] = T.float32(0)")
+            else:
+                e(f"ty: T.let = tid // {t.threads_n}")
+                e(f"tx: T.let = tid % {t.threads_n}")
+                with e.block(f"for i, j in T.grid({tt.rows}, {tt.cols}):"):
+                    e("acc[i, j] = T.float32(0)")
             self.b_columns()
             steps = plan.k_steps
             self.load_global("0")
