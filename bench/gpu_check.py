@@ -3,10 +3,11 @@
 Reads the CUDA C that bench/gpu_export.py generated (manifest.json + one .cu per layer and
 engine), compiles it with nvcc for this GPU, and for every kernel:
 - checks the output against a float64 PyTorch convolution on the GPU: relative error < 1e-4 for
-  the FFMA kernel; for the tf32 tensor-core kernel < 1e-5 against the float64 convolution of the
-  inputs as the tensor cores read them (low 13 mantissa bits dropped);
+  the FFMA kernel; for a tensor-core kernel < 1e-5 against the float64 convolution of the inputs
+  as the tensor cores read them (tf32: low 13 mantissa bits dropped; bf16: rounded);
 - times it (CUDA events, median) against cuDNN through PyTorch: the FFMA kernel against cuDNN fp32
-  (TF32 off), the tensor-core kernel against cuDNN with TF32 on;
+  (TF32 off), the tf32 tensor-core kernel against cuDNN with TF32 on, the bf16 one (exported with
+  `--engines ... mma_bf16`) against cuDNN on bf16 tensors;
 - prints GFLOP/s and, for FFMA, % of the fp32 FFMA peak it measures itself with an FFMA-chain kernel.
 
 Needs numpy, torch (CUDA) and cupy (to load a cubin and launch it); not TVM. Layouts: the kernel
@@ -132,21 +133,25 @@ def run_layer(torch, cp, entry: dict, cubin: Path, repeat: int) -> dict:
     ours()
     torch.cuda.synchronize()
     got = tensors["y"].permute(3, 0, 1, 2)
-    tf32 = entry.get("engine") == "mma_tf32"
+    engine = entry.get("engine", "ffma")
 
     def as_read(t):  # what the kernel's arithmetic sees of an fp32 input
-        return (t.view(torch.int32) & -8192).view(torch.float32) if tf32 else t
+        if engine == "mma_tf32":
+            return (t.view(torch.int32) & -8192).view(torch.float32)
+        return t.bfloat16().float() if engine == "mma_bf16" else t
 
     ref = F.conv2d(pad(as_read(x).double()), as_read(w).double(), **options)
     scale = ref.abs().max().item()
     err = (got.double() - ref).abs().max().item() / scale
-    xp = pad(x)
-    set_tf32(torch, tf32)  # the baseline at the same precision
+    # the baseline at the same precision: cuDNN fp32, cuDNN with TF32 allowed, cuDNN on bf16 tensors
+    xp, wb = (pad(x).bfloat16(), w.bfloat16()) if engine == "mma_bf16" else (pad(x), w)
+    set_tf32(torch, engine == "mma_tf32")
     t_ours = median_ms(torch, ours, repeat)
-    t_cudnn = median_ms(torch, lambda: F.conv2d(xp, w, **options), repeat)
+    t_cudnn = median_ms(torch, lambda: F.conv2d(xp, wb, **options), repeat)
     set_tf32(torch, False)
-    return {"err": err, "ok": err < (1e-5 if tf32 else 1e-4), "ours_ms": t_ours, "cudnn_ms": t_cudnn,
-            "cudnn": "cuDNN TF32" if tf32 else "cuDNN fp32"}
+    baseline = {"ffma": "cuDNN fp32", "mma_tf32": "cuDNN TF32", "mma_bf16": "cuDNN bf16"}[engine]
+    return {"err": err, "ok": err < (1e-4 if engine == "ffma" else 1e-5), "ours_ms": t_ours, "cudnn_ms": t_cudnn,
+            "cudnn": baseline}
 
 
 def main(argv=None) -> int:

@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=None, help="one batch for every set (default: per set)")
     parser.add_argument("--layers", type=int, default=None, help="first N layers of each set")
     parser.add_argument("--arch", default="sm_90", help="the arch TVM generates for (the source is portable)")
-    parser.add_argument("--engines", nargs="+", default=["ffma", "mma_tf32"], choices=["ffma", "mma_tf32"])
+    parser.add_argument("--engines", nargs="+", default=["ffma", "mma_tf32"], choices=["ffma", "mma_tf32", "mma_bf16"])
     args = parser.parse_args(argv)
     sets = {name: args.batch or DEFAULT_SETS.get(name, 32) for name in args.sets}
     export(args.out, sets, args.layers, args.arch, tuple(args.engines))

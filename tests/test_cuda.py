@@ -156,12 +156,14 @@ extern "C" __global__ void __launch_bounds__(2) k(float* __restrict__ y_ptr) {
 
 def test_emulator_argument_errors():
     source = 'extern "C" __global__ void k(float* __restrict__ y_ptr, int n) {}'
+    with pytest.raises(ValueError, match="not a pointer"):
+        ptx.kernel_params(source, "k")
     with pytest.raises(cuda_emulator.EmulationError, match="not a pointer"):
-        cuda_emulator.kernel_params(source, "k")
+        cuda_emulator.run_kernel(source, "k", (1, 1, 1), (1, 1, 1), {"y": np.zeros(1, np.float32)})
     source = 'extern "C" __global__ void k(float* __restrict__ y_ptr) {}'
-    assert cuda_emulator.kernel_params(source, "k") == [("float", "y_ptr")]
-    with pytest.raises(cuda_emulator.EmulationError, match="no kernel named"):
-        cuda_emulator.kernel_params(source, "other")
+    assert ptx.kernel_params(source, "k") == [("float", "y_ptr")] and ptx.kernel_names(source) == ["k"]
+    with pytest.raises(ValueError, match="no kernel named"):
+        ptx.kernel_params(source, "other")
     with pytest.raises(cuda_emulator.EmulationError, match="no array"):
         cuda_emulator.run_kernel(source, "k", (1, 1, 1), (1, 1, 1), {})
     with pytest.raises(cuda_emulator.EmulationError, match="C-contiguous float"):
@@ -296,24 +298,31 @@ def test_gpu_conv2d_matches_reference(x_shape, w_shape, options):
 
 # -- the tensor-core (mma.sync tf32) variant of the tile ---------------------------------------
 
-def _tf32(a: np.ndarray) -> np.ndarray:
-    """The tf32 value the tensor cores read from an fp32 register: the low 13 mantissa bits dropped."""
-    return (np.ascontiguousarray(a, np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
+def _as_read(a: np.ndarray, engine: str) -> np.ndarray:
+    """What the tensor cores compute with: tf32 drops the low 13 mantissa bits of the fp32
+    register; bf16 is rounded to nearest even when the fragment is packed."""
+    bits = np.ascontiguousarray(a, np.float32).view(np.uint32)
+    if engine == "mma_tf32":
+        return (bits & np.uint32(0xFFFFE000)).view(np.float32)
+    rounded = (bits.astype(np.uint64) + 0x7FFF + ((bits >> 16) & 1)).astype(np.uint32)
+    return (rounded & np.uint32(0xFFFF0000)).view(np.float32)
 
 
 @needs_gxx
+@pytest.mark.parametrize("engine", ["mma_tf32", "mma_bf16"])
 @pytest.mark.parametrize("x_shape, w_shape, options, epilogue", [
     ((8, 16, 12, 12), (64, 16, 3, 3), dict(padding=1), cc.Epilogue()),
     ((3, 5, 9, 7), (70, 5, 3, 2), dict(padding=(1, 0, 2, 1), stride=2), cc.Epilogue(bias=True, activation="relu")),
     ((4, 6, 9, 7), (96, 3, 5, 5), dict(padding=2, dilation=2, groups=2), cc.Epilogue(residual=True)),
 ])
-def test_emulated_tensor_core_conv2d(x_shape, w_shape, options, epilogue):
+def test_emulated_tensor_core_conv2d(x_shape, w_shape, options, epilogue, engine):
     wl = Conv2dWorkload.make(x_shape, w_shape, **options)
-    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(wl.K // wl.groups, "mma_tf32"), epilogue)
+    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(wl.K // wl.groups, engine), epilogue)
     x, w, bias, residual = _inputs(wl, epilogue)
     got = cc.output_to_nchw(cc.emulate(plan, cc.kernel_arrays(plan, x, w, bias, residual)))
-    assert rel_err(got, _reference(wl, epilogue, _tf32(x), _tf32(w), bias, residual)) < 1e-5
-    assert rel_err(got, _reference(wl, epilogue, x, w, bias, residual)) > 1e-5  # it really is tf32
+    ref = _reference(wl, epilogue, _as_read(x, engine), _as_read(w, engine), bias, residual)
+    assert rel_err(got, ref) < 1e-5
+    assert rel_err(got, _reference(wl, epilogue, x, w, bias, residual)) > 1e-5  # it really is tf32 / bf16
 
 
 @needs_gxx
@@ -329,12 +338,13 @@ def test_emulator_catches_broken_tensor_core_kernels():
 
 @needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_tensor_core_machine_code(arch):
-    plan = cc.MaxDNNPlan.make(_WL_STATIC, cc.BlockTile(engine="mma_tf32"))
+@pytest.mark.parametrize("engine", ["mma_tf32", "mma_bf16"])
+def test_tensor_core_machine_code(arch, engine):
+    plan = cc.MaxDNNPlan.make(_WL_STATIC, cc.choose_tile(256, engine))
     source = cc.cuda_source(plan, {"kind": "cuda", "arch": arch})
     ops_count = ptx.ptx_instructions(ptx.compile_source(source, arch).decode())
     mt, nt = plan.tile.mma_tiles
-    assert ops_count["mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"] == mt * nt * plan.code_steps
+    assert ops_count[plan.tile.mma.opcode] == mt * nt * plan.code_steps
     assert ops_count["bar.sync"] == plan.code_steps + 2 and ops_count["ld.global.nc.v4.f32"] > 0
     resources = ptx.ptxas_resources(source, arch)
     assert resources["spill_stores"] == resources["spill_loads"] == resources["stack"] == 0
@@ -347,6 +357,9 @@ def test_tensor_core_tile_validation():
         cc.BlockTile(engine="wgmma").validate()
     with pytest.raises(ValueError, match="rows % 32"):
         cc.BlockTile(rows=48, engine="mma_tf32").validate()
+    with pytest.raises(ValueError, match="k_step 16"):
+        cc.BlockTile(engine="mma_bf16").validate()  # bf16 reduces 16 per instruction
+    assert cc.choose_tile(64, "mma_bf16").k_step == 16
     with pytest.raises(ValueError, match="accumulators"):
         cc.BlockTile(cols=256, engine="mma_tf32").validate()
 
@@ -354,8 +367,24 @@ def test_tensor_core_tile_validation():
 def test_emulator_refuses_unknown_inline_ptx():
     source = """
 extern "C" __global__ void k(float* __restrict__ y_ptr) {
-  __asm__ __volatile__("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" "{%0}" : "=f"(y_ptr[0]) : );
+  __asm__ __volatile__("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" "{%0}" : "=f"(y_ptr[0]) : );
 }
 """
     with pytest.raises(cuda_emulator.EmulationError, match="no mma"):
         cuda_emulator.run_kernel(source, "k", (1, 1, 1), (32, 1, 1), {"y": np.zeros(1, np.float32)})
+
+
+@needs_nvcc
+def test_prepare_device_compile_picks_a_compiler(monkeypatch):
+    import os
+
+    import tvm_ffi
+
+    monkeypatch.delenv("TVM_CUDA_COMPILE_MODE", raising=False)
+    ptx.prepare_device_compile()
+    expected = None if ptx.have_nvrtc() else "nvcc"  # NVRTC needs cuda-bindings
+    assert os.environ.get("TVM_CUDA_COMPILE_MODE") == expected
+    assert tvm_ffi.get_global_func("tvm_callback_cuda_compile", allow_missing=True) is not None
+    # and source generation still works without a CUDA runtime
+    plan = cc.MaxDNNPlan.make(Conv2dWorkload.make((4, 8, 5, 5), (8, 8, 1, 1)))
+    assert "maxdnn_conv2d_kernel" in cc.cuda_source(plan)

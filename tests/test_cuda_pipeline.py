@@ -120,3 +120,16 @@ def _sources(lowered: tvm.IRModule) -> list[str]:
 
     return [generate_source(func, resolve_target(TARGET)) for gvar, func in lowered.functions_items()
             if gvar.name_hint.startswith("tvm_ext_maxdnn")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not tvm.cuda(0).exist, reason="no CUDA device")
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_network_on_the_gpu(tensor_cores):
+    mod = _net(4)
+    ex = tvm_ext.build(mod, tvm_ext.resolve_target("cuda"), tensor_cores=tensor_cores)
+    vm = relax.VirtualMachine(ex, tvm.cuda())
+    x = np.random.default_rng(1).standard_normal((4, 3, 16, 14)).astype(np.float32)
+    out = vm["main"](tvm.runtime.tensor(x, tvm.cuda())).numpy()
+    ref = to_torch(mod, torch.float64)(torch.from_numpy(x).double()).numpy()
+    assert rel_err(out, ref) < (1e-2 if tensor_cores else 1e-4)

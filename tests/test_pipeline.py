@@ -117,6 +117,10 @@ def test_unsupported_targets_and_options_raise():
         tvm_ext.pipeline("opencl")
     with pytest.raises(tvm_ext.UnsupportedError, match="CPU targets only"):
         tvm_ext.pipeline("cuda -arch=sm_90", database="no/such/records/")
+    with pytest.raises(tvm_ext.UnsupportedError, match="CUDA targets"):
+        tvm_ext.pipeline("llvm", tensor_cores=True)
+    with pytest.raises(ValueError, match="tensor_cores must be"):
+        tvm_ext.pipeline("cuda -arch=sm_90", tensor_cores="fp8")
     with pytest.raises(FileNotFoundError, match="database_tuning_record"):
         tvm_ext.pipeline("llvm", database="no/such/records/")
     assert issubclass(tvm_ext.UnsupportedError, ValueError)

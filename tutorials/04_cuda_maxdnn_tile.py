@@ -96,7 +96,7 @@ def main(small: bool = False) -> None:
     if not small:
         start = time.perf_counter()
         ex = tvm_ext.build(mod, "cuda -arch=sm_90")
-        kernels = re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", ptx.executable_cuda_source(ex))
+        kernels = ptx.kernel_names(ptx.executable_cuda_source(ex))
         print(f"   built in {time.perf_counter() - start:.0f} s: {len(kernels)} CUDA kernels, "
               f"{sum('maxdnn' in k for k in kernels)} of them maxDNN convolutions")
 

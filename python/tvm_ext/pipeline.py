@@ -42,7 +42,7 @@ def _mark_tvm_ext_scheduled() -> tvm.transform.Pass:
 
 
 def pipeline(target: TargetLike = None, database=None, images_per_call: int | None = None, *,
-             tensor_cores: bool = False) -> tvm.transform.Pass:
+             tensor_cores: bool | str = False) -> tvm.transform.Pass:
     """The Relax pipeline for `tvm.compile(mod, target, relax_pipeline=...)`.
 
     `images_per_call`: how many images of a batch the convolutional trunk runs at a time
@@ -53,19 +53,25 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
     convolution uses its best record, the others the analytic schedule. Without one, the
     records shipped for this target (schedules/<target key>/) are used if there are any.
 
-    `tensor_cores` (CUDA): convolutions run the tf32 tensor-core tile (inputs read as tf32, as
-    cuDNN does with TF32 allowed) instead of the fp32 FFMA tile.
+    `tensor_cores` (CUDA): convolutions run a tensor-core tile instead of the fp32 FFMA one: True
+    or "tf32" (inputs read as tf32, as cuDNN does with TF32 allowed), "bf16" (inputs rounded to
+    bf16; fp32 accumulation and outputs).
     """
     from .tuning.tuner import open_database, shipped_database
 
     target = resolve_target(target)
     if target.kind.name == "cuda":
+        from .strategy.cuda import engine_for
+
+        engine_for(tensor_cores)  # a bad value fails here, not inside the pass
         if database is not None:
             raise UnsupportedError("pipeline: tuning records apply to CPU targets only (the CUDA kernels use "
                                    "their analytic tiles)")
         return _cuda_pipeline(target, tensor_cores)
     if target.kind.name != "llvm":
         raise UnsupportedError(f"pipeline: target {target.kind.name} is not supported (LLVM CPUs and CUDA)")
+    if tensor_cores:
+        raise UnsupportedError("pipeline: tensor_cores applies to CUDA targets")
     database = shipped_database(target) if database is None else open_database(database)
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.Pipeline")
@@ -93,7 +99,7 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
     return _pipeline
 
 
-def _cuda_pipeline(target: tvm.target.Target, tensor_cores: bool) -> tvm.transform.Pass:
+def _cuda_pipeline(target: tvm.target.Target, tensor_cores: bool | str) -> tvm.transform.Pass:
     """TVM's CUDA pipeline (relax/backend/cuda) with tvm_ext's strategy in front of legalization;
     what is left gets dlight's GPU schedules."""
 
@@ -123,7 +129,7 @@ def _cuda_pipeline(target: tvm.target.Target, tensor_cores: bool) -> tvm.transfo
 
 
 def build(mod: tvm.IRModule, target: TargetLike = None, database=None,
-          images_per_call: int | None = None, *, tensor_cores: bool = False) -> relax.VMExecutable:
+          images_per_call: int | None = None, *, tensor_cores: bool | str = False) -> relax.VMExecutable:
     """Compile a Relax module through tvm_ext; run it with `relax.VirtualMachine(ex, tvm.cpu())`
     (`tvm.cuda()` for a CUDA target; without a GPU a CUDA build still compiles, and its executable
     carries the kernels' CUDA C for inspection).
@@ -132,11 +138,13 @@ def build(mod: tvm.IRModule, target: TargetLike = None, database=None,
     """
     target = resolve_target(target)
     relax_pipeline = pipeline(target, database, images_per_call, tensor_cores=tensor_cores)
-    if target.kind.name == "cuda" and not tvm.cuda(0).exist:
-        from .kernels.cuda.ptx import cuda_source_only
+    if target.kind.name == "cuda":
+        from .kernels.cuda.ptx import cuda_source_only, prepare_device_compile
 
-        with cuda_source_only():  # no GPU: the executable carries the kernels' CUDA C, to inspect
-            return tvm.compile(mod, target, relax_pipeline=relax_pipeline)
+        if not tvm.cuda(0).exist:
+            with cuda_source_only():  # no GPU: the executable carries the kernels' CUDA C, to inspect
+                return tvm.compile(mod, target, relax_pipeline=relax_pipeline)
+        prepare_device_compile()
     return tvm.compile(mod, target, relax_pipeline=relax_pipeline)
 
 

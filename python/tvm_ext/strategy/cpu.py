@@ -303,11 +303,11 @@ class _Emitter:
         return out
 
 
-def make_emitter(bb: relax.BlockBuilder, target: tvm.target.Target, database=None, tensor_cores: bool = False):
+def make_emitter(bb: relax.BlockBuilder, target: tvm.target.Target, database=None, tensor_cores=False):
     """The emitter of `target`'s kernels: blocked NCHW[x]c on CPUs, CHWN on CUDA (`tensor_cores`:
-    the tf32 tensor-core tile instead of FFMA)."""
+    see :func:`tvm_ext.pipeline`)."""
     if target.kind.name == "cuda":
-        return _cuda.CudaEmitter(bb, target, database, engine="mma_tf32" if tensor_cores else "ffma")
+        return _cuda.CudaEmitter(bb, target, database, engine=_cuda.engine_for(tensor_cores))
     return _Emitter(bb, target, database)
 
 
@@ -444,7 +444,7 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
             relax.transform.FuseOpsByPattern(fusion_patterns(target), bind_constants=True)]
 
 
-def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: bool = False) -> tvm.transform.Pass:
+def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores=False) -> tvm.transform.Pass:
     """Replace the composite functions of :func:`fusion_patterns` and every op :func:`decide`
     gives a kernel with tvm_ext kernel calls, in program order, so that each kernel can read
     its producer's blocked output (see :class:`_Emitter`)."""

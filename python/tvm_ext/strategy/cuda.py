@@ -34,6 +34,15 @@ _OPAQUE = 8  # Relax's FuseOps must leave our scheduled kernels alone: kOpaque
 FUSED_ACTIVATIONS = tuple(a for a in _maxdnn.ACTIVATIONS if a is not None)
 
 
+def engine_for(tensor_cores) -> str:
+    """The convolution engine a `tensor_cores` option asks for: False -> fp32 FFMA, True or
+    "tf32" -> tf32 mma.sync, "bf16" -> bf16 mma.sync."""
+    engines = {False: "ffma", True: "mma_tf32", "tf32": "mma_tf32", "bf16": "mma_bf16"}
+    if tensor_cores not in engines:
+        raise ValueError(f"tensor_cores must be False, True, 'tf32' or 'bf16', got {tensor_cores!r}")
+    return engines[tensor_cores]
+
+
 def conv2d_decision(wl: _conv.Conv2dWorkload) -> tuple[str | None, str, _maxdnn.MaxDNNPlan | None]:
     """(kernel or None, reason, plan) for a validated float32 NCHW/OIHW convolution."""
     if wl.depthwise:

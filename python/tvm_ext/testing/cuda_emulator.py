@@ -8,9 +8,10 @@ any other thread has written its part of a shared tile, so a missing barrier rea
 not there yet, and a buffer overwritten before everyone has read it shows up as a wrong result.
 Shared memory is a per-block arena filled with NaN when the block starts, so reading shared data
 nobody wrote poisons the output instead of passing silently with a previous block's values.
-Warp-collective tensor-core instructions (`mma.sync` m16n8k8 tf32, as TVM's inline PTX) become a
-rendezvous of the calling warp's lanes (only theirs: a missing `__syncthreads` still shows) and
-the PTX ISA's fragment layouts, with tf32 operands truncated as the hardware reads them.
+Warp-collective tensor-core instructions (`mma.sync` m16n8k8 tf32 and m16n8k16 bf16, as TVM's
+inline PTX) become a rendezvous of the calling warp's lanes (only theirs: a missing
+`__syncthreads` still shows) and the PTX ISA's fragment layouts, with tf32 operands truncated as
+the hardware reads them.
 
 What it does not model: warps, timing, memory coalescing, out-of-bounds global accesses (they are
 plain C++ accesses), and any CUDA feature beyond what TVM's fp32 kernels use.
@@ -28,6 +29,8 @@ import tempfile
 from collections.abc import Mapping
 
 import numpy as np
+
+from ..kernels.cuda.ptx import kernel_params
 
 HEADER = r"""
 #include <cmath>
@@ -49,6 +52,15 @@ HEADER = r"""
 struct dim3 { unsigned int x, y, z; };
 struct float4 { float x, y, z, w; };
 struct float2 { float x, y; };
+struct nv_bfloat16 {  // what TVM's casts need: construction from float (round to nearest even), the bits
+  unsigned short bits;
+  nv_bfloat16() = default;
+  nv_bfloat16(float f) {
+    unsigned u;
+    std::memcpy(&u, &f, 4);
+    bits = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+};
 static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 static inline float2 make_float2(float x, float y) { return {x, y}; }
 static inline float max(float a, float b) { return a > b ? a : b; }
@@ -149,27 +161,39 @@ static int run_grid(dim3 grid, dim3 block) {
   return 0;
 }
 
-// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 over the calling warp (PTX ISA fragment
-// layouts: a lane's group g = lane / 4 and index t = lane % 4). tf32 operands keep the top 19
-// bits of each 32-bit register, as the tensor cores read them.
-struct MmaSlot { float a[4], b[2]; };
+// mma.sync.aligned.m16n8k{K}.row.col.f32.{tf32,bf16}.{..}.f32 over the calling warp, in the PTX
+// ISA's fragment layouts: lane (g, t) = (lane / 4, lane % 4); register j, element e of A holds
+// A[g + 8 (j % 2)][t * PER + e + K/2 (j / 2)], of B B[t * PER + e + K/2 j][g]; C[g + 8 (i / 2)][2t + i % 2].
+// PER = 1: a tf32 in an fp32 register (its top 19 bits, as the tensor cores read them);
+// PER = 2: two bf16 packed in a register, the lower k in the low half.
+struct MmaSlot { float a[8], b[4]; };
 static MmaSlot mma_slots[1024];
 
-static float tf32(unsigned bits) {
-  bits &= 0xffffe000u;
+static float operand(unsigned bits, int per, int e) {
+  unsigned u = per == 1 ? (bits & 0xffffe000u) : (e ? bits & 0xffff0000u : bits << 16);
   float f;
-  std::memcpy(&f, &bits, 4);
+  std::memcpy(&f, &u, 4);
   return f;
 }
 
-static void mma_m16n8k8_tf32(float* d0, float* d1, float* d2, float* d3, unsigned a0, unsigned a1,
-                             unsigned a2, unsigned a3, unsigned b0, unsigned b1, float c0, float c1,
-                             float c2, float c3) {
+template <int K, int PER>
+static void mma_m16n8(float* d0, float* d1, float* d2, float* d3, unsigned a0, unsigned a1, unsigned a2,
+                      unsigned a3, unsigned b0, unsigned b1, float c0, float c1, float c2, float c3) {
   size_t me = current, base = me - me % 32;
-  mma_slots[me] = {{tf32(a0), tf32(a1), tf32(a2), tf32(a3)}, {tf32(b0), tf32(b1)}};
+  unsigned ar[4] = {a0, a1, a2, a3}, br[2] = {b0, b1};
+  for (int j = 0; j < 4; ++j)
+    for (int e = 0; e < PER; ++e) mma_slots[me].a[j * PER + e] = operand(ar[j], PER, e);
+  for (int j = 0; j < 2; ++j)
+    for (int e = 0; e < PER; ++e) mma_slots[me].b[j * PER + e] = operand(br[j], PER, e);
   warp_sync();
-  auto A = [&](int r, int k) { return mma_slots[base + (r % 8) * 4 + k % 4].a[(r >= 8) + 2 * (k >= 4)]; };
-  auto B = [&](int k, int c) { return mma_slots[base + c * 4 + k % 4].b[k >= 4]; };
+  auto A = [&](int r, int k) {
+    int kk = k % (K / 2);
+    return mma_slots[base + (r % 8) * 4 + kk / PER].a[((r >= 8) + 2 * (k >= K / 2)) * PER + kk % PER];
+  };
+  auto B = [&](int k, int c) {
+    int kk = k % (K / 2);
+    return mma_slots[base + c * 4 + kk / PER].b[(k >= K / 2) * PER + kk % PER];
+  };
   int g = (int)(me % 32) / 4, t = (int)(me % 32) % 4;
   float c[4] = {c0, c1, c2, c3};
   float* d[4] = {d0, d1, d2, d3};
@@ -177,7 +201,7 @@ static void mma_m16n8k8_tf32(float* d0, float* d1, float* d2, float* d3, unsigne
   for (int i = 0; i < 4; ++i) {
     int r = g + 8 * (i / 2), col = 2 * t + i % 2;
     double sum = 0.0;
-    for (int k = 0; k < 8; ++k) sum += (double)A(r, k) * (double)B(k, col);
+    for (int k = 0; k < K; ++k) sum += (double)A(r, k) * (double)B(k, col);
     out[i] = (float)(sum + (double)c[i]);
   }
   warp_sync();  // every lane has read the slots before any lane's next mma overwrites them
@@ -197,9 +221,6 @@ static inline void __syncthreads() {
 #define gridDim (emu::grid_dim)
 """
 
-_KERNEL = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(([^)]*)\)\s*\{')
-_SHARED = re.compile(r"__shared__\s+(?:alignas\(\d+\)\s+)?(\w+)\s+(\w+)\[(\d+)\];")
-_PARAM = re.compile(r"^\s*(\w+)\s*\*\s*(?:__restrict__\s+)?(\w+)\s*$")
 
 
 class EmulationError(RuntimeError):
@@ -211,22 +232,10 @@ def have_compiler() -> bool:
     return shutil.which("g++") is not None
 
 
-def kernel_params(source: str, kernel: str) -> list[tuple[str, str]]:
-    """(element type, name) of each pointer parameter of `kernel` in CUDA `source`."""
-    for match in _KERNEL.finditer(source):
-        if match.group(1) == kernel:
-            params = []
-            for text in match.group(2).split(","):
-                param = _PARAM.match(text)
-                if param is None:
-                    raise EmulationError(f"{kernel}: parameter {text.strip()!r} is not a pointer")
-                params.append((param.group(1), param.group(2)))
-            return params
-    raise EmulationError(f"no kernel named {kernel!r} in the source")
-
-
+_SHARED = re.compile(r"__shared__\s+(?:alignas\(\d+\)\s+)?(\w+)\s+(\w+)\[(\d+)\];")
 _MMA = re.compile(r'__asm__ __volatile__\(\s*"mma\.sync\.aligned\.([\w.]+)"\s*"[^"]*"\s*:(.*?)\);', re.S)
-_SUPPORTED_MMA = {"m16n8k8.row.col.f32.tf32.tf32.f32": "mma_m16n8k8_tf32"}
+_SUPPORTED_MMA = {"m16n8k8.row.col.f32.tf32.tf32.f32": "mma_m16n8<8, 1>",
+                  "m16n8k16.row.col.f32.bf16.bf16.f32": "mma_m16n8<16, 2>"}
 
 
 def _operands(text: str) -> list[str]:
@@ -276,7 +285,10 @@ def _cache_dir() -> str:
 
 def compile_kernel(source: str, kernel: str) -> ctypes.CDLL:
     """Compile `kernel` of `source` for the CPU (cached by content) and load it."""
-    params = kernel_params(source, kernel)
+    try:
+        params = kernel_params(source, kernel)
+    except ValueError as err:
+        raise EmulationError(str(err)) from None
     args = ", ".join(f"({ty}*)args[{i}]" for i, (ty, _) in enumerate(params))
     text = (HEADER + _device_code(source) + f"""
 extern "C" int emu_launch(void** args, unsigned gx, unsigned gy, unsigned gz,
@@ -306,7 +318,10 @@ def run_kernel(source: str, kernel: str, grid: tuple[int, int, int], block: tupl
     A parameter `X_ptr` takes `arrays["X"]` (or `arrays["X_ptr"]`); arrays must be C-contiguous
     and of the parameter's element type. Outputs are written in place.
     """
-    params = kernel_params(source, kernel)
+    try:
+        params = kernel_params(source, kernel)
+    except ValueError as err:
+        raise EmulationError(str(err)) from None
     ctype = {"float": np.float32, "double": np.float64, "int": np.int32, "float4": np.float32}
     pointers = []
     for ty, name in params:

@@ -19,15 +19,15 @@ import tvm_ffi
 from tvm import relax
 
 from ..kernels.conv2d import KERNEL_ATTR
-from ..kernels.cuda.ptx import generate_source
-from .cuda_emulator import kernel_params, run_kernel
+from ..kernels.cuda.ptx import generate_source, kernel_names, kernel_params
+from .cuda_emulator import run_kernel
 
 _THREAD = re.compile(r'T\.thread_binding\((\d+), thread="(blockIdx|threadIdx)\.([xyz])"\)')
 # a flat view of a parameter, as TVMScript prints it: `Xf = x.view(800)` or a decl_buffer on x.data
 _ALIAS = re.compile(r"(\w+) = (?:(\w+)\.view\(|T\.decl_buffer\([^\n]*data=(\w+)\.data)")
 
 
-def lower(mod: tvm.IRModule, target, tensor_cores: bool = False) -> tvm.IRModule:
+def lower(mod: tvm.IRModule, target, tensor_cores: bool | str = False) -> tvm.IRModule:
     """`mod` after tvm_ext's fusion and lowering passes for `target` (before legalization)."""
     from ..strategy import cpu as strategy
     from ..target import resolve_target
@@ -51,7 +51,7 @@ class _EmulatedKernel:
 
     def __init__(self, name: str, func: tvm.tirx.PrimFunc, target: tvm.target.Target):
         self.source = generate_source(func.with_attr("global_symbol", name), target)
-        kernels = re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(', self.source)
+        kernels = kernel_names(self.source)
         if len(set(kernels)) != 1:
             raise ValueError(f"{name}: expected one CUDA kernel, found {sorted(set(kernels))}")
         self.kernel = kernels[0]

@@ -40,7 +40,7 @@ from tvm import s_tir
 from ...intrin.cuda import ThreadTile, get_outer_product_intrin
 from ...target import resolve_target
 from ..conv2d import KERNEL_ATTR, Conv2dWorkload
-from .ptx import generate_source
+from .ptx import generate_source, kernel_params
 
 KERNEL_NAME = "maxdnn_conv2d"
 ACTIVATIONS = (None, "relu", "relu6")
@@ -61,7 +61,11 @@ class BlockTile:
     thread_cols: int = 8
     k_step: int = 8
     vec: int = 4
-    engine: str = "ffma"  # "ffma": 8x8 FFMA per thread; "mma_tf32": tensor cores, one 32-row slab per warp
+    engine: str = "ffma"  # "ffma": 8x8 FFMA per thread; "mma_tf32"/"mma_bf16": tensor cores (MMA_SHAPES)
+
+    @property
+    def mma(self) -> MmaShape | None:
+        return MMA_SHAPES.get(self.engine)
 
     @property
     def threads_m(self) -> int:
@@ -73,15 +77,14 @@ class BlockTile:
 
     @property
     def threads(self) -> int:
-        if self.engine == "mma_tf32":
+        if self.mma is not None:
             return self.rows  # rows / 32 warps of 32 threads
         return self.threads_m * self.threads_n
 
     @property
     def pad(self) -> int:
-        """Extra floats per shared row: with rows of 64 + 8, the 4 k-rows a tensor-core fragment
-        load touches fall in different banks (without, a 4-way conflict)."""
-        return 8 if self.engine == "mma_tf32" else 0
+        """Extra floats per shared row, so that the k-rows a fragment load touches fall in different banks."""
+        return self.mma.pad if self.mma is not None else 0
 
     @property
     def mma_tiles(self) -> tuple[int, int]:
@@ -96,10 +99,10 @@ class BlockTile:
     def validate(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"BlockTile: engine {self.engine!r} is not one of {ENGINES}")
-        if self.engine == "mma_tf32":
-            if self.rows % 32 or self.cols % 8 or self.k_step != 8 or self.vec != 4:
-                raise ValueError(f"BlockTile: the tf32 tensor-core tile needs rows % 32 == 0, cols % 8 == 0 "
-                                 f"and k_step 8, got {self}")
+        if self.mma is not None:
+            if self.rows % 32 or self.cols % 8 or self.k_step != self.mma.k or self.vec != 4:
+                raise ValueError(f"BlockTile: the {self.engine} tensor-core tile needs rows % 32 == 0, cols % 8 == 0 "
+                                 f"and k_step {self.mma.k}, got {self}")
             if self.mma_tiles[0] * self.mma_tiles[1] * 4 > 128:
                 raise ValueError(f"BlockTile: a 32x{self.cols} warp slab needs more than 128 accumulators")
             return
@@ -114,7 +117,34 @@ class BlockTile:
         return 4 * (2 * self.k_step * (self.rows + self.cols + 2 * self.pad) + self.rows * self.cols)
 
 
-ENGINES = ("ffma", "mma_tf32")
+@dataclasses.dataclass(frozen=True)
+class MmaShape:
+    """One `mma.sync.aligned.m16n8k*` flavour, as data: what the generator and the checks read.
+
+    Fragments (PTX ISA): lane (g, t) = (lane // 4, lane % 4); A register j, element e holds
+    A[g + 8 (j % 2)][t * per_reg + e + k/2 (j // 2)], B register j, element e holds
+    B[t * per_reg + e + k/2 j][g], the accumulators C[g + 8 (i // 2)][2t + i % 2].
+    """
+
+    shape: str  # "m16n8k8"
+    ptx_type: str  # operand type in the instruction: "tf32", "bf16"
+    k: int  # reduction per instruction = the block's k step
+    per_reg: int  # operand elements per 32-bit register
+    pad: int  # floats added to each shared row: a fragment load's k-rows in distinct banks
+
+    @property
+    def opcode(self) -> str:
+        return f"mma.sync.aligned.{self.shape}.row.col.f32.{self.ptx_type}.{self.ptx_type}.f32"
+
+
+MMA_SHAPES = {
+    # tf32: fp32 registers as they are (the tensor cores read their top 19 bits); rows of 72
+    # floats put k-rows t = 0..3 in banks 8t + g
+    "mma_tf32": MmaShape("m16n8k8", "tf32", 8, 1, 8),
+    # bf16: two values rounded and packed per register; rows of 68 put k-rows 2t in banks 8t + g
+    "mma_bf16": MmaShape("m16n8k16", "bf16", 16, 2, 4),
+}
+ENGINES = ("ffma", *MMA_SHAPES)
 TILE_ROWS = (64, 96, 128, 32)  # candidate block heights in order of preference: maxDNN's, then taller
 
 
@@ -130,7 +160,8 @@ def choose_tile(out_channels_per_group: int, engine: str = "ffma") -> BlockTile:
         return -(-out_channels_per_group // rows) * rows - out_channels_per_group
 
     best = min(TILE_ROWS, key=lambda rows: (waste(rows), TILE_ROWS.index(rows)))
-    return BlockTile(rows=best, engine=engine)
+    mma = MMA_SHAPES.get(engine)
+    return BlockTile(rows=best, engine=engine, k_step=8 if mma is None else mma.k)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,29 +385,39 @@ class _Generator:
                   f"B_sh{buf}[vk, vtx * {t.vec} + vj0 * {tt.col_gap} + vj1]")
 
     def compute_mma(self, buf: int) -> None:
-        """One k step on the tensor cores: a warp's 32 x cols slab as 2 x cols/8 mma.m16n8k8 (tf32).
-
-        Fragments follow the PTX ISA: lane (g, t) = (lane // 4, lane % 4) holds A[g (+8)][t (+4)]
-        and B[t (+4)][g] of each tile; fp32 values go in as they are (the tensor cores read
-        their tf32 bits).
-        """
-        t, e = self.t, self.e
+        """One k step on the tensor cores: a warp's 32 x cols slab as 2 x cols/8 mma.sync, its
+        fragments loaded from shared memory in the layouts of :class:`MmaShape`."""
+        t, e, mma = self.t, self.e, self.t.mma
         mt, nt = t.mma_tiles
+        half, per = mma.k // 2, mma.per_reg
+
+        def operand(value: str) -> list[str]:
+            return [value.format(e=i) for i in range(per)]
+
+        def register(values: list[str]) -> str:
+            if per == 1:
+                return values[0]  # tf32: the fp32 bits as they are
+            bits = [f'T.Cast("uint32", T.reinterpret("uint16", T.Cast("bfloat16", {v})))' for v in values]
+            return f"{bits[0]} | ({bits[1]} << T.uint32(16))"
+
         with e.block(f"for mi in T.unroll({mt}):"):
             with e.block("for j in T.unroll(4):"):
-                e(f"af[mi * 4 + j] = A_sh{buf}[tq + j // 2 * 4, warp * 32 + mi * 16 + gq + j % 2 * 8]")
+                a = operand(f"A_sh{buf}[tq * {per} + {{e}} + j // 2 * {half}, warp * 32 + mi * 16 + gq + j % 2 * 8]")
+                e(f"af[mi * 4 + j] = {register(a)}")
         with e.block(f"for ni in T.unroll({nt}):"):
             with e.block("for j in T.unroll(2):"):
-                e(f"bf[ni * 2 + j] = B_sh{buf}[tq + j * 4, ni * 8 + gq]")
+                b = operand(f"B_sh{buf}[tq * {per} + {{e}} + j * {half}, ni * 8 + gq]")
+                e(f"bf[ni * 2 + j] = {register(b)}")
         with e.block(f"for mi in T.unroll({mt}):"):
             with e.block(f"for ni in T.unroll({nt}):"):
-                e('T.evaluate(T.ptx_legacy.mma("m16n8k8", "row", "col", "tf32", "tf32", "fp32", af.data, mi * 4, '
-                  f'bf.data, ni * 2, acc.data, (mi * {nt} + ni) * 4, False, dtype="float32"))')
+                e(f'T.evaluate(T.ptx_legacy.mma("{mma.shape}", "row", "col", "{mma.ptx_type}", "{mma.ptx_type}", '
+                  f'"fp32", af.data, mi * 4, bf.data, ni * 2, acc.data, (mi * {nt} + ni) * 4, False, '
+                  'dtype="float32"))')
 
     def stage_accumulators(self) -> None:
         """Each thread's accumulators into the block's output tile in shared memory."""
         t, e = self.t, self.e
-        if t.engine == "mma_tf32":
+        if t.mma is not None:
             mt, nt = t.mma_tiles
             with e.block(f"for mi, ni, h in T.grid({mt}, {nt}, 2):"):
                 e(f"O_sh[warp * 32 + mi * 16 + gq + h * 8, T.ramp(ni * 8 + tq * 2, 1, 2)] = "
@@ -394,7 +435,7 @@ class _Generator:
         if prefetch:
             self.load_global(f"({kt} + 1)")
         source = 1 - buf if self.fault == "wrong_buffer" else buf
-        if self.t.engine == "mma_tf32":
+        if self.t.mma is not None:
             self.compute_mma(source)
         else:
             self.compute(source, f"update{len(self.updates)}")
@@ -474,18 +515,19 @@ class _Generator:
                 e(f'A_sh{buf} = T.decl_buffer(({t.k_step}, {t.rows + t.pad}), "float32", scope="shared")')
                 e(f'B_sh{buf} = T.decl_buffer(({t.k_step}, {t.cols + t.pad}), "float32", scope="shared")')
             e(f'O_sh = T.decl_buffer(({t.rows}, {t.cols}), "float32", scope="shared")')
-            if t.engine == "mma_tf32":
+            if t.mma is not None:
                 mt, nt = t.mma_tiles
+                reg = "float32" if t.mma.per_reg == 1 else "uint32"
                 e(f'acc = T.decl_buffer(({mt * nt * 4},), "float32", scope="local")')
-                e(f'af = T.decl_buffer(({mt * 4},), "float32", scope="local")')
-                e(f'bf = T.decl_buffer(({nt * 2},), "float32", scope="local")')
+                e(f'af = T.decl_buffer(({mt * 4},), "{reg}", scope="local")')
+                e(f'bf = T.decl_buffer(({nt * 2},), "{reg}", scope="local")')
             else:
                 e(f'acc = T.decl_buffer(({tt.rows}, {tt.cols}), "float32", scope="local")')
             na = len(self.slots(t.k_step * t.rows // t.vec))
             nb = len(self.slots(t.k_step * t.cols // t.vec))
             e(f'a_pre = T.decl_buffer(({na * t.vec},), "float32", scope="local")')
             e(f'b_pre = T.decl_buffer(({nb * t.vec},), "float32", scope="local")')
-            if t.engine == "mma_tf32":
+            if t.mma is not None:
                 e("warp: T.let = tid // 32")
                 e("gq: T.let = tid % 32 // 4")
                 e("tq: T.let = tid % 4")
@@ -599,10 +641,7 @@ def emulate(plan: MaxDNNPlan, arrays: dict[str, np.ndarray], source: str | None 
 def cuda_param_order(source: str, kernel: str = "maxdnn_conv2d_kernel") -> list[str]:
     """The plan parameter ("x", "w", "bias", "residual", "y") behind each CUDA kernel argument.
 
-    TVM orders a kernel's arguments its own way (not as the PrimFunc's); whoever launches the
-    CUDA C directly (the GPU check, the emulator) passes them in this order.
+    Whoever launches the CUDA C directly (the GPU check, the emulator) passes them in this order.
     """
-    from ...testing.cuda_emulator import kernel_params
-
     by_flat = {flat: name for name, flat in _FLAT.items()}
     return [by_flat[param.removesuffix("_ptr")] for _, param in kernel_params(source, kernel)]

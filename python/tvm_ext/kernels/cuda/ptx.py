@@ -1,6 +1,7 @@
 """CUDA kernels from source to machine code, with or without a GPU.
 
-- :func:`generate_source`: the CUDA C TVM emits for a PrimFunc (no GPU, no CUDA runtime needed).
+- :func:`generate_source`: the CUDA C TVM emits for a PrimFunc (no GPU, no CUDA runtime needed);
+  :func:`kernel_names`, :func:`kernel_params`: the kernels in it and their arguments.
 - :func:`compile_source`, :func:`ptx_instructions`, :func:`ptxas_resources`: what it compiles to
   (TVM's own nvcc driver for PTX and cubin; register use and spills from `ptxas -v`, which only
   nvcc's command line reports).
@@ -30,8 +31,43 @@ import tvm_ffi
 _CALLBACK = "tvm_callback_cuda_compile"
 
 
+_KERNEL = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(([^)]*)\)\s*\{')
+_PARAM = re.compile(r"^\s*(\w+)\s*\*\s*(?:__restrict__\s+)?(\w+)\s*$")
+
+
+def kernel_names(source: str) -> list[str]:
+    """The `__global__` kernels defined in CUDA `source`, in order."""
+    return [match.group(1) for match in _KERNEL.finditer(source)]
+
+
+def kernel_params(source: str, kernel: str) -> list[tuple[str, str]]:
+    """(element type, name) of each pointer parameter of `kernel` in CUDA `source`.
+
+    TVM orders a kernel's arguments its own way (not as the PrimFunc's) and names each after its
+    buffer (`<buffer>_ptr`); whoever launches the CUDA C directly needs both.
+    """
+    for match in _KERNEL.finditer(source):
+        if match.group(1) == kernel:
+            params = []
+            for text in match.group(2).split(","):
+                param = _PARAM.match(text)
+                if param is None:
+                    raise ValueError(f"{kernel}: parameter {text.strip()!r} is not a pointer")
+                params.append((param.group(1), param.group(2)))
+            return params
+    raise ValueError(f"no kernel named {kernel!r} in the source")
+
+
 def have_nvcc() -> bool:
     return shutil.which("nvcc") is not None
+
+
+def have_nvrtc() -> bool:
+    """Whether TVM can compile CUDA C in-process: NVRTC through the `cuda-bindings` package."""
+    try:
+        return importlib.util.find_spec("cuda.bindings") is not None
+    except ModuleNotFoundError:  # no `cuda` package at all
+        return False
 
 
 @contextlib.contextmanager
@@ -76,18 +112,23 @@ def executable_cuda_source(executable) -> str:
     return "\n".join(sources)
 
 
-def build_for_device(func: tvm.tirx.PrimFunc | tvm.IRModule, target: tvm.target.Target) -> tvm.runtime.Executable:
-    """Compile `func` to a module that runs on this machine's GPU.
+def prepare_device_compile() -> None:
+    """Make `tvm.compile` for CUDA produce machine code for this machine's GPU.
 
     TVM compiles the CUDA C with NVRTC when the `cuda-bindings` package is installed and with
-    nvcc otherwise (TVM_CUDA_COMPILE_MODE, unless the user set it).
+    nvcc otherwise (TVM_CUDA_COMPILE_MODE, unless the user set it); the compile callback is
+    registered by importing `tvm.support.nvcc`.
     """
-    if "TVM_CUDA_COMPILE_MODE" not in os.environ and importlib.util.find_spec("cuda.bindings") is None:
+    if "TVM_CUDA_COMPILE_MODE" not in os.environ and not have_nvrtc():
         if not have_nvcc():
             raise RuntimeError("compiling for the GPU needs the cuda-bindings package (NVRTC) or nvcc on PATH")
         os.environ["TVM_CUDA_COMPILE_MODE"] = "nvcc"
     import tvm.support.nvcc  # noqa: F401  (registers the compile callback)
 
+
+def build_for_device(func: tvm.tirx.PrimFunc | tvm.IRModule, target: tvm.target.Target) -> tvm.runtime.Executable:
+    """Compile `func` to a module that runs on this machine's GPU (see :func:`prepare_device_compile`)."""
+    prepare_device_compile()
     mod = func if isinstance(func, tvm.IRModule) else tvm.IRModule({"main": func})
     return tvm.compile(mod, target=target)
 
