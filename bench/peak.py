@@ -398,9 +398,9 @@ def _cpuinfo_mhz() -> float | None:
 
 def default_threads() -> int:
     """All cores this process may run on (affinity mask beats os.cpu_count() in containers)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0)) or 1
-    return os.cpu_count() or 1
+    from tvm_ext.target import usable_cores
+
+    return usable_cores()
 
 
 def _compile(workdir: Path) -> tuple[Path, str]:

@@ -12,6 +12,10 @@ loads: in one k step a warp reads 8 distinct float4 of B and 4 of A, each broadc
 threads that share it. Per k step the implementation loads rows/vec + cols/vec float4 from shared
 memory into registers and issues rows*cols FFMAs on them.
 
+It is the CUDA form of the CPU's batch-reduce GEMM (:class:`tvm_ext.intrin.cpu.BRGEMM`): a batch of
+k_step rank-one products at a fixed stride (one shared row apart), reduced into a register tile
+that is written once, at the end of the convolution.
+
 The description is the plain loop nest; the implementation is the same arithmetic in the order the
 hardware wants (vector shared loads into a register array, then the unrolled FMAs).
 """

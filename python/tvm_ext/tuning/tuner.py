@@ -30,7 +30,7 @@ from tvm.s_tir import meta_schedule as ms
 from ..errors import UnsupportedError
 from ..intrin.cpu import register_named
 from ..kernels.conv2d import KERNEL_ATTR
-from ..target import TargetLike, resolve_target, vector_isa
+from ..target import TargetLike, resolve_target, usable_cores, vector_isa
 from . import space
 
 logger = logging.getLogger("tvm_ext")
@@ -89,7 +89,7 @@ def _tune_context(task: Task, target: tvm.target.Target, seed: int) -> ms.TuneCo
     context = ms.TuneContext.__new__(ms.TuneContext)
     context.__init_handle_by_constructor__(
         _ffi_api.TuneContext, tvm.IRModule({"main": task.workload}), target, generator,
-        _search_strategy(), task.name, max(1, os.cpu_count() or 1), seed,
+        _search_strategy(), task.name, usable_cores(), seed,
         get_logging_func(get_logger("tvm_ext.tuning")))
     _ffi_api.TuneContextInitialize(context)
     return context
@@ -206,7 +206,7 @@ def tune(mod: tvm.IRModule, target: TargetLike, work_dir: str | os.PathLike, max
         raise UnsupportedError("tune: the module has no tvm_ext convolution with a design space")
     logger.info("tvm_ext.tune: %d tasks, %d kernel calls", len(tasks), sum(t.weight for t in tasks))
     database = open_database(work_dir, create=True)
-    workers = max(1, os.cpu_count() or 1)
+    workers = usable_cores()
     builder = ms.builder.LocalBuilder(f_build=_build, max_workers=workers, timeout_sec=60)
     runner = _runner(rpc)
     _measure_defaults(tasks, target, database, builder, runner)
@@ -277,7 +277,7 @@ def _runner(rpc: str | None) -> ms.runner.Runner:
     except ValueError:
         raise ValueError(f"tune: rpc must be 'host:port:key' (a TVM RPC tracker), got {rpc!r}") from None
     config = ms.runner.RPCConfig(tracker_host=host, tracker_port=port, tracker_key=key, session_timeout_sec=60)
-    return ms.runner.RPCRunner(rpc_config=config, evaluator_config=_EVALUATOR, max_workers=os.cpu_count() or 1)
+    return ms.runner.RPCRunner(rpc_config=config, evaluator_config=_EVALUATOR, max_workers=usable_cores())
 
 
 def tuned_kernel(database: ms.Database, workload: tvm.tirx.PrimFunc,
