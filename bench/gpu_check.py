@@ -70,29 +70,74 @@ def compile_all(sources: list[Path], arch: str, jobs: int | None = None) -> dict
         return dict(zip(sources, pool.map(one, sources), strict=True))
 
 
-def median_ms(torch, fn, repeat: int) -> float:
-    """Median time of one call over `repeat` calls, each between two CUDA events (after warm-up)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+class CudaDevice:
+    """The real thing: cubins loaded with CuPy, timed with CUDA events, baselines from cuDNN."""
+
+    torch_device = "cuda"
+    baseline = "cuDNN"
+
+    def __init__(self, torch, cp):
+        self.torch, self.cp = torch, cp
+
+    def kernel(self, entry: dict, cubin: Path, tensors: dict):
+        function = self.cp.RawModule(path=str(cubin)).get_function(entry["kernel"])
+        args = tuple(self.cp.asarray(tensors[name]) for name in entry["cuda_args"])
+        grid, block = tuple(entry["grid"]), tuple(entry["block"])
+        return lambda: function(grid, block, args)
+
+    def median_ms(self, fn, repeat: int) -> float:
+        """Median time of one call over `repeat` calls, each between two CUDA events (after warm-up)."""
+        torch = self.torch
         fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeat):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    def ffma_peak_gflops(self, cubin: Path, repeat: int) -> float:
+        cp = self.cp
+        sms = self.torch.cuda.get_device_properties(0).multi_processor_count
+        kernel = cp.RawModule(path=str(cubin)).get_function("ffma_peak")
+        blocks, threads, iters = sms * 8, 256, 4096
+        out = cp.empty(blocks * threads, dtype=cp.float32)
+        args = (out, cp.int32(iters), cp.float32(1.0000001), cp.float32(1e-7))
+        ms = self.median_ms(lambda: kernel((blocks,), (threads,), args), repeat)
+        return 2 * 16 * iters * blocks * threads / ms / 1e6
 
 
-def ffma_peak_gflops(torch, cp, cubin: Path, repeat: int) -> float:
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    kernel = cp.RawModule(path=str(cubin)).get_function("ffma_peak")
-    blocks, threads, iters = sms * 8, 256, 4096
-    out = cp.empty(blocks * threads, dtype=cp.float32)
-    args = (out, cp.int32(iters), cp.float32(1.0000001), cp.float32(1e-7))
-    ms = median_ms(torch, lambda: kernel((blocks,), (threads,), args), repeat)
-    return 2 * 16 * iters * blocks * threads / ms / 1e6
+class EmulatedDevice(CudaDevice):
+    """A dry run on the CPU: the same CUDA C through tvm_ext's emulator, PyTorch on the CPU as the
+    baseline, wall-clock times. It checks this script (layouts, argument order, the checks
+    themselves) where there is no GPU; its times mean nothing."""
+
+    torch_device = "cpu"
+    baseline = "torch CPU"
+
+    def kernel(self, entry: dict, cubin: Path, tensors: dict):
+        from tvm_ext.kernels.cuda.ptx import kernel_params
+        from tvm_ext.testing.cuda_emulator import run_kernel
+
+        source = cubin.with_suffix("").with_suffix(".cu").read_text()
+        names = [name for _, name in kernel_params(source, entry["kernel"])]
+        arrays = {cuda: tensors[ours].numpy() for cuda, ours in zip(names, entry["cuda_args"], strict=True)}
+        return lambda: run_kernel(source, entry["kernel"], tuple(entry["grid"]), tuple(entry["block"]), arrays)
+
+    def median_ms(self, fn, repeat: int) -> float:
+        times = []
+        for _ in range(max(1, repeat)):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+
+    def ffma_peak_gflops(self, cubin: Path, repeat: int) -> float:
+        return float("nan")
 
 
 def set_tf32(torch, on: bool) -> None:
@@ -100,13 +145,13 @@ def set_tf32(torch, on: bool) -> None:
     torch.backends.cuda.matmul.allow_tf32 = on
 
 
-def run_layer(torch, cp, entry: dict, cubin: Path, repeat: int) -> dict:
-    """Check and time one layer: ours against cuDNN fp32 and cuDNN TF32."""
+def run_layer(torch, device: CudaDevice, entry: dict, cubin: Path, repeat: int) -> dict:
+    """Check and time one layer's kernel against the baseline at the same precision."""
     F = torch.nn.functional
     n, c, h, w_ = entry["x_nchw"]
     groups = entry["groups"]
-    x = torch.randn(n, c, h, w_, device="cuda")
-    w = torch.randn(*entry["w_oihw"], device="cuda")
+    x = torch.randn(n, c, h, w_, device=device.torch_device)
+    w = torch.randn(*entry["w_oihw"], device=device.torch_device)
     k, cg, r, s = entry["w_oihw"]
     top, left, bottom, right = entry["padding"]
     options = dict(stride=tuple(entry["stride"]), dilation=tuple(entry["dilation"]), groups=groups)
@@ -119,19 +164,14 @@ def run_layer(torch, cp, entry: dict, cubin: Path, repeat: int) -> dict:
         "x": x.permute(1, 2, 3, 0).contiguous(),
         "w": w.reshape(groups, k // groups, cg, r, s).permute(0, 2, 3, 4, 1).reshape(groups, cg * r * s, k // groups)
               .contiguous(),
-        "y": torch.full(entry["params"]["y"], float("nan"), device="cuda"),
+        "y": torch.full(entry["params"]["y"], float("nan"), device=device.torch_device),
     }
     for name, shape in entry["params"].items():
         assert list(tensors[name].shape) == shape, (name, tensors[name].shape, shape)
-    kernel = cp.RawModule(path=str(cubin)).get_function(entry["kernel"])
-    args = tuple(cp.asarray(tensors[name]) for name in entry["cuda_args"])
-    grid, block = tuple(entry["grid"]), tuple(entry["block"])
-
-    def ours():
-        kernel(grid, block, args)
-
+    ours = device.kernel(entry, cubin, tensors)
     ours()
-    torch.cuda.synchronize()
+    if device.torch_device == "cuda":
+        torch.cuda.synchronize()
     got = tensors["y"].permute(3, 0, 1, 2)
     engine = entry.get("engine", "ffma")
 
@@ -143,15 +183,15 @@ def run_layer(torch, cp, entry: dict, cubin: Path, repeat: int) -> dict:
     ref = F.conv2d(pad(as_read(x).double()), as_read(w).double(), **options)
     scale = ref.abs().max().item()
     err = (got.double() - ref).abs().max().item() / scale
-    # the baseline at the same precision: cuDNN fp32, cuDNN with TF32 allowed, cuDNN on bf16 tensors
+    # the baseline at the same precision: fp32, TF32 allowed, bf16 tensors
     xp, wb = (pad(x).bfloat16(), w.bfloat16()) if engine == "mma_bf16" else (pad(x), w)
     set_tf32(torch, engine == "mma_tf32")
-    t_ours = median_ms(torch, ours, repeat)
-    t_cudnn = median_ms(torch, lambda: F.conv2d(xp, wb, **options), repeat)
+    t_ours = device.median_ms(ours, repeat)
+    t_base = device.median_ms(lambda: F.conv2d(xp, wb, **options), repeat)
     set_tf32(torch, False)
-    baseline = {"ffma": "cuDNN fp32", "mma_tf32": "cuDNN TF32", "mma_bf16": "cuDNN bf16"}[engine]
-    return {"err": err, "ok": err < (1e-4 if engine == "ffma" else 1e-5), "ours_ms": t_ours, "cudnn_ms": t_cudnn,
-            "cudnn": baseline}
+    precision = {"ffma": "fp32", "mma_tf32": "TF32", "mma_bf16": "bf16"}[engine]
+    return {"err": err, "ok": err < (1e-4 if engine == "ffma" else 1e-5), "ours_ms": t_ours, "cudnn_ms": t_base,
+            "cudnn": f"{device.baseline} {precision}"}
 
 
 def main(argv=None) -> int:
@@ -160,34 +200,39 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--report", type=Path, default=None, help="folder for gpu_check.json and gpu_check.md")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting layers after this long")
+    parser.add_argument("--emulate", action="store_true",
+                        help="no GPU: run the kernels on tvm_ext's CPU emulator (a dry run of this script)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
 
     import torch
 
-    try:
-        import cupy as cp
-    except ImportError:
-        print("gpu_check: needs CuPy (to load the compiled kernels); pip install cupy-cuda12x or -cuda13x",
-              file=sys.stderr)
-        return 2
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device visible to PyTorch", file=sys.stderr)
-        return 2
-    torch.backends.cudnn.benchmark = True  # cuDNN picks its fastest algorithm per shape
+    if args.emulate:
+        device, arch, where = EmulatedDevice(torch, None), "sm_90", "CPU emulator (times mean nothing)"
+    else:
+        try:
+            import cupy as cp
+        except ImportError:
+            print("gpu_check: needs CuPy (to load the compiled kernels); pip install cupy-cuda12x or -cuda13x",
+                  file=sys.stderr)
+            return 2
+        if not torch.cuda.is_available():
+            print("gpu_check: no CUDA device visible to PyTorch", file=sys.stderr)
+            return 2
+        torch.backends.cudnn.benchmark = True  # cuDNN picks its fastest algorithm per shape
+        major, minor = torch.cuda.get_device_capability(0)
+        device, arch = CudaDevice(torch, cp), f"sm_{major}{minor}"
+        where = f"{torch.cuda.get_device_name(0)}, cuDNN {torch.backends.cudnn.version()}"
     manifest = json.loads((args.kernels / "manifest.json").read_text())
-    major, minor = torch.cuda.get_device_capability(0)
-    arch = f"sm_{major}{minor}"
     ffma_src = args.kernels / "ffma_peak.cu"
     ffma_src.write_text(FFMA_SOURCE)
     sources = [ffma_src] + [args.kernels / e["file"] for e in manifest["layers"]]
     cubins = compile_all(sources, arch)
-    print(f"device: {torch.cuda.get_device_name(0)} ({arch}), torch {torch.version.__version__}, "
-          f"cuDNN {torch.backends.cudnn.version()}; {len(sources)} kernels compiled in "
-          f"{time.perf_counter() - start:.0f} s", flush=True)
+    print(f"device: {where} ({arch}), torch {torch.version.__version__}; {len(sources)} kernels compiled "
+          f"in {time.perf_counter() - start:.0f} s", flush=True)
     if isinstance(cubins[ffma_src], Exception):
         raise cubins[ffma_src]
-    peak = ffma_peak_gflops(torch, cp, cubins[ffma_src], args.repeat)
+    peak = device.ffma_peak_gflops(cubins[ffma_src], args.repeat)
     print(f"measured fp32 FFMA peak: {peak:,.0f} GFLOP/s", flush=True)
 
     header = "| layer | engine | tile | err | ms | GFLOP/s | % FFMA peak | baseline | baseline ms | speed-up |"
@@ -202,7 +247,7 @@ def main(argv=None) -> int:
         try:
             if isinstance(cubin, Exception):
                 raise cubin
-            result = run_layer(torch, cp, entry, cubin, args.repeat)
+            result = run_layer(torch, device, entry, cubin, args.repeat)
         except Exception as err:  # one broken layer must not hide the others
             line = f"| {entry['name']} | error: {str(err).splitlines()[0][:120]} |"
             rows.append({"name": entry["name"], "error": str(err)})
