@@ -173,7 +173,7 @@ def run_layer(torch, device: CudaDevice, entry: dict, cubin: Path, repeat: int) 
     if device.torch_device == "cuda":
         torch.cuda.synchronize()
     got = tensors["y"].permute(3, 0, 1, 2)
-    engine = entry.get("engine", "ffma")
+    engine = entry.get("engine", "ffma").split("_w")[0]  # "mma_tf32_w64": the tf32 engine, 64-row warp slabs
 
     def as_read(t):  # what the kernel's arithmetic sees of an fp32 input
         if engine == "mma_tf32":
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
             result.update(name=entry["name"], engine=engine, gflops=gflops, peak_pct=100 * gflops / peak,
                           tile=entry["tile"])
             rows.append(result)
-            pct = f"{result['peak_pct']:.1f}%" if engine == "ffma" else "-"
+            pct = f"{result['peak_pct']:.1f}%" if engine == "ffma" else "-"  # the FFMA peak is no tensor peak
             line = (f"| {entry['set']} {entry['layer']} | {engine} | {entry['tile'][0]}x{entry['tile'][1]} | "
                     f"{result['err']:.1e}{'' if result['ok'] else ' FAIL'} | {result['ours_ms']:.3f} | "
                     f"{gflops:,.0f} | {pct} | {result['cudnn']} | {result['cudnn_ms']:.3f} | "

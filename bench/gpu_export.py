@@ -12,6 +12,7 @@ machines lent here take 64 MiB.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -31,7 +32,7 @@ def load_layers(name: str) -> list[dict]:
 
 
 def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
-           engines: tuple[str, ...] = ("ffma", "mma_tf32")) -> list[dict]:
+           engines: tuple[str, ...] = ("ffma", "mma_tf32", "mma_tf32:64")) -> list[dict]:
     from tvm_ext.kernels.conv2d import Conv2dWorkload
     from tvm_ext.kernels.cuda import conv2d as cc
 
@@ -43,10 +44,16 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
             wl = Conv2dWorkload.make((batch, layer["C"], layer["H"], layer["W"]),
                                      (layer["K"], layer["C"] // groups, layer["R"], layer["S"]),
                                      stride=layer["stride"], padding=layer["pad"], groups=groups)
-            for engine in engines:
-                plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(wl.K // wl.groups, engine))
+            for variant in engines:
+                engine, _, warp_rows = variant.partition(":")
+                tile = cc.choose_tile(wl.K // wl.groups, engine)
+                if warp_rows:  # a taller warp slab: rows in whole slabs
+                    rows = 128 if (wl.K // wl.groups) % 128 == 0 else 64
+                    tile = dataclasses.replace(tile, rows=rows, warp_rows=int(warp_rows))
+                plan = cc.MaxDNNPlan.make(wl, tile)
                 start = time.perf_counter()
                 source = cc.cuda_source(plan, {"kind": "cuda", "arch": arch})
+                engine = variant.replace(":", "_w")
                 name = f"{set_name}_{layer['name']}_{engine}"
                 (out / f"{name}.cu").write_text(source)
                 entries.append(_entry(name, set_name, layer["name"], engine, wl, plan, source))
@@ -80,7 +87,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=None, help="one batch for every set (default: per set)")
     parser.add_argument("--layers", type=int, default=None, help="first N layers of each set")
     parser.add_argument("--arch", default="sm_90", help="the arch TVM generates for (the source is portable)")
-    parser.add_argument("--engines", nargs="+", default=["ffma", "mma_tf32"], choices=["ffma", "mma_tf32", "mma_bf16"])
+    parser.add_argument("--engines", nargs="+", default=["ffma", "mma_tf32", "mma_tf32:64"],
+                        choices=["ffma", "mma_tf32", "mma_tf32:64", "mma_bf16"],
+                        help="kernel variants; ':64' = 64-row warp slabs (4 x m16 per warp)")
     args = parser.parse_args(argv)
     sets = {name: args.batch or DEFAULT_SETS.get(name, 32) for name in args.sets}
     export(args.out, sets, args.layers, args.arch, tuple(args.engines))

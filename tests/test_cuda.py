@@ -6,6 +6,7 @@ nvcc (PTX and ptxas for sm_80 and sm_90). Tests marked `gpu` run the kernel on a
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -326,6 +327,17 @@ def test_emulated_tensor_core_conv2d(x_shape, w_shape, options, epilogue, engine
 
 
 @needs_gxx
+def test_emulated_tensor_cores_with_64_row_warp_slabs():
+    wl = Conv2dWorkload.make((4, 10, 7, 6), (128, 10, 3, 3), padding=1)
+    plan = cc.MaxDNNPlan.make(wl, cc.BlockTile(rows=128, engine="mma_tf32", warp_rows=64))
+    assert plan.tile.threads == 64 and plan.tile.mma_tiles == (4, 8)
+    x, w, bias, residual = _inputs(wl, plan.epilogue)
+    got = cc.output_to_nchw(cc.emulate(plan, cc.kernel_arrays(plan, x, w)))
+    assert rel_err(got, _reference(wl, plan.epilogue, _as_read(x, "mma_tf32"), _as_read(w, "mma_tf32"), None,
+                                   None)) < 1e-5
+
+
+@needs_gxx
 def test_emulator_catches_broken_tensor_core_kernels():
     plan = cc.MaxDNNPlan.make(_WL_FAULT, cc.BlockTile(engine="mma_tf32"))
     got, ref = _emulated(plan, cc.cuda_source(plan, fault="wrong_buffer"))
@@ -338,9 +350,10 @@ def test_emulator_catches_broken_tensor_core_kernels():
 
 @needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("engine", ["mma_tf32", "mma_bf16"])
-def test_tensor_core_machine_code(arch, engine):
-    plan = cc.MaxDNNPlan.make(_WL_STATIC, cc.choose_tile(256, engine))
+@pytest.mark.parametrize("engine, warp_rows", [("mma_tf32", 32), ("mma_bf16", 32), ("mma_tf32", 64)])
+def test_tensor_core_machine_code(arch, engine, warp_rows):
+    tile = dataclasses.replace(cc.choose_tile(256, engine), rows=128 if warp_rows == 64 else 64, warp_rows=warp_rows)
+    plan = cc.MaxDNNPlan.make(_WL_STATIC, tile)
     source = cc.cuda_source(plan, {"kind": "cuda", "arch": arch})
     ops_count = ptx.ptx_instructions(ptx.compile_source(source, arch).decode())
     mt, nt = plan.tile.mma_tiles
@@ -355,13 +368,17 @@ def test_tensor_core_tile_validation():
     assert cc.choose_tile(96, "mma_tf32").engine == "mma_tf32"
     with pytest.raises(ValueError, match="engine"):
         cc.BlockTile(engine="wgmma").validate()
-    with pytest.raises(ValueError, match="rows % 32"):
+    with pytest.raises(ValueError, match="rows % warp_rows"):
         cc.BlockTile(rows=48, engine="mma_tf32").validate()
+    with pytest.raises(ValueError, match="shared memory"):  # 128 rows of bf16 k-steps of 16: 57 KB
+        cc.BlockTile(rows=128, engine="mma_bf16", k_step=16, warp_rows=64).validate()
+    with pytest.raises(ValueError, match="rows % warp_rows"):
+        cc.BlockTile(rows=96, engine="mma_tf32", warp_rows=64).validate()
     with pytest.raises(ValueError, match="k_step 16"):
         cc.BlockTile(engine="mma_bf16").validate()  # bf16 reduces 16 per instruction
     assert cc.choose_tile(64, "mma_bf16").k_step == 16
     with pytest.raises(ValueError, match="accumulators"):
-        cc.BlockTile(cols=256, engine="mma_tf32").validate()
+        cc.BlockTile(cols=128, engine="mma_tf32", warp_rows=64).validate()
 
 
 def test_emulator_refuses_unknown_inline_ptx():

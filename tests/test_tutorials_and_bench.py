@@ -107,7 +107,7 @@ def test_gpu_check_pipeline_without_gpu(tmp_path):
     assert "overfeat_conv1_ffma" in out and "tile 96x64" in out  # 96 filters: one 96-row tile
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     entries = manifest["layers"]
-    assert [e["engine"] for e in entries] == ["ffma", "mma_tf32"]
+    assert [e["engine"] for e in entries] == ["ffma", "mma_tf32", "mma_tf32_w64"]
     for entry in entries:
         assert sorted(entry["cuda_args"]) == ["w", "x", "y"] and entry["params"]["y"] == [96, 56, 56, 4]
     sys.path.insert(0, str(ROOT / "bench"))
@@ -122,11 +122,11 @@ def test_gpu_check_pipeline_without_gpu(tmp_path):
     assert out.returncode == 2 and "gpu_check:" in out.stderr  # no GPU (or no CuPy) here: says so
     # the whole script, kernels on the CPU emulator: layouts, argument order and checks are right
     env = {**os.environ, "KERNELS": str(tmp_path), "PYTHON": sys.executable, "OUT": str(tmp_path / "report"),
-           "EXPORT_ARGS": "--sets overfeat --batch 4 --layers 1"}
+           "EXPORT_ARGS": "--sets overfeat --batch 4 --layers 1 --engines ffma mma_tf32:64"}
     result = subprocess.run(["bash", "bench/gpu_check.sh", "--emulate", "--repeat", "1"], cwd=ROOT,
                             capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "2/2 layers correct" in result.stdout
     report = json.loads((tmp_path / "report" / "gpu_check.json").read_text())
-    assert [row["engine"] for row in report["layers"]] == ["ffma", "mma_tf32"]
+    assert [row["engine"] for row in report["layers"]] == ["ffma", "mma_tf32_w64"]
     assert all(row["ok"] for row in report["layers"])

@@ -62,6 +62,7 @@ class BlockTile:
     k_step: int = 8
     vec: int = 4
     engine: str = "ffma"  # "ffma": 8x8 FFMA per thread; "mma_tf32"/"mma_bf16": tensor cores (MMA_SHAPES)
+    warp_rows: int = 32  # tensor cores: rows of the block one warp computes (32: 2 x m16; 64: 4 x m16)
 
     @property
     def mma(self) -> MmaShape | None:
@@ -78,7 +79,7 @@ class BlockTile:
     @property
     def threads(self) -> int:
         if self.mma is not None:
-            return self.rows  # rows / 32 warps of 32 threads
+            return self.rows // self.warp_rows * 32  # one warp per slab of warp_rows
         return self.threads_m * self.threads_n
 
     @property
@@ -88,8 +89,8 @@ class BlockTile:
 
     @property
     def mma_tiles(self) -> tuple[int, int]:
-        """(m16 tiles, n8 tiles) of one warp's 32 x cols slab."""
-        return 2, self.cols // 8
+        """(m16 tiles, n8 tiles) of one warp's warp_rows x cols slab."""
+        return self.warp_rows // 16, self.cols // 8
 
     def thread_tile(self) -> ThreadTile:
         return ThreadTile(
@@ -99,12 +100,17 @@ class BlockTile:
     def validate(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"BlockTile: engine {self.engine!r} is not one of {ENGINES}")
+        if self.shared_bytes() > STATIC_SHARED_LIMIT:
+            raise ValueError(f"BlockTile: {self.shared_bytes()} bytes of shared memory; a kernel declares at most "
+                             f"{STATIC_SHARED_LIMIT} statically")
         if self.mma is not None:
-            if self.rows % 32 or self.cols % 8 or self.k_step != self.mma.k or self.vec != 4:
-                raise ValueError(f"BlockTile: the {self.engine} tensor-core tile needs rows % 32 == 0, cols % 8 == 0 "
-                                 f"and k_step {self.mma.k}, got {self}")
+            if (self.warp_rows % 16 or self.rows % self.warp_rows or self.cols % 8 or self.k_step != self.mma.k
+                    or self.vec != 4):
+                raise ValueError(f"BlockTile: the {self.engine} tensor-core tile needs rows % warp_rows == 0 "
+                                 f"(warp_rows a multiple of 16), cols % 8 == 0 and k_step {self.mma.k}, got {self}")
             if self.mma_tiles[0] * self.mma_tiles[1] * 4 > 128:
-                raise ValueError(f"BlockTile: a 32x{self.cols} warp slab needs more than 128 accumulators")
+                raise ValueError(f"BlockTile: a {self.warp_rows}x{self.cols} warp slab needs more than 128 "
+                                 "accumulators per thread")
             return
         for extent, per_thread in ((self.rows, self.thread_rows), (self.cols, self.thread_cols)):
             if extent % per_thread or (extent * self.vec) % per_thread:
@@ -114,6 +120,7 @@ class BlockTile:
         self.thread_tile().validate()
 
     def shared_bytes(self) -> int:
+        """The double-buffered operand tiles and the output tile (at most; TVM may overlap them)."""
         return 4 * (2 * self.k_step * (self.rows + self.cols + 2 * self.pad) + self.rows * self.cols)
 
 
@@ -145,6 +152,7 @@ MMA_SHAPES = {
     "mma_bf16": MmaShape("m16n8k16", "bf16", 16, 2, 4),
 }
 ENGINES = ("ffma", *MMA_SHAPES)
+STATIC_SHARED_LIMIT = 48 * 1024  # per block, without opting in to dynamic shared memory
 TILE_ROWS = (64, 96, 128, 32)  # candidate block heights in order of preference: maxDNN's, then taller
 
 
@@ -402,7 +410,8 @@ class _Generator:
 
         with e.block(f"for mi in T.unroll({mt}):"):
             with e.block("for j in T.unroll(4):"):
-                a = operand(f"A_sh{buf}[tq * {per} + {{e}} + j // 2 * {half}, warp * 32 + mi * 16 + gq + j % 2 * 8]")
+                row = f"warp * {t.warp_rows} + mi * 16 + gq + j % 2 * 8"
+                a = operand(f"A_sh{buf}[tq * {per} + {{e}} + j // 2 * {half}, {row}]")
                 e(f"af[mi * 4 + j] = {register(a)}")
         with e.block(f"for ni in T.unroll({nt}):"):
             with e.block("for j in T.unroll(2):"):
@@ -420,7 +429,7 @@ class _Generator:
         if t.mma is not None:
             mt, nt = t.mma_tiles
             with e.block(f"for mi, ni, h in T.grid({mt}, {nt}, 2):"):
-                e(f"O_sh[warp * 32 + mi * 16 + gq + h * 8, T.ramp(ni * 8 + tq * 2, 1, 2)] = "
+                e(f"O_sh[warp * {t.warp_rows} + mi * 16 + gq + h * 8, T.ramp(ni * 8 + tq * 2, 1, 2)] = "
                   f"acc[T.ramp((mi * {nt} + ni) * 4 + h * 2, 1, 2)]")
             return
         tt = t.thread_tile()
