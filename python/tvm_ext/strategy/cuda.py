@@ -4,7 +4,8 @@ The dispatch framework is the CPU strategy's (:mod:`tvm_ext.strategy.cpu`: `deci
 patterns, batch-norm folding, `lower_to_kernels`); this module supplies what differs on CUDA:
 
 - convolutions run the maxDNN kernel (:mod:`tvm_ext.kernels.cuda.conv2d`), with bias, residual
-  and relu/relu6 fused into its output write; other activations stay separate kernels;
+  and relu/relu6 fused into its output write (FFMA, or tensor cores with `tensor_cores=`);
+  other activations stay separate kernels;
 - activations travel between our kernels in CHWN, the convolution's layout: a tensor one of our
   kernels produced is bound to `chwn_to_nchw(y)`, the view the rest of the graph reads, and our
   kernels look through that binding, so layouts change only at the graph's edges and around

@@ -25,6 +25,11 @@ activation) applied on the way out.
 Where a float4 would straddle a row of memory (images per batch or output channels not a multiple
 of 4) the loads fall back to scalars, and all bounds (K not a multiple of 8, tiles past the edge,
 padding) are guarded, so every shape is computed exactly.
+
+The tensor-core engines (`BlockTile(engine="mma_tf32" | "mma_bf16")`) keep all of the above and
+replace the threads' FFMA tiles by warps issuing `mma.sync` (:class:`MmaShape`): each warp owns
+`warp_rows` rows of the block, its fragments loaded from the same shared buffers (rows padded
+so the loads do not conflict), its accumulators staged into the same output tile.
 """
 
 from __future__ import annotations
