@@ -41,6 +41,21 @@ def _mark_tvm_ext_scheduled() -> tvm.transform.Pass:
     return _pass
 
 
+def _lowering_passes(target: tvm.target.Target, lower: tvm.transform.Pass, default_rules: list) -> list:
+    """tvm_ext's kernels first (`lower`), stock legalization for what is left, fusion, then a
+    default schedule (dlight `default_rules`) for every PrimFunc that has none."""
+    return [
+        lower,
+        relax.transform.LegalizeOps(cpu_strategy.legalize_map(target)),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FoldConstant(),
+        relax.transform.FuseOps(),
+        relax.transform.FuseTIR(),
+        _mark_tvm_ext_scheduled(),
+        dlight.ApplyDefaultSchedule(*default_rules),
+    ]
+
+
 def pipeline(target: TargetLike = None, database=None, images_per_call: int | None = None, *,
              tensor_cores: bool | str = False) -> tvm.transform.Pass:
     """The Relax pipeline for `tvm.compile(mod, target, relax_pipeline=...)`.
@@ -81,16 +96,8 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
                 [split_batch(images_per_call)]
                 + cpu_pipeline.library_dispatch_passes(target)
                 + cpu_strategy.fusion_passes(target)
-                + [
-                    cpu_strategy.lower_to_kernels(target, database),
-                    relax.transform.LegalizeOps(cpu_strategy.legalize_map(target)),
-                    relax.transform.AnnotateTIROpPattern(),
-                    relax.transform.FoldConstant(),
-                    relax.transform.FuseOps(),
-                    relax.transform.FuseTIR(),
-                    _mark_tvm_ext_scheduled(),
-                    dlight.ApplyDefaultSchedule(dlight.cpu.GEMV(), dlight.cpu.Reduction(), ParallelVectorize()),
-                ]
+                + _lowering_passes(target, cpu_strategy.lower_to_kernels(target, database),
+                                   [dlight.cpu.GEMV(), dlight.cpu.Reduction(), ParallelVectorize()])
                 + cpu_pipeline.dataflow_lower_passes(target)
                 + cpu_pipeline.finalize_passes(target)
             )
@@ -109,17 +116,9 @@ def _cuda_pipeline(target: tvm.target.Target, tensor_cores: bool | str) -> tvm.t
             passes = (
                 cuda_pipeline.library_dispatch_passes(target)
                 + cpu_strategy.fusion_passes(target)
-                + [
-                    cpu_strategy.lower_to_kernels(target, tensor_cores=tensor_cores),
-                    relax.transform.LegalizeOps(cpu_strategy.legalize_map(target)),
-                    relax.transform.AnnotateTIROpPattern(),
-                    relax.transform.FoldConstant(),
-                    relax.transform.FuseOps(),
-                    relax.transform.FuseTIR(),
-                    _mark_tvm_ext_scheduled(),
-                    dlight.ApplyDefaultSchedule(dlight.gpu.Matmul(), dlight.gpu.GEMV(), dlight.gpu.Reduction(),
-                                                dlight.gpu.GeneralReduction(), dlight.gpu.Fallback()),
-                ]
+                + _lowering_passes(target, cpu_strategy.lower_to_kernels(target, tensor_cores=tensor_cores),
+                                   [dlight.gpu.Matmul(), dlight.gpu.GEMV(), dlight.gpu.Reduction(),
+                                    dlight.gpu.GeneralReduction(), dlight.gpu.Fallback()])
                 + cuda_pipeline.dataflow_lower_passes(target)
                 + cuda_pipeline.finalize_passes(target)
             )

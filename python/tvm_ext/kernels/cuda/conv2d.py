@@ -333,14 +333,11 @@ class _Generator:
             live = f"ak{s}{z} < {K}" + (f" and {f} < {t.k_step * per_row_a}" if guarded else "")
             base = f"(g * {K} + ak{s}{z}) * {M} + ao{s}{z}"
             if self.plan.vector_a:
-                with e.block(f"if {live} and ao{s}{z} < {M}:"):
-                    e(f"a_pre[T.ramp({s * t.vec}, 1, {t.vec})] = Wf[T.ramp({base}, 1, {t.vec})]")
-                with e.block("else:"):
-                    e(f"a_pre[T.ramp({s * t.vec}, 1, {t.vec})] = {_zero(t.vec)}")
+                self.guarded_load("a_pre", s * t.vec, f"{live} and ao{s}{z} < {M}", "Wf", base, t.vec)
             else:
                 for lane in range(t.vec):
-                    e(f"a_pre[{s * t.vec + lane}] = T.if_then_else({live} and ao{s}{z} + {lane} < {M}, "
-                      f"Wf[{base} + {lane}], T.float32(0))")
+                    self.guarded_load("a_pre", s * t.vec + lane, f"{live} and ao{s}{z} + {lane} < {M}", "Wf",
+                                      f"{base} + {lane}", 1)
         per_row_b = t.cols // t.vec
         rs, S = wl.KH * wl.KW, wl.KW
         dh, dw = wl.dilation
@@ -358,13 +355,19 @@ class _Generator:
                 live = (f"{k_live} and bc{v} < {self.NCOLS} and 0 <= {h} and {h} < {wl.H} "
                         f"and 0 <= {w} and {w} < {wl.W}")
                 addr = f"((bcin{s}{z} * {wl.H} + {h}) * {wl.W} + {w}) * {wl.N} + bn{v}"
-                if self.plan.vector_b:
-                    with e.block(f"if {live}:"):
-                        e(f"b_pre[T.ramp({s * t.vec}, 1, {t.vec})] = Xf[T.ramp({addr}, 1, {t.vec})]")
-                    with e.block("else:"):
-                        e(f"b_pre[T.ramp({s * t.vec}, 1, {t.vec})] = {_zero(t.vec)}")
-                else:
-                    e(f"b_pre[{s * t.vec + lane}] = T.if_then_else({live}, Xf[{addr}], T.float32(0))")
+                vec = t.vec if self.plan.vector_b else 1
+                self.guarded_load("b_pre", s * t.vec + lane, live, "Xf", addr, vec)
+
+    def guarded_load(self, reg: str, at: int, live: str, src: str, addr: str, vec: int) -> None:
+        """reg[at : at + vec] = src[addr : addr + vec] where `live`, else zeros (a border, a tail)."""
+        e = self.e
+        if vec == 1:
+            e(f"{reg}[{at}] = T.if_then_else({live}, {src}[{addr}], T.float32(0))")
+            return
+        with e.block(f"if {live}:"):
+            e(f"{reg}[T.ramp({at}, 1, {vec})] = {src}[T.ramp({addr}, 1, {vec})]")
+        with e.block("else:"):
+            e(f"{reg}[T.ramp({at}, 1, {vec})] = {_zero(vec)}")
 
     def store_shared(self, buf: int) -> None:
         t, e = self.t, self.e

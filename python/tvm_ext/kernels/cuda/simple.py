@@ -9,14 +9,10 @@ expressions (no padded copy), as the CPU kernels do.
 
 from __future__ import annotations
 
-import math
-
-import tvm
-import tvm.script
 from tvm import s_tir, te, tirx
 
 from ..conv2d import KERNEL_ATTR
-from ..elementwise import ACTIVATIONS, activation_text
+from ..elementwise import flat_activation_func
 from ..pool2d import Pool2dWorkload
 
 THREADS = 256  # per block: enough warps to hide memory latency, small enough for full occupancy
@@ -103,28 +99,7 @@ def global_avg_pool2d_chwn_func(shape) -> tirx.PrimFunc:
     return _bind(te.create_prim_func([x, y]), "global_avg_pool2d", reducer="window_sum")
 
 
-_ACTIVATION = """
-@T.prim_func(s_tir=True)
-def activation(x: T.handle, y: T.handle) -> None:
-    X = T.match_buffer(x, {shape}, "float32")
-    Y = T.match_buffer(y, {shape}, "float32")
-    X_flat = T.decl_buffer(({size},), "float32", data=X.data)
-    Y_flat = T.decl_buffer(({size},), "float32", data=Y.data)
-    for bx in T.thread_binding({blocks}, thread="blockIdx.x"):
-        for tx in T.thread_binding({threads}, thread="threadIdx.x"):
-            with T.sblock("output"):
-                v = T.axis.spatial({size}, bx * {threads} + tx)
-                T.where(bx * {threads} + tx < {size})
-                Y_flat[v] = {value}
-"""
-
-
 def activation_func(name: str, shape, alpha: float = 0.01) -> tirx.PrimFunc:
     """Activation `name` over a float32 tensor of any shape (layout does not matter)."""
-    if name not in ACTIVATIONS:
-        raise ValueError(f"activation {name!r} is not supported; choose from {sorted(ACTIVATIONS)}")
-    shape = tuple(int(v) for v in shape)
-    size = math.prod(shape)
-    text = _ACTIVATION.format(shape=shape, size=size, threads=THREADS, blocks=-(-size // THREADS),
-                              value=activation_text(name, "X_flat[v]", alpha))
-    return tvm.script.from_source(text).with_attr(KERNEL_ATTR, name)
+    return flat_activation_func(name, shape, alpha, THREADS, 'T.thread_binding({}, thread="blockIdx.x")',
+                                'T.thread_binding({}, thread="threadIdx.x")')
