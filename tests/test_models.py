@@ -74,6 +74,13 @@ def test_torch_reference_covers_every_op_of_the_networks():
         to_torch(bb.get())(torch.zeros(1, 4))
 
 
+def test_cli_cuda_target(capsys):
+    assert cli.main(["report", "--model", "resnet18", "--target", "cuda -arch=sm_90"]) == 0
+    assert "maxdnn_conv2d" in capsys.readouterr().out
+    assert cli.main(["demo", "--model", "resnet18", "--target", "nvidia/nvidia-h100"]) == 2  # CPU-only commands
+    assert "runs on the CPU" in capsys.readouterr().err
+
+
 def test_cli_report(capsys):
     assert cli.main(["report", "--model", "resnet18"]) == 0
     out = capsys.readouterr().out

@@ -142,6 +142,12 @@ def tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_cuda(target: str) -> bool:
+    from .target import resolve_target
+
+    return resolve_target(target).kind.name == "cuda"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     from .target import usable_cores
@@ -149,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     # Set explicitly: TVM's own default pool ran ResNet-18 at half speed on this 2-core machine.
     args.threads = args.threads or usable_cores()
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
+    if args.command in ("demo", "tune", "bench") and _is_cuda(args.target):
+        print(f"tvm_ext {args.command}: runs on the CPU (LLVM targets); for {args.target!r} use "
+              "`report`, tvm_ext.build(mod, target) in Python, or bench/gpu_check.sh on a GPU machine",
+              file=sys.stderr)
+        return 2
     if args.command == "demo":
         return demo(args)
     if args.command == "tune":
