@@ -81,7 +81,8 @@ def network_flops(mod) -> int:
 # Children: one runtime, one configuration; print {"ms": [...], "rss_mib": ...} as JSON.
 
 
-def _time(fn, repeat: int) -> list[float]:
+def time_calls(fn, repeat: int) -> list[float]:
+    """Milliseconds of each of `repeat` calls of `fn`, after one warm-up call."""
     fn()  # warm-up (first-run allocation, lazy initialization)
     times = []
     for _ in range(repeat):
@@ -115,7 +116,7 @@ def _child(args: argparse.Namespace) -> None:
         x = np.load(Path(artifact).with_name("input.npy"))
         xt = tvm.runtime.tensor(x)
         repeat = 1 if runtime == "stock_tvm" else args.repeat
-        result["ms"] = _time(lambda: vm(xt), repeat)
+        result["ms"] = time_calls(lambda: vm(xt), repeat)
         output = vm(xt).numpy()
     elif runtime == "onnxruntime":
         import onnxruntime as ort
@@ -127,7 +128,7 @@ def _child(args: argparse.Namespace) -> None:
         session = ort.InferenceSession(artifact, options, providers=["CPUExecutionProvider"])
         name = session.get_inputs()[0].name
         x = np.load(Path(artifact).with_name("input.npy"))
-        result["ms"] = _time(lambda: session.run(None, {name: x}), args.repeat)
+        result["ms"] = time_calls(lambda: session.run(None, {name: x}), args.repeat)
         output = session.run(None, {name: x})[0]
     else:  # pytorch: best of NCHW and channels_last
         import torch
@@ -143,7 +144,7 @@ def _child(args: argparse.Namespace) -> None:
         with torch.inference_mode():
             for fmt in (torch.contiguous_format, torch.channels_last):
                 xt = torch.from_numpy(x).contiguous(memory_format=fmt)
-                times = _time(lambda xt=xt: forward(xt), args.repeat)
+                times = time_calls(lambda xt=xt: forward(xt), args.repeat)
                 if best is None or statistics.median(times) < statistics.median(best[0]):
                     best = (times, "channels_last" if fmt is torch.channels_last else "NCHW")
             result["ms"], result["note"] = best

@@ -66,7 +66,7 @@ def _time_ms(func: tvm.tirx.PrimFunc, shapes: list[tuple], target) -> float:
     fn = tvm.compile(func, target).mod["main"]
     rng = np.random.default_rng(0)
     args = [tvm.runtime.tensor(rng.standard_normal(s).astype("float32")) for s in shapes]
-    return statistics.median(e2e_bench._time(lambda: fn(*args), 15))
+    return statistics.median(e2e_bench.time_calls(lambda: fn(*args), 15))
 
 
 def stock_conv2d(wl: K.Conv2dWorkload) -> tvm.tirx.PrimFunc:
