@@ -58,6 +58,10 @@ def main(small: bool = False) -> None:
               f"{counts['ld.shared.v4.f32']} ld.shared.v4.f32, {counts['ld.global.nc.v4.f32']} ld.global.nc.v4.f32, "
               f"{counts['bar.sync']} bar.sync")
         print(f"   ptxas: {ptx.ptxas_resources(source, 'sm_90')}")
+        loop = ptx.main_loop_instructions(ptx.compile_source(source, "sm_90").decode())
+        loop_fma = sum(v for op, v in loop.items() if op.startswith("fma.rn"))
+        print(f"   the k loop issues {sum(loop.values())} PTX instructions per pair of k steps, "
+              f"{loop_fma} of them FFMA ({100 * loop_fma / sum(loop.values()):.0f}%)")
         # The tensor-core variant: the same block, its compute as mma.sync m16n8k8 (tf32) per warp.
         tc_plan = maxdnn.MaxDNNPlan.make(wl, maxdnn.BlockTile(engine="mma_tf32"), plan.epilogue)
         tc_counts = ptx.ptx_instructions(ptx.compile_source(maxdnn.cuda_source(tc_plan), "sm_90").decode())

@@ -147,6 +147,19 @@ def ptx_instructions(ptx: str) -> collections.Counter:
     return collections.Counter(ops)
 
 
+def main_loop_instructions(ptx: str) -> collections.Counter:
+    """The instructions of the longest loop body in `ptx` (from a label to the branch back to it):
+    for a kernel with one k loop, what every k step issues."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\$L__BB\d+_\d+):", line))}
+    body: list[str] = []
+    for i, line in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)
+        if m and labels.get(m.group(1), i) < i and i - labels[m.group(1)] > len(body):
+            body = lines[labels[m.group(1)]:i + 1]
+    return ptx_instructions("\n".join(body))
+
+
 def ptxas_resources(source: str, arch: str) -> dict[str, int]:
     """`ptxas -v` for each kernel of `source`, summed: registers (max), spill bytes, shared bytes."""
     with tempfile.TemporaryDirectory() as tmp:
