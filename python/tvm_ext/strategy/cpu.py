@@ -1,5 +1,8 @@
 """Which tvm_ext kernel serves which Relax op on LLVM CPUs, or why none does.
 
+(CUDA targets go through the same framework, `decide`, the fusion patterns and
+`lower_to_kernels`, with :mod:`tvm_ext.strategy.cuda` deciding convolutions and emitting calls.)
+
 The strategy is a dispatch pass, :func:`lower_to_kernels`, rather than a legalization map: it
 must see ops in program order and look through their producers' bindings to keep activations
 blocked, which legalization (one op at a time) cannot. Ops it leaves go through
