@@ -159,11 +159,12 @@ def run_layer(torch, device: CudaDevice, entry: dict, cubin: Path, repeat: int) 
     def pad(t):
         return F.pad(t, (left, right, top, bottom))
 
-    # the kernel's operands, laid out once
+    # the kernel's operands, laid out once: CHWN data; weights CRSK, or RSCK (the reduction order)
+    taps_last = entry.get("k_order", "crs") == "crs"
     tensors = {
         "x": x.permute(1, 2, 3, 0).contiguous(),
-        "w": w.reshape(groups, k // groups, cg, r, s).permute(0, 2, 3, 4, 1).reshape(groups, cg * r * s, k // groups)
-              .contiguous(),
+        "w": w.reshape(groups, k // groups, cg, r, s).permute(*((0, 2, 3, 4, 1) if taps_last else (0, 3, 4, 2, 1)))
+              .reshape(groups, cg * r * s, k // groups).contiguous(),
         "y": torch.full(entry["params"]["y"], float("nan"), device=device.torch_device),
     }
     for name, shape in entry["params"].items():

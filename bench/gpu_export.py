@@ -73,7 +73,7 @@ def _entry(name: str, set_name: str, layer: str, engine: str, wl, plan, source: 
         "tile": [plan.tile.rows, plan.tile.cols],
         "x_nchw": [wl.N, wl.C, wl.H, wl.W], "w_oihw": [wl.K, wl.C // wl.groups, wl.KH, wl.KW],
         "stride": list(wl.stride), "padding": list(wl.padding), "dilation": list(wl.dilation),
-        "groups": wl.groups, "flops": wl.flops,
+        "groups": wl.groups, "flops": wl.flops, "k_order": plan.k_order,
         "params": {k: list(v) for k, v in plan.shapes().items()},
         "cuda_args": cc.cuda_param_order(source),
     }

@@ -196,12 +196,12 @@ def test_machine_code(arch, rows):
     resources = ptx.ptxas_resources(source, arch)
     assert resources["spill_stores"] == resources["spill_loads"] == resources["stack"] == 0
     assert resources["registers"] <= 255
-    # the k loop (a pair of steps) is FFMA-bound: 81% of the PTX instructions it issues are FFMA
-    # with 64 rows, 78% with 96 (the rest: shared loads, the im2col gather's index arithmetic,
-    # the guarded prefetch)
+    # the k loop (a pair of steps) is FFMA-bound: 83% of the PTX instructions it issues are FFMA
+    # with 64 rows, 82% with 96 (the rest: shared loads, the guarded prefetch and the im2col
+    # gather's index arithmetic, which the RSC reduction order cut from 78-81%)
     loop = ptx.main_loop_instructions(ptx.compile_source(source, arch).decode())
     loop_fma = sum(n for op, n in loop.items() if op.startswith("fma.rn"))
-    assert loop_fma == 2 * tt.ffma_per_k() * t.k_step and loop_fma >= 0.75 * sum(loop.values())
+    assert loop_fma == 2 * tt.ffma_per_k() * t.k_step and loop_fma >= 0.8 * sum(loop.values())
     cubin = ptx.compile_source(source, arch, "cubin")
     assert cubin[:4] == b"\x7fELF"
 
@@ -274,6 +274,10 @@ def test_layout_helpers():
     assert a[1, 1 * 9 + 2 * 3 + 0, 2] == w[3 + 2, 1, 2, 0]
     with pytest.raises(ValueError, match="groups"):
         cc.weight_to_crsk(w, groups=4)
+    rsck = cc.weight_to_crsk(w, groups=2, k_order="rsc")  # k = (r * S + s) * I + i
+    assert rsck[1, (2 * 3 + 0) * 2 + 1, 2] == w[3 + 2, 1, 2, 0]
+    assert cc.MaxDNNPlan.make(Conv2dWorkload.make((1, 16, 5, 5), (8, 16, 3, 3))).k_order == "rsc"
+    assert cc.MaxDNNPlan.make(Conv2dWorkload.make((1, 3, 5, 5), (8, 3, 3, 3))).k_order == "crs"
     plan = cc.MaxDNNPlan.make(Conv2dWorkload.make(x.shape, (4, 3, 3, 3)))
     with pytest.raises(ValueError, match="epilogue"):
         cc.kernel_arrays(plan, x, w[:4, :3], bias=np.zeros(4, np.float32))

@@ -96,13 +96,18 @@ class CudaEmitter:
         gvar = self.bb.add_func(func.with_attr("op_pattern", _OPAQUE), name)
         return relax.call_tir(gvar, [chwn], relax.TensorType(out, "float32"))
 
-    def _weight(self, weight: relax.Expr, groups: int) -> relax.Expr:
-        """OIHW -> [groups, I*H*W, O/groups]: in NumPy for a constant, else in the graph."""
+    def _weight(self, weight: relax.Expr, groups: int, k_order: str) -> relax.Expr:
+        """OIHW -> [groups, I*H*W, O/groups] in the plan's reduction order: in NumPy for a
+        constant, else in the graph."""
         if isinstance(weight, tvm.ir.expr.GenericConst):
-            return relax.const(_maxdnn.weight_to_crsk(weight.value.numpy(), groups))
+            return relax.const(_maxdnn.weight_to_crsk(weight.value.numpy(), groups, k_order))
         k, cg, r, s = _shape(weight)
-        grouped = relax.op.reshape(weight, (groups, k // groups, cg * r * s))
-        return self.bb.emit(relax.op.permute_dims(grouped, [0, 2, 1]))
+        if k_order == "crs":
+            grouped = relax.op.reshape(weight, (groups, k // groups, cg * r * s))
+            return self.bb.emit(relax.op.permute_dims(grouped, [0, 2, 1]))
+        grouped = relax.op.reshape(weight, (groups, k // groups, cg, r * s))
+        return self.bb.emit(relax.op.reshape(relax.op.permute_dims(grouped, [0, 3, 2, 1]),
+                                             (groups, r * s * cg, k // groups)))
 
     def conv2d(self, call: relax.Call, data: relax.Expr, bias: np.ndarray | None = None,
                residual: relax.Expr | None = None, activation: relax.Call | None = None,
@@ -113,7 +118,7 @@ class CudaEmitter:
         act = None if activation is None else _ACTIVATION_OPS[activation.op.name]
         epilogue = _maxdnn.Epilogue(bias=bias is not None, residual=residual is not None, activation=act)
         plan = _maxdnn.MaxDNNPlan.make(wl, _maxdnn.choose_tile(wl.K // wl.groups, self.engine), epilogue)
-        args = [self.chwn(data), self._weight(call.args[1], wl.groups)]
+        args = [self.chwn(data), self._weight(call.args[1], wl.groups, plan.k_order)]
         if bias is not None:
             args.append(relax.const(np.ascontiguousarray(bias.reshape(-1), dtype=np.float32)))
         if residual is not None:

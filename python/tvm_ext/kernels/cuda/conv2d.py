@@ -8,7 +8,8 @@ memory. Layouts (those of maxDNN/cuda-convnet, chosen so that every global acces
 
 - activations CHWN (the image index innermost): four consecutive columns of a tile are four images
   at the same pixel, one float4 in memory; the output, KPQN, is the same layout;
-- weights CRSK per group ([groups, C/groups*R*S, K/groups]): a k step's row of the A tile is
+- weights CRSK per group ([groups, C/groups*R*S, K/groups]; RSCK when the channels per group
+  are a multiple of 8, see :attr:`MaxDNNPlan.k_order`): a k step's row of the A tile is
   contiguous in output channels.
 
 One thread block computes a `rows x cols` tile of Y (64x64 by default; 32 or 96 rows where the
@@ -228,6 +229,15 @@ class MaxDNNPlan:
         return (2 if pairs else 0) + self.k_steps - 2 * pairs
 
     @property
+    def k_order(self) -> str:
+        """The order of the reduction (c, r, s): "rsc" (channels innermost) when a k step's 8
+        rows are 8 channels of one filter tap, which makes the tap uniform across the block and
+        leaves one division per step instead of four per load slot; "crs" otherwise (3 input
+        channels, say). The weights are laid out in the same order."""
+        cg = self.wl.C // self.wl.groups
+        return "rsc" if cg % self.tile.k_step == 0 else "crs"
+
+    @property
     def vector_a(self) -> bool:
         """Weight rows hold whole float4 (output channels per group a multiple of 4)."""
         return self.gemm[0] % self.tile.vec == 0
@@ -342,11 +352,19 @@ class _Generator:
         rs, S = wl.KH * wl.KW, wl.KW
         dh, dw = wl.dilation
         cg = wl.C // wl.groups
+        if self.plan.k_order == "rsc":  # the step's filter tap, uniform: k = (r * S + s) * cg + c
+            e(f"tap{z}: T.let = {kt} * {t.k_step} // {cg}")
+            e(f"c0{z}: T.let = {kt} * {t.k_step} % {cg}")
         for s, guarded in self.slots(t.k_step * per_row_b):
             e(f"bk{s}{z}: T.let = {kt} * {t.k_step} + bf{s} // {per_row_b}")
-            e(f"bcin{s}{z}: T.let = g * {cg} + bk{s}{z} // {rs}")
-            e(f"br{s}{z}: T.let = bk{s}{z} % {rs} // {S} * {dh}")
-            e(f"bs{s}{z}: T.let = bk{s}{z} % {S} * {dw}")
+            if self.plan.k_order == "rsc":
+                e(f"bcin{s}{z}: T.let = g * {cg} + c0{z} + bf{s} // {per_row_b}")
+                e(f"br{s}{z}: T.let = tap{z} // {S} * {dh}")
+                e(f"bs{s}{z}: T.let = tap{z} % {S} * {dw}")
+            else:  # k = (c * R + r) * S + s
+                e(f"bcin{s}{z}: T.let = g * {cg} + bk{s}{z} // {rs}")
+                e(f"br{s}{z}: T.let = bk{s}{z} % {rs} // {S} * {dh}")
+                e(f"bs{s}{z}: T.let = bk{s}{z} % {S} * {dw}")
             k_live = f"bk{s}{z} < {self.K}" + (f" and bf{s} < {t.k_step * per_row_b}" if guarded else "")
             lanes = [0] if self.plan.vector_b else list(range(t.vec))
             for lane in lanes:
@@ -605,13 +623,17 @@ def output_to_nchw(y: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(y).transpose(3, 0, 1, 2))
 
 
-def weight_to_crsk(w: np.ndarray, groups: int = 1) -> np.ndarray:
-    """OIHW weights -> [groups, I*H*W, O/groups], the A operand of each group's GEMM."""
+def weight_to_crsk(w: np.ndarray, groups: int = 1, k_order: str = "crs") -> np.ndarray:
+    """OIHW weights -> [groups, I*H*W, O/groups], the A operand of each group's GEMM, its rows in
+    the reduction order `k_order` ("crs": CRSK; "rsc": RSCK, see :attr:`MaxDNNPlan.k_order`)."""
     w = np.asarray(w)
     o, i, kh, kw = w.shape
     if o % groups:
         raise ValueError(f"weight_to_crsk: {o} output channels do not split into {groups} groups")
-    per_group = w.reshape(groups, o // groups, i, kh, kw).transpose(0, 2, 3, 4, 1)
+    if k_order not in ("crs", "rsc"):
+        raise ValueError(f"weight_to_crsk: k_order must be 'crs' or 'rsc', got {k_order!r}")
+    axes = (0, 2, 3, 4, 1) if k_order == "crs" else (0, 3, 4, 2, 1)
+    per_group = w.reshape(groups, o // groups, i, kh, kw).transpose(*axes)
     return np.ascontiguousarray(per_group.reshape(groups, i * kh * kw, o // groups))
 
 
@@ -625,7 +647,7 @@ def kernel_arrays(plan: MaxDNNPlan, x: np.ndarray, w: np.ndarray, bias: np.ndarr
     if (bias is not None) != ep.bias or (residual is not None) != ep.residual:
         raise ValueError(f"kernel_arrays: the plan's epilogue {ep} does not match the arrays given")
     arrays = {"x": data_to_chwn(x.astype(np.float32, copy=False)),
-              "w": weight_to_crsk(w.astype(np.float32, copy=False), wl.groups)}
+              "w": weight_to_crsk(w.astype(np.float32, copy=False), wl.groups, plan.k_order)}
     if bias is not None:
         arrays["bias"] = np.ascontiguousarray(bias, dtype=np.float32)
     if residual is not None:
