@@ -69,19 +69,27 @@ class CudaEmitter:
             raise ValueError("tuning records apply to CPU targets only; the CUDA kernels use their analytic tiles")
         self.bb = bb
         self.target = target
-        self.engine = engine  # "ffma" (fp32) or "mma_tf32" (tensor cores)
+        self.engine = engine  # "ffma" (fp32), "mma_tf32" or "mma_bf16" (tensor cores): engine_for()
 
     def _call(self, func: tvm.tirx.PrimFunc, name: str, args: list, shape: tuple) -> relax.Var:
         gvar = self.bb.add_func(func.with_attr("op_pattern", _OPAQUE), name)
         return self.bb.emit(relax.call_tir(gvar, args, relax.TensorType(shape, "float32")))
 
+    def produced_chwn(self, expr: relax.Expr) -> relax.Expr | None:
+        """The CHWN tensor behind `expr` if `expr` is the NCHW view of one of our kernels' results."""
+        if not isinstance(expr, relax.Var):
+            return None
+        value = self.bb.lookup_binding(expr)
+        if (isinstance(value, relax.Call) and value.op == tvm.ir.Op.get("relax.call_tir")
+                and value.args[0].name_hint.startswith(_TO_NCHW)):
+            return value.args[1].fields[0]
+        return None
+
     def chwn(self, expr: relax.Expr) -> relax.Expr:
         """`expr` (NCHW) in CHWN: the tensor behind it if one of our kernels made it, else a transpose."""
-        if isinstance(expr, relax.Var):
-            value = self.bb.lookup_binding(expr)
-            if (isinstance(value, relax.Call) and value.op == tvm.ir.Op.get("relax.call_tir")
-                    and value.args[0].name_hint.startswith(_TO_NCHW)):
-                return value.args[1].fields[0]
+        known = self.produced_chwn(expr)
+        if known is not None:
+            return known
         shape = _shape(expr)
         out = tuple(shape[a] for a in _simple.NCHW_TO_CHWN)
         func = _simple.transpose_func(shape, _simple.NCHW_TO_CHWN, "nchw_to_chwn")
@@ -145,12 +153,7 @@ class CudaEmitter:
             if call.op.name == "relax.mean":  # mean over H, W: a global pool without the unit axes
                 return relax.op.reshape(self.bb.emit(result), _shape(call))
             return result
-        chwn = None
-        if isinstance(data, relax.Var):
-            value = self.bb.lookup_binding(data)
-            if (isinstance(value, relax.Call) and value.op == tvm.ir.Op.get("relax.call_tir")
-                    and value.args[0].name_hint.startswith(_TO_NCHW)):
-                chwn = value.args[1].fields[0]
+        chwn = self.produced_chwn(data)  # an activation works in any layout: stay in the producer's
         source = chwn if chwn is not None else data
         shape = _shape(source)
         func = _simple.activation_func(decision.kernel, shape, _alpha(call))

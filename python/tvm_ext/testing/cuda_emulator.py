@@ -20,6 +20,7 @@ plain C++ accesses), and any CUDA feature beyond what TVM's fp32 kernels use.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import re
@@ -222,7 +223,6 @@ static inline void __syncthreads() {
 """
 
 
-
 class EmulationError(RuntimeError):
     """The kernel could not be compiled or did something the emulator cannot run."""
 
@@ -283,12 +283,18 @@ def _cache_dir() -> str:
     return path
 
 
-def compile_kernel(source: str, kernel: str) -> ctypes.CDLL:
-    """Compile `kernel` of `source` for the CPU (cached by content) and load it."""
+def _params(source: str, kernel: str) -> list[tuple[str, str]]:
     try:
-        params = kernel_params(source, kernel)
+        return kernel_params(source, kernel)
     except ValueError as err:
         raise EmulationError(str(err)) from None
+
+
+@functools.cache
+def compile_kernel(source: str, kernel: str) -> ctypes.CDLL:
+    """Compile `kernel` of `source` for the CPU and load it (cached on disk by content, and in
+    this process: a network's emulation launches each kernel many times)."""
+    params = _params(source, kernel)
     args = ", ".join(f"({ty}*)args[{i}]" for i, (ty, _) in enumerate(params))
     text = (HEADER + _device_code(source) + f"""
 extern "C" int emu_launch(void** args, unsigned gx, unsigned gy, unsigned gz,
@@ -318,10 +324,7 @@ def run_kernel(source: str, kernel: str, grid: tuple[int, int, int], block: tupl
     A parameter `X_ptr` takes `arrays["X"]` (or `arrays["X_ptr"]`); arrays must be C-contiguous
     and of the parameter's element type. Outputs are written in place.
     """
-    try:
-        params = kernel_params(source, kernel)
-    except ValueError as err:
-        raise EmulationError(str(err)) from None
+    params = _params(source, kernel)
     ctype = {"float": np.float32, "double": np.float64, "int": np.int32, "float4": np.float32}
     pointers = []
     for ty, name in params:

@@ -419,8 +419,8 @@ class _Generator:
                   f"B_sh{buf}[vk, vtx * {t.vec} + vj0 * {tt.col_gap} + vj1]")
 
     def compute_mma(self, buf: int) -> None:
-        """One k step on the tensor cores: a warp's 32 x cols slab as 2 x cols/8 mma.sync, its
-        fragments loaded from shared memory in the layouts of :class:`MmaShape`."""
+        """One k step on the tensor cores: a warp's warp_rows x cols slab as warp_rows/16 x cols/8
+        mma.sync, its fragments loaded from shared memory in the layouts of :class:`MmaShape`."""
         t, e, mma = self.t, self.e, self.t.mma
         mt, nt = t.mma_tiles
         half, per = mma.k // 2, mma.per_reg
@@ -604,7 +604,7 @@ def maxdnn_conv2d_func(plan: MaxDNNPlan, symbol: str = "maxdnn_conv2d", *, tenso
     """
     gen = _Generator(plan, fault)
     func = tvm.script.from_source(gen.text(symbol))
-    if not tensorize:
+    if not tensorize or not gen.updates:  # the tensor-core engines issue mma.sync themselves
         return func
     intrin = get_outer_product_intrin(plan.tile.thread_tile())
     sch = s_tir.Schedule(func)
