@@ -90,22 +90,17 @@ def generate_source(func: tvm.tirx.PrimFunc | tvm.IRModule, target: tvm.target.T
     """The CUDA C of `func` for the CUDA `target` (works on any machine)."""
     mod = func if isinstance(func, tvm.IRModule) else tvm.IRModule({"main": func})
     with cuda_source_only():
-        lib = tvm.compile(mod, target=target)
-    sources = [m.inspect_source() for m in lib.mod.imports if m.kind == "cuda"]
-    if not sources:
+        source = executable_cuda_source(tvm.compile(mod, target=target))
+    if not source:
         raise RuntimeError(f"tvm.compile for {target} produced no CUDA module")
-    return "\n".join(sources)
+    return source
 
 
 def executable_cuda_source(executable) -> str:
     """The CUDA C inside a built module or Relax executable (its CUDA modules, at any depth)."""
-    root = getattr(executable, "mod", executable)
-    sources, stack, seen = [], [root], set()
-    while stack:
+    sources, stack = [], [getattr(executable, "mod", executable)]
+    while stack:  # the imports form a tree: host module, library, device modules
         module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
         if module.kind == "cuda":
             sources.append(module.inspect_source())
         stack.extend(module.imports)
