@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from reference import rel_err
+from reference import conv2d_nchw, rel_err
 from tvm import relax
 
 import tvm_ext
@@ -133,3 +133,24 @@ def test_network_on_the_gpu(tensor_cores):
     out = vm["main"](tvm.runtime.tensor(x, tvm.cuda())).numpy()
     ref = to_torch(mod, torch.float64)(torch.from_numpy(x).double()).numpy()
     assert rel_err(out, ref) < (1e-2 if tensor_cores else 1e-4)
+
+
+@needs_gxx
+@pytest.mark.parametrize("channels", [8, 3])  # RSC and CRS reduction order
+def test_weights_that_are_inputs_are_laid_out_in_the_graph(channels):
+    """A weight that is a function parameter (not a constant) is reordered by graph ops at run time."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, channels, 6, 5), "float32"))
+    w = relax.Var("w", relax.TensorType((12, channels, 3, 3), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(relax.op.nn.conv2d(x, w, padding=1)))
+        bb.emit_func_output(out)
+    lowered = lower(bb.get(), TARGET)
+    assert any(gvar.name_hint.startswith("tvm_ext_maxdnn") for gvar, _ in lowered.functions_items())
+    vm = relax.VirtualMachine(emulated_executable(lowered, TARGET), tvm.cpu())
+    rng = np.random.default_rng(3)
+    xv = rng.standard_normal((4, channels, 6, 5)).astype(np.float32)
+    wv = rng.standard_normal((12, channels, 3, 3)).astype(np.float32)
+    got = vm["main"](tvm.runtime.tensor(xv), tvm.runtime.tensor(wv)).numpy()
+    assert rel_err(got, conv2d_nchw(xv, wv, padding=(1, 1, 1, 1))) < 1e-4
