@@ -13,15 +13,19 @@ import tvm_ext
 from tvm_ext.kernels.conv2d import Conv2dWorkload, Epilogue, plan_conv2d
 from tvm_ext.target import AVX2
 from tvm_ext.tuning import extract_tasks, open_database, tuned_kernel
-from tvm_ext.tuning.space import conv2d_space, conv2d_workload, default_kernel, default_trace, tensorize_segments
+from tvm_ext.tuning.space import (conv2d_space, conv2d_workload, default_kernel, default_trace, flat_decisions,
+                                  tensorize_segments)
 from tvm_ext.tuning.tuner import compact_database
 
 TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})  # AVX2: the CI machine's ISA
 
 
-def test_every_candidate_of_the_design_space_computes_the_convolution():
-    """Candidates differ in m_r, n_r and unroll; each that fits the registers gives the same numbers."""
-    wl = Conv2dWorkload.make((1, 16, 9, 13), (32, 16, 3, 3), 1, 1)  # 13 wide: whole tiles and a tail
+@pytest.mark.parametrize("batch", [1, 2])
+def test_every_candidate_of_the_design_space_computes_the_convolution(batch):
+    """Candidates differ in the blocking of images, output channels and rows (and so in the loop
+    order and the parallel split), m_r, n_r and unroll; each that fits the registers gives the
+    same numbers."""
+    wl = Conv2dWorkload.make((batch, 16, 9, 13), (32, 16, 3, 3), 1, 1)  # 13 wide: whole tiles and a tail
     plan = plan_conv2d(wl, AVX2)
     assert len(plan.row_segments()) == 2
     epilogue = Epilogue(bias=True, activation="relu")
@@ -46,10 +50,10 @@ def test_every_candidate_of_the_design_space_computes_the_convolution():
     reference = np.maximum(reference, 0).reshape(n, ocb, oc, wl.OH, wl.OW).transpose(0, 1, 3, 4, 2)
     assert rel_err(expected, reference) <= 1e-4
     seen, rejected = set(), 0
-    for seed in range(1, 13):
+    for seed in range(1, 17):
         sch = Schedule(workload, seed=seed)
         conv2d_space(sch)
-        decisions = tuple(int(v) for v in sch.trace.decisions.values())
+        decisions = flat_decisions(sch.trace)
         if not tensorize_segments(sch):
             rejected += 1  # a tile larger than the register file
             continue
@@ -128,8 +132,8 @@ def test_tune_a_network_then_build_with_its_records(tmp_path):
     assert all(tuned_kernel(database, t.workload, TARGET) is not None for t in tasks)
     for task in tasks:  # each task's analytic schedule was measured and recorded too
         workload = database.commit_workload(tvm.IRModule({"main": task.workload}))
-        decisions = [[int(v) for v in r.trace.decisions.values()] for r in database.get_top_k(workload, 100)]
-        assert [int(v) for v in default_trace(task.workload).decisions.values()] in decisions
+        decisions = [flat_decisions(r.trace) for r in database.get_top_k(workload, 100)]
+        assert flat_decisions(default_trace(task.workload)) in decisions
     x = np.random.default_rng(2).standard_normal((1, 16, 14, 14)).astype("float32")
     run = lambda ex: relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()  # noqa: E731
     assert rel_err(run(tvm_ext.build(mod, TARGET, database=work_dir)), run(tvm.compile(mod, TARGET))) <= 1e-4

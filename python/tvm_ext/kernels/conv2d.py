@@ -143,8 +143,9 @@ class Conv2dPlan:
     oc_bn: int  # channels per output block (y); n_r of the microkernel
     m_r: int  # output pixels per microkernel call
     reason: str = ""  # why not "brgemm"
-    # Order of a task's rows within an image: output block outer ("ob_oh": its weights are
-    # reused by every row) or row outer ("oh_ob": one input row is reused by every block). Rows
+    # The analytic schedule's order of an image's rows (:func:`order_rows`; tuning samples the
+    # blockings in between): output block outer ("ob_oh": its weights are reused by every row)
+    # or row outer ("oh_ob": one input row is reused by every block). Rows
     # outer won 1.1-1.25x on isolated ResNet-50 1x1 layers at batch 16 but measured neutral to
     # slightly slower inside the network (1332 vs 1309 ms at batch 16), so the default stays.
     row_order: str = "ob_oh"
@@ -280,14 +281,12 @@ def conv(x: T.handle, w: T.handle, {bias_param}{out_param}) -> None:
     X = T.match_buffer(x, {x_shape}, "float32")
     W = T.match_buffer(w, {w_shape}, "float32")
 {bias_buffer}{out_buffers}
-    for row in T.parallel({rows}):
+    for n, ob, oh in T.grid({N}, {OCB}, {OH}):
 {segments}"""
 
 _SEGMENT = """        for ow, o, {reduce_loops} in T.grid({width}, {oc_bn}, {reduce_extents}):
             with T.sblock("{name}"):
-                v_n = T.axis.spatial({N}, row // {rows_per_image})
-                v_ob = T.axis.spatial({OCB}, {ob_expr})
-                v_oh = T.axis.spatial({OH}, {oh_expr})
+                v_n, v_ob, v_oh = T.axis.remap("SSS", [n, ob, oh])
                 v_ow = T.axis.spatial({width}, ow)
                 v_o = T.axis.spatial({oc_bn}, o)
 {reduce_bindings}
@@ -299,9 +298,7 @@ _SEGMENT = """        for ow, o, {reduce_loops} in T.grid({width}, {oc_bn}, {red
 _EPILOGUE = """        for ow in T.serial({OW}):
           for o in T.vectorized({oc_bn}):
             with T.sblock("epilogue"):
-                v_n = T.axis.spatial({N}, row // {rows_per_image})
-                v_ob = T.axis.spatial({OCB}, {ob_expr})
-                v_oh = T.axis.spatial({OH}, {oh_expr})
+                v_n, v_ob, v_oh = T.axis.remap("SSS", [n, ob, oh])
                 v_ow, v_o = T.axis.remap("SS", [ow, o])
                 Y_epilogue[v_n, v_ob, v_oh, v_ow, v_o] = {value}
 """
@@ -310,9 +307,9 @@ _EPILOGUE = """        for ow in T.serial({OW}):
 # whole tiles, element by element at the edges (a group of 8 channels that K cuts, channels past
 # the last group of 8, pixels past the last whole tile). The epilogue then runs in place on the
 # NCHW rows just written (still in L1), contiguous along pixels as an NCHW residual is.
-_NCHW_ROW = """        v_n: T.let = row // {rows_per_image}
-        v_ob: T.let = {ob_expr}
-        v_oh: T.let = {oh_expr}
+_NCHW_ROW = """        v_n: T.let = n
+        v_ob: T.let = ob
+        v_oh: T.let = oh
 """
 _NCHW_WRITE = """        for oo in range({oc_bn} // 8):
             if v_ob * {oc_bn} + oo * 8 + 8 <= {K}:
@@ -350,7 +347,6 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
     wl = plan.wl
     sh, sw = wl.stride
     dh, dw = wl.dilation
-    rows_per_image = plan.OCB * wl.OH
     if plan.kind == "depthwise":
         product = ("X[v_n, v_ob, v_oh * {sh} + v_kh * {dh}, (v_ow + {start}) * {sw} + v_kw * {dw}, v_o]"
                    " * W[v_ob, v_kh, v_kw, v_o]")
@@ -362,12 +358,7 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
                    "(v_ow + {start}) * {sw} + v_kw * {dw}, v_ic] * W[v_ob, v_icb, v_kh, v_kw, v_ic, v_o]")
     extents = {"icb": (wl.C // wl.groups) // plan.ic_bn, "kh": wl.KH, "kw": wl.KW, "ic": plan.ic_bn}
     reduce = [(axis, extents[axis]) for axis in plan.reduce_axes()]
-    if plan.row_order == "ob_oh":  # one output block's rows in a row: its weights stay in cache
-        ob_expr, oh_expr = f"row // {wl.OH} % {plan.OCB}", f"row % {wl.OH}"
-    else:  # "oh_ob": one input row serves every output block while it is in cache
-        ob_expr, oh_expr = f"row % {plan.OCB}", f"row // {plan.OCB} % {wl.OH}"
-    common = dict(N=wl.N, OCB=plan.OCB, OH=wl.OH, OW=wl.OW, oc_bn=plan.oc_bn, rows_per_image=rows_per_image,
-                  ob_expr=ob_expr, oh_expr=oh_expr)
+    common = dict(N=wl.N, OCB=plan.OCB, OH=wl.OH, OW=wl.OW, oc_bn=plan.oc_bn)
     reduce_fields = dict(
         reduce_loops=", ".join(r for r, _ in reduce),
         reduce_extents=", ".join(str(e) for _, e in reduce),
@@ -410,6 +401,8 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
         # Blocked output: the tiles accumulate straight into it. The tail and the epilogue write
         # it through aliases (same memory, disjoint or later accesses): TensorIR tensorizes a
         # reduction with its initialization only if the block is the sole writer of its buffer.
+        # The epilogue reads Y and writes its alias: a block reading and writing one buffer in
+        # place is not "compact dataflow", and `parallel` refuses a loop above it.
         out_buffers = (f'    Y = T.match_buffer(y, {plan.out_shape()}, "float32")\n'
                        f'    Y_tail = T.decl_buffer({plan.out_shape()}, "float32", data=Y.data)\n'
                        f'    Y_epilogue = T.decl_buffer({plan.out_shape()}, "float32", data=Y.data)\n')
@@ -419,7 +412,7 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
                 out_index=f"v_n, v_ob, v_oh, v_ow + {start}, v_o",
                 product=product.format(sh=sh, sw=sw, dh=dh, dw=dw, start=start), **reduce_fields, **common)
         if not epilogue.empty:
-            body += _EPILOGUE.format(value=value.format(src="Y_epilogue[v_n, v_ob, v_oh, v_ow, v_o]",
+            body += _EPILOGUE.format(value=value.format(src="Y[v_n, v_ob, v_oh, v_ow, v_o]",
                                                         residual="R[v_n, v_ob, v_oh, v_ow, v_o]"), **common)
         params = "y: T.handle"
     text = _CONV_TEMPLATE.format(
@@ -427,7 +420,7 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
         out_param=params, out_buffers=out_buffers,
         bias_buffer=(f'    B = T.match_buffer(b, ({plan.OCB}, {plan.oc_bn}), "float32")\n' if epilogue.bias else "")
         + (f'    R = T.match_buffer(r, {residual_shape}, "float32")\n' if epilogue.residual else ""),
-        x_shape=plan.data_shape(), w_shape=plan.weight_shape(), rows=wl.N * rows_per_image, segments=body)
+        x_shape=plan.data_shape(), w_shape=plan.weight_shape(), segments=body, **common)
     return tvm.script.from_source(text)
 
 
@@ -483,6 +476,39 @@ def tensorize_brgemm_segments(sch: s_tir.Schedule, plan: Conv2dPlan, lanes: int,
     return True
 
 
+def row_order_tiles(plan: Conv2dPlan) -> tuple[list[int], list[int], list[int]]:
+    """The (outer, inner) splits of the image, output-block and row loops that give the analytic
+    order: image outer, then output block then row ("ob_oh") or row then output block ("oh_ob")."""
+    n, ocb, oh = plan.wl.N, plan.OCB, plan.wl.OH
+    if plan.row_order == "ob_oh":
+        return [n, 1], [ocb, 1], [1, oh]
+    return [n, 1], [1, ocb], [oh, 1]
+
+
+def order_rows(sch: s_tir.Schedule, plan: Conv2dPlan, tunable: bool = False) -> None:
+    """Order the output rows and share them among threads: the cache blocking of images, output
+    channels and rows, and the parallel split.
+
+    The image, output-block and row loops are each split in two and ordered
+    (images, blocks, images in a block tile, rows, blocks in a tile, rows in a tile), then fused
+    into the one parallel loop. A tile of blocks x rows reuses its blocks' weights over its rows
+    (and over the images inside it) and each input row over its blocks; threads take contiguous
+    ranges of the fused loop, so the splits also decide whether threads divide the output
+    channels or the rows. The analytic schedule uses the plan's `row_order`
+    (:func:`row_order_tiles`); tuning samples all three splits as perfect tiles, which keeps the
+    loop structure the same for every decision.
+    """
+    loops = sch.get_loops(sch.get_sblock(plan.row_segments()[0][0]))[:3]
+    if tunable:
+        tiles = [sch.sample_perfect_tile(loop, n=2) for loop in loops]
+    else:
+        tiles = row_order_tiles(plan)
+    (n_outer, n_inner), (ob_outer, ob_inner), (oh_outer, oh_inner) = (
+        sch.split(loop, factors, preserve_unit_iters=True) for loop, factors in zip(loops, tiles, strict=True))
+    sch.reorder(n_outer, ob_outer, n_inner, oh_outer, ob_inner, oh_inner)
+    sch.parallel(sch.fuse(n_outer, ob_outer, n_inner, oh_outer, ob_inner, oh_inner, preserve_unit_iters=True))
+
+
 def schedule_conv2d_blocked(sch: s_tir.Schedule, plan: Conv2dPlan, lanes: int, tunable: bool = False,
                             registers: int | None = None) -> None:
     """Tile and tensorize the row segments (vectorize them, for depthwise and direct).
@@ -495,6 +521,7 @@ def schedule_conv2d_blocked(sch: s_tir.Schedule, plan: Conv2dPlan, lanes: int, t
     The epilogue needs nothing: it updates the row in place (a block no schedule primitive can
     transform) and is generated with its channel loop already vectorized.
     """
+    order_rows(sch, plan, tunable)
     if plan.kind == "brgemm":
         for name, width, _ in plan.row_segments():
             _tile_segment(sch, plan, sch.get_sblock(name), width, lanes, tunable, registers)

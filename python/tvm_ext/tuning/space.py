@@ -4,7 +4,9 @@ A tuning task is the unscheduled blocked convolution of a graph (:func:`conv2d_w
 layouts its neighbours agreed on are fixed, so a tuned kernel drops into the same graph). Its
 design space, :func:`conv2d_space`, is the kernel's own schedule
 (:func:`tvm_ext.kernels.conv2d.schedule_conv2d_blocked` with `tunable=True`: no second copy),
-which samples per row segment:
+which samples, per task, the cache blocking of images, output channels and rows (three perfect
+tiles, which together are the loop order and decide whether threads divide channels or rows;
+see :func:`tvm_ext.kernels.conv2d.order_rows`) and, per row segment:
 
 - m_r: output pixels per microkernel call, among the divisors of the segment's width (no tile
   ever needs a predicate);
@@ -12,8 +14,8 @@ which samples per row segment:
   (several calls per block when smaller);
 - the unroll of the microkernel's k loop.
 
-Every decision is a `sample_categorical` whose value feeds `split` and `annotate` directly, so
-the loop structure is the same for every decision (trace replay and evolutionary mutation work).
+Every decision is a `sample_perfect_tile` or `sample_categorical` whose value feeds `split` and
+`annotate` directly, so the loop structure is the same for every decision (trace replay and evolutionary mutation work).
 The postprocessor :class:`TensorizeBRGEMM` then tensorizes each segment with the microkernel of
 the sampled shape, and rejects tiles that do not fit the register file.
 """
@@ -87,14 +89,26 @@ def default_trace(workload: tvm.tirx.PrimFunc) -> tvm.s_tir.Trace:
     plan = describe_kernel(workload)[0]
     sch = Schedule(tvm.IRModule({"main": workload}))
     conv2d_space(sch)
-    defaults = [value for _, width, _ in plan.row_segments() for value in (min(plan.m_r, width), plan.oc_bn, 1)]
     trace = sch.trace
+    tiles = [inst for inst in trace.insts if inst.kind.name == "SamplePerfectTile"]
     samples = [inst for inst in trace.insts if inst.kind.name == "SampleCategorical"]
-    if len(samples) != len(defaults):
-        raise ValueError(f"conv2d space: {len(samples)} sampled decisions, expected {len(defaults)}")
+    defaults = [value for _, width, _ in plan.row_segments() for value in (min(plan.m_r, width), plan.oc_bn, 1)]
+    if len(tiles) != 3 or len(samples) != len(defaults):
+        raise ValueError(f"conv2d space: {len(tiles)} tile and {len(samples)} categorical decisions, "
+                         f"expected 3 and {len(defaults)}")
+    for inst, factors in zip(tiles, _conv.row_order_tiles(plan), strict=True):
+        trace = trace.with_decision(inst, factors, remove_postproc=True)
     for inst, value in zip(samples, defaults, strict=True):
         trace = trace.with_decision(inst, [int(c) for c in inst.attrs[0]].index(value), remove_postproc=True)
     return trace
+
+
+def flat_decisions(trace: tvm.s_tir.Trace) -> tuple[int, ...]:
+    """A trace's sampled decisions as one tuple of ints (a perfect tile gives its factors)."""
+    values = []
+    for value in trace.decisions.values():
+        values.extend(int(v) for v in value) if isinstance(value, tvm.ir.Array) else values.append(int(value))
+    return tuple(values)
 
 
 def tensorize_segments(sch: Schedule) -> bool:

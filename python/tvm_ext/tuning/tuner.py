@@ -85,7 +85,7 @@ def _tune_context(task: Task, target: tvm.target.Target, seed: int) -> ms.TuneCo
     from tvm.s_tir.meta_schedule.logging import get_logger, get_logging_func
 
     generator = ms.space_generator.ScheduleFn(space.conv2d_space, sch_rules=[], postprocs=[space.TensorizeBRGEMM()],
-                                              mutator_probs={})
+                                              mutator_probs={ms.mutator.MutateTileSize(): 1.0})
     context = ms.TuneContext.__new__(ms.TuneContext)
     context.__init_handle_by_constructor__(
         _ffi_api.TuneContext, tvm.IRModule({"main": task.workload}), target, generator,
@@ -98,11 +98,12 @@ def _tune_context(task: Task, target: tvm.target.Target, seed: int) -> ms.TuneCo
 def _search_strategy() -> ms.search_strategy.SearchStrategy:
     """Evolutionary search sized for tvm_ext's design spaces.
 
-    A space is the register tiles and unroll factors of one kernel: tens of points (9-42 valid
-    ones per task of ResNet-50 and VGG-16), and its decisions are categorical, which no
-    MetaSchedule mutator changes, so evolution adds nothing to the initial sample. MetaSchedule's
-    default population (512 schedules, each generated and tensorized in Python) made the search
-    take most of a round; 128 still covers such a space.
+    A space is the row blocking, register tiles and unroll factors of one kernel. Its blocking
+    decisions are perfect tiles, which MetaSchedule's tile-size mutator evolves; the tile and
+    unroll decisions are categorical, which no mutator changes, so the initial sample covers
+    them (9-42 valid combinations per task of ResNet-50 and VGG-16). MetaSchedule's default
+    population (512 schedules, each generated and tensorized in Python) made the search take
+    most of a round; 128 is enough for such a space.
     """
     return ms.search_strategy.EvolutionarySearch(population_size=128, init_min_unmeasured=16)
 
