@@ -86,6 +86,20 @@ def test_lowering_keeps_activations_in_chwn():
     assert launch_shape(conv)[1] == (32, 1, 1)  # 8 filters: a 32-row tile of 4 x 8 threads
 
 
+def test_report_names_the_engine_and_tile_the_build_uses():
+    """With tensor_cores the report names the tensor-core tile (the emitter builds the tile of the
+    same decision); a bad option or a CPU target is refused."""
+    mod = _net(4)
+    for tensor_cores, engine in ((False, "ffma"), ("tf32", "mma_tf32")):
+        rows = [row for row in tvm_ext.dispatch_report(mod, TARGET, tensor_cores=tensor_cores)
+                if row.kernel == "maxdnn_conv2d" and row.op == "nn.conv2d"]
+        assert rows and all(f" {engine} tile" in row.reason for row in rows)
+    with pytest.raises(tvm_ext.UnsupportedError, match="tensor_cores applies to CUDA"):
+        tvm_ext.dispatch_report(mod, "llvm", tensor_cores=True)
+    with pytest.raises(ValueError, match="tensor_cores must be"):
+        tvm_ext.dispatch_report(mod, TARGET, tensor_cores="fp8")
+
+
 def test_build_for_cuda_without_gpu_and_report():
     mod = _net(4)
     report = tvm_ext.dispatch_report(mod, TARGET)

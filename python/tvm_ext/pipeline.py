@@ -24,6 +24,7 @@ from .dlight.cpu import ParallelVectorize
 from .errors import UnsupportedError
 from .kernels.conv2d import KERNEL_ATTR
 from .strategy import cpu as cpu_strategy
+from .strategy.cuda import engine_for
 from .strategy.split_batch import split_batch
 from .target import TargetLike, resolve_target
 
@@ -76,8 +77,6 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
 
     target = resolve_target(target)
     if target.kind.name == "cuda":
-        from .strategy.cuda import engine_for
-
         engine_for(tensor_cores)  # a bad value fails here, not inside the pass
         if database is not None:
             raise UnsupportedError("pipeline: tuning records apply to CPU targets only (the CUDA kernels use "
@@ -170,12 +169,16 @@ def _is_call_to(expr, op: str) -> bool:
     return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == op
 
 
-def dispatch_report(mod: tvm.IRModule, target: TargetLike = None) -> DispatchReport:
+def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, tensor_cores: bool | str = False) -> DispatchReport:
     """Which tvm_ext kernel serves each op of `mod["main"]` on `target`, or why stock TVM does.
 
     Ops fused into a convolution's epilogue are reported as served by that kernel.
+    `tensor_cores`: as for :func:`build` (CUDA), so the report names the tile the build uses.
     """
     target = resolve_target(target)
+    engine = engine_for(tensor_cores)
+    if tensor_cores and target.kind.name != "cuda":
+        raise UnsupportedError("dispatch_report: tensor_cores applies to CUDA targets")
     with target:
         fused = tvm.transform.Sequential(cpu_strategy.fusion_passes(target))(mod)
     report = DispatchReport()
@@ -190,7 +193,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None) -> DispatchRep
         return _is_call_to(bindings.get(source) if isinstance(source, relax.Var) else None, "relax.permute_dims")
 
     def row(call: relax.Call, fused_into: str | None = None, matmul: bool = False) -> None:
-        decision = cpu_strategy.decide(call, target)
+        decision = cpu_strategy.decide(call, target, engine)
         if matmul:
             (_, k, _, m), (n, *_) = decision.shapes
             reason = "as a 1x1 convolution (a GEMM is a batch-reduce of one)"
@@ -211,7 +214,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None) -> DispatchRep
             relax.analysis.post_order_visit(fused[expr.op].body,
                                             lambda e: calls.append(e) if isinstance(e, relax.Call) else None)
             conv = next(c for c in calls if isinstance(c.op, tvm.ir.Op) and c.op.name == "relax.nn.conv2d")
-            kernel = cpu_strategy.decide(conv, target).kernel
+            kernel = cpu_strategy.decide(conv, target, engine).kernel
             matmul = from_matmul(expr.args[list(fused[expr.op].params).index(conv.args[0])])
             for call in calls:
                 if isinstance(call.op, tvm.ir.Op):

@@ -74,8 +74,9 @@ def _dtype(expr: relax.Expr) -> str:
     return str(getattr(expr.ty, "dtype", ""))
 
 
-def decide(call: relax.Call, target: tvm.target.Target) -> Decision:
-    """The kernel for `call` on `target`, or why stock TVM keeps it."""
+def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma") -> Decision:
+    """The kernel for `call` on `target`, or why stock TVM keeps it (`engine`: CUDA's
+    convolution engine, see :func:`tvm_ext.strategy.cuda.engine_for`)."""
     op = call.op.name if isinstance(call.op, tvm.ir.Op) else str(call.op)
     tensors = [arg for arg in call.args if isinstance(arg.ty, relax.TensorType)]
     shapes = tuple(_shape_text(arg) for arg in tensors)
@@ -105,7 +106,7 @@ def decide(call: relax.Call, target: tvm.target.Target) -> Decision:
     except ValueError as err:
         return Decision(op, shapes, None, str(err))
     if target.kind.name == "cuda":
-        kernel, reason, cuda_plan = _cuda.conv2d_decision(wl)
+        kernel, reason, cuda_plan = _cuda.conv2d_decision(wl, engine)
         return Decision(op, shapes, kernel, reason, cuda_plan)
     plan = _conv.plan_conv2d(wl, vector_isa(target))
     return Decision(op, shapes, f"{plan.kind}_conv2d", plan.reason, plan)

@@ -44,12 +44,12 @@ def engine_for(tensor_cores) -> str:
     return engines[tensor_cores]
 
 
-def conv2d_decision(wl: _conv.Conv2dWorkload) -> tuple[str | None, str, _maxdnn.MaxDNNPlan | None]:
-    """(kernel or None, reason, plan) for a validated float32 NCHW/OIHW convolution."""
+def conv2d_decision(wl: _conv.Conv2dWorkload, engine: str = "ffma") -> tuple[str | None, str, _maxdnn.MaxDNNPlan | None]:
+    """(kernel or None, reason, plan) for a validated float32 NCHW/OIHW convolution on `engine`."""
     if wl.depthwise:
         return None, "depthwise: one filter per group would fill 1 row of a 64-row maxDNN tile; stock TVM", None
-    plan = _maxdnn.MaxDNNPlan.make(wl)
-    reason = f"{plan.tile.rows}x{plan.tile.cols} tile, grid {plan.grid}"
+    plan = _maxdnn.MaxDNNPlan.make(wl, _maxdnn.choose_tile(wl.K // wl.groups, engine))
+    reason = f"{plan.tile.rows}x{plan.tile.cols} {engine} tile, grid {plan.grid}"
     return _maxdnn.KERNEL_NAME, reason, plan
 
 
@@ -122,10 +122,11 @@ class CudaEmitter:
                suffix: str = "") -> relax.Expr:
         from .cpu import _ACTIVATION_OPS, decide
 
-        wl = decide(call, self.target).plan.wl
+        decided = decide(call, self.target, self.engine).plan  # the tile the report names
+        wl = decided.wl
         act = None if activation is None else _ACTIVATION_OPS[activation.op.name]
         epilogue = _maxdnn.Epilogue(bias=bias is not None, residual=residual is not None, activation=act)
-        plan = _maxdnn.MaxDNNPlan.make(wl, _maxdnn.choose_tile(wl.K // wl.groups, self.engine), epilogue)
+        plan = _maxdnn.MaxDNNPlan.make(wl, decided.tile, epilogue)
         args = [self.chwn(data), self._weight(call.args[1], wl.groups, plan.k_order)]
         if bias is not None:
             args.append(relax.const(np.ascontiguousarray(bias.reshape(-1), dtype=np.float32)))
