@@ -9,7 +9,7 @@ For each layer of a set (bench/workloads.json), at the same trial budget:
 Prints ms, GFLOP/s, % of the measured peak, the tuned/untuned and tuned/stock ratios, and the
 best latency reached after 1/8, 1/4, 1/2 of the trials (how fast the search converges).
 
-Usage: python bench/tune.py --set resnet50 --layers 3 --trials 64 [--threads 1]
+Usage: python bench/tune.py --set resnet50 --layers 3 --trials 64 [--threads 1] [--only NAME,NAME]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--set", default="resnet50")
     ap.add_argument("--layers", type=int, default=3, help="the first K layers of the set")
+    ap.add_argument("--only", default="", help="comma-separated layer names (instead of --layers)")
     ap.add_argument("--trials", type=int, default=64, help="trial budget per layer, for both searches")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--target", default="llvm")
@@ -88,7 +89,15 @@ def main() -> int:
     isa = tvm_ext.vector_isa(target)
     peaks = peak_bench.load_or_measure()
     peak = peaks["peak_gflops_1thread"] if ARGS.threads == 1 else peaks["peak_gflops_all"]
-    layers = load_layers(ARGS.set)[: ARGS.layers]
+    layers = load_layers(ARGS.set)
+    if ARGS.only:
+        wanted = ARGS.only.split(",")
+        unknown = sorted(set(wanted) - {layer["name"] for layer in layers})
+        if unknown:
+            sys.exit(f"bench/tune.py: no layer {', '.join(unknown)} in set {ARGS.set}")
+        layers = [layer for layer in layers if layer["name"] in wanted]
+    else:
+        layers = layers[: ARGS.layers]
     print(f"# tuning benchmark: {ARGS.set}, {ARGS.trials} trials per layer and search, {ARGS.threads} threads, "
           f"target {target}, peak {peak:.1f} GFLOP/s")
     header = ("layer", "untuned ms", "tuned ms", "stock MS ms", "tuned %peak", "tuned/untuned", "tuned/stock",

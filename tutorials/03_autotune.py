@@ -2,8 +2,9 @@
 
 1. see the tuning tasks tvm_ext extracts (each distinct convolution kernel, weighted by how often
    the network calls it);
-2. look at one task's design space: the sampled decisions (m_r, n_r, unroll) and the microkernel
-   each candidate is tensorized with;
+2. look at one task's design space: the sampled decisions (the blocking of images, output
+   channels and rows, then m_r, n_r and unroll per row segment) and the microkernel each
+   candidate is tensorized with;
 3. tune with `tvm_ext.tune` (evolutionary search, XGBoost cost model) into a JSON database;
 4. build with `tvm_ext.build(..., database=work_dir)`, check the numbers, compare the latency.
 
@@ -25,7 +26,7 @@ from tvm.s_tir import Schedule
 import tvm_ext
 from tvm_ext.tuning import extract_tasks
 from tvm_ext.tuning.progress import TuningProgress
-from tvm_ext.tuning.space import conv2d_space, tensorize_segments
+from tvm_ext.tuning.space import conv2d_space, flat_decisions, tensorize_segments
 
 
 def network() -> tvm.IRModule:
@@ -72,7 +73,7 @@ def main() -> None:
     for seed in (1, 2, 3):
         sch = Schedule(tasks[0].workload, seed=seed)
         conv2d_space(sch)
-        decisions = [int(v) for v in sch.trace.decisions.values()]
+        decisions = flat_decisions(sch.trace)
         fits = tensorize_segments(sch)
         intrinsics = [str(inst.attrs[0]) for inst in sch.trace.insts if inst.kind.name == "Tensorize"]
         print(f"candidate {seed}: decisions {decisions} -> {intrinsics if fits else 'rejected (spills)'}")
