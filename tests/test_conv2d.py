@@ -237,6 +237,64 @@ def test_blocked_kernel_with_fused_epilogue(activation, shape, row_order):
     assert rel_err(y, ref) <= TOL
 
 
+@pytest.mark.parametrize("case", [
+    # x, w, stride, padding, groups, out_pad, residual
+    ((2, 32, 9, 17), (48, 32, 3, 3), 1, 1, 1, (1, 1, 1, 1), False),  # a tail segment, batch 2
+    ((1, 16, 12, 11), (32, 16, 1, 1), 2, 0, 1, (0, 2, 3, 1), True),  # asymmetric border, shortcut
+    ((1, 32, 10, 10), (32, 1, 3, 3), 1, 1, 32, (2, 2, 2, 2), False),  # depthwise
+])
+def test_blocked_kernel_writes_a_zero_border(case):
+    """Epilogue.out_pad: the output is the padded input of the next layer. Its interior equals the
+    float64 reference, its border is zero, and nothing is left unwritten (the buffer starts NaN)."""
+    import tvm
+
+    from tvm_ext.kernels.conv2d import Epilogue, conv2d_blocked_kernel, pack_weight_func
+    from tvm_ext.target import resolve_target, vector_isa
+
+    x_shape, w_shape, stride, pad, groups, out_pad, residual = case
+    target = resolve_target("llvm")
+    plan = ops.conv2d_plan(x_shape, w_shape, stride=stride, padding=pad, groups=groups)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(x_shape, dtype=np.float32)
+    w = rng.standard_normal(w_shape, dtype=np.float32)
+    b = rng.standard_normal(w_shape[0], dtype=np.float32)
+    r = rng.standard_normal(plan.out_shape(), dtype=np.float32)
+    epilogue = Epilogue(bias=True, residual=residual, activation="relu", out_pad=out_pad)
+    conv = tvm.compile(conv2d_blocked_kernel(plan, vector_isa(target).lanes, epilogue), target)
+    wb = tvm.runtime.empty(plan.weight_shape(), "float32", tvm.cpu())
+    tvm.compile(pack_weight_func(plan), target)(tvm.runtime.tensor(w), wb)
+    bb = np.zeros(plan.K_pad, np.float32)
+    bb[: len(b)] = b
+    yb = tvm.runtime.tensor(np.full(epilogue.out_shape(plan), np.nan, np.float32))
+    args = [tvm.runtime.tensor(_pack_nchwc(x, plan)), wb, tvm.runtime.tensor(bb.reshape(plan.OCB, plan.oc_bn))]
+    conv(*args, *([tvm.runtime.tensor(r)] if residual else []), yb)
+    y = yb.numpy()
+    top, left, bottom, right = out_pad
+    wl = plan.wl
+    assert y.shape == (wl.N, plan.OCB, wl.OH + top + bottom, wl.OW + left + right, plan.oc_bn)
+    inner = y[:, :, top: top + wl.OH, left: left + wl.OW]
+    border = y.copy()
+    border[:, :, top: top + wl.OH, left: left + wl.OW] = 0
+    assert not np.isnan(y).any() and not border.any()
+    ref = conv2d_nchw(x, w, b, wl.stride, wl.padding, groups=groups)
+    if residual:
+        ref = ref + r.transpose(0, 1, 4, 2, 3).reshape(ref.shape)
+    got = inner.transpose(0, 1, 4, 2, 3).reshape(wl.N, plan.K_pad, wl.OH, wl.OW)[:, : w_shape[0]]
+    assert rel_err(got, np.maximum(ref, 0)) <= TOL
+
+
+def test_epilogue_border_is_validated():
+    from tvm_ext.kernels.conv2d import Epilogue
+
+    assert Epilogue(out_pad=[1, 0, 1, 0]).out_pad == (1, 0, 1, 0)  # from JSON, a list
+    with pytest.raises(ValueError, match="out_pad must be 4 non-negative"):
+        Epilogue(out_pad=(1, -1, 0, 0))
+    with pytest.raises(ValueError, match="out_pad must be 4 non-negative"):
+        Epilogue(out_pad=(1, 1))
+    with pytest.raises(ValueError, match="not to nchw_out"):
+        Epilogue(nchw_out=True, out_pad=(1, 1, 1, 1))
+
+
 def test_prepacked_conv2d_module():
     """ops.Conv2d packs its weights once per input shape; results equal ops.conv2d's reference."""
     rng = np.random.default_rng(21)

@@ -265,13 +265,28 @@ class Epilogue:
     activation: str | None = None
     nchw_out: bool = False
     alpha: float = 0.01  # leaky_relu's negative slope
+    # A zero border (top, left, bottom, right) around the blocked output: the padded input of the
+    # next convolution, written here so that no padded copy of the tensor is made.
+    out_pad: tuple[int, int, int, int] = (0, 0, 0, 0)
 
     def __post_init__(self):
         if self.activation is not None and self.activation not in ACTIVATIONS:
             raise ValueError(f"epilogue: activation {self.activation!r} not in {sorted(ACTIVATIONS)}")
+        object.__setattr__(self, "out_pad", tuple(int(p) for p in self.out_pad))  # JSON gives a list
+        if len(self.out_pad) != 4 or min(self.out_pad) < 0:
+            raise ValueError(f"epilogue: out_pad must be 4 non-negative ints, got {self.out_pad}")
+        if self.nchw_out and any(self.out_pad):
+            raise ValueError("epilogue: out_pad applies to the blocked output, not to nchw_out")
+
+    def out_shape(self, plan: Conv2dPlan) -> tuple[int, ...]:
+        """The blocked output with its border: N, O/y, OH + top + bottom, OW + left + right, y."""
+        n, ocb, oh, ow, y = plan.out_shape()
+        top, left, bottom, right = self.out_pad
+        return (n, ocb, oh + top + bottom, ow + left + right, y)
 
     @property
     def empty(self) -> bool:
+        """No epilogue pass over the row (a border is written by blocks of its own)."""
         return not (self.bias or self.residual or self.activation or self.nchw_out)
 
 
@@ -282,7 +297,7 @@ def conv(x: T.handle, w: T.handle, {bias_param}{out_param}) -> None:
     W = T.match_buffer(w, {w_shape}, "float32")
 {bias_buffer}{out_buffers}
     for n, ob, oh in T.grid({N}, {OCB}, {OH}):
-{segments}"""
+{segments}{after}"""
 
 _SEGMENT = """        for ow, o, {reduce_loops} in T.grid({width}, {oc_bn}, {reduce_extents}):
             with T.sblock("{name}"):
@@ -295,12 +310,28 @@ _SEGMENT = """        for ow, o, {reduce_loops} in T.grid({width}, {oc_bn}, {red
                 {out}[{out_index}] = {out}[{out_index}] + {product}
 """
 
+# The zero border of a padded blocked output: each row's left and right columns by the task of
+# the row, the rows above the first and below the last output row by loops of their own (after
+# the parallel one: a few rows per output block).
+_BORDER_COLUMNS = """        for j in T.serial({width}):
+          for o in T.vectorized({oc_bn}):
+            with T.sblock("border_{side}"):
+                v_n, v_ob, v_oh, v_j, v_o = T.axis.remap("SSSSS", [n, ob, oh, j, o])
+                Y_border[v_n, v_ob, v_oh + {top}, {first} + v_j, v_o] = T.float32(0)
+"""
+_BORDER_ROWS = """    for n, ob, i, j in T.grid({N}, {OCB}, {height}, {WP}):
+        for o in T.vectorized({oc_bn}):
+            with T.sblock("border_{side}"):
+                v_n, v_ob, v_i, v_j, v_o = T.axis.remap("SSSSS", [n, ob, i, j, o])
+                Y_border[v_n, v_ob, {first} + v_i, v_j, v_o] = T.float32(0)
+"""
+
 _EPILOGUE = """        for ow in T.serial({OW}):
           for o in T.vectorized({oc_bn}):
             with T.sblock("epilogue"):
                 v_n, v_ob, v_oh = T.axis.remap("SSS", [n, ob, oh])
                 v_ow, v_o = T.axis.remap("SS", [ow, o])
-                Y_epilogue[v_n, v_ob, v_oh, v_ow, v_o] = {value}
+                Y_epilogue[v_n, v_ob, v_oh + {top}, v_ow + {left}, v_o] = {value}
 """
 
 # The NCHW write: the scratch row (pixels x channels) goes out in 8x8 register transposes for
@@ -366,7 +397,7 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
     value = "{src}" + (" + B[v_ob, v_o]" if epilogue.bias else "") + (" + {residual}" if epilogue.residual else "")
     if epilogue.activation:
         value = activation_text(epilogue.activation, value, epilogue.alpha)
-    body = ""
+    body = after = ""
     residual_shape = wl.out_shape if epilogue.nchw_out else plan.out_shape()
     if epilogue.nchw_out:
         # Each row segment accumulates into a scratch row of its own (L1-sized, private to the
@@ -403,24 +434,34 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
         # reduction with its initialization only if the block is the sole writer of its buffer.
         # The epilogue reads Y and writes its alias: a block reading and writing one buffer in
         # place is not "compact dataflow", and `parallel` refuses a loop above it.
-        out_buffers = (f'    Y = T.match_buffer(y, {plan.out_shape()}, "float32")\n'
-                       f'    Y_tail = T.decl_buffer({plan.out_shape()}, "float32", data=Y.data)\n'
-                       f'    Y_epilogue = T.decl_buffer({plan.out_shape()}, "float32", data=Y.data)\n')
+        # A border (out_pad) is written by blocks of its own, through a third alias.
+        top, left, bottom, right = epilogue.out_pad
+        y_shape = epilogue.out_shape(plan)
+        out_buffers = f'    Y = T.match_buffer(y, {y_shape}, "float32")\n' + "".join(
+            f'    {alias} = T.decl_buffer({y_shape}, "float32", data=Y.data)\n'
+            for alias in ("Y_tail", "Y_epilogue", "Y_border"))
         for name, width, start in plan.row_segments():
             body += _SEGMENT.format(
                 name=name, width=width, start=start, out="Y_tail" if start else "Y",
-                out_index=f"v_n, v_ob, v_oh, v_ow + {start}, v_o",
+                out_index=f"v_n, v_ob, v_oh + {top}, v_ow + {start + left}, v_o",
                 product=product.format(sh=sh, sw=sw, dh=dh, dw=dw, start=start), **reduce_fields, **common)
         if not epilogue.empty:
-            body += _EPILOGUE.format(value=value.format(src="Y[v_n, v_ob, v_oh, v_ow, v_o]",
-                                                        residual="R[v_n, v_ob, v_oh, v_ow, v_o]"), **common)
+            body += _EPILOGUE.format(value=value.format(src=f"Y[v_n, v_ob, v_oh + {top}, v_ow + {left}, v_o]",
+                                                        residual="R[v_n, v_ob, v_oh, v_ow, v_o]"),
+                                     top=top, left=left, **common)
+        for side, width, first in (("left", left, 0), ("right", right, left + wl.OW)):
+            if width:
+                body += _BORDER_COLUMNS.format(side=side, width=width, first=first, top=top, **common)
+        for side, height, first in (("top", top, 0), ("bottom", bottom, top + wl.OH)):
+            if height:
+                after += _BORDER_ROWS.format(side=side, height=height, first=first, WP=y_shape[3], **common)
         params = "y: T.handle"
     text = _CONV_TEMPLATE.format(
         bias_param=("b: T.handle, " if epilogue.bias else "") + ("r: T.handle, " if epilogue.residual else ""),
         out_param=params, out_buffers=out_buffers,
         bias_buffer=(f'    B = T.match_buffer(b, ({plan.OCB}, {plan.oc_bn}), "float32")\n' if epilogue.bias else "")
         + (f'    R = T.match_buffer(r, {residual_shape}, "float32")\n' if epilogue.residual else ""),
-        x_shape=plan.data_shape(), w_shape=plan.weight_shape(), segments=body, **common)
+        x_shape=plan.data_shape(), w_shape=plan.weight_shape(), segments=body, after=after, **common)
     return tvm.script.from_source(text)
 
 

@@ -116,6 +116,9 @@ def pack_nchwc_func(shape: Sequence[int], block: int, padding: Sequence[int] = (
     return sch.mod["main"].with_attr(KERNEL_ATTR, "pack_nchwc")
 
 
+PADDING_ATTR = "tvm_ext.padding"  # on pad_nchwc kernels: (top, left, bottom, right)
+
+
 def pad_nchwc_func(blocked_shape: Sequence[int], padding: Sequence[int], dtype: str = "float32") -> tirx.PrimFunc:
     """(N, CB, H, W, c) -> (N, CB, H+top+bottom, W+left+right, c) with a zero border."""
     N, CB, H, W, c = (int(v) for v in blocked_shape)
@@ -132,7 +135,7 @@ def pad_nchwc_func(blocked_shape: Sequence[int], padding: Sequence[int], dtype: 
     n, cb, h, w_, i = sch.get_loops(sch.get_sblock("data_padded"))
     sch.parallel(sch.fuse(n, cb, h))
     sch.vectorize(i)
-    return sch.mod["main"].with_attr(KERNEL_ATTR, "pad_nchwc")
+    return sch.mod["main"].with_attr(KERNEL_ATTR, "pad_nchwc").with_attr(PADDING_ATTR, [top, left, bottom, right])
 
 
 def unpack_nchwc_func(blocked_shape: Sequence[int], channels: int, dtype: str = "float32") -> tirx.PrimFunc:

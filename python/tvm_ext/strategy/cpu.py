@@ -33,6 +33,7 @@ from ..kernels.conv2d import Epilogue
 from ..target import vector_isa
 from ..tuning import space as _space
 from . import cuda as _cuda
+from .borders import write_borders
 
 logger = logging.getLogger("tvm_ext")
 
@@ -265,12 +266,12 @@ class _Emitter:
                             activation=None if activation is None else _ACTIVATION_OPS[activation.op.name],
                             nchw_out=not blocked_out, alpha=_alpha(activation))
         name = f"tvm_ext_{plan.kind}_conv2d_{tag}{suffix}"
-        func = self._conv_kernel(plan, epilogue)
+        func = self.conv_kernel(plan, epilogue)
         if not blocked_out:
             return relax.call_tir(_add_kernel(self.bb, func, name), args, relax.TensorType(wl.out_shape, "float32"))
         return self.unpack(self._call(func, name, args, plan.out_shape()), wl.K)
 
-    def _conv_kernel(self, plan: _conv.Conv2dPlan, epilogue: Epilogue) -> tvm.tirx.PrimFunc:
+    def conv_kernel(self, plan: _conv.Conv2dPlan, epilogue: Epilogue) -> tvm.tirx.PrimFunc:
         """The tuned schedule of this convolution if the database has one, else the analytic one."""
         if self.database is not None and _space.tunable(plan, epilogue):
             from ..tuning.tuner import tuned_kernel
@@ -491,7 +492,10 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores=Fals
         for gvar, func in mod.functions_items():
             if isinstance(func, relax.Function) and "Composite" not in (func.attrs or {}):
                 lowering.builder_.update_func(gvar, lowering.visit_expr(func))
-        return _drop_unused_kernels(relax.transform.DeadCodeElimination()(lowering.builder_.get()))
+        lowered = relax.transform.DeadCodeElimination()(lowering.builder_.get())
+        if isinstance(lowering.emitter, _Emitter):  # blocked CPU layouts: no padded copies
+            lowered = write_borders(lowered, lowering.emitter.conv_kernel)
+        return _drop_unused_kernels(lowered)
 
     return _pass
 
