@@ -13,8 +13,14 @@ import tvm_ext
 from tvm_ext.kernels.conv2d import Conv2dWorkload, Epilogue, plan_conv2d
 from tvm_ext.target import AVX2
 from tvm_ext.tuning import extract_tasks, open_database, tuned_kernel
-from tvm_ext.tuning.space import (conv2d_space, conv2d_workload, default_kernel, default_trace, flat_decisions,
-                                  tensorize_segments)
+from tvm_ext.tuning.space import (
+    conv2d_space,
+    conv2d_workload,
+    default_kernel,
+    default_trace,
+    flat_decisions,
+    tensorize_segments,
+)
 from tvm_ext.tuning.tuner import compact_database
 
 TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})  # AVX2: the CI machine's ISA

@@ -169,7 +169,8 @@ def _is_call_to(expr, op: str) -> bool:
     return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == op
 
 
-def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, tensor_cores: bool | str = False) -> DispatchReport:
+def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *,
+                    tensor_cores: bool | str = False) -> DispatchReport:
     """Which tvm_ext kernel serves each op of `mod["main"]` on `target`, or why stock TVM does.
 
     Ops fused into a convolution's epilogue are reported as served by that kernel.

@@ -44,7 +44,8 @@ def engine_for(tensor_cores) -> str:
     return engines[tensor_cores]
 
 
-def conv2d_decision(wl: _conv.Conv2dWorkload, engine: str = "ffma") -> tuple[str | None, str, _maxdnn.MaxDNNPlan | None]:
+def conv2d_decision(wl: _conv.Conv2dWorkload,
+                    engine: str = "ffma") -> tuple[str | None, str, _maxdnn.MaxDNNPlan | None]:
     """(kernel or None, reason, plan) for a validated float32 NCHW/OIHW convolution on `engine`."""
     if wl.depthwise:
         return None, "depthwise: one filter per group would fill 1 row of a 64-row maxDNN tile; stock TVM", None
