@@ -31,12 +31,21 @@ logger = logging.getLogger("tvm_ext")
 KernelMaker = Callable[[_conv.Conv2dPlan, _conv.Epilogue], tvm.tirx.PrimFunc]
 
 
-def _call_tir_kernel(mod: tvm.IRModule, value) -> tuple[tvm.ir.GlobalVar, tvm.tirx.PrimFunc] | None:
+def _called_kernel(mod: tvm.IRModule, value) -> tvm.tirx.PrimFunc | None:
+    """The PrimFunc `value` calls if it is a call_tir, else None."""
     if not (isinstance(value, relax.Call) and value.op == tvm.ir.Op.get("relax.call_tir")):
         return None
-    gvar = value.args[0]
-    func = mod[gvar]
-    return (gvar, func) if isinstance(func, tvm.tirx.PrimFunc) else None
+    func = mod[value.args[0]]
+    return func if isinstance(func, tvm.tirx.PrimFunc) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Border:
+    """A convolution to rebuild: the pad it replaces, and its kernel with the border."""
+
+    pad_var: relax.Var
+    plan: _conv.Conv2dPlan
+    epilogue: _conv.Epilogue  # with out_pad set
 
 
 def _uses(func: relax.Function) -> Counter:
@@ -54,23 +63,25 @@ def _uses(func: relax.Function) -> Counter:
     return uses
 
 
-def _padded_producers(mod: tvm.IRModule, func: relax.Function) -> dict[relax.Var, tuple[relax.Var, tuple]]:
-    """conv output var -> (the pad's var, the border), for convolutions whose output only a pad reads."""
+def _padded_producers(mod: tvm.IRModule, func: relax.Function) -> dict[relax.Var, _Border]:
+    """conv output var -> its :class:`_Border`, for convolutions whose output only a pad reads."""
     uses = _uses(func)
     bindings = relax.analysis.get_var2val(func)
     found = {}
     for var, value in bindings.items():
-        pad = _call_tir_kernel(mod, value)
-        if pad is None or PADDING_ATTR not in (pad[1].attrs or {}):
+        pad = _called_kernel(mod, value)
+        if pad is None or PADDING_ATTR not in (pad.attrs or {}):
             continue
         source = value.args[1].fields[0]
-        producer = _call_tir_kernel(mod, bindings.get(source)) if isinstance(source, relax.Var) else None
-        if producer is None or _space.describe_kernel(producer[1]) is None or uses[source] != 1:
+        producer = _called_kernel(mod, bindings.get(source)) if isinstance(source, relax.Var) else None
+        described = None if producer is None else _space.describe_kernel(producer)
+        if described is None or uses[source] != 1:
             continue
-        _, epilogue, _, _ = _space.describe_kernel(producer[1])
+        plan, epilogue, _, _ = described
         if epilogue.nchw_out or any(epilogue.out_pad):
             continue
-        found[source] = (var, tuple(int(p) for p in pad[1].attrs[PADDING_ATTR]))
+        border = tuple(int(p) for p in pad.attrs[PADDING_ATTR])
+        found[source] = _Border(var, plan, dataclasses.replace(epilogue, out_pad=border))
     return found
 
 
@@ -87,12 +98,12 @@ def write_borders(mod: tvm.IRModule, make_kernel: KernelMaker) -> tvm.IRModule:
 
 
 def _rewrite(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Function,
-             producers: dict[relax.Var, tuple[relax.Var, tuple]], make_kernel: KernelMaker) -> tvm.IRModule:
+             producers: dict[relax.Var, _Border], make_kernel: KernelMaker) -> tvm.IRModule:
     @relax.expr_functor.mutator
     class _Mutator(relax.PyExprMutator):
         def __init__(self, mod: tvm.IRModule):
             super().__init__(mod)
-            self.dropped = {pad_var for pad_var, _ in producers.values()}
+            self.dropped = {border.pad_var for border in producers.values()}
 
         def visit_var_binding_(self, binding: relax.VarBinding) -> None:
             if binding.var in self.dropped:
@@ -100,19 +111,17 @@ def _rewrite(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Function,
             if binding.var not in producers:
                 super().visit_var_binding_(binding)
                 return
-            pad_var, border = producers[binding.var]
+            border = producers[binding.var]
             call = binding.value
             old = self.builder_.get()[call.args[0]]
-            plan, epilogue, _, _ = _space.describe_kernel(old)
-            epilogue = dataclasses.replace(epilogue, out_pad=border)
-            kernel = make_kernel(plan, epilogue).with_attr("op_pattern", old.attrs["op_pattern"])
-            name = call.args[0].name_hint + "_border" + "x".join(map(str, border))
+            kernel = make_kernel(border.plan, border.epilogue).with_attr("op_pattern", old.attrs["op_pattern"])
+            name = call.args[0].name_hint + "_border" + "x".join(map(str, border.epilogue.out_pad))
             new_gvar = self.builder_.add_func(kernel, name)
             args = [self.visit_expr(arg) for arg in call.args[1].fields]
-            out = self.builder_.emit(relax.call_tir(new_gvar, args, relax.TensorType(epilogue.out_shape(plan),
-                                                                                       "float32")))
-            self.set_var_remap(pad_var, out)
-            logger.debug("tvm_ext: %s writes its %s border; no padded copy", name, border)
+            shape = border.epilogue.out_shape(border.plan)
+            out = self.builder_.emit(relax.call_tir(new_gvar, args, relax.TensorType(shape, "float32")))
+            self.set_var_remap(border.pad_var, out)
+            logger.debug("tvm_ext: %s writes its %s border; no padded copy", name, border.epilogue.out_pad)
 
     mutator = _Mutator(mod)
     mutator.builder_.update_func(gvar, mutator.visit_expr(func))

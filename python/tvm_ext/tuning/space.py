@@ -15,7 +15,8 @@ see :func:`tvm_ext.kernels.conv2d.order_rows`) and, per row segment:
 - the unroll of the microkernel's k loop.
 
 Every decision is a `sample_perfect_tile` or `sample_categorical` whose value feeds `split` and
-`annotate` directly, so the loop structure is the same for every decision (trace replay and evolutionary mutation work).
+`annotate` directly, so the loop structure is the same for every decision (trace replay and
+evolutionary mutation work).
 The postprocessor :class:`TensorizeBRGEMM` then tensorizes each segment with the microkernel of
 the sampled shape, and rejects tiles that do not fit the register file.
 """
@@ -107,7 +108,10 @@ def flat_decisions(trace: tvm.s_tir.Trace) -> tuple[int, ...]:
     """A trace's sampled decisions as one tuple of ints (a perfect tile gives its factors)."""
     values = []
     for value in trace.decisions.values():
-        values.extend(int(v) for v in value) if isinstance(value, tvm.ir.Array) else values.append(int(value))
+        if isinstance(value, tvm.ir.Array):
+            values.extend(int(v) for v in value)
+        else:
+            values.append(int(value))
     return tuple(values)
 
 
