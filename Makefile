@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# pytest-xdist workers: one per core of the CI machine (each gets one TVM thread, tests/conftest.py).
+TEST_WORKERS ?= 2
 
 .PHONY: demo test bench lint clean
 
@@ -16,7 +18,7 @@ demo: $(STAMP)
 	$(PY) -m tvm_ext demo --model resnet50 --batch 1
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
 
 bench: $(STAMP)
 	$(PY) bench/peak.py

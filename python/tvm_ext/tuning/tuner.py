@@ -202,6 +202,7 @@ def tune(mod: tvm.IRModule, target: TargetLike, work_dir: str | os.PathLike, max
     target = resolve_target(target)
     if target.kind.name != "llvm":
         raise UnsupportedError(f"tune: target {target.kind.name} is not supported yet (LLVM CPUs only)")
+    runner = _runner(rpc)  # before the task extraction: a bad address fails at once
     tasks = extract_tasks(mod, target) if tasks is None else tasks
     if not tasks:
         raise UnsupportedError("tune: the module has no tvm_ext convolution with a design space")
@@ -209,7 +210,6 @@ def tune(mod: tvm.IRModule, target: TargetLike, work_dir: str | os.PathLike, max
     database = open_database(work_dir, create=True)
     workers = usable_cores()
     builder = ms.builder.LocalBuilder(f_build=_build, max_workers=workers, timeout_sec=60)
-    runner = _runner(rpc)
     _measure_defaults(tasks, target, database, builder, runner)
     ms.tune_tasks(
         tasks=[_tune_context(task, target, seed + i) for i, task in enumerate(tasks)],
