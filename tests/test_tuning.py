@@ -114,7 +114,9 @@ def test_only_blocked_brgemm_kernels_have_a_design_space():
     assert extract_tasks(bb.get(), TARGET) == []
 
 
-def _net() -> tvm.IRModule:
+def _net(repeated: int = 3) -> tvm.IRModule:
+    """A conv-bias-relu and `repeated` more. `repeated=0` is one task: for the tests of records,
+    resumption and measurement, where the number of tasks does not matter but each costs trials."""
     rng = np.random.default_rng(1)
 
     def const(*shape):
@@ -128,24 +130,10 @@ def _net() -> tvm.IRModule:
                                                       const(1, 32, 1, 1))))
             # The same kernel twice, one task of weight 2: both write the border the next
             # convolution reads, which the last one (the graph's output) does not.
-            for _ in range(3):
+            for _ in range(repeated):
                 y = bb.emit(relax.op.nn.relu(relax.op.add(relax.op.nn.conv2d(y, const(32, 32, 3, 3), padding=(1, 1)),
                                                           const(1, 32, 1, 1))))
             out = bb.emit_output(y)
-        bb.emit_func_output(out)
-    return bb.get()
-
-
-def _one_conv_net() -> tvm.IRModule:
-    """One convolution, one task: for the tests of records, resumption and measurement, where
-    the number of tasks does not matter but every task costs trials."""
-    rng = np.random.default_rng(4)
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((1, 16, 14, 14), "float32"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            w = relax.const((rng.standard_normal((32, 16, 3, 3)) * 0.1).astype("float32"))
-            out = bb.emit_output(bb.emit(relax.op.nn.relu(relax.op.nn.conv2d(x, w, padding=(1, 1)))))
         bb.emit_func_output(out)
     return bb.get()
 
@@ -199,8 +187,8 @@ _TUNE_UNTIL_KILLED = """
 import sys
 sys.path.insert(0, {tests!r})
 import tvm, tvm_ext
-from test_tuning import _one_conv_net
-tvm_ext.tune(_one_conv_net(), tvm.target.Target({{"kind": "llvm", "mcpu": "znver3"}}), {work_dir!r}, max_trials=64,
+from test_tuning import _net
+tvm_ext.tune(_net(repeated=0), tvm.target.Target({{"kind": "llvm", "mcpu": "znver3"}}), {work_dir!r}, max_trials=64,
              num_trials_per_iter=4)
 """
 
@@ -232,7 +220,7 @@ def test_sigkill_loses_no_finished_trial_and_the_rerun_continues(tmp_path):
     assert len(before) >= 5
     lines = [json.loads(line) for line in before]  # each finished trial is a whole line
     assert all(len(line[1][1]) >= 1 for line in lines)
-    tvm_ext.tune(_one_conv_net(), TARGET, work_dir, max_trials=4, num_trials_per_iter=4)
+    tvm_ext.tune(_net(repeated=0), TARGET, work_dir, max_trials=4, num_trials_per_iter=4)
     after = records.read_text().splitlines()
     assert after[: len(before)] == before and len(after) > len(before)
 
@@ -244,7 +232,7 @@ def test_corrupt_database_names_the_file_and_line(tmp_path):
         open_database(tmp_path)
     assert (tmp_path / "database_tuning_record.json").read_text().startswith("[0, [[], [1.0]]]")
     with pytest.raises(FileNotFoundError, match="run tvm_ext.tune"):
-        tvm_ext.build(_one_conv_net(), TARGET, database=tmp_path / "missing")
+        tvm_ext.build(_net(repeated=0), TARGET, database=tmp_path / "missing")
 
 
 def test_tune_rejects_what_it_cannot_tune(tmp_path):
@@ -257,14 +245,14 @@ def test_tune_rejects_what_it_cannot_tune(tmp_path):
     with pytest.raises(tvm_ext.UnsupportedError, match="no tvm_ext convolution"):
         tvm_ext.tune(bb.get(), TARGET, tmp_path)
     with pytest.raises(tvm_ext.UnsupportedError, match="cuda"):
-        tvm_ext.tune(_one_conv_net(), "cuda", tmp_path)
+        tvm_ext.tune(_net(repeated=0), "cuda", tmp_path)
 
 
 def test_shipped_records_apply_only_to_their_target(tmp_path, monkeypatch):
     from tvm_ext.strategy import cpu as cpu_strategy
     from tvm_ext.tuning.tuner import TUNED_ATTR, shipped_database, shipped_records_dir, target_key
 
-    mod = _one_conv_net()
+    mod = _net(repeated=0)
     tvm_ext.tune(mod, TARGET, tmp_path / target_key(TARGET), max_trials=8, num_trials_per_iter=8)
     monkeypatch.setenv("TVM_EXT_SCHEDULES", str(tmp_path))
 
@@ -336,7 +324,7 @@ def test_rpc_tuning_on_loopback_survives_a_dead_server(tmp_path):
                     _kill_session(procs[1])
 
         work_dir = tmp_path / "records"
-        tvm_ext.tune(_one_conv_net(), TARGET, work_dir, max_trials=8, num_trials_per_iter=4,
+        tvm_ext.tune(_net(repeated=0), TARGET, work_dir, max_trials=8, num_trials_per_iter=4,
                      rpc=f"127.0.0.1:{port}:{key}", measure_callbacks=[KillOneServer()])
         assert procs[1].poll() is not None  # the server was killed during tuning
         records = [json.loads(line) for line in (work_dir / "database_tuning_record.json").read_text().splitlines()]
@@ -349,4 +337,4 @@ def test_rpc_tuning_on_loopback_survives_a_dead_server(tmp_path):
 
 def test_rpc_address_is_checked(tmp_path):
     with pytest.raises(ValueError, match="host:port:key"):
-        tvm_ext.tune(_one_conv_net(), TARGET, tmp_path, max_trials=1, rpc="localhost:9190")
+        tvm_ext.tune(_net(repeated=0), TARGET, tmp_path, max_trials=1, rpc="localhost:9190")
