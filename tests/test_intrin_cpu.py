@@ -50,6 +50,21 @@ def test_default_tiles_follow_the_isa():
     assert tile_efficiency(6, 2) == 1.0 and tile_efficiency(14, 1) < 1.0
 
 
+@pytest.mark.parametrize("isa", [AVX2, AVX512])
+def test_strided_1x1_plans_rows_outer(isa):
+    """A strided 1x1 reads its sparse input once (rows outer); every other layer keeps each output
+    block's weights over the rows (blocks outer)."""
+    def order(x_shape, w_shape, stride, padding=0):
+        return plan_conv2d(Conv2dWorkload.make(x_shape, w_shape, stride, padding), isa).row_order
+
+    assert order((1, 256, 56, 56), (512, 256, 1, 1), 2) == "oh_ob"
+    assert order((1, 64, 30, 31), (48, 64, 1, 1), (1, 2)) == "oh_ob"
+    assert order((1, 256, 56, 56), (64, 256, 1, 1), 1) == "ob_oh"
+    assert order((1, 128, 56, 56), (128, 128, 3, 3), 2, 1) == "ob_oh"
+    forced = plan_conv2d(Conv2dWorkload.make((1, 64, 8, 8), (64, 64, 1, 1), 2), isa, row_order="ob_oh")
+    assert forced.row_order == "ob_oh"
+
+
 def test_intrinsics_are_generated_once_under_stable_names():
     spec = BRGEMM(4, 24, 8, 8, batch=(2, 3, 3), stride=2, dilation=(1, 2))
     name = get_brgemm_intrin(spec)

@@ -147,7 +147,8 @@ class Conv2dPlan:
     # blockings in between): output block outer ("ob_oh": its weights are reused by every row)
     # or row outer ("oh_ob": one input row is reused by every block). Rows
     # outer won 1.1-1.25x on isolated ResNet-50 1x1 layers at batch 16 but measured neutral to
-    # slightly slower inside the network (1332 vs 1309 ms at batch 16), so the default stays.
+    # slightly slower inside the network (1332 vs 1309 ms at batch 16), so it is the default only
+    # for strided 1x1 layers (:func:`plan_conv2d`).
     row_order: str = "ob_oh"
 
     @property
@@ -232,7 +233,14 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
     if m_r is not None:
         tile = (min(m_r, wl.OW), tile[1])
     ic = ic_bn or _largest_divisor(Cg, 16 if Cg > 16 else Cg)
-    return Conv2dPlan(wl, "brgemm", ic, tile[1], tile[0], row_order=row_order or "ob_oh")
+    # A strided 1x1 reads a sparse subset of its input (every other pixel of every other row),
+    # which the prefetchers fetch poorly: streaming it once per output block cost AVX2 (16-channel
+    # blocks, twice AVX-512's passes) 73% -> 91% of peak on ResNet-50's 256x56x56 -> 512 layer,
+    # 78% -> 90% on 512x28x28 -> 1024. Rows outer reads it once and keeps the weights in cache
+    # instead; on AVX-512 it measured neutral (93-96% either way, 1 and 2 threads).
+    strided_1x1 = (wl.KH, wl.KW) == (1, 1) and max(wl.stride) > 1
+    row_order = row_order or ("oh_ob" if strided_1x1 else "ob_oh")
+    return Conv2dPlan(wl, "brgemm", ic, tile[1], tile[0], row_order=row_order)
 
 
 # Activations as TVMScript expressions of the value {v} (and {alpha}, leaky_relu's slope): the
