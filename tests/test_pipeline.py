@@ -344,5 +344,9 @@ def test_batch_trunk_runs_one_image_at_a_time():
     per_image_constant = _graph((2, 4, 6, 6), lambda bb, x: bb.emit(
         relax.op.add(x, relax.const(np.ones((2, 4, 1, 1), "float32")))))
     assert "main_image" not in [gv.name_hint for gv in split_batch(1)(per_image_constant).get_global_vars()]
+    # A convolution with as many output channels as images still splits (its weight is no batch).
+    as_many_channels = _graph((4, 3, 6, 6), lambda bb, x: bb.emit(relax.op.nn.conv2d(
+        x, _const(np.random.default_rng(14), 4, 3, 1, 1))))
+    assert "main_image" in [gv.name_hint for gv in split_batch(1)(as_many_channels).get_global_vars()]
     pairs = split_batch(images_per_call=2)(models.get("resnet18", batch=4)[0])  # one image per core
     assert pairs["main_image"].params[0].ty.shape[0] == 2 and pairs["main"].script().count("main_image(") == 2

@@ -58,7 +58,10 @@ def _not_per_image(value: relax.Expr, batch: int) -> str | None:
     if any(isinstance(a, relax.Var) and _first_dim(a) not in (None, batch) for a in value.args):
         return f"{name} reads a tensor whose first axis is not the batch"
     rank = len(getattr(value.ty, "shape", None) or [])
-    for a in value.args:
+    # A convolution's weight (OIHW) has no batch axis: its first axis is the output channels,
+    # which may equal the batch (MobileNet-v2's 16-channel layer at batch 16).
+    operands = value.args[:1] if name == "relax.nn.conv2d" else value.args
+    for a in operands:
         shape = getattr(a.ty, "shape", None) if isinstance(a, tvm.ir.expr.GenericConst) else None
         if shape is not None and len(shape) == rank and _first_dim(a) == batch:
             return f"{name} reads a constant with one entry per image"
