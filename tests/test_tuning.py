@@ -114,6 +114,75 @@ def test_only_blocked_brgemm_kernels_have_a_design_space():
     assert extract_tasks(bb.get(), TARGET) == []
 
 
+@pytest.mark.parametrize("mode, shape, block, kwargs", [
+    ("max", (2, 64, 13, 11), 32, dict(kernel_size=3, stride=2, padding=1)),
+    ("avg", (1, 8, 12, 13), None, dict(kernel_size=(3, 2), stride=(2, 1), padding=(1, 0), count_include_pad=False)),
+])
+def test_every_candidate_of_the_pool_space_computes_the_pooling(mode, shape, block, kwargs):
+    """Candidates differ in the rows per parallel task and the unrolled pixels; each gives the
+    analytic kernel's numbers, which equal a NumPy pooling's; the default point is that kernel."""
+    from tvm_ext.kernels.pool2d import Pool2dWorkload
+    from tvm_ext.tuning.pool_space import default_pool_kernel, default_pool_trace, pool2d_space, pool2d_workload
+
+    wl = Pool2dWorkload.make(shape, mode, **kwargs)
+    workload = pool2d_workload(wl, block)
+    x = np.random.default_rng(4).standard_normal(shape).astype("float32")
+    data = x if block is None else x.reshape(shape[0], shape[1] // block, block, *shape[2:]).transpose(0, 1, 3, 4, 2)
+
+    def run(func) -> np.ndarray:
+        out_shape = (*data.shape[:2], wl.OH, wl.OW, *data.shape[4:])
+        out = tvm.runtime.tensor(np.full(out_shape, np.nan, np.float32))
+        tvm.compile(func, TARGET)(tvm.runtime.tensor(data), out)
+        y = out.numpy()
+        return y if block is None else y.transpose(0, 1, 4, 2, 3).reshape(shape[0], shape[1], wl.OH, wl.OW)
+
+    (kh, kw), (sh, sw), (top, left, bottom, right) = wl.kernel, wl.stride, wl.padding
+    fill = -np.inf if mode == "max" else np.nan
+    padded = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (top, bottom), (left, right)), constant_values=fill)
+    windows = np.stack([padded[:, :, i:i + sh * wl.OH:sh, j:j + sw * wl.OW:sw] for i in range(kh) for j in range(kw)])
+    reference = windows.max(axis=0) if mode == "max" else np.nanmean(windows, axis=0)
+    expected = run(default_pool_kernel(wl, block))
+    assert rel_err(expected, reference) <= 1e-5
+    seen = set()
+    for seed in range(1, 13):
+        sch = Schedule(workload, seed=seed)
+        pool2d_space(sch)
+        decisions = flat_decisions(sch.trace)
+        if decisions not in seen:
+            seen.add(decisions)
+            assert rel_err(run(sch.mod["main"]), expected) <= 1e-6, decisions
+    assert len(seen) >= 3
+    sch = Schedule(workload)
+    default_pool_trace(workload).apply_to_schedule(sch, remove_postproc=False)
+    body = lambda f: "\n".join(ln for ln in f.script().splitlines() if "T.func_attr" not in ln)  # noqa: E731
+    assert body(sch.mod["main"]) == body(default_pool_kernel(wl, block))
+
+
+def test_a_network_with_pooling_tunes_and_uses_its_pooling_record(tmp_path):
+    """The max pooling is a task of its own; after tuning, the build runs its tuned kernel."""
+    from tvm_ext.tuning.tuner import TUNED_ATTR
+
+    rng = np.random.default_rng(5)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 16, 14, 14), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.relu(relax.op.nn.conv2d(
+                x, relax.const((rng.standard_normal((32, 16, 3, 3)) * 0.1).astype("float32")), padding=(1, 1))))
+            out = bb.emit_output(bb.emit(relax.op.nn.max_pool2d(y, (3, 3), (2, 2), (1, 1))))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    tasks = extract_tasks(mod, TARGET)
+    assert sorted(t.name.split("_")[2] for t in tasks) == ["brgemm", "max"]
+    tvm_ext.tune(mod, TARGET, tmp_path, max_trials=8, num_trials_per_iter=4)
+    pool = next(t for t in tasks if t.name.startswith("tvm_ext_max_pool2d"))
+    tuned = tuned_kernel(open_database(tmp_path), pool.workload, TARGET)
+    assert tuned is not None and TUNED_ATTR in tuned.attrs
+    xv = rng.standard_normal((1, 16, 14, 14)).astype("float32")
+    run = lambda ex: relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(xv)).numpy()  # noqa: E731
+    assert rel_err(run(tvm_ext.build(mod, TARGET, database=tmp_path)), run(tvm.compile(mod, TARGET))) <= 1e-4
+
+
 def _net(repeated: int = 3) -> tvm.IRModule:
     """A conv-bias-relu and `repeated` more. `repeated=0` is one task: for the tests of records,
     resumption and measurement, where the number of tasks does not matter but each costs trials."""
@@ -242,7 +311,7 @@ def test_tune_rejects_what_it_cannot_tune(tmp_path):
         with bb.dataflow():
             out = bb.emit_output(bb.emit(relax.op.nn.relu(x)))
         bb.emit_func_output(out)
-    with pytest.raises(tvm_ext.UnsupportedError, match="no tvm_ext convolution"):
+    with pytest.raises(tvm_ext.UnsupportedError, match="no tvm_ext convolution or pooling"):
         tvm_ext.tune(bb.get(), TARGET, tmp_path)
     with pytest.raises(tvm_ext.UnsupportedError, match="cuda"):
         tvm_ext.tune(_net(repeated=0), "cuda", tmp_path)

@@ -73,6 +73,13 @@ def pool2d_func(wl: Pool2dWorkload, dtype: str = "float32", block: int | None = 
 
     Blocked, the channel block is the vector: every window element is one vector load.
     """
+    sch = s_tir.Schedule(pool2d_compute(wl, dtype, block))
+    schedule_pool2d(sch, wl, block)
+    return sch.mod["main"].with_attr(KERNEL_ATTR, f"{wl.mode}_pool2d")
+
+
+def pool2d_compute(wl: Pool2dWorkload, dtype: str = "float32", block: int | None = None) -> tirx.PrimFunc:
+    """The unscheduled pooling of :func:`pool2d_func` (a tuning task's workload)."""
     if block is not None and wl.C % block:
         raise ValueError(f"pool2d: {wl.C} channels are not a multiple of the block {block}")
     lead = (wl.N, wl.C) if block is None else (wl.N, wl.C // block)
@@ -125,18 +132,34 @@ def pool2d_func(wl: Pool2dWorkload, dtype: str = "float32", block: int | None = 
             return s[(n, c, oh, ow, *i)] / tirx.Cast(dtype, area)
 
         y = te.compute(shape, mean, name="output")
-    sch = s_tir.Schedule(te.create_prim_func([x, y]))
+    return te.create_prim_func([x, y])
+
+
+def schedule_pool2d(sch: s_tir.Schedule, wl: Pool2dWorkload, block: int | None, tunable: bool = False) -> None:
+    """One parallel task per block of output rows, the row's pixels in unrolled groups.
+
+    The analytic schedule takes one row per task and no unrolled group; with `tunable` both are
+    MetaSchedule decisions (perfect tiles of the row and pixel loops, so every decision gives the
+    same loops): rows per task trade the thread pool's per-task cost against balance, and the
+    unrolled pixels of a group let a strided window reuse loads.
+    """
     out = sch.get_sblock("output")
     reducer = sch.get_sblock("window_sum") if wl.mode == "avg" else out
     n, c, oh, ow = sch.get_loops(out)[:4]
+    if tunable:
+        rows, pixels = sch.sample_perfect_tile(oh, n=2), sch.sample_perfect_tile(ow, n=2, max_innermost_factor=8)
+    else:
+        rows, pixels = [wl.OH, 1], [wl.OW, 1]
+    oh_task, oh_row = sch.split(oh, rows, preserve_unit_iters=True)
+    ow_group, ow_pixel = sch.split(ow, pixels, preserve_unit_iters=True)
     if wl.mode == "avg":
-        sch.compute_at(reducer, ow)
+        sch.compute_at(reducer, ow_pixel)
     if block is not None:
         sch.vectorize(sch.get_loops(out)[-1])
         if wl.mode == "avg":
             sch.vectorize(sch.get_loops(reducer)[-1])
-    sch.parallel(sch.fuse(n, c, oh))
-    return sch.mod["main"].with_attr(KERNEL_ATTR, f"{wl.mode}_pool2d")
+    sch.unroll(ow_pixel)
+    sch.parallel(sch.fuse(n, c, oh_task, preserve_unit_iters=True))
 
 
 def global_avg_pool2d_func(shape, dtype: str = "float32") -> tirx.PrimFunc:

@@ -31,6 +31,7 @@ from ..kernels import layout as _layout
 from ..kernels import pool2d as _pool
 from ..kernels.conv2d import Epilogue
 from ..target import vector_isa
+from ..tuning import pool_space as _pool_space
 from ..tuning import space as _space
 from . import cuda as _cuda
 from .borders import write_borders
@@ -281,6 +282,16 @@ class _Emitter:
                 return tuned
         return _space.default_kernel(plan, epilogue, self.isa)
 
+    def pool_kernel(self, wl: _pool.Pool2dWorkload, block: int | None) -> tvm.tirx.PrimFunc:
+        """The tuned schedule of this pooling if the database has one, else the analytic one."""
+        if self.database is not None:
+            from ..tuning.tuner import tuned_kernel
+
+            tuned = tuned_kernel(self.database, _pool_space.pool2d_workload(wl, block), self.target)
+            if tuned is not None:
+                return tuned
+        return _pool_space.default_pool_kernel(wl, block)
+
     def pool_or_activation(self, call: relax.Call, decision: Decision) -> relax.Expr:
         data = call.args[0]
         known = self.blocked(data)
@@ -291,7 +302,7 @@ class _Emitter:
             func, out_shape = _pool.global_avg_pool2d_func(shape), (*shape[:2], 1, 1, *shape[4:])
         elif call.op.name in _POOLS:
             wl = _pool_workload(call, _static_shape(data))
-            func = _pool.pool2d_func(wl, block=block)
+            func = self.pool_kernel(wl, block)
             out_shape = (*shape[:2], wl.OH, wl.OW, *shape[4:])
         else:
             func = _elementwise.activation_func(decision.kernel, shape, "float32", self.isa.lanes, _alpha(call))

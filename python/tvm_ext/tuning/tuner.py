@@ -1,8 +1,9 @@
-"""`tvm_ext.tune`: MetaSchedule tuning of a whole Relax network's tvm_ext convolutions.
+"""`tvm_ext.tune`: MetaSchedule tuning of a whole Relax network's tvm_ext kernels.
 
-Tasks are the graph's BRGEMM convolution kernels as tvm_ext lowers them (layouts included),
-identical ones merged and weighted by how often the network calls them. Each is tuned over
-:func:`tvm_ext.tuning.space.conv2d_space` with MetaSchedule's evolutionary search and XGBoost
+Tasks are the graph's BRGEMM convolution and pooling kernels as tvm_ext lowers them (layouts
+included), identical ones merged and weighted by how often the network calls them. Each is tuned
+over its design space (:func:`tvm_ext.tuning.space.conv2d_space`,
+:func:`tvm_ext.tuning.pool_space.pool2d_space`) with MetaSchedule's evolutionary search and XGBoost
 cost model; records go to a JSON database in `work_dir` (one line per measured candidate, so an
 interrupted run keeps what it measured and a rerun continues from it). `tvm_ext.build(mod,
 target, database=work_dir)` then uses the best record of each kernel and the analytic schedule
@@ -31,7 +32,7 @@ from ..errors import UnsupportedError
 from ..intrin.cpu import register_named
 from ..kernels.conv2d import KERNEL_ATTR
 from ..target import TargetLike, resolve_target, usable_cores, vector_isa
-from . import space
+from . import pool_space, space
 
 logger = logging.getLogger("tvm_ext")
 
@@ -60,11 +61,17 @@ def extract_tasks(mod: tvm.IRModule, target: TargetLike = None) -> list[Task]:
         isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir") else None)
     tasks: dict[str, Task] = {}  # by the workload's self-description: equal kernels, one task
     for gvar, func in lowered.functions_items():
-        described = space.describe_kernel(func) if isinstance(func, tvm.tirx.PrimFunc) else None
-        if described is None or not space.tunable(*described[:2]) or gvar.name_hint not in calls:
+        if not isinstance(func, tvm.tirx.PrimFunc) or gvar.name_hint not in calls:
             continue
-        workload = space.conv2d_workload(described[0], described[1], isa)
-        key = str(workload.attrs[space.PLAN_ATTR])
+        described, pooled = space.describe_kernel(func), pool_space.describe_pool(func)
+        if described is not None and space.tunable(*described[:2]):
+            workload = space.conv2d_workload(described[0], described[1], isa)
+            key = str(workload.attrs[space.PLAN_ATTR])
+        elif pooled is not None:
+            workload = pool_space.pool2d_workload(*pooled)
+            key = str(workload.attrs[pool_space.POOL_ATTR])
+        else:
+            continue
         if key in tasks:
             tasks[key] = dataclasses.replace(tasks[key], weight=tasks[key].weight + calls[gvar.name_hint])
         else:
@@ -84,7 +91,11 @@ def _tune_context(task: Task, target: tvm.target.Target, seed: int) -> ms.TuneCo
     from tvm.s_tir.meta_schedule import _ffi_api
     from tvm.s_tir.meta_schedule.logging import get_logger, get_logging_func
 
-    generator = ms.space_generator.ScheduleFn(space.conv2d_space, sch_rules=[], postprocs=[space.TensorizeBRGEMM()],
+    if pool_space.describe_pool(task.workload) is not None:
+        design_space, postprocs = pool_space.pool2d_space, []
+    else:
+        design_space, postprocs = space.conv2d_space, [space.TensorizeBRGEMM()]
+    generator = ms.space_generator.ScheduleFn(design_space, sch_rules=[], postprocs=postprocs,
                                               mutator_probs={ms.mutator.MutateTileSize(): 1.0})
     context = ms.TuneContext.__new__(ms.TuneContext)
     context.__init_handle_by_constructor__(
@@ -186,7 +197,7 @@ def tune(mod: tvm.IRModule, target: TargetLike, work_dir: str | os.PathLike, max
          trials_per_task: int | None = None, *, num_trials_per_iter: int = 16, cost_model: str = "xgb",
          seed: int = 1, tasks: list[Task] | None = None, measure_callbacks: list | None = None,
          rpc: str | None = None) -> ms.Database:
-    """Tune the tvm_ext convolutions of `mod` for `target`; records go to `work_dir`.
+    """Tune the tvm_ext convolutions and poolings of `mod` for `target`; records go to `work_dir`.
 
     Each task new to the database first gets its analytic schedule measured and recorded (one
     measurement more per task), so no record is ever preferred that measured slower than it.
@@ -205,7 +216,7 @@ def tune(mod: tvm.IRModule, target: TargetLike, work_dir: str | os.PathLike, max
     runner = _runner(rpc)  # before the task extraction: a bad address fails at once
     tasks = extract_tasks(mod, target) if tasks is None else tasks
     if not tasks:
-        raise UnsupportedError("tune: the module has no tvm_ext convolution with a design space")
+        raise UnsupportedError("tune: the module has no tvm_ext convolution or pooling with a design space")
     logger.info("tvm_ext.tune: %d tasks, %d kernel calls", len(tasks), sum(t.weight for t in tasks))
     database = open_database(work_dir, create=True)
     workers = usable_cores()
@@ -238,7 +249,8 @@ def _measure_defaults(tasks: list[Task], target: tvm.target.Target, database: ms
     todo = [task for task in tasks if not database.has_workload(tvm.IRModule({"main": task.workload}))]
     if not todo:
         return
-    traces = [space.default_trace(task.workload) for task in todo]
+    traces = [pool_space.default_pool_trace(task.workload) if pool_space.describe_pool(task.workload)
+              else space.default_trace(task.workload) for task in todo]
     schedules = []
     for task, trace in zip(todo, traces, strict=True):
         sch = Schedule(tvm.IRModule({"main": task.workload}))
@@ -292,6 +304,9 @@ def tuned_kernel(database: ms.Database, workload: tvm.tirx.PrimFunc,
     # Replay the sampled decisions; the tensorize step runs again here, registering the
     # microkernels it names (a fresh process has none).
     record.trace.apply_to_schedule(sch, remove_postproc=True)
+    pooled = pool_space.describe_pool(workload)
+    if pooled is not None:
+        return sch.mod["main"].with_attr(KERNEL_ATTR, f"{pooled[0].mode}_pool2d").with_attr(TUNED_ATTR, True)
     if not space.tensorize_segments(sch):
         logger.warning("tvm_ext: a tuning record of %s does not apply; using the analytic schedule",
                        workload.attrs[space.PLAN_ATTR])
