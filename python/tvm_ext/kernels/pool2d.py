@@ -140,8 +140,8 @@ def schedule_pool2d(sch: s_tir.Schedule, wl: Pool2dWorkload, block: int | None, 
 
     The analytic schedule takes one row per task and no unrolled group; with `tunable` both are
     MetaSchedule decisions (perfect tiles of the row and pixel loops, so every decision gives the
-    same loops): rows per task trade the thread pool's per-task cost against balance, and the
-    unrolled pixels of a group let a strided window reuse loads.
+    same loops): rows per task trade the thread pool's per-task cost against balance; an unrolled
+    group of pixels gives LLVM the overlapping windows of neighbouring pixels in one block.
     """
     out = sch.get_sblock("output")
     reducer = sch.get_sblock("window_sum") if wl.mode == "avg" else out
