@@ -77,6 +77,11 @@ def test_every_candidate_of_the_design_space_computes_the_convolution(batch):
     assert len(seen) >= 4
 
 
+def _body(func) -> str:
+    """A kernel's TVMScript without its attributes."""
+    return "\n".join(line for line in func.script().splitlines() if "T.func_attr" not in line)
+
+
 @pytest.mark.parametrize("border", [(0, 0, 0, 0), (1, 1, 1, 1)])
 def test_the_default_point_of_the_space_is_the_analytic_schedule(border):
     """default_trace picks the analytic row order and, per segment, the analytic m_r, n_r and
@@ -88,11 +93,7 @@ def test_the_default_point_of_the_space_is_the_analytic_schedule(border):
     sch = Schedule(workload)
     default_trace(workload).apply_to_schedule(sch, remove_postproc=False)
     assert tensorize_segments(sch)
-
-    def body(func) -> str:  # the kernel without its attributes
-        return "\n".join(line for line in func.script().splitlines() if "T.func_attr" not in line)
-
-    assert body(sch.mod["main"]) == body(default_kernel(plan, epilogue, AVX2))
+    assert _body(sch.mod["main"]) == _body(default_kernel(plan, epilogue, AVX2))
 
 
 def test_only_blocked_brgemm_kernels_have_a_design_space():
@@ -154,8 +155,7 @@ def test_every_candidate_of_the_pool_space_computes_the_pooling(mode, shape, blo
     assert len(seen) >= 3
     sch = Schedule(workload)
     default_pool_trace(workload).apply_to_schedule(sch, remove_postproc=False)
-    body = lambda f: "\n".join(ln for ln in f.script().splitlines() if "T.func_attr" not in ln)  # noqa: E731
-    assert body(sch.mod["main"]) == body(default_pool_kernel(wl, block))
+    assert _body(sch.mod["main"]) == _body(default_pool_kernel(wl, block))
 
 
 def test_a_network_with_pooling_tunes_and_uses_its_pooling_record(tmp_path):

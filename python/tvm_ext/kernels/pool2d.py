@@ -60,6 +60,11 @@ class Pool2dWorkload:
         return out
 
     @property
+    def kernel_name(self) -> str:
+        """The "tvm_ext.kernel" attribute of its kernels."""
+        return f"{self.mode}_pool2d"
+
+    @property
     def OH(self) -> int:
         return self._out(self.H, self.kernel[0], self.stride[0], self.padding[0], self.padding[2], self.dilation[0])
 
@@ -75,7 +80,7 @@ def pool2d_func(wl: Pool2dWorkload, dtype: str = "float32", block: int | None = 
     """
     sch = s_tir.Schedule(pool2d_compute(wl, dtype, block))
     schedule_pool2d(sch, wl, block)
-    return sch.mod["main"].with_attr(KERNEL_ATTR, f"{wl.mode}_pool2d")
+    return sch.mod["main"].with_attr(KERNEL_ATTR, wl.kernel_name)
 
 
 def pool2d_compute(wl: Pool2dWorkload, dtype: str = "float32", block: int | None = None) -> tirx.PrimFunc:

@@ -306,7 +306,7 @@ def tuned_kernel(database: ms.Database, workload: tvm.tirx.PrimFunc,
     record.trace.apply_to_schedule(sch, remove_postproc=True)
     pooled = pool_space.describe_pool(workload)
     if pooled is not None:
-        return sch.mod["main"].with_attr(KERNEL_ATTR, f"{pooled[0].mode}_pool2d").with_attr(TUNED_ATTR, True)
+        return sch.mod["main"].with_attr(KERNEL_ATTR, pooled[0].kernel_name).with_attr(TUNED_ATTR, True)
     if not space.tensorize_segments(sch):
         logger.warning("tvm_ext: a tuning record of %s does not apply; using the analytic schedule",
                        workload.attrs[space.PLAN_ATTR])
