@@ -69,14 +69,16 @@ def test_cli_tune_an_onnx_model(tmp_path):
 
     w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((32, 16, 3, 3)).astype("float32"), "w")
     graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c"], ["y"])],
+        [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Relu", ["c"], ["r"]),
+         helper.make_node("MaxPool", ["r"], ["y"], kernel_shape=[2, 2], strides=[2, 2])],
         "net", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 12, 12])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32, 12, 12])], [w])
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32, 6, 6])], [w])
     path = tmp_path / "net.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
     work_dir = tmp_path / "records"
     out = _run("-m", "tvm_ext", "tune", "--onnx", str(path), "--trials", "4", "--work-dir", str(work_dir))
-    assert "1 tasks" in out and "GFLOP/s" in out and "tuned in" in out
+    assert "2 tasks" in out and "GFLOP/s" in out and "tuned in" in out  # the convolution and the pooling
+    assert "max_pool2d" in out
     assert (work_dir / "database_tuning_record.json").read_text().strip()
     assert (work_dir / "tuning_curve.png").read_bytes()[:4] == b"\x89PNG"
 

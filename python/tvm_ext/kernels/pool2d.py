@@ -65,6 +65,11 @@ class Pool2dWorkload:
         return f"{self.mode}_pool2d"
 
     @property
+    def flops(self) -> int:
+        """One operation (a max or an add) per window element of every output."""
+        return self.N * self.C * self.OH * self.OW * self.kernel[0] * self.kernel[1]
+
+    @property
     def OH(self) -> int:
         return self._out(self.H, self.kernel[0], self.stride[0], self.padding[0], self.padding[2], self.dilation[0])
 

@@ -12,8 +12,6 @@ from typing import TextIO
 from tvm.ir.utils import derived_object
 from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
 
-from . import space
-
 
 @derived_object
 class TuningProgress(PyMeasureCallback):
@@ -22,7 +20,7 @@ class TuningProgress(PyMeasureCallback):
     def __init__(self, tasks: list, max_trials: int, stream: TextIO = sys.stderr):
         super().__init__()
         self.names = [t.name for t in tasks]
-        self.flops = [space.describe_kernel(t.workload)[0].wl.flops for t in tasks]
+        self.flops = [t.flops for t in tasks]
         self.max_trials = max_trials
         self.stream = stream
         self.trials = [0] * len(tasks)

@@ -45,6 +45,14 @@ class Task:
     workload: tvm.tirx.PrimFunc
     weight: int
 
+    @property
+    def flops(self) -> int:
+        """Operations of one run of the kernel (what progress lines turn into GFLOP/s)."""
+        described = space.describe_kernel(self.workload)
+        if described is not None:
+            return described[0].wl.flops
+        return pool_space.describe_pool(self.workload)[0].flops
+
 
 def extract_tasks(mod: tvm.IRModule, target: TargetLike = None) -> list[Task]:
     """The tunable tvm_ext kernels of `mod` on `target`, identical ones merged (weight = count)."""
