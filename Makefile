@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(PY) -m tvm_ext demo --model resnet50 --batch 1
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
 
 bench: $(STAMP)
 	$(PY) bench/peak.py
