@@ -174,8 +174,11 @@ def test_a_network_with_pooling_tunes_and_uses_its_pooling_record(tmp_path):
     mod = bb.get()
     tasks = extract_tasks(mod, TARGET)
     assert sorted(t.name.split("_")[2] for t in tasks) == ["brgemm", "max"]
-    tvm_ext.tune(mod, TARGET, tmp_path, max_trials=8, num_trials_per_iter=4)
     pool = next(t for t in tasks if t.name.startswith("tvm_ext_max_pool2d"))
+    conv = next(t for t in tasks if t is not pool)
+    # What the progress lines count: 2 per multiply-add, one per pooling window element.
+    assert (conv.flops, pool.flops) == (2 * 32 * 16 * 9 * 14 * 14, 32 * 7 * 7 * 9)
+    tvm_ext.tune(mod, TARGET, tmp_path, max_trials=8, num_trials_per_iter=4)
     tuned = tuned_kernel(open_database(tmp_path), pool.workload, TARGET)
     assert tuned is not None and TUNED_ATTR in tuned.attrs
     xv = rng.standard_normal((1, 16, 14, 14)).astype("float32")
