@@ -115,6 +115,26 @@ def test_only_blocked_brgemm_kernels_have_a_design_space():
     assert extract_tasks(bb.get(), TARGET) == []
 
 
+def test_each_kernel_kind_names_its_tuning_task():
+    """kind_of finds a workload's kind from its attribute; the task of an analytic kernel is the
+    workload it was scheduled from (what extract_tasks relies on); other functions have no kind."""
+    from tvm_ext.kernels.pool2d import Pool2dWorkload
+    from tvm_ext.tuning.kinds import kind_of
+    from tvm_ext.tuning.pool_space import POOL2D, default_pool_kernel, pool2d_workload
+    from tvm_ext.tuning.space import CONV2D
+
+    plan = plan_conv2d(Conv2dWorkload.make((1, 16, 8, 8), (32, 16, 3, 3), 1, 1), AVX2)
+    pool = Pool2dWorkload.make((1, 32, 8, 8), "max", kernel_size=3, stride=2, padding=1)
+    cases = [(CONV2D, conv2d_workload(plan, Epilogue(), AVX2), default_kernel(plan, Epilogue(), AVX2), plan.wl.flops),
+             (POOL2D, pool2d_workload(pool, 16), default_pool_kernel(pool, 16), pool.flops)]
+    for kind, workload, kernel, flops in cases:
+        assert kind_of(workload) is kind and kind_of(kernel) is kind
+        tvm.ir.assert_structural_equal(kind.task_of(kernel, AVX2), workload)
+        assert kind.flops(workload) == flops
+    assert CONV2D.task_of(default_kernel(plan, Epilogue(nchw_out=True), AVX2), AVX2) is None
+    assert kind_of(conv2d_workload(plan, Epilogue(), AVX2).without_attr("tvm_ext.conv2d_plan")) is None
+
+
 @pytest.mark.parametrize("mode, shape, block, kwargs", [
     ("max", (2, 64, 13, 11), 32, dict(kernel_size=3, stride=2, padding=1)),
     ("avg", (1, 8, 12, 13), None, dict(kernel_size=(3, 2), stride=(2, 1), padding=(1, 0), count_include_pad=False)),

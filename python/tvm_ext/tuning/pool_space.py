@@ -17,6 +17,8 @@ import tvm
 from tvm.s_tir import Schedule
 
 from ..kernels import pool2d as _pool
+from ..kernels.conv2d import KERNEL_ATTR
+from .kinds import TaskKind
 
 POOL_ATTR = "tvm_ext.pool2d_plan"
 
@@ -62,3 +64,14 @@ def default_pool_trace(workload: tvm.tirx.PrimFunc) -> tvm.s_tir.Trace:
         trace = trace.with_decision(inst, factors, remove_postproc=True)
     return trace
 
+
+
+def _finish(sch: Schedule) -> tvm.tirx.PrimFunc:
+    return sch.mod["main"].with_attr(KERNEL_ATTR, describe_pool(sch.mod["main"])[0].kernel_name)
+
+
+POOL2D = TaskKind(
+    name="pool2d", attr=POOL_ATTR, task_of=lambda kernel, _isa: pool2d_workload(*describe_pool(kernel)),
+    design_space=pool2d_space, postprocessors=list, default_trace=default_pool_trace,
+    flops=lambda workload: describe_pool(workload)[0].flops, finish=_finish)
+"""Max and average pooling as a tuning task kind."""

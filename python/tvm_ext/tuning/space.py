@@ -32,6 +32,7 @@ from tvm.s_tir import Schedule
 from tvm.s_tir.meta_schedule.postproc import PyPostproc
 
 from ..kernels import conv2d as _conv
+from .kinds import TaskKind
 
 PLAN_ATTR = "tvm_ext.conv2d_plan"
 
@@ -139,3 +140,21 @@ class TensorizeBRGEMM(PyPostproc):
 
     def clone(self) -> TensorizeBRGEMM:
         return TensorizeBRGEMM()
+
+
+def _task_of(kernel: tvm.tirx.PrimFunc, isa) -> tvm.tirx.PrimFunc | None:
+    plan, epilogue, _, _ = describe_kernel(kernel)
+    return conv2d_workload(plan, epilogue, isa) if tunable(plan, epilogue) else None
+
+
+def _finish(sch: Schedule) -> tvm.tirx.PrimFunc | None:
+    if not tensorize_segments(sch):
+        return None
+    return sch.mod["main"].with_attr(_conv.KERNEL_ATTR, "brgemm_conv2d")
+
+
+CONV2D = TaskKind(
+    name="conv2d", attr=PLAN_ATTR, task_of=_task_of, design_space=conv2d_space,
+    postprocessors=lambda: [TensorizeBRGEMM()], default_trace=default_trace,
+    flops=lambda workload: describe_kernel(workload)[0].wl.flops, finish=_finish)
+"""The BRGEMM convolution as a tuning task kind."""

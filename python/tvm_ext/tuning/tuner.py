@@ -30,9 +30,8 @@ from tvm.s_tir import meta_schedule as ms
 
 from ..errors import UnsupportedError
 from ..intrin.cpu import register_named
-from ..kernels.conv2d import KERNEL_ATTR
 from ..target import TargetLike, resolve_target, usable_cores, vector_isa
-from . import pool_space, space
+from .kinds import TaskKind, kind_of
 
 logger = logging.getLogger("tvm_ext")
 
@@ -46,12 +45,13 @@ class Task:
     weight: int
 
     @property
+    def kind(self) -> TaskKind:
+        return kind_of(self.workload)
+
+    @property
     def flops(self) -> int:
         """Operations of one run of the kernel (what progress lines turn into GFLOP/s)."""
-        described = space.describe_kernel(self.workload)
-        if described is not None:
-            return described[0].wl.flops
-        return pool_space.describe_pool(self.workload)[0].flops
+        return self.kind.flops(self.workload)
 
 
 def extract_tasks(mod: tvm.IRModule, target: TargetLike = None) -> list[Task]:
@@ -71,15 +71,11 @@ def extract_tasks(mod: tvm.IRModule, target: TargetLike = None) -> list[Task]:
     for gvar, func in lowered.functions_items():
         if not isinstance(func, tvm.tirx.PrimFunc) or gvar.name_hint not in calls:
             continue
-        described, pooled = space.describe_kernel(func), pool_space.describe_pool(func)
-        if described is not None and space.tunable(*described[:2]):
-            workload = space.conv2d_workload(described[0], described[1], isa)
-            key = str(workload.attrs[space.PLAN_ATTR])
-        elif pooled is not None:
-            workload = pool_space.pool2d_workload(*pooled)
-            key = str(workload.attrs[pool_space.POOL_ATTR])
-        else:
+        kind = kind_of(func)
+        workload = None if kind is None else kind.task_of(func, isa)
+        if workload is None:
             continue
+        key = str(workload.attrs[kind.attr])
         if key in tasks:
             tasks[key] = dataclasses.replace(tasks[key], weight=tasks[key].weight + calls[gvar.name_hint])
         else:
@@ -99,11 +95,8 @@ def _tune_context(task: Task, target: tvm.target.Target, seed: int) -> ms.TuneCo
     from tvm.s_tir.meta_schedule import _ffi_api
     from tvm.s_tir.meta_schedule.logging import get_logger, get_logging_func
 
-    if pool_space.describe_pool(task.workload) is not None:
-        design_space, postprocs = pool_space.pool2d_space, []
-    else:
-        design_space, postprocs = space.conv2d_space, [space.TensorizeBRGEMM()]
-    generator = ms.space_generator.ScheduleFn(design_space, sch_rules=[], postprocs=postprocs,
+    generator = ms.space_generator.ScheduleFn(task.kind.design_space, sch_rules=[],
+                                              postprocs=task.kind.postprocessors(),
                                               mutator_probs={ms.mutator.MutateTileSize(): 1.0})
     context = ms.TuneContext.__new__(ms.TuneContext)
     context.__init_handle_by_constructor__(
@@ -254,18 +247,23 @@ def _measure_defaults(tasks: list[Task], target: tvm.target.Target, database: ms
     a build uses without records (measured here: without this, ResNet-50's records ran 9% slower
     on one thread than no records). Tasks that have records already (a resumed run) are skipped.
     """
-    todo = [task for task in tasks if not database.has_workload(tvm.IRModule({"main": task.workload}))]
+    todo, traces, kernels = [], [], []
+    for task in tasks:
+        if database.has_workload(tvm.IRModule({"main": task.workload})):
+            continue
+        trace = task.kind.default_trace(task.workload)
+        sch = Schedule(tvm.IRModule({"main": task.workload}))
+        trace.apply_to_schedule(sch, remove_postproc=True)
+        kernel = task.kind.finish(sch)
+        if kernel is None:
+            logger.warning("tvm_ext.tune: the analytic schedule of %s does not postprocess", task.name)
+            continue
+        todo.append(task)
+        traces.append(trace)
+        kernels.append(kernel)
     if not todo:
         return
-    traces = [pool_space.default_pool_trace(task.workload) if pool_space.describe_pool(task.workload)
-              else space.default_trace(task.workload) for task in todo]
-    schedules = []
-    for task, trace in zip(todo, traces, strict=True):
-        sch = Schedule(tvm.IRModule({"main": task.workload}))
-        trace.apply_to_schedule(sch, remove_postproc=False)
-        space.tensorize_segments(sch)
-        schedules.append(sch)
-    built = builder.build([ms.builder.BuilderInput(sch.mod, target) for sch in schedules])
+    built = builder.build([ms.builder.BuilderInput(tvm.IRModule({"main": k}), target) for k in kernels])
     args = [ms.arg_info.ArgInfo.from_prim_func(task.workload) for task in todo]
     inputs = [ms.runner.RunnerInput(b.artifact_path, "cpu", a)  # tune() takes LLVM CPU targets only
               for b, a in zip(built, args, strict=True) if b.error_msg is None]
@@ -312,14 +310,13 @@ def tuned_kernel(database: ms.Database, workload: tvm.tirx.PrimFunc,
     # Replay the sampled decisions; the tensorize step runs again here, registering the
     # microkernels it names (a fresh process has none).
     record.trace.apply_to_schedule(sch, remove_postproc=True)
-    pooled = pool_space.describe_pool(workload)
-    if pooled is not None:
-        return sch.mod["main"].with_attr(KERNEL_ATTR, pooled[0].kernel_name).with_attr(TUNED_ATTR, True)
-    if not space.tensorize_segments(sch):
+    kind = kind_of(workload)
+    kernel = kind.finish(sch)
+    if kernel is None:
         logger.warning("tvm_ext: a tuning record of %s does not apply; using the analytic schedule",
-                       workload.attrs[space.PLAN_ATTR])
+                       workload.attrs[kind.attr])
         return None
-    return sch.mod["main"].with_attr(KERNEL_ATTR, "brgemm_conv2d").with_attr(TUNED_ATTR, True)
+    return kernel.with_attr(TUNED_ATTR, True)
 
 
 TUNED_ATTR = "tvm_ext.tuned"  # on kernels whose schedule came from a tuning record
