@@ -10,11 +10,16 @@ For each network (tvm_ext.models, seeded weights shared by every runtime), batch
 - stock TVM: `tvm.compile` with the default pipeline (naive loops, about 1.5 GFLOP/s: only at the
   batches of --stock-batches).
 Each runtime runs in a process of its own (its peak RSS is its own; thread pools start with the
-right size) on artifacts built once per network and batch. Printed: median latency, images/s,
-GFLOP/s, % of the measured peak (bench/peak.py) for the threads used, peak RSS, and tvm_ext's
-speed-up over each runtime; outputs are checked against ONNX Runtime's. A CSV goes to bench/results/.
+right size) on artifacts built once per network and batch. The runtimes take turns: --rounds
+rounds of --repeat timed runs each, round-robin, so that a slow minute of a shared host falls on
+every runtime alike rather than on whichever ran then (one runtime after another, ratios taken an
+hour apart moved by 5-15% on a shared host). Printed: median latency (over every round),
+images/s, GFLOP/s, % of the measured peak (bench/peak.py) for the threads used, peak RSS, and
+tvm_ext's speed-up over each runtime: the median of the ratios of the two runtimes' medians in the
+same round, with their range; outputs are checked against ONNX Runtime's. A CSV goes to
+bench/results/.
 
-Usage: python bench/e2e.py [--models resnet50,vgg16,...] [--batches 1,16] [--threads 1,2] [--repeat 10]
+Usage: python bench/e2e.py [--models resnet50,vgg16,...] [--batches 1,16] [--threads 1,2] [--repeat 10] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--models", default="resnet50,vgg16,alexnet,overfeat,mobilenet_v2")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--repeat", type=int, default=10, help="timed runs per measurement (median)")
+    ap.add_argument("--repeat", type=int, default=10, help="timed runs per round (median)")
+    ap.add_argument("--rounds", type=int, default=3, help="turns each runtime takes, round-robin")
     ap.add_argument("--runtimes", default=",".join(RUNTIMES))
     ap.add_argument("--stock-batches", default="1", help="batches at which stock TVM runs (it is slow)")
     ap.add_argument("--target", default="llvm")
@@ -224,34 +230,22 @@ def main(argv=None) -> int:
             for threads in _ints(args.threads):
                 peak = peaks["peak_gflops_1thread"] if threads == 1 else peaks["peak_gflops_all"] * threads / peaks[
                     "threads"]
-                results = {}
-                for runtime in runtimes:
-                    artifact = artifacts.get(runtime) or artifacts.get(f"{runtime}_t{threads if batch > 1 else 0}")
-                    if artifact is None:
-                        continue
-                    env = dict(os.environ, TVM_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
-                    out = folder / f"out_{runtime}.npy"
-                    cmd = [sys.executable, __file__, "--repeat", str(args.repeat), "--child", runtime, model,
-                           str(batch), str(threads), artifact, str(out)]
-                    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-                    if proc.returncode:
-                        print(f"  {runtime} failed:\n{proc.stderr[-2000:]}", flush=True)
-                        continue
-                    results[runtime] = json.loads(proc.stdout.strip().splitlines()[-1])
-                    results[runtime]["out"] = np.load(out)
+                todo = {runtime: artifacts.get(runtime) or artifacts.get(f"{runtime}_t{threads if batch > 1 else 0}")
+                        for runtime in runtimes}
+                results = _run_rounds({r: a for r, a in todo.items() if a}, args, model, batch, threads, folder)
                 ref = results.get("onnxruntime", {}).get("out")
-                for r in results.values():
-                    r["median"] = statistics.median(r["ms"])
-                ours = results.get("tvm_ext", {}).get("median")
+                ours = results.get("tvm_ext")
                 for runtime, r in results.items():
                     err = "" if ref is None else f"{float(np.abs(r['out'] - ref).max() / np.abs(ref).max()):.1e}"
-                    gflops = flops / r["median"] / 1e6
+                    median = statistics.median(ms for round_ms in r["rounds"] for ms in round_ms)
+                    gflops = flops / median / 1e6
+                    speedup, spread = ("", "") if ours is None else _paired_speedup(r["rounds"], ours["rounds"])
                     rows.append({
                         "model": model, "batch": batch, "threads": threads, "runtime": runtime,
-                        "ms": round(r["median"], 2), "images_s": round(batch * 1e3 / r["median"], 1),
+                        "ms": round(median, 2), "images_s": round(batch * 1e3 / median, 1),
                         "gflops": round(gflops, 1), "pct_peak": round(100 * gflops / peak),
-                        "rss_mib": round(r["rss_mib"]), "tvm_ext_speedup": "" if ours is None else
-                        round(r["median"] / ours, 2), "err_vs_ort": err, "note": r.get("note", ""),
+                        "rss_mib": round(r["rss_mib"]), "tvm_ext_speedup": speedup, "speedup_range": spread,
+                        "err_vs_ort": err, "note": r.get("note", ""),
                     })
                 _print(rows[len(rows) - len(results):])
     path = Path(args.csv) if args.csv else HERE / "results" / f"e2e_{'_'.join(args.models.split(','))[:60]}.csv"
@@ -264,9 +258,50 @@ def main(argv=None) -> int:
     return 0
 
 
+def _run_rounds(artifacts: dict[str, str], args: argparse.Namespace, model: str, batch: int, threads: int,
+                folder: Path) -> dict[str, dict]:
+    """Each runtime's child `args.rounds` times, round-robin: per runtime the round medians'
+    timings ("rounds"), its peak RSS over the rounds and the last round's output ("out")."""
+    import numpy as np
+
+    results: dict[str, dict] = {}
+    failed: set[str] = set()
+    env = dict(os.environ, TVM_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+    for _ in range(args.rounds):
+        for runtime, artifact in artifacts.items():
+            if runtime in failed:
+                continue
+            out = folder / f"out_{runtime}.npy"
+            cmd = [sys.executable, __file__, "--repeat", str(args.repeat), "--child", runtime, model,
+                   str(batch), str(threads), artifact, str(out)]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if proc.returncode:
+                print(f"  {runtime} failed:\n{proc.stderr[-2000:]}", flush=True)
+                failed.add(runtime)
+                results.pop(runtime, None)
+                continue
+            child = json.loads(proc.stdout.strip().splitlines()[-1])
+            result = results.setdefault(runtime, {"rounds": [], "rss_mib": 0.0})
+            result["rounds"].append(child["ms"])
+            result["rss_mib"] = max(result["rss_mib"], child["rss_mib"])
+            result["note"] = child.get("note", "")
+            result["out"] = np.load(out)
+            if runtime == "stock_tvm":  # one slow run is enough; it is not a ratio's noise
+                failed.add(runtime)
+    return results
+
+
+def _paired_speedup(theirs: list[list[float]], ours: list[list[float]]) -> tuple[float, str]:
+    """tvm_ext's speed-up over a runtime: the median, over rounds, of the ratio of the two
+    runtimes' medians in the same round; and the range of those ratios ("lo-hi")."""
+    # A runtime that ran fewer rounds (stock TVM: one) pairs with tvm_ext's first ones.
+    ratios = sorted(statistics.median(t) / statistics.median(o) for t, o in zip(theirs, ours, strict=False))
+    return round(statistics.median(ratios), 2), f"{ratios[0]:.2f}-{ratios[-1]:.2f}"
+
+
 _COLUMNS = (("model", 13), ("batch", 5), ("threads", 7), ("runtime", 15), ("ms", 9), ("images_s", 9),
-            ("gflops", 7), ("pct_peak", 8), ("rss_mib", 8), ("tvm_ext_speedup", 15), ("err_vs_ort", 10),
-            ("note", 13))
+            ("gflops", 7), ("pct_peak", 8), ("rss_mib", 8), ("tvm_ext_speedup", 15), ("speedup_range", 13),
+            ("err_vs_ort", 10), ("note", 13))
 
 
 def _print(rows: list[dict]) -> None:

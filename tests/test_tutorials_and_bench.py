@@ -1,5 +1,6 @@
 """The tutorials run, and the benchmark scripts still work (smoke runs; speed is not tested)."""
 
+import csv
 import json
 import os
 import shutil
@@ -84,14 +85,18 @@ def test_cli_tune_an_onnx_model(tmp_path):
 
 
 def test_e2e_bench_smoke(tmp_path):
-    csv = tmp_path / "e2e.csv"
+    table = tmp_path / "e2e.csv"
     out = _run("bench/e2e.py", "--models", "mobilenet_v2", "--batches", "1", "--threads", "1", "--repeat", "2",
-               "--runtimes", "tvm_ext,onnxruntime", "--csv", str(csv), "--work-dir", str(tmp_path / "work"))
+               "--rounds", "2", "--runtimes", "tvm_ext,onnxruntime", "--csv", str(table),
+               "--work-dir", str(tmp_path / "work"))
     assert "onnxruntime" in out and "tvm_ext" in out
-    rows = csv.read_text().splitlines()
-    assert rows[0].startswith("model,") and len(rows) == 3
-    tvm_row = next(r for r in rows if ",tvm_ext," in r).split(",")
-    assert float(tvm_row[rows[0].split(",").index("err_vs_ort")]) <= 1e-4
+    rows = list(csv.DictReader(table.open()))
+    assert len(rows) == 2
+    ours, ort = (next(r for r in rows if r["runtime"] == name) for name in ("tvm_ext", "onnxruntime"))
+    assert float(ours["err_vs_ort"]) <= 1e-4
+    # The speed-up is the median of two paired round ratios, inside their range.
+    low, high = (float(v) for v in ort["speedup_range"].split("-"))
+    assert low <= float(ort["tvm_ext_speedup"]) <= high and ours["speedup_range"] == "1.00-1.00"
 
 
 def test_tune_bench_smoke():
