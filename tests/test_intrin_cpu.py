@@ -52,12 +52,15 @@ def test_default_tiles_follow_the_isa():
 
 @pytest.mark.parametrize("isa", [AVX2, AVX512])
 def test_strided_1x1_plans_rows_outer(isa):
-    """A strided 1x1 reads its sparse input once (rows outer); every other layer keeps each output
-    block's weights over the rows (blocks outer)."""
+    """A strided 1x1 reads its sparse input once (rows outer) unless its weights outgrow the
+    last-level cache; every other layer keeps each output block's weights over the rows (blocks
+    outer)."""
     def order(x_shape, w_shape, stride, padding=0):
         return plan_conv2d(Conv2dWorkload.make(x_shape, w_shape, stride, padding), isa).row_order
 
     assert order((1, 256, 56, 56), (512, 256, 1, 1), 2) == "oh_ob"
+    assert order((1, 512, 28, 28), (1024, 512, 1, 1), 2) == "oh_ob"  # 2 MB of weights
+    assert order((1, 1024, 14, 14), (2048, 1024, 1, 1), 2) == "ob_oh"  # 8 MB
     assert order((1, 64, 30, 31), (48, 64, 1, 1), (1, 2)) == "oh_ob"
     assert order((1, 256, 56, 56), (64, 256, 1, 1), 1) == "ob_oh"
     assert order((1, 128, 56, 56), (128, 128, 3, 3), 2, 1) == "ob_oh"

@@ -148,7 +148,7 @@ class Conv2dPlan:
     # or row outer ("oh_ob": one input row is reused by every block). Rows
     # outer won 1.1-1.25x on isolated ResNet-50 1x1 layers at batch 16 but measured neutral to
     # slightly slower inside the network (1332 vs 1309 ms at batch 16), so it is the default only
-    # for strided 1x1 layers (:func:`plan_conv2d`).
+    # for strided 1x1 layers whose weights fit the last-level cache (:func:`plan_conv2d`).
     row_order: str = "ob_oh"
 
     @property
@@ -209,6 +209,9 @@ def _largest_divisor(n: int, limit: int, multiple_of: int = 1) -> int:
     return 0
 
 
+ROWS_OUTER_WEIGHT_BYTES = 4 << 20  # a strided 1x1 with more weights keeps blocks outer (plan_conv2d)
+
+
 def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r: int | None = None,
                 ic_bn: int | None = None, row_order: str | None = None) -> Conv2dPlan:
     """Choose blocking and register tile analytically (tuning overrides m_r / n_r / ic_bn)."""
@@ -237,9 +240,13 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
     # which the prefetchers fetch poorly: streaming it once per output block cost AVX2 (16-channel
     # blocks, twice AVX-512's passes) 73% -> 91% of peak on ResNet-50's 256x56x56 -> 512 layer,
     # 78% -> 90% on 512x28x28 -> 1024. Rows outer reads it once and keeps the weights in cache
-    # instead; on AVX-512 it measured neutral (93-96% either way, 1 and 2 threads).
+    # instead; on AVX-512 it measured neutral (93-96% either way, 1 and 2 threads). But rows
+    # outer reads every weight once per output row, which pays only while the weights stay in
+    # the last-level cache: ResNet-50's 1024x14x14 -> 2048 (8 MB of weights) ran at 24 GFLOP/s
+    # rows outer and 29 blocks outer on a Zen 1 (8 MB of L3 per 4 cores), cold weights.
     strided_1x1 = (wl.KH, wl.KW) == (1, 1) and max(wl.stride) > 1
-    row_order = row_order or ("oh_ob" if strided_1x1 else "ob_oh")
+    weight_bytes = 4 * wl.K * Cg * wl.KH * wl.KW
+    row_order = row_order or ("oh_ob" if strided_1x1 and weight_bytes <= ROWS_OUTER_WEIGHT_BYTES else "ob_oh")
     return Conv2dPlan(wl, "brgemm", ic, tile[1], tile[0], row_order=row_order)
 
 
