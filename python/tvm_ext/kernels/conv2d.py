@@ -545,7 +545,7 @@ def _drop_init(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> None:
     """
     old = sch.get(block)
     new = s_tir.SBlock(old.iter_vars, old.reads, old.writes, old.name_hint, old.body, None,
-                            old.alloc_buffers, old.match_buffers, old.annotations)
+                       old.alloc_buffers, old.match_buffers, old.annotations)
     sch.state.replace(sch.get_sref(block), new, {old: new})
 
 

@@ -65,7 +65,6 @@ def default_pool_trace(workload: tvm.tirx.PrimFunc) -> tvm.s_tir.Trace:
     return trace
 
 
-
 def _finish(sch: Schedule) -> tvm.tirx.PrimFunc:
     return sch.mod["main"].with_attr(KERNEL_ATTR, describe_pool(sch.mod["main"])[0].kernel_name)
 
