@@ -524,13 +524,12 @@ def tensorize_brgemm_segments(sch: s_tir.Schedule, plan: Conv2dPlan, lanes: int,
         if (m_r, n_r) not in fits and registers is not None:
             return False
         unroll = int(sch.get(block).annotations.get(BRGEMM_UNROLL, 1))
-        tiles.append((ow_inner, BRGEMM(m_r=m_r, n_r=n_r, k=plan.ic_bn, lanes=lanes,
-                                       batch=(int(sch.get(icb).extent), wl.KH, wl.KW), stride=wl.stride[1],
-                                       dilation=wl.dilation, init=True, unroll=unroll)))
-    for loop, spec in tiles:
+        tiles.append((name, ow_inner, BRGEMM(m_r=m_r, n_r=n_r, k=plan.ic_bn, lanes=lanes,
+                                             batch=(int(sch.get(icb).extent), wl.KH, wl.KW), stride=wl.stride[1],
+                                             dilation=wl.dilation, init=True, unroll=unroll)))
+    for name, loop, spec in tiles:
         sch.tensorize(loop, get_brgemm_intrin(spec))
-    for name, _, _ in plan.row_segments():
-        _drop_init(sch, sch.get_sblock(f"{name}_o"))
+        _drop_init(sch, sch.get_sblock(f"{name}_o"))  # the block blockize made around the call
     return True
 
 
