@@ -21,12 +21,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import tvm
-import tvm.script
 from tvm import s_tir, te, tirx
 
 from ..intrin.cpu import BRGEMM, default_tile, get_brgemm_intrin, register_tiles
 from ..target import AVX2, AVX512, NEON, SSE, VectorISA
+from . import script
 from .transpose import transpose8x8
 
 KERNEL_ATTR = "tvm_ext.kernel"
@@ -477,7 +476,7 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
         bias_buffer=(f'    B = T.match_buffer(b, ({plan.OCB}, {plan.oc_bn}), "float32")\n' if epilogue.bias else "")
         + (f'    R = T.match_buffer(r, {residual_shape}, "float32")\n' if epilogue.residual else ""),
         x_shape=plan.data_shape(), w_shape=plan.weight_shape(), segments=body, after=after, **common)
-    return tvm.script.from_source(text)
+    return script.from_source(text)
 
 
 BRGEMM_UNROLL = "tvm_ext.brgemm_unroll"  # block annotation: the microkernel's k unroll
@@ -631,7 +630,7 @@ def _accept_user_alignment(func: tirx.PrimFunc, param: str) -> tirx.PrimFunc:
     shape_and_dtype, close, tail = rest.partition(")")  # the shape tuple ends at the first ")"
     dtype_end = tail.index(")")
     text = head + sep + shape_and_dtype + close + tail[:dtype_end] + f", align={USER_ALIGNMENT}" + tail[dtype_end:]
-    return tvm.script.from_source(text)
+    return script.from_source(text)
 
 
 _PACK_WEIGHT_TEMPLATE = """
@@ -682,7 +681,7 @@ def _pack_weight_tiled(plan: Conv2dPlan) -> tirx.PrimFunc:
                  f"            ob: T.let = task // {ICB}\n"
                  f"            ib: T.let = task % {ICB}\n"
                  f"            for q0, o0 in T.grid({q_block // 8}, {plan.oc_bn // 8}):")
-    return tvm.script.from_source(_PACK_WEIGHT_TEMPLATE.format(
+    return script.from_source(_PACK_WEIGHT_TEMPLATE.format(
         attr=KERNEL_ATTR, K=wl.K, Cg=wl.C // wl.groups, KH=wl.KH, KW=wl.KW, KHW=khw, align=USER_ALIGNMENT,
         row=(wl.C // wl.groups) * khw, OCB=plan.OCB, ICB=ICB, ic_bn=plan.ic_bn, oc_bn=plan.oc_bn,
         q_block=q_block, K_last=wl.K - 1, loops=loops, tile=tile))

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import math
 
-import tvm
-import tvm.script
 from tvm import tirx
 
+from . import script
 from .conv2d import ACTIVATIONS, KERNEL_ATTR, activation_text
 
 __all__ = ["ACTIVATIONS", "activation_func", "flat_activation_func"]
@@ -53,4 +52,4 @@ def flat_activation_func(name: str, shape, alpha: float, inner: int, outer_loop:
     outer = -(-size // inner)
     text = _TEMPLATE.format(shape=shape, size=size, inner=inner, outer_loop=outer_loop.format(outer),
                             inner_loop=inner_loop.format(inner), value=activation_text(name, "X_flat[v]", alpha))
-    return tvm.script.from_source(text).with_attr(KERNEL_ATTR, name)
+    return script.from_source(text).with_attr(KERNEL_ATTR, name)

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import tvm.script
 from tvm import s_tir, te, tirx
 
+from . import script
 from .conv2d import KERNEL_ATTR, USER_ALIGNMENT, Conv2dPlan, _accept_user_alignment
 from .transpose import TILE, transpose8x8
 
@@ -94,7 +94,7 @@ def pack_nchwc_func(shape: Sequence[int], block: int, padding: Sequence[int] = (
         tile = transpose8x8(lambda i: f"X[n, cb * {block} + c0 * 8 + {i}, h - {top}, T.Ramp(w0 * 8, 1, 8)]",
                             lambda j, v: f"Y[n, cb, h, {left} + w0 * 8 + {j}, T.Ramp(c0 * 8, 1, 8)] = {v}",
                             indent=" " * 20)
-        return tvm.script.from_source(_PACK_TEMPLATE.format(
+        return script.from_source(_PACK_TEMPLATE.format(
             attr=KERNEL_ATTR, N=N, C=C, H=H, W=W, CB=C // block, HP=HP, WP=WP, block=block,
             align=USER_ALIGNMENT if user_input else 64, rows=N * (C // block) * HP, per_image=(C // block) * HP,
             top=top, top_H=top + H, left=left, right=right, left_W=left + W, vectors=block // TILE,
@@ -147,7 +147,7 @@ def unpack_nchwc_func(blocked_shape: Sequence[int], channels: int, dtype: str = 
         tile = transpose8x8(lambda i: f"Y[n, cb, h, w0 * 8 + {i}, T.Ramp(c0 * 8, 1, 8)]",
                             lambda j, v: f"X[n, cb * {block} + c0 * 8 + {j}, h, T.Ramp(w0 * 8, 1, 8)] = {v}",
                             indent=" " * 24)
-        return tvm.script.from_source(_UNPACK_TEMPLATE.format(
+        return script.from_source(_UNPACK_TEMPLATE.format(
             attr=KERNEL_ATTR, N=N, CB=CB, H=H, W=W, block=block, channels=channels, rows=N * CB * H,
             per_image=CB * H, vectors=block // TILE, W_tiles=W // TILE, W_body=W // TILE * TILE,
             W_tail=W % TILE, tile=tile))

@@ -40,11 +40,11 @@ import math
 
 import numpy as np
 import tvm
-import tvm.script
 from tvm import s_tir
 
 from ...intrin.cuda import ThreadTile, get_outer_product_intrin
 from ...target import resolve_target
+from .. import script
 from ..conv2d import KERNEL_ATTR, Conv2dWorkload
 from .ptx import generate_source, kernel_params
 
@@ -603,7 +603,7 @@ def maxdnn_conv2d_func(plan: MaxDNNPlan, symbol: str = "maxdnn_conv2d", *, tenso
     from the generated CUDA instead.
     """
     gen = _Generator(plan, fault)
-    func = tvm.script.from_source(gen.text(symbol))
+    func = script.from_source(gen.text(symbol))
     if not tensorize or not gen.updates:  # the tensor-core engines issue mma.sync themselves
         return func
     intrin = get_outer_product_intrin(plan.tile.thread_tile())
