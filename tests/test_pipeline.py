@@ -76,6 +76,35 @@ def test_small_cnn_matches_stock_tvm_and_uses_our_kernels():
             assert func.attrs and func.attrs.get("tirx.is_scheduled"), gvar.name_hint
 
 
+def test_weights_as_parameters_are_packed_at_run_time():
+    """Constant weights are packed while building; weights passed in are packed by a kernel
+    call on every run. Both give the convolution, for two blockings (16x16 and a 3-channel
+    input)."""
+    rng = np.random.default_rng(3)
+    x_np = rng.standard_normal((1, 3, 13, 11)).astype("float32")
+    w1_np, w2_np = (rng.standard_normal(s).astype("float32") for s in ((32, 3, 3, 3), (16, 32, 1, 1)))
+
+    def network(weights_as_params: bool) -> tvm.IRModule:
+        bb = relax.BlockBuilder()
+        x = relax.Var("x", relax.TensorType(x_np.shape, "float32"))
+        w1, w2 = (relax.Var(n, relax.TensorType(w.shape, "float32")) for n, w in (("w1", w1_np), ("w2", w2_np)))
+        with bb.function("main", [x, w1, w2] if weights_as_params else [x]):
+            with bb.dataflow():
+                a, b = (w1, w2) if weights_as_params else (relax.const(w1_np), relax.const(w2_np))
+                y = bb.emit(relax.op.nn.relu(relax.op.nn.conv2d(x, a, padding=(1, 1))))
+                out = bb.emit_output(relax.op.nn.conv2d(y, b))
+            bb.emit_func_output(out)
+        return bb.get()
+
+    ref = _run(tvm.compile(network(False), TARGET), x_np)
+    built = _run(tvm_ext.build(network(False), TARGET), x_np)
+    vm = relax.VirtualMachine(tvm_ext.build(network(True), TARGET), tvm.cpu())
+    passed = vm["main"](*(tvm.runtime.tensor(a) for a in (x_np, w1_np, w2_np))).numpy()
+    assert rel_err(built, ref) <= 1e-4 and rel_err(passed, ref) <= 1e-4
+    assert "pack_weight" in tvm_ext.pipeline(TARGET)(network(True))["main"].script()
+    assert "pack_weight" not in tvm_ext.pipeline(TARGET)(network(False))["main"].script()
+
+
 def test_unsupported_layout_falls_back_with_a_reason():
     mod = _small_cnn("NHWC")
     report = tvm_ext.dispatch_report(mod, "llvm")

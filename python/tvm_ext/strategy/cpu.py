@@ -12,13 +12,14 @@ per-channel scales) into the weights, :func:`matmul_as_conv2d` turns dense layer
 convolutions, and :func:`fusion_patterns` groups conv2d + bias + shortcut + activation into one
 kernel call that reads and writes activations in the blocked layout (see :class:`_Emitter`:
 layouts change only at the graph's edges and around fallbacks). Constant weights are packed at
-build time by FoldConstant. :func:`decide` is the single place that takes the decision, used by
+build time. :func:`decide` is the single place that takes the decision, used by
 all of them and by the dispatch report.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import numpy as np
@@ -173,6 +174,25 @@ def _tag(plan: _conv.Conv2dPlan) -> str:
 _UNPACK = "tvm_ext_unpack_nchwc"
 
 
+@functools.lru_cache(maxsize=256)
+def _weight_packer(plan: _conv.Conv2dPlan) -> tvm.runtime.Module:
+    """The weight-packing kernel of `plan`, built for the machine that builds the graph.
+
+    Plain "llvm" (baseline x86-64 or the host's architecture), not the graph's target: the
+    packing runs here, and the target may be a CPU this machine does not have. A network
+    repeats few plans (ResNet-50: 53 convolutions, 23 plans); FoldConstant, which packed them
+    before, built a kernel per call (0.11 s each).
+    """
+    return tvm.compile(_conv.pack_weight_func(plan), tvm.target.Target("llvm"))
+
+
+def _pack_constant_weight(plan: _conv.Conv2dPlan, weight: tvm.runtime.Tensor) -> tvm.runtime.Tensor:
+    """OIHW `weight` in `plan`'s blocked layout, packed now (at build time)."""
+    packed = tvm.runtime.empty(plan.weight_shape(), plan.wl.dtype, tvm.cpu())
+    _weight_packer(plan)(weight, packed)
+    return packed
+
+
 class _Emitter:
     """Emits tvm_ext kernel calls for one op, keeping activations blocked between our kernels.
 
@@ -247,16 +267,18 @@ class _Emitter:
                suffix: str = "") -> relax.Expr:
         """conv2d (+ bias + residual -> activation): blocked in and out wherever the layouts allow.
 
-        Constant weights and biases are packed here (weights by a kernel that FoldConstant runs
-        at build time).
+        Constant weights and biases are packed here; weights that are parameters are packed by
+        a kernel call at run time.
         """
         plan = self._plan(decide(call, self.target).plan, data)
         wl = plan.wl
         blocked_out = plan.K_pad == wl.K  # padded channels would reach the next layer's reduction
         tag = _tag(plan)
+        weight = call.args[1]
         args = [self.pack(data, plan.ic_bn, wl.padding),
-                self._call(_conv.pack_weight_func(plan), f"tvm_ext_pack_weight_{tag}", [call.args[1]],
-                           plan.weight_shape())]
+                relax.const(_pack_constant_weight(plan, weight.value)) if isinstance(weight, tvm.ir.Constant)
+                else self._call(_conv.pack_weight_func(plan), f"tvm_ext_pack_weight_{tag}", [weight],
+                                plan.weight_shape())]
         if bias is not None:
             blocked = np.zeros(plan.K_pad, np.float32)
             blocked[: wl.K] = bias.reshape(-1)
@@ -592,9 +614,9 @@ def matmul_as_conv2d() -> tvm.transform.Pass:
     """x (M, K) @ W (K, N) [+ b (N,) [-> relu]]  ==>  conv2d over a 1 x M image of K channels.
 
     The rows of x become the pixels of one image (the microkernel's m_r dimension, so each
-    weight vector loaded is reused across rows) and W (constant) a 1x1 filter bank that
-    FoldConstant transposes at build time; the bias becomes the convolution's, so it and a
-    following activation fuse into the kernel's epilogue like any convolution's.
+    weight vector loaded is reused across rows) and W (constant) a 1x1 filter bank, transposed
+    here at build time; the bias becomes the convolution's, so it and a following activation
+    fuse into the kernel's epilogue like any convolution's.
     """
     from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
@@ -606,9 +628,9 @@ def matmul_as_conv2d() -> tvm.transform.Pass:
     # rewrite_call offers every node the pattern matches (relu, then its add, then its matmul)
     # and keeps the outermost rewrite: transpose each weight once (VGG-16's first dense
     # layer is 411 MB, about 3 s a copy).
-    filter_banks: dict[relax.Constant, relax.Constant] = {}
+    filter_banks: dict[tvm.ir.Constant, tvm.ir.Constant] = {}
 
-    def filter_bank(weight: relax.Constant) -> relax.Constant:
+    def filter_bank(weight: tvm.ir.Constant) -> tvm.ir.Constant:
         if weight not in filter_banks:
             (k, n) = _static_shape(weight)
             filter_banks[weight] = relax.const(np.ascontiguousarray(weight.value.numpy().T.reshape(n, k, 1, 1)))
