@@ -12,9 +12,10 @@ from __future__ import annotations
 import functools
 
 import tvm.script
+from tvm import tirx
 
 
 @functools.lru_cache(maxsize=1024)
-def from_source(text: str):
-    """`tvm.script.from_source(text)`, cached by the text."""
+def from_source(text: str) -> tirx.PrimFunc:
+    """The PrimFunc of TVMScript `text` (`tvm.script.from_source`), cached by the text."""
     return tvm.script.from_source(text)
