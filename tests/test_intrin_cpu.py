@@ -77,6 +77,24 @@ def test_intrinsics_are_generated_once_under_stable_names():
     assert TensorIntrin.get(get_brgemm_intrin(BRGEMM(1, 8, 1, 8))) is not None
 
 
+def test_batch_shapes_share_one_parse():
+    """Microkernels that differ only in their batch counts (channel blocks, kh, kw > 1) are one
+    parsed family, specialized to each: concrete shapes and loop extents, nothing symbolic left."""
+    from tvm_ext.intrin import cpu
+
+    first = BRGEMM(5, 16, 8, 8, batch=(3, 2, 5), stride=2, init=True)
+    second = BRGEMM(5, 16, 8, 8, batch=(7, 3, 3), stride=2, init=True)
+    desc, impl = cpu._desc_impl(first)
+    misses = cpu._family.cache_info().misses
+    desc2, impl2 = cpu._desc_impl(second)
+    assert cpu._family.cache_info().misses == misses
+    for func, spec in ((desc, first), (impl, first), (desc2, second), (impl2, second)):
+        text = func.script()
+        assert len(func.params) == 3 and f"A: T.Buffer({spec.a_shape()}" in text
+        assert re.search(r"\bb[012]\b", text) is None  # no symbolic batch count left
+    assert "T.grid(5, 16, 3, 2, 5, 8)" in desc.script() and "T.grid(5, 16, 7, 3, 3, 8)" in desc2.script()
+
+
 def test_brgemm_as_plain_gemm_is_correct():
     """A GEMM is a batch-reduce of size one: tensorize a matmul with the same generator."""
     M, N, K = 12, 32, 16

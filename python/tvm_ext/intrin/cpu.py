@@ -162,7 +162,7 @@ def default_tile(isa: VectorISA, n_choices: list[int], width: int) -> tuple[int,
 _DESC = """
 
 @T.prim_func(s_tir=True)
-def desc(a: T.handle, b: T.handle, c: T.handle) -> None:
+def desc(a: T.handle, b: T.handle, c: T.handle{batch_params}) -> None:
     A = T.match_buffer(a, {a_shape}, "{dtype}", offset_factor=1)
     B = T.match_buffer(b, {b_shape}, "{dtype}", offset_factor=1)
     C = T.match_buffer(c, ({m_r}, {n_r}), "{dtype}", offset_factor=1)
@@ -180,7 +180,7 @@ def desc(a: T.handle, b: T.handle, c: T.handle) -> None:
 
 _IMPL = """
 @T.prim_func(s_tir=True)
-def impl(a: T.handle, b: T.handle, c: T.handle) -> None:
+def impl(a: T.handle, b: T.handle, c: T.handle{batch_params}) -> None:
     sa0, sa1, sa2 = T.int32(), T.int32(), T.int32()
     sb0, sb1, sb2, sb3 = T.int32(), T.int32(), T.int32(), T.int32()
     sc0 = T.int32()
@@ -230,31 +230,45 @@ def _impl_body(spec: BRGEMM) -> dict[str, str]:
 
 
 def _desc_impl(spec: BRGEMM):
-    """Generate the (description, implementation) pair of `spec` as TVMScript.
+    """The (description, implementation) pair of `spec`: its family's, specialized to its batch.
 
     The description's block binds no iterator to a loop of extent one: blockize drops unit
     iterators from the block being tensorized (it keeps the loops), so a description that bound
     them (a 1x1 filter, a single channel block, a one-pixel tail) would never match.
     """
-    b0, b1, b2 = spec.batch
+    desc, impl = _family(dataclasses.replace(spec, batch=tuple(min(b, 2) for b in spec.batch)))
+    values = {f"b{i}": b for i, b in enumerate(spec.batch) if b > 1}
+    return tuple(func.specialize({p: values[p.name] for p in func.params[3:]}) for func in (desc, impl))
+
+
+@functools.cache
+def _family(spec: BRGEMM):
+    """TVMScript (description, implementation) for every batch shape with the same unit batch
+    extents as `spec` (1 stays 1, 2 stands for any larger extent: a scalar parameter).
+
+    Parsing is slow (about 0.1 s a function) and a network needs a microkernel per channel-block
+    count; :func:`_desc_impl` specializes the parameters instead (microseconds).
+    """
     dh, dw = spec.dilation
-    dims = [("m", spec.m_r, "S"), ("n", spec.n_r, "S"), ("i0", b0, "R"), ("i1", b1, "R"),
-            ("i2", b2, "R"), ("k", spec.k, "R")]
-    live = [d for d in dims if d[1] > 1]
-    v = {name: (f"v{name}" if extent > 1 else "0") for name, extent, _ in dims}
-    a_shape = spec.a_shape()
+    b0, b1, b2 = (f"b{i}" if b > 1 else "1" for i, b in enumerate(spec.batch))
+    dims = [("m", str(spec.m_r), spec.m_r > 1, "S"), ("n", str(spec.n_r), spec.n_r > 1, "S"),
+            ("i0", b0, b0 != "1", "R"), ("i1", b1, b1 != "1", "R"), ("i2", b2, b2 != "1", "R"),
+            ("k", str(spec.k), spec.k > 1, "R")]
+    v = {name: (f"v{name}" if live else "0") for name, _, live, _ in dims}
+    a_shape = (b0, f"({b1} - 1) * {dh} + 1", f"{(spec.m_r - 1) * spec.stride} + ({b2} - 1) * {dw} + 1", str(spec.k))
     fields = dict(
         k_unroll=spec.k_unroll, dtype=spec.dtype, m_r=spec.m_r, n_r=spec.n_r, k=spec.k, lanes=spec.lanes,
         nv=spec.vectors,
         vec=f"{spec.dtype}x{spec.lanes}", b0=b0, b1=b1, b2=b2, s=spec.stride, dh=dh, dw=dw,
-        a_shape=a_shape, b_shape=(b0, b1, b2, spec.k, spec.n_r),
+        batch_params="".join(f", {b}: T.int32" for b in (b0, b1, b2) if b != "1"),
+        a_shape=f"({', '.join(a_shape)})", b_shape=f"({b0}, {b1}, {b2}, {spec.k}, {spec.n_r})",
         a_region=", ".join(f"0:{e}" for e in a_shape),
         b_region=f"0:{b0}, 0:{b1}, 0:{b2}, 0:{spec.k}, 0:{spec.n_r}",
-        loop_vars=", ".join(name for name, _, _ in dims),
-        loop_extents=", ".join(str(extent) for _, extent, _ in dims),
+        loop_vars=", ".join(name for name, _, _, _ in dims),
+        loop_extents=", ".join(extent for _, extent, _, _ in dims),
         bindings="\n".join(
             f"{' ' * 16}v{name} = T.axis.{'spatial' if kind == 'S' else 'reduce'}({extent}, {name})"
-            for name, extent, kind in live),
+            for name, extent, live, kind in dims if live),
         c_index=f"{v['m']}, {v['n']}",
         c_read="" if spec.init else f"C[0:{spec.m_r}, 0:{spec.n_r}], ",
         init=(f"{' ' * 16}with T.init():\n{' ' * 20}C[{v['m']}, {v['n']}] = T.float32(0)" if spec.init else ""),
