@@ -230,12 +230,7 @@ def _impl_body(spec: BRGEMM) -> dict[str, str]:
 
 
 def _desc_impl(spec: BRGEMM):
-    """The (description, implementation) pair of `spec`: its family's, specialized to its batch.
-
-    The description's block binds no iterator to a loop of extent one: blockize drops unit
-    iterators from the block being tensorized (it keeps the loops), so a description that bound
-    them (a 1x1 filter, a single channel block, a one-pixel tail) would never match.
-    """
+    """The (description, implementation) pair of `spec`: its family's, specialized to its batch."""
     desc, impl = _family(dataclasses.replace(spec, batch=tuple(min(b, 2) for b in spec.batch)))
     values = {f"b{i}": b for i, b in enumerate(spec.batch) if b > 1}
     return tuple(func.specialize({p: values[p.name] for p in func.params[3:]}) for func in (desc, impl))
@@ -247,7 +242,11 @@ def _family(spec: BRGEMM):
     extents as `spec` (1 stays 1, 2 stands for any larger extent: a scalar parameter).
 
     Parsing is slow (about 0.1 s a function) and a network needs a microkernel per channel-block
-    count; :func:`_desc_impl` specializes the parameters instead (microseconds).
+    count; :func:`_desc_impl` specializes the parameters instead (microseconds). The extents
+    of one stay literal because the description's block binds no iterator to a loop of extent
+    one: blockize drops unit iterators from the block being tensorized (it keeps the loops), so
+    a description that bound them (a 1x1 filter, a single channel block, a one-pixel tail)
+    would never match. (The symbolic A shape here is :meth:`BRGEMM.a_shape` in TVMScript.)
     """
     dh, dw = spec.dilation
     b0, b1, b2 = (f"b{i}" if b > 1 else "1" for i, b in enumerate(spec.batch))
