@@ -19,13 +19,13 @@ all of them and by the dispatch report.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 
 import numpy as np
 import tvm
 from tvm import relax
 
+from .. import ops as _ops
 from ..kernels import conv2d as _conv
 from ..kernels import elementwise as _elementwise
 from ..kernels import layout as _layout
@@ -174,22 +174,17 @@ def _tag(plan: _conv.Conv2dPlan) -> str:
 _UNPACK = "tvm_ext_unpack_nchwc"
 
 
-@functools.lru_cache(maxsize=256)
-def _weight_packer(plan: _conv.Conv2dPlan) -> tvm.runtime.Module:
-    """The weight-packing kernel of `plan`, built for the machine that builds the graph.
-
-    Plain "llvm" (baseline x86-64 or the host's architecture), not the graph's target: the
-    packing runs here, and the target may be a CPU this machine does not have. A network
-    repeats few plans (ResNet-50: 53 convolutions, 23 plans); FoldConstant, which packed them
-    before, built a kernel per call (0.11 s each).
-    """
-    return tvm.compile(_conv.pack_weight_func(plan), tvm.target.Target("llvm"))
-
-
 def _pack_constant_weight(plan: _conv.Conv2dPlan, weight: tvm.runtime.Tensor) -> tvm.runtime.Tensor:
-    """OIHW `weight` in `plan`'s blocked layout, packed now (at build time)."""
+    """OIHW `weight` in `plan`'s blocked layout, packed now (at build time).
+
+    The packing kernel is the eager API's, compiled once per plan (ResNet-50: 53 convolutions,
+    23 plans; FoldConstant, which packed them before, built a kernel per call, 0.11 s each) for
+    plain "llvm", not the graph's target: it runs here, and the target may be a CPU this
+    machine does not have.
+    """
+    pack = _ops._compiled(("pack_weight", plan), lambda: _conv.pack_weight_func(plan), tvm.target.Target("llvm"))
     packed = tvm.runtime.empty(plan.weight_shape(), plan.wl.dtype, tvm.cpu())
-    _weight_packer(plan)(weight, packed)
+    pack(weight, packed)
     return packed
 
 
@@ -631,9 +626,8 @@ def matmul_as_conv2d() -> tvm.transform.Pass:
     filter_banks: dict[tvm.ir.Constant, tvm.ir.Constant] = {}
 
     def filter_bank(weight: tvm.ir.Constant) -> tvm.ir.Constant:
-        if weight not in filter_banks:
-            (k, n) = _static_shape(weight)
-            filter_banks[weight] = relax.const(np.ascontiguousarray(weight.value.numpy().T.reshape(n, k, 1, 1)))
+        if weight not in filter_banks:  # (K, N) -> (N, K, 1, 1)
+            filter_banks[weight] = relax.const(np.ascontiguousarray(weight.value.numpy().T[:, :, None, None]))
         return filter_banks[weight]
 
     def rewriter(orig: relax.Expr, matched: dict) -> relax.Expr:
