@@ -58,7 +58,7 @@ def _lowering_passes(target: tvm.target.Target, lower: tvm.transform.Pass, defau
 
 
 def pipeline(target: TargetLike = None, database=None, images_per_call: int | None = None, *,
-             tensor_cores: bool | str = False) -> tvm.transform.Pass:
+             tensor_cores: bool | str = False, winograd: bool = True) -> tvm.transform.Pass:
     """The Relax pipeline for `tvm.compile(mod, target, relax_pipeline=...)`.
 
     `images_per_call`: how many images of a batch the convolutional trunk runs at a time
@@ -72,6 +72,11 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
     `tensor_cores` (CUDA): convolutions run a tensor-core tile instead of the fp32 FFMA one: True
     or "tf32" (inputs read as tf32, as cuDNN does with TF32 allowed), "bf16" (inputs rounded to
     bf16; fp32 accumulation and outputs).
+
+    `winograd` (CPU): stride-1 3x3 convolutions with constant weights and at least 32 channels
+    run as Winograd F(4x4, 3x3) or F(2x2, 3x3) (:mod:`tvm_ext.kernels.winograd`): 2.25-4x fewer
+    multiplies, and a float32 error of about 1e-5 of the output's range instead of 4e-7. False
+    keeps every convolution direct.
     """
     from .tuning.tuner import open_database, shipped_database
 
@@ -95,7 +100,7 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
                 [split_batch(images_per_call)]
                 + cpu_pipeline.library_dispatch_passes(target)
                 + cpu_strategy.fusion_passes(target)
-                + _lowering_passes(target, cpu_strategy.lower_to_kernels(target, database),
+                + _lowering_passes(target, cpu_strategy.lower_to_kernels(target, database, winograd=winograd),
                                    [dlight.cpu.GEMV(), dlight.cpu.Reduction(), ParallelVectorize()])
                 + cpu_pipeline.dataflow_lower_passes(target)
                 + cpu_pipeline.finalize_passes(target)
@@ -127,15 +132,16 @@ def _cuda_pipeline(target: tvm.target.Target, tensor_cores: bool | str) -> tvm.t
 
 
 def build(mod: tvm.IRModule, target: TargetLike = None, database=None,
-          images_per_call: int | None = None, *, tensor_cores: bool | str = False) -> relax.VMExecutable:
+          images_per_call: int | None = None, *, tensor_cores: bool | str = False,
+          winograd: bool = True) -> relax.VMExecutable:
     """Compile a Relax module through tvm_ext; run it with `relax.VirtualMachine(ex, tvm.cpu())`
     (`tvm.cuda()` for a CUDA target; without a GPU a CUDA build still compiles, and its executable
     carries the kernels' CUDA C for inspection).
 
-    `database`, `images_per_call` and `tensor_cores`: see :func:`pipeline`.
+    `database`, `images_per_call`, `tensor_cores` and `winograd`: see :func:`pipeline`.
     """
     target = resolve_target(target)
-    relax_pipeline = pipeline(target, database, images_per_call, tensor_cores=tensor_cores)
+    relax_pipeline = pipeline(target, database, images_per_call, tensor_cores=tensor_cores, winograd=winograd)
     if target.kind.name == "cuda":
         from .kernels.cuda.ptx import cuda_source_only, prepare_device_compile
 
@@ -170,11 +176,11 @@ def _is_call_to(expr, op: str) -> bool:
 
 
 def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *,
-                    tensor_cores: bool | str = False) -> DispatchReport:
+                    tensor_cores: bool | str = False, winograd: bool = True) -> DispatchReport:
     """Which tvm_ext kernel serves each op of `mod["main"]` on `target`, or why stock TVM does.
 
     Ops fused into a convolution's epilogue are reported as served by that kernel.
-    `tensor_cores`: as for :func:`build` (CUDA), so the report names the tile the build uses.
+    `tensor_cores`, `winograd`: as for :func:`build`, so the report names the kernel the build uses.
     """
     target = resolve_target(target)
     engine = engine_for(tensor_cores)
@@ -194,7 +200,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *,
         return _is_call_to(bindings.get(source) if isinstance(source, relax.Var) else None, "relax.permute_dims")
 
     def row(call: relax.Call, fused_into: str | None = None, matmul: bool = False) -> None:
-        decision = cpu_strategy.decide(call, target, engine)
+        decision = cpu_strategy.decide(call, target, engine, winograd)
         if matmul:
             (_, k, _, m), (n, *_) = decision.shapes
             reason = "as a 1x1 convolution (a GEMM is a batch-reduce of one)"
@@ -215,7 +221,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *,
             relax.analysis.post_order_visit(fused[expr.op].body,
                                             lambda e: calls.append(e) if isinstance(e, relax.Call) else None)
             conv = next(c for c in calls if isinstance(c.op, tvm.ir.Op) and c.op.name == "relax.nn.conv2d")
-            kernel = cpu_strategy.decide(conv, target, engine).kernel
+            kernel = cpu_strategy.decide(conv, target, engine, winograd).kernel
             matmul = from_matmul(expr.args[list(fused[expr.op].params).index(conv.args[0])])
             for call in calls:
                 if isinstance(call.op, tvm.ir.Op):

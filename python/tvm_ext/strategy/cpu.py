@@ -30,6 +30,7 @@ from ..kernels import conv2d as _conv
 from ..kernels import elementwise as _elementwise
 from ..kernels import layout as _layout
 from ..kernels import pool2d as _pool
+from ..kernels import winograd as _winograd
 from ..kernels.conv2d import Epilogue
 from ..target import vector_isa
 from ..tuning import pool_space as _pool_space
@@ -77,9 +78,10 @@ def _dtype(expr: relax.Expr) -> str:
     return str(getattr(expr.ty, "dtype", ""))
 
 
-def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma") -> Decision:
+def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", winograd: bool = True) -> Decision:
     """The kernel for `call` on `target`, or why stock TVM keeps it (`engine`: CUDA's
-    convolution engine, see :func:`tvm_ext.strategy.cuda.engine_for`)."""
+    convolution engine, see :func:`tvm_ext.strategy.cuda.engine_for`; `winograd`: whether a CPU
+    convolution with constant weights may run as Winograd, :mod:`tvm_ext.kernels.winograd`)."""
     op = call.op.name if isinstance(call.op, tvm.ir.Op) else str(call.op)
     tensors = [arg for arg in call.args if isinstance(arg.ty, relax.TensorType)]
     shapes = tuple(_shape_text(arg) for arg in tensors)
@@ -111,7 +113,10 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma") ->
     if target.kind.name == "cuda":
         kernel, reason, cuda_plan = _cuda.conv2d_decision(wl, engine)
         return Decision(op, shapes, kernel, reason, cuda_plan)
-    plan = _conv.plan_conv2d(wl, vector_isa(target))
+    if winograd and isinstance(call.args[1], tvm.ir.Constant) and not _winograd.eligible(wl):
+        plan = _winograd.winograd_plan(wl, vector_isa(target))
+    else:
+        plan = _conv.plan_conv2d(wl, vector_isa(target))
     return Decision(op, shapes, f"{plan.kind}_conv2d", plan.reason, plan)
 
 
@@ -197,11 +202,12 @@ class _Emitter:
     around fallbacks; DeadCodeElimination then drops every unpack nobody reads.
     """
 
-    def __init__(self, bb: relax.BlockBuilder, target: tvm.target.Target, database=None):
+    def __init__(self, bb: relax.BlockBuilder, target: tvm.target.Target, database=None, winograd: bool = True):
         self.bb = bb
         self.target = target
         self.isa = vector_isa(target)
         self.database = database  # a MetaSchedule Database of tuned kernels, or None
+        self.winograd = winograd
 
     def blocked(self, expr: relax.Expr) -> tuple[relax.Expr, int] | None:
         """(the blocked tensor, its channel block) behind an NCHW view, if there is one."""
@@ -255,6 +261,8 @@ class _Emitter:
             return _conv.plan_conv2d(wl, self.isa, n_r=block)
         if (wl.C // wl.groups) % block:
             return plan
+        if plan.kind == "winograd":
+            return _winograd.winograd_plan(wl, self.isa, ic_bn=block)
         return _conv.plan_conv2d(wl, self.isa, ic_bn=block)
 
     def conv2d(self, call: relax.Call, data: relax.Expr, bias: np.ndarray | None = None,
@@ -265,7 +273,9 @@ class _Emitter:
         Constant weights and biases are packed here; weights that are parameters are packed by
         a kernel call at run time.
         """
-        plan = self._plan(decide(call, self.target).plan, data)
+        plan = self._plan(decide(call, self.target, winograd=self.winograd).plan, data)
+        if plan.kind == "winograd":
+            return self._winograd_conv2d(plan, call.args[1].value.numpy(), data, bias, residual, activation, suffix)
         wl = plan.wl
         blocked_out = plan.K_pad == wl.K  # padded channels would reach the next layer's reduction
         tag = _tag(plan)
@@ -288,6 +298,29 @@ class _Emitter:
         if not blocked_out:
             return relax.call_tir(_add_kernel(self.bb, func, name), args, relax.TensorType(wl.out_shape, "float32"))
         return self.unpack(self._call(func, name, args, plan.out_shape()), wl.K)
+
+    def _winograd_conv2d(self, plan: _conv.Conv2dPlan, weight: np.ndarray, data: relax.Expr,
+                         bias: np.ndarray | None, residual: relax.Expr | None, activation: relax.Call | None,
+                         suffix: str) -> relax.Expr:
+        """The three calls of a Winograd convolution: input transform, the a² GEMMs (the BRGEMM
+        kernel, with the weights transformed and packed here), output transform + epilogue."""
+        wl, gemm, tag = plan.wl, _winograd.gemm_plan(plan, self.isa), _tag(plan)
+        tiles = self._call(_winograd.input_transform_func(plan), f"tvm_ext_winograd_input_{tag}",
+                           [self.pack(data, plan.ic_bn, _winograd.input_padding(plan))], gemm.data_shape())
+        weight = _pack_constant_weight(gemm, tvm.runtime.tensor(_winograd.transform_weight(plan, weight)))
+        products = self._call(self.conv_kernel(gemm, Epilogue()), f"tvm_ext_brgemm_conv2d_{_tag(gemm)}",
+                              [tiles, relax.const(weight)], gemm.out_shape())
+        args = [products]
+        if bias is not None:
+            args.append(relax.const(bias.reshape(plan.OCB, plan.oc_bn).astype(np.float32)))
+        if residual is not None:
+            args.append(self.pack(residual, plan.oc_bn))
+        epilogue = Epilogue(bias=bias is not None, residual=residual is not None,
+                            activation=None if activation is None else _ACTIVATION_OPS[activation.op.name],
+                            alpha=_alpha(activation))
+        out = self._call(self.conv_kernel(plan, epilogue), f"tvm_ext_winograd_conv2d_{tag}{suffix}", args,
+                         plan.out_shape())
+        return self.unpack(out, wl.K)
 
     def conv_kernel(self, plan: _conv.Conv2dPlan, epilogue: Epilogue) -> tvm.tirx.PrimFunc:
         """The tuned schedule of this convolution if the database has one, else the analytic one."""
@@ -336,12 +369,13 @@ class _Emitter:
         return out
 
 
-def make_emitter(bb: relax.BlockBuilder, target: tvm.target.Target, database=None, tensor_cores=False):
-    """The emitter of `target`'s kernels: blocked NCHW[x]c on CPUs, CHWN on CUDA (`tensor_cores`:
-    see :func:`tvm_ext.pipeline`)."""
+def make_emitter(bb: relax.BlockBuilder, target: tvm.target.Target, database=None, tensor_cores=False,
+                 winograd: bool = True):
+    """The emitter of `target`'s kernels: blocked NCHW[x]c on CPUs, CHWN on CUDA (`tensor_cores`,
+    `winograd`: see :func:`tvm_ext.pipeline`)."""
     if target.kind.name == "cuda":
         return _cuda.CudaEmitter(bb, target, database, engine=_cuda.engine_for(tensor_cores))
-    return _Emitter(bb, target, database)
+    return _Emitter(bb, target, database, winograd)
 
 
 def legalize_map(target: tvm.target.Target) -> dict:
@@ -477,7 +511,8 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
             relax.transform.FuseOpsByPattern(fusion_patterns(target), bind_constants=True)]
 
 
-def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores=False) -> tvm.transform.Pass:
+def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores=False,
+                     winograd: bool = True) -> tvm.transform.Pass:
     """Replace the composite functions of :func:`fusion_patterns` and every op :func:`decide`
     gives a kernel with tvm_ext kernel calls, in program order, so that each kernel can read
     its producer's blocked output (see :class:`_Emitter`)."""
@@ -487,12 +522,12 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores=Fals
         def __init__(self, mod: tvm.IRModule):
             super().__init__(mod)
             self.mod_ = mod
-            self.emitter = make_emitter(self.builder_, target, database, tensor_cores)
+            self.emitter = make_emitter(self.builder_, target, database, tensor_cores, winograd)
 
         def visit_call_(self, call: relax.Call) -> relax.Expr:
             call = super().visit_call_(call)
             if isinstance(call.op, tvm.ir.Op):
-                decision = decide(call, target)
+                decision = decide(call, target, winograd=winograd)
                 if decision.kernel is None:
                     return call
                 if decision.plan is not None:

@@ -32,6 +32,7 @@ from tvm.s_tir import Schedule
 from tvm.s_tir.meta_schedule.postproc import PyPostproc
 
 from ..kernels import conv2d as _conv
+from ..kernels import winograd as _winograd
 from .kinds import TaskKind
 
 PLAN_ATTR = "tvm_ext.conv2d_plan"
@@ -59,8 +60,12 @@ def conv2d_workload(plan: _conv.Conv2dPlan, epilogue: _conv.Epilogue, isa) -> tv
 
 
 def default_kernel(plan: _conv.Conv2dPlan, epilogue: _conv.Epilogue, isa) -> tvm.tirx.PrimFunc:
-    """The analytic schedule of the same workload (what runs when nothing was tuned)."""
-    func = _conv.conv2d_blocked_kernel(plan, isa.lanes, epilogue)
+    """The analytic schedule of the same workload (what runs when nothing was tuned); for a
+    Winograd plan, its output transform (the kernel that carries the epilogue and the border)."""
+    if plan.kind == "winograd":
+        func = _winograd.output_transform_func(plan, epilogue)
+    else:
+        func = _conv.conv2d_blocked_kernel(plan, isa.lanes, epilogue)
     return func.with_attr(PLAN_ATTR, _describe(plan, epilogue, isa.lanes, isa.registers))
 
 

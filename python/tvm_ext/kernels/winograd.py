@@ -1,0 +1,255 @@
+"""Winograd F(m x m, 3 x 3) convolution for stride-1 3x3 layers: fewer multiplies, the same BRGEMM.
+
+F(m, 3) computes m outputs of a 3-tap correlation from a = m + 2 inputs with a multiplies
+instead of 3m (Lavin and Gray, "Fast Algorithms for Convolutional Neural Networks", 2016): per
+a x a input tile d, Y = A^T [(G g G^T) * (B^T d B)] A. Summed over input channels, the
+elementwise product becomes a² independent GEMMs, one per position (xi, nu) of the tile, of
+(tiles x C) by (C x K): a 1x1 convolution with a² groups on the grid of tiles, which tvm_ext runs
+with its BRGEMM kernel (:func:`gemm_plan`). Around it:
+
+- the weights are transformed (U = G g G^T, :func:`transform_weight`) at build time;
+- :func:`input_transform_func` writes V = B^T d B for every tile, blocked like any activation;
+- :func:`output_transform_func` applies A^T . A and the convolution's epilogue (bias, shortcut,
+  activation, zero border) in the same pass.
+
+Multiplies per output fall from 9 C K to (a/m)² C K: 4 for F(2, 3), 2.25 for F(4, 3). The
+transforms cost memory passes (V and the GEMM's output are (a/m)² times the input and output),
+so the kernel is chosen for layers with many channels (:func:`winograd_plan`). Accuracy, float32
+against a float64 direct convolution on 64-512 channel layers, as the largest error over the
+largest output: F(2, 3) 4e-7 to 9e-7, F(4, 3) 7e-6 to 1.2e-5 (direct float32: 2e-7 to 4e-7).
+The plan is a :class:`~tvm_ext.kernels.conv2d.Conv2dPlan` of kind "winograd" whose `m_r` is m.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from fractions import Fraction
+
+import numpy as np
+from tvm import tirx
+
+from . import script
+from .conv2d import KERNEL_ATTR, Conv2dPlan, Conv2dWorkload, Epilogue, activation_text, plan_conv2d
+
+# Interpolation points of F(m, 3) (the point at infinity is implied): small integers keep the
+# transforms exact in float32 and their error growth low.
+POINTS = {2: (0, 1, -1), 4: (0, 1, -1, 2, -2)}
+MIN_CHANNELS = 32  # below this the GEMM is too small to pay for the transforms' memory passes
+
+
+@functools.cache
+def winograd_matrices(m: int, r: int = 3) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(A^T: m x a, G: a x r, B^T: a x a) of F(m, r), from :data:`POINTS` (exact, then float64).
+
+    Toom-Cook: evaluate at the points and at infinity, multiply, interpolate; the correlation is
+    the transpose of that linear convolution. Each row of B^T is scaled to integers, and the
+    matching row of G by the inverse.
+    """
+    a = m + r - 1
+    points = [Fraction(p) for p in POINTS[m]]
+    # Values at the points (and the leading coefficient, "at infinity") of a degree a-1 polynomial.
+    values = [[p ** c for c in range(a)] for p in points] + [[Fraction(int(c == a - 1)) for c in range(a)]]
+    inverse = _inverse(values)
+    bt = [[inverse[c][j] for c in range(a)] for j in range(a)]
+    g = [[p ** k for k in range(r)] for p in points] + [[Fraction(int(k == r - 1)) for k in range(r)]]
+    at = [[p ** i for p in points] + [Fraction(int(i == m - 1))] for i in range(m)]
+    for j in range(a):
+        scale = math.lcm(*(v.denominator for v in bt[j]))
+        bt[j] = [v * scale for v in bt[j]]
+        g[j] = [v / scale for v in g[j]]
+    return tuple(np.array(mat, dtype=np.float64) for mat in (at, g, bt))
+
+
+def _inverse(matrix: list[list[Fraction]]) -> list[list[Fraction]]:
+    """Exact Gauss-Jordan inverse."""
+    n = len(matrix)
+    rows = [row[:] + [Fraction(int(i == j)) for j in range(n)] for i, row in enumerate(matrix)]
+    for col in range(n):
+        pivot = next(i for i in range(col, n) if rows[i][col] != 0)
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        rows[col] = [v / rows[col][col] for v in rows[col]]
+        for i in range(n):
+            if i != col and rows[i][col] != 0:
+                factor = rows[i][col]
+                rows[i] = [vi - factor * vc for vi, vc in zip(rows[i], rows[col], strict=True)]
+    return [row[n:] for row in rows]
+
+
+def eligible(wl: Conv2dWorkload) -> str:
+    """Why `wl` cannot run as Winograd F(m, 3), or "" if it can."""
+    if (wl.KH, wl.KW) != (3, 3) or wl.stride != (1, 1) or wl.dilation != (1, 1) or wl.groups != 1:
+        return "not a 3x3, stride-1, undilated, ungrouped convolution"
+    if wl.dtype != "float32":
+        return f"dtype {wl.dtype}"
+    if wl.C % 16 or wl.K % 16 or min(wl.C, wl.K) < MIN_CHANNELS:
+        return f"channels {wl.C} -> {wl.K}: Winograd needs multiples of 16, at least {MIN_CHANNELS}"
+    return ""
+
+
+def tile_size(wl: Conv2dWorkload) -> int:
+    """m: F(4, 3) where the image holds at least 4 x 4 tiles of 4, else F(2, 3) (fewer wasted
+    outputs at a ragged edge, and a GEMM row of more tiles)."""
+    return 4 if min(wl.OH, wl.OW) >= 14 else 2
+
+
+def winograd_plan(wl: Conv2dWorkload, isa, ic_bn: int = 16) -> Conv2dPlan:
+    """The plan of `wl` as Winograd: input blocks of `ic_bn`, output blocks of its GEMM's n_r."""
+    m = tile_size(wl)
+    gemm = plan_conv2d(_gemm_workload(wl, m), isa, ic_bn=ic_bn)
+    return Conv2dPlan(wl, "winograd", ic_bn, gemm.oc_bn, m, reason=f"Winograd F({m}x{m}, 3x3)")
+
+
+def tiles(plan: Conv2dPlan) -> tuple[int, int]:
+    """Tiles per column and per row of the output."""
+    m = plan.m_r
+    return -(-plan.wl.OH // m), -(-plan.wl.OW // m)
+
+
+def input_padding(plan: Conv2dPlan) -> tuple[int, int, int, int]:
+    """The zero border the input needs (top, left, bottom, right): the convolution's padding, and
+    below and right enough more that every tile of the last row and column reads zeros."""
+    th, tw = tiles(plan)
+    top, left, bottom, right = plan.wl.padding
+    return top, left, bottom + th * plan.m_r - plan.wl.OH, right + tw * plan.m_r - plan.wl.OW
+
+
+def _gemm_workload(wl: Conv2dWorkload, m: int) -> Conv2dWorkload:
+    a2 = (m + 2) ** 2
+    th, tw = -(-wl.OH // m), -(-wl.OW // m)
+    return Conv2dWorkload.make((wl.N, a2 * wl.C, th, tw), (a2 * wl.K, wl.C, 1, 1), 1, 0, 1, a2)
+
+
+def gemm_plan(plan: Conv2dPlan, isa) -> Conv2dPlan:
+    """The a² GEMMs as the BRGEMM plan of a grouped 1x1 convolution on the grid of tiles."""
+    return plan_conv2d(_gemm_workload(plan.wl, plan.m_r), isa, ic_bn=plan.ic_bn, n_r=plan.oc_bn)
+
+
+def transform_weight(plan: Conv2dPlan, weight: np.ndarray) -> np.ndarray:
+    """OIHW 3x3 weights -> U = G g G^T as the grouped 1x1 weights of :func:`gemm_plan`:
+    (a² K, C, 1, 1), group xi * a + nu; computed in float64."""
+    _, g, _ = winograd_matrices(plan.m_r)
+    u = np.einsum("xi,kcij,nj->xnkc", g, weight.astype(np.float64), g)
+    a, k, c = g.shape[0], plan.wl.K, plan.wl.C
+    return u.reshape(a * a * k, c, 1, 1).astype(np.float32)
+
+
+def _combination(coefficients, terms: list[str]) -> str:
+    """sum(c * t) as TVMScript, without the zero terms and the multiplications by +-1."""
+    parts = []
+    for c, t in zip(coefficients, terms, strict=True):
+        if c == 0:
+            continue
+        sign = "-" if c < 0 else "+"
+        mag = abs(float(c))
+        parts.append((sign, t if mag == 1 else f"T.float32({mag!r}) * {t}"))
+    text = "".join(f" {sign} {t}" for sign, t in parts)
+    return text[3:] if text.startswith(" + ") else "T.float32(0) - " + text[3:] if text else "T.float32(0)"
+
+
+_INPUT_TEMPLATE = """
+@T.prim_func(s_tir=True)
+def winograd_input(x: T.handle, v: T.handle) -> None:
+    T.func_attr({{"tirx.noalias": True}})
+    X = T.match_buffer(x, {x_shape}, "float32")
+    V = T.match_buffer(v, {v_shape}, "float32")
+    with T.sblock("root"):
+        for task in T.parallel({tasks}):
+            n: T.let = task // {per_image}
+            cb: T.let = task % {per_image} // {TH}
+            ty: T.let = task % {TH}
+            for tx in T.serial({TW}):
+                for c in T.vectorized({block}):
+{body}"""
+
+_OUTPUT_TEMPLATE = """
+@T.prim_func(s_tir=True)
+def winograd_output(mm: T.handle, {params}y: T.handle) -> None:
+    T.func_attr({{"tirx.noalias": True}})
+    M = T.match_buffer(mm, {m_shape}, "float32")
+{buffers}    Y = T.match_buffer(y, {y_shape}, "float32")
+    with T.sblock("root"):
+        for task in T.parallel({tasks}):
+            n: T.let = task // {per_image}
+            ob: T.let = task % {per_image} // {TH}
+            ty: T.let = task % {TH}
+            for tx in T.serial({TW}):
+                for c in T.vectorized({block}):
+{body}{border}"""
+
+_BORDER = """        for n, ob, i, j in T.grid({N}, {OCB}, {rows}, {cols}):
+            for c in T.vectorized({block}):
+                Y[n, ob, {row} + i, {col} + j, c] = T.float32(0)
+"""
+
+
+def input_transform_func(plan: Conv2dPlan) -> tirx.PrimFunc:
+    """Blocked, padded input (N, C/x, HP, WP, x) -> V (N, a² C/x, tiles down, tiles across, x):
+    V = B^T d B for each a x a tile d (stride m), group xi * a + nu of the GEMM's input."""
+    wl, m = plan.wl, plan.m_r
+    a = m + 2
+    _, _, bt = winograd_matrices(m)
+    th, tw = tiles(plan)
+    icb = wl.C // plan.ic_bn
+    top, left, bottom, right = input_padding(plan)
+    indent = " " * 20
+    lines = [f"{indent}d_{i}_{j}: T.let = X[n, cb, ty * {m} + {i}, tx * {m} + {j}, c]"
+             for i in range(a) for j in range(a)]
+    lines += [f"{indent}t_{x}_{j}: T.let = " + _combination(bt[x], [f"d_{i}_{j}" for i in range(a)])
+              for x in range(a) for j in range(a)]
+    lines += [f"{indent}V[n, {x * a + nu} * {icb} + cb, ty, tx, c] = "
+              + _combination(bt[nu], [f"t_{x}_{j}" for j in range(a)]) for x in range(a) for nu in range(a)]
+    text = _INPUT_TEMPLATE.format(
+        x_shape=(wl.N, icb, wl.H + top + bottom, wl.W + left + right, plan.ic_bn),
+        v_shape=(wl.N, a * a * icb, th, tw, plan.ic_bn), tasks=wl.N * icb * th, per_image=icb * th,
+        TH=th, TW=tw, block=plan.ic_bn, body="\n".join(lines) + "\n")
+    return script.from_source(text).with_attr(KERNEL_ATTR, "winograd_input_transform")
+
+
+def output_transform_func(plan: Conv2dPlan, epilogue: Epilogue | None = None) -> tirx.PrimFunc:
+    """The GEMM's output (N, a² K/y, tiles down, tiles across, y) -> the blocked output
+    (N, K/y, OH, OW, y) with `epilogue`'s border: A^T M A per tile, then + bias, + shortcut
+    (blocked, no border), activation; outputs past the image's edge are not written."""
+    epilogue = epilogue or Epilogue()
+    if epilogue.nchw_out:
+        raise ValueError("winograd: the output transform writes the blocked layout only")
+    wl, m = plan.wl, plan.m_r
+    a = m + 2
+    at, _, _ = winograd_matrices(m)
+    th, tw = tiles(plan)
+    ocb = wl.K // plan.oc_bn
+    top, left, bottom, right = epilogue.out_pad
+    indent = " " * 20
+    lines = [f"{indent}s_{x}_{nu}: T.let = M[n, {x * a + nu} * {ocb} + ob, ty, tx, c]"
+             for x in range(a) for nu in range(a)]
+    lines += [f"{indent}u_{i}_{nu}: T.let = " + _combination(at[i], [f"s_{x}_{nu}" for x in range(a)])
+              for i in range(m) for nu in range(a)]
+    for i in range(m):
+        for j in range(m):
+            value = (_combination(at[j], [f"u_{i}_{nu}" for nu in range(a)])
+                     + (" + B[ob, c]" if epilogue.bias else "")
+                     + (f" + R[n, ob, ty * {m} + {i}, tx * {m} + {j}, c]" if epilogue.residual else ""))
+            if epilogue.activation:
+                value = activation_text(epilogue.activation, value, epilogue.alpha)
+            store = f"Y[n, ob, ty * {m} + {i + top}, tx * {m} + {j + left}, c] = {value}"
+            edge = ([f"ty * {m} + {i} < {wl.OH}"] if i >= wl.OH - (th - 1) * m else []) + (
+                [f"tx * {m} + {j} < {wl.OW}"] if j >= wl.OW - (tw - 1) * m else [])
+            if edge:
+                lines.append(f"{indent}if {' and '.join(edge)}:")
+                lines.append(f"{indent}    {store}")
+            else:
+                lines.append(f"{indent}{store}")
+    y_shape = epilogue.out_shape(plan)
+    border = "".join(
+        _BORDER.format(N=wl.N, OCB=ocb, rows=rows, cols=cols, row=row, col=col, block=plan.oc_bn)
+        for rows, cols, row, col in ((top, y_shape[3], 0, 0), (bottom, y_shape[3], top + wl.OH, 0),
+                                     (wl.OH, left, top, 0), (wl.OH, right, top, left + wl.OW))
+        if rows and cols)
+    params = ("b: T.handle, " if epilogue.bias else "") + ("r: T.handle, " if epilogue.residual else "")
+    buffers = ((f'    B = T.match_buffer(b, ({ocb}, {plan.oc_bn}), "float32")\n' if epilogue.bias else "")
+               + (f'    R = T.match_buffer(r, {plan.out_shape()}, "float32")\n' if epilogue.residual else ""))
+    text = _OUTPUT_TEMPLATE.format(
+        params=params, buffers=buffers, m_shape=(wl.N, a * a * ocb, th, tw, plan.oc_bn), y_shape=y_shape,
+        tasks=wl.N * ocb * th, per_image=ocb * th, TH=th, TW=tw, block=plan.oc_bn,
+        body="\n".join(lines) + "\n", border=border)
+    return script.from_source(text).with_attr(KERNEL_ATTR, "winograd_conv2d")
