@@ -26,7 +26,8 @@ def test_resnet18_through_tvm_ext_matches_stock_tvm_and_pytorch():
     mod, _ = models.get("resnet18", batch=1)
     report = tvm_ext.dispatch_report(mod, TARGET)
     convs = [r for r in report if r.op == "nn.conv2d"]
-    assert len(convs) == 20 and all(r.kernel == "brgemm_conv2d" for r in convs)
+    assert len(convs) == 20 and all(r.kernel in ("brgemm_conv2d", "winograd_conv2d") for r in convs)
+    assert sum(r.kernel == "winograd_conv2d" for r in convs) == 13  # the stride-1 3x3 layers past the stem
     assert sum(r.reason == "fused" for r in report) >= 40  # bias (folded BN), shortcut, relu
     served = [r for r in report if r.op in ("nn.conv2d", "nn.max_pool2d", "nn.relu")]
     assert all(r.kernel != "fallback" for r in served), [r for r in served if r.kernel == "fallback"]

@@ -185,7 +185,7 @@ def test_residual_block_fuses_bias_shortcut_and_activation(activation):
 
     mod = _graph((1, 32, 14, 15), body)
     report = tvm_ext.dispatch_report(mod, "llvm")
-    assert all(r.kernel.startswith("brgemm_conv2d") for r in report), str(report)
+    assert all(r.kernel.startswith(("brgemm_conv2d", "winograd_conv2d")) for r in report), str(report)
     assert sum(r.reason == "fused" for r in report) == 5  # bias+act, bias+shortcut+act
     lowered = tvm_ext.pipeline(TARGET)(mod)
     stock = [gv.name_hint for gv, f in lowered.functions_items()
@@ -276,11 +276,11 @@ def test_pools_and_activations_use_tvm_ext_kernels():
         assert rel_err(got.numpy(), ref.numpy()) <= 1e-5
 
 
-def _kernel_calls(mod: tvm.IRModule, target: tvm.target.Target = TARGET) -> list[str]:
+def _kernel_calls(mod: tvm.IRModule, target: tvm.target.Target = TARGET, winograd: bool = True) -> list[str]:
     """The kernels main calls after tvm_ext's lowering for `target`, in order."""
     with target:
         lowered = tvm.transform.Sequential(cpu_strategy.fusion_passes(target)
-                                           + [cpu_strategy.lower_to_kernels(target)])(mod)
+                                           + [cpu_strategy.lower_to_kernels(target, winograd=winograd)])(mod)
     names = []
     relax.analysis.post_order_visit(lowered["main"], lambda e: names.append(e.args[0].name_hint) if (
         isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir") else None)
@@ -297,10 +297,10 @@ def _kernel_calls(mod: tvm.IRModule, target: tvm.target.Target = TARGET) -> list
 def test_activations_stay_blocked_between_kernels(mcpu, unpacks):
     """ResNet-18: layouts change only at the edges of the convolution stack (the image in, the
     pooled features out) and around the classifier (its input is a reshaped matrix). Lowered for
-    AVX2 and AVX-512 whatever the host."""
+    AVX2 and AVX-512 whatever the host. Direct convolutions here (Winograd: tests/test_winograd.py)."""
     from tvm_ext import models
 
-    calls = _kernel_calls(models.get("resnet18")[0], tvm_ext.resolve_target(f"llvm -mcpu={mcpu}"))
+    calls = _kernel_calls(models.get("resnet18")[0], tvm_ext.resolve_target(f"llvm -mcpu={mcpu}"), winograd=False)
     prefix = lambda p: [c for c in calls if c.startswith(p)]  # noqa: E731
     assert prefix("tvm_ext_pack_nchwc") == ["tvm_ext_pack_nchwc_1x3x224x224_3", "tvm_ext_pack_nchwc_1x512x1x1_16"]
     assert prefix("tvm_ext_unpack_nchwc") == unpacks

@@ -174,8 +174,12 @@ def winograd_output(mm: T.handle, {params}y: T.handle) -> None:
             ob: T.let = task % {per_image} // {TH}
             ty: T.let = task % {TH}
             for tx in T.serial({TW}):
-                for c in T.vectorized({block}):
+                for c in T.{channel_loop}({block}):
 {body}{border}"""
+
+# TVM's vectorizer cannot vectorize erf; falling back to scalar code inside a vectorized loop, it
+# loses the loop's let bindings (the tile's values). These keep a serial channel loop.
+_UNVECTORIZED_ACTIVATIONS = {"gelu"}
 
 _BORDER = """        for n, ob, i, j in T.grid({N}, {OCB}, {rows}, {cols}):
             for c in T.vectorized({block}):
@@ -229,8 +233,9 @@ def output_transform_func(plan: Conv2dPlan, epilogue: Epilogue | None = None) ->
             value = (_combination(at[j], [f"u_{i}_{nu}" for nu in range(a)])
                      + (" + B[ob, c]" if epilogue.bias else "")
                      + (f" + R[n, ob, ty * {m} + {i}, tx * {m} + {j}, c]" if epilogue.residual else ""))
-            if epilogue.activation:
-                value = activation_text(epilogue.activation, value, epilogue.alpha)
+            if epilogue.activation:  # on a variable: activations may use their input twice (gelu)
+                lines.append(f"{indent}y_{i}_{j}: T.let = {value}")
+                value = activation_text(epilogue.activation, f"y_{i}_{j}", epilogue.alpha)
             store = f"Y[n, ob, ty * {m} + {i + top}, tx * {m} + {j + left}, c] = {value}"
             edge = ([f"ty * {m} + {i} < {wl.OH}"] if i >= wl.OH - (th - 1) * m else []) + (
                 [f"tx * {m} + {j} < {wl.OW}"] if j >= wl.OW - (tw - 1) * m else [])
@@ -251,5 +256,6 @@ def output_transform_func(plan: Conv2dPlan, epilogue: Epilogue | None = None) ->
     text = _OUTPUT_TEMPLATE.format(
         params=params, buffers=buffers, m_shape=(wl.N, a * a * ocb, th, tw, plan.oc_bn), y_shape=y_shape,
         tasks=wl.N * ocb * th, per_image=ocb * th, TH=th, TW=tw, block=plan.oc_bn,
-        body="\n".join(lines) + "\n", border=border)
+        body="\n".join(lines) + "\n", border=border,
+        channel_loop="serial" if epilogue.activation in _UNVECTORIZED_ACTIVATIONS else "vectorized")
     return script.from_source(text).with_attr(KERNEL_ATTR, "winograd_conv2d")
