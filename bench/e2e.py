@@ -3,6 +3,7 @@
 For each network (tvm_ext.models, seeded weights shared by every runtime), batch and thread count:
 - tvm_ext: `tvm_ext.build` for the host CPU (with the tuning records shipped for it, if any);
 - tvm_ext_untuned: the same with no tuning records (the analytic schedules; not run by default);
+- tvm_ext_direct: the same with `winograd=False`, every convolution direct (not run by default);
 - ONNX Runtime (CPU): the same network exported with torch.onnx, all graph optimizations,
   intra-op threads set;
 - PyTorch eager: the same graph evaluated op by op in inference mode, best of NCHW and
@@ -37,7 +38,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-RUNTIMES = ("tvm_ext", "onnxruntime", "pytorch", "stock_tvm")  # and "tvm_ext_untuned" on request
+RUNTIMES = ("tvm_ext", "onnxruntime", "pytorch", "stock_tvm")  # and tvm_ext_untuned / _direct on request
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
@@ -114,7 +115,7 @@ def _child(args: argparse.Namespace) -> None:
 
     x = None
     result: dict = {}
-    if runtime in ("tvm_ext", "tvm_ext_untuned", "stock_tvm"):
+    if runtime in ("tvm_ext", "tvm_ext_untuned", "tvm_ext_direct", "stock_tvm"):
         import tvm
         from tvm import relax
 
@@ -177,7 +178,7 @@ def _prepare(model: str, batch: int, runtimes: list[str], stock: bool, target, f
     folder.mkdir(parents=True, exist_ok=True)
     np.save(folder / "input.npy", np.random.default_rng(0).standard_normal(models.image_shape(mod)).astype("float32"))
     artifacts = {"pytorch": str(folder / "pytorch")}
-    for runtime in ("tvm_ext", "tvm_ext_untuned"):
+    for runtime in ("tvm_ext", "tvm_ext_untuned", "tvm_ext_direct"):
         if runtime not in runtimes:
             continue
         # No records at all, not even the shipped ones: the analytic schedules.
@@ -186,7 +187,8 @@ def _prepare(model: str, batch: int, runtimes: list[str], stock: bool, target, f
         for t in threads if batch > 1 else [0]:
             start = time.perf_counter()
             path = folder / f"{runtime}_t{t}.so"
-            tvm_ext.build(mod, target, database=database, images_per_call=t or None).export_library(str(path))
+            tvm_ext.build(mod, target, database=database, images_per_call=t or None,
+                          winograd=runtime != "tvm_ext_direct").export_library(str(path))
             print(f"  built {model} batch {batch} with {runtime} in {time.perf_counter() - start:.0f} s", flush=True)
             artifacts[f"{runtime}_t{t}"] = str(path)
     if "stock_tvm" in runtimes and stock:

@@ -85,7 +85,9 @@ def test_cli_cuda_target(capsys):
 def test_cli_report(capsys):
     assert cli.main(["report", "--model", "resnet18"]) == 0
     out = capsys.readouterr().out
-    assert "brgemm_conv2d" in out and "nn.max_pool2d" in out
+    assert "brgemm_conv2d" in out and "winograd_conv2d" in out and "nn.max_pool2d" in out
+    assert cli.main(["report", "--model", "resnet18", "--direct"]) == 0
+    assert "winograd" not in capsys.readouterr().out
 
 
 def test_torch_module_wraps_the_reference():

@@ -36,6 +36,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=0, help="TVM and PyTorch threads (0: every core we may use)")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--no-stock", action="store_true", help="skip stock TVM (it takes seconds per run)")
+    ap.add_argument("--direct", action="store_true",
+                    help="demo, report: every convolution direct (no Winograd for 3x3 layers)")
     return ap.parse_args(argv)
 
 
@@ -61,11 +63,11 @@ def demo(args: argparse.Namespace) -> int:
     print(f"tvm_ext demo: {args.model} batch {args.batch} on {target} ({tvm_ext.vector_isa(target).name}), "
           f"{args.threads} threads")
     mod, _ = models.get(args.model, batch=args.batch)
-    report = tvm_ext.dispatch_report(mod, target)
+    report = tvm_ext.dispatch_report(mod, target, winograd=not args.direct)
     counts = collections.Counter(r.kernel for r in report)
     print("dispatch: " + ", ".join(f"{n} x {k}" for k, n in counts.most_common()))
     start = time.perf_counter()
-    ex = tvm_ext.build(mod, target)
+    ex = tvm_ext.build(mod, target, winograd=not args.direct)
     from tvm_ext.tuning.tuner import shipped_records_dir, target_key
 
     shipped = shipped_records_dir(target)
@@ -168,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         import tvm_ext
         from tvm_ext import models
 
-        print(tvm_ext.dispatch_report(models.get(args.model, batch=args.batch)[0], args.target))
+        print(tvm_ext.dispatch_report(models.get(args.model, batch=args.batch)[0], args.target,
+                                      winograd=not args.direct))
         return 0
     bench = Path(__file__).resolve().parents[2] / "bench" / "layers.py"
     layer_set = "resnet50" if args.model.startswith("resnet") else args.model

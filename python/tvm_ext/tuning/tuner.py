@@ -54,15 +54,16 @@ class Task:
         return self.kind.flops(self.workload)
 
 
-def extract_tasks(mod: tvm.IRModule, target: TargetLike = None) -> list[Task]:
-    """The tunable tvm_ext kernels of `mod` on `target`, identical ones merged (weight = count)."""
+def extract_tasks(mod: tvm.IRModule, target: TargetLike = None, winograd: bool = True) -> list[Task]:
+    """The tunable tvm_ext kernels of `mod` on `target`, identical ones merged (weight = count);
+    `winograd`: as for :func:`tvm_ext.build` (a Winograd convolution's task is its GEMM)."""
     from ..strategy import cpu as cpu_strategy
 
     target = resolve_target(target)
     isa = vector_isa(target)
     with target:
         lowered = tvm.transform.Sequential(cpu_strategy.fusion_passes(target)
-                                           + [cpu_strategy.lower_to_kernels(target)])(mod)
+                                           + [cpu_strategy.lower_to_kernels(target, winograd=winograd)])(mod)
     calls: dict[str, int] = {}
     relax.analysis.post_order_visit(lowered["main"], lambda e: calls.__setitem__(
         e.args[0].name_hint, calls.get(e.args[0].name_hint, 0) + 1) if (
