@@ -41,6 +41,7 @@ def test_eligibility_and_tile_size():
     assert "channels" in winograd.eligible(make((1, 16, 14, 14), (64, 16, 3, 3), 1, 1, 1, 1))
     assert "channels" in winograd.eligible(make((1, 40, 14, 14), (64, 40, 3, 3), 1, 1, 1, 1))
     assert winograd.tile_size(make((1, 64, 14, 14), (64, 64, 3, 3), 1, 1, 1, 1)) == 4
+    assert winograd.tile_size(make((1, 64, 8, 9), (64, 64, 3, 3), 1, 1, 1, 1)) == 4
     assert winograd.tile_size(make((1, 64, 7, 9), (64, 64, 3, 3), 1, 1, 1, 1)) == 2
 
 
@@ -60,6 +61,7 @@ def _unblocked(y: np.ndarray) -> np.ndarray:
 # (x shape, K, padding, epilogue): both tile sizes, ragged last tiles, batch 2, asymmetric padding.
 _CASES = [
     ((1, 32, 14, 14), 32, (1, 1, 1, 1), Epilogue()),
+    ((1, 32, 23, 21), 48, (1, 1, 1, 1), Epilogue(bias=True)),  # a 6 x 6 grid of tiles, not flattened
     ((1, 64, 17, 14), 48, (1, 1, 1, 1), Epilogue(bias=True, activation="relu", out_pad=(1, 1, 1, 1))),
     ((2, 48, 9, 11), 64, (1, 1, 1, 1), Epilogue(bias=True, residual=True, activation="relu", out_pad=(1, 2, 3, 1))),
     ((1, 64, 15, 13), 32, (0, 1, 2, 1), Epilogue(bias=True, activation="sigmoid")),
@@ -78,6 +80,8 @@ def test_kernels_match_float64(shape, K, padding, epilogue):
     plan = winograd.winograd_plan(wl, ISA)
     gemm = winograd.gemm_plan(plan, ISA)
     assert plan.kind == "winograd" and gemm.kind == "brgemm" and gemm.wl.groups == (plan.m_r + 2) ** 2
+    rows, cols = winograd.grid(plan)
+    assert rows * cols == np.prod(winograd.tiles(plan)) and (rows == 1) == (winograd.tiles(plan)[1] <= 4)
     build = lambda f: tvm.compile(f, TARGET)  # noqa: E731
     device = tvm.cpu()
     u = tvm.runtime.empty(gemm.weight_shape(), "float32", device)
