@@ -2,7 +2,8 @@
 
 1. export a small ResNet-style CNN with `torch.export` and import it into Relax;
 2. see which tvm_ext kernel serves each op (`tvm_ext.dispatch_report`), including the bias, batch
-   norm, shortcut additions and activations fused into the convolutions;
+   norm, shortcut additions and activations fused into the convolutions (the blocks' 3x3
+   convolutions run as Winograd F(4x4, 3x3); `winograd=False` keeps them direct);
 3. build it (`tvm_ext.build`), run it on the Relax VM and compare with PyTorch and stock TVM.
 
 Run: python tutorials/02_compile_a_network.py
