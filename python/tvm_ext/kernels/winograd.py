@@ -161,15 +161,12 @@ def _grid_index(plan: Conv2dPlan) -> str:
 
 def _combination(coefficients, terms: list[str]) -> str:
     """sum(c * t) as TVMScript, without the zero terms and the multiplications by +-1."""
-    parts = []
-    for c, t in zip(coefficients, terms, strict=True):
-        if c == 0:
-            continue
-        sign = "-" if c < 0 else "+"
-        mag = abs(float(c))
-        parts.append((sign, t if mag == 1 else f"T.float32({mag!r}) * {t}"))
-    text = "".join(f" {sign} {t}" for sign, t in parts)
-    return text[3:] if text.startswith(" + ") else "T.float32(0) - " + text[3:] if text else "T.float32(0)"
+    signed = [("- " if c < 0 else "+ ") + (t if abs(c) == 1 else f"T.float32({abs(float(c))!r}) * {t}")
+              for c, t in zip(coefficients, terms, strict=True) if c != 0]
+    text = " ".join(signed)
+    if not text:
+        return "T.float32(0)"
+    return text[2:] if text.startswith("+ ") else "T.float32(0) " + text
 
 
 _INPUT_TEMPLATE = """
