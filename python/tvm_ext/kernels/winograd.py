@@ -14,9 +14,10 @@ with its BRGEMM kernel (:func:`gemm_plan`). Around it:
 
 Multiplies per output fall from 9 C K to (a/m)² C K: 4 for F(2, 3), 2.25 for F(4, 3). The
 transforms cost memory passes (V and the GEMM's output are (a/m)² times the input and output),
-which the saved multiplies outweigh from 16 channels up (measured; :data:`MIN_CHANNELS`). Accuracy, float32
-against a float64 direct convolution on 64-512 channel layers, as the largest error over the
-largest output: F(2, 3) 4e-7 to 9e-7, F(4, 3) 7e-6 to 1.2e-5 (direct float32: 2e-7 to 4e-7).
+which the saved multiplies outweigh from 16 channels up (measured; :data:`MIN_CHANNELS`).
+Accuracy, float32 against a float64 direct convolution on 64-512 channel layers, as the largest
+error over the largest output: F(2, 3) 4e-7 to 9e-7, F(4, 3) 7e-6 to 1.2e-5 (direct float32:
+2e-7 to 4e-7).
 The plan is a :class:`~tvm_ext.kernels.conv2d.Conv2dPlan` of kind "winograd" whose `m_r` is m.
 """
 
