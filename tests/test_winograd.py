@@ -175,3 +175,12 @@ def test_weights_as_parameters_stay_direct():
     x = rng.standard_normal((1, 32, 14, 15)).astype("float32")
     w = (rng.standard_normal((32, 32, 3, 3)) * 0.1).astype("float32")
     assert rel_err(_run(tvm_ext.build(mod, TARGET), x, w), _run(tvm.compile(mod, TARGET), x, w)) <= 1e-4
+
+
+@pytest.mark.parametrize("target", [{"kind": "llvm", "mcpu": "znver4"},
+                                    {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "cortex-a72"}])
+def test_cross_compiles_for_avx512_and_neon(target):
+    """The transforms and GEMMs compile for 16-lane AVX-512 and 4-lane NEON whatever the host."""
+    mod = _block_graph()
+    assert [r.kernel for r in tvm_ext.dispatch_report(mod, target) if r.op == "nn.conv2d"] == ["winograd_conv2d"] * 2
+    assert tvm_ext.build(mod, target) is not None
