@@ -62,7 +62,10 @@ def winograd_matrices(m: int, r: int = 3) -> tuple[np.ndarray, np.ndarray, np.nd
         scale = math.lcm(*(v.denominator for v in bt[j]))
         bt[j] = [v * scale for v in bt[j]]
         g[j] = [v / scale for v in g[j]]
-    return tuple(np.array(mat, dtype=np.float64) for mat in (at, g, bt))
+    matrices = tuple(np.array(mat, dtype=np.float64) for mat in (at, g, bt))
+    for mat in matrices:  # shared by every caller (cached)
+        mat.flags.writeable = False
+    return matrices
 
 
 def _inverse(matrix: list[list[Fraction]]) -> list[list[Fraction]]:
