@@ -182,14 +182,7 @@ def winograd_input(x: T.handle, v: T.handle) -> None:
     T.func_attr({{"tirx.noalias": True}})
     X = T.match_buffer(x, {x_shape}, "float32")
     V = T.match_buffer(v, {v_shape}, "float32")
-    with T.sblock("root"):
-        for task in T.parallel({tasks}):
-            n: T.let = task // {per_image}
-            cb: T.let = task % {per_image} // {TH}
-            ty: T.let = task % {TH}
-            for tx in T.serial({TW}):
-                for c in T.vectorized({block}):
-{body}"""
+{loops}{body}"""
 
 _OUTPUT_TEMPLATE = """
 @T.prim_func(s_tir=True)
@@ -197,14 +190,24 @@ def winograd_output(mm: T.handle, {params}y: T.handle) -> None:
     T.func_attr({{"tirx.noalias": True}})
     M = T.match_buffer(mm, {m_shape}, "float32")
 {buffers}    Y = T.match_buffer(y, {y_shape}, "float32")
-    with T.sblock("root"):
+{loops}{body}{border}"""
+
+# One task per (image, channel block, row of tiles); inside, the row's tiles, a channel vector each.
+_TILE_LOOPS = """    with T.sblock("root"):
         for task in T.parallel({tasks}):
             n: T.let = task // {per_image}
-            ob: T.let = task % {per_image} // {TH}
+            {block_var}: T.let = task % {per_image} // {TH}
             ty: T.let = task % {TH}
             for tx in T.serial({TW}):
                 for c in T.{channel_loop}({block}):
-{body}{border}"""
+"""
+
+
+def _tile_loops(plan: Conv2dPlan, blocks: int, block: int, block_var: str, vectorized: bool = True) -> str:
+    """The loops of both transforms over `blocks` channel blocks of `block` channels (`block_var`)."""
+    th, tw = tiles(plan)
+    return _TILE_LOOPS.format(tasks=plan.wl.N * blocks * th, per_image=blocks * th, block_var=block_var, TH=th,
+                              TW=tw, block=block, channel_loop="vectorized" if vectorized else "serial")
 
 # TVM's vectorizer cannot vectorize erf; falling back to scalar code inside a vectorized loop, it
 # loses the loop's let bindings (the tile's values). These keep a serial channel loop.
@@ -217,12 +220,11 @@ _BORDER = """        for n, ob, i, j in T.grid({N}, {OCB}, {rows}, {cols}):
 
 
 def input_transform_func(plan: Conv2dPlan) -> tirx.PrimFunc:
-    """Blocked, padded input (N, C/x, HP, WP, x) -> V (N, a² C/x, tiles down, tiles across, x):
+    """Blocked, padded input (N, C/x, HP, WP, x) -> V (N, a² C/x, the :func:`grid` of tiles, x):
     V = B^T d B for each a x a tile d (stride m), group xi * a + nu of the GEMM's input."""
     wl, m = plan.wl, plan.m_r
     a = m + 2
     _, _, bt = winograd_matrices(m)
-    th, tw = tiles(plan)
     icb = wl.C // plan.ic_bn
     top, left, bottom, right = input_padding(plan)
     indent = " " * 20
@@ -234,13 +236,13 @@ def input_transform_func(plan: Conv2dPlan) -> tirx.PrimFunc:
               + _combination(bt[nu], [f"t_{x}_{j}" for j in range(a)]) for x in range(a) for nu in range(a)]
     text = _INPUT_TEMPLATE.format(
         x_shape=(wl.N, icb, wl.H + top + bottom, wl.W + left + right, plan.ic_bn),
-        v_shape=(wl.N, a * a * icb, *grid(plan), plan.ic_bn), tasks=wl.N * icb * th, per_image=icb * th,
-        TH=th, TW=tw, block=plan.ic_bn, body="\n".join(lines) + "\n")
+        v_shape=(wl.N, a * a * icb, *grid(plan), plan.ic_bn), loops=_tile_loops(plan, icb, plan.ic_bn, "cb"),
+        body="\n".join(lines) + "\n")
     return script.from_source(text).with_attr(KERNEL_ATTR, "winograd_input_transform")
 
 
 def output_transform_func(plan: Conv2dPlan, epilogue: Epilogue | None = None) -> tirx.PrimFunc:
-    """The GEMM's output (N, a² K/y, tiles down, tiles across, y) -> the blocked output
+    """The GEMM's output (N, a² K/y, the :func:`grid` of tiles, y) -> the blocked output
     (N, K/y, OH, OW, y) with `epilogue`'s border: A^T M A per tile, then + bias, + shortcut
     (blocked, no border), activation; outputs past the image's edge are not written."""
     epilogue = epilogue or Epilogue()
@@ -284,7 +286,6 @@ def output_transform_func(plan: Conv2dPlan, epilogue: Epilogue | None = None) ->
                + (f'    R = T.match_buffer(r, {plan.out_shape()}, "float32")\n' if epilogue.residual else ""))
     text = _OUTPUT_TEMPLATE.format(
         params=params, buffers=buffers, m_shape=(wl.N, a * a * ocb, *grid(plan), plan.oc_bn), y_shape=y_shape,
-        tasks=wl.N * ocb * th, per_image=ocb * th, TH=th, TW=tw, block=plan.oc_bn,
-        body="\n".join(lines) + "\n", border=border,
-        channel_loop="serial" if epilogue.activation in _UNVECTORIZED_ACTIVATIONS else "vectorized")
+        loops=_tile_loops(plan, ocb, plan.oc_bn, "ob", epilogue.activation not in _UNVECTORIZED_ACTIVATIONS),
+        body="\n".join(lines) + "\n", border=border)
     return script.from_source(text).with_attr(KERNEL_ATTR, "winograd_conv2d")

@@ -284,15 +284,8 @@ class _Emitter:
                 relax.const(_pack_constant_weight(plan, weight.value)) if isinstance(weight, tvm.ir.Constant)
                 else self._call(_conv.pack_weight_func(plan), f"tvm_ext_pack_weight_{tag}", [weight],
                                 plan.weight_shape())]
-        if bias is not None:
-            blocked = np.zeros(plan.K_pad, np.float32)
-            blocked[: wl.K] = bias.reshape(-1)
-            args.append(relax.const(blocked.reshape(plan.OCB, plan.oc_bn)))
-        if residual is not None:
-            args.append(self.pack(residual, plan.oc_bn) if blocked_out else residual)
-        epilogue = Epilogue(bias=bias is not None, residual=residual is not None,
-                            activation=None if activation is None else _ACTIVATION_OPS[activation.op.name],
-                            nchw_out=not blocked_out, alpha=_alpha(activation))
+        operands, epilogue = self._epilogue(plan, bias, residual, activation, blocked_out)
+        args += operands
         name = f"tvm_ext_{plan.kind}_conv2d_{tag}{suffix}"
         func = self.conv_kernel(plan, epilogue)
         if not blocked_out:
@@ -310,17 +303,25 @@ class _Emitter:
         weight = _pack_constant_weight(gemm, tvm.runtime.tensor(_winograd.transform_weight(plan, weight)))
         products = self._call(self.conv_kernel(gemm, Epilogue()), f"tvm_ext_brgemm_conv2d_{_tag(gemm)}",
                               [tiles, relax.const(weight)], gemm.out_shape())
-        args = [products]
-        if bias is not None:
-            args.append(relax.const(bias.reshape(plan.OCB, plan.oc_bn).astype(np.float32)))
-        if residual is not None:
-            args.append(self.pack(residual, plan.oc_bn))
-        epilogue = Epilogue(bias=bias is not None, residual=residual is not None,
-                            activation=None if activation is None else _ACTIVATION_OPS[activation.op.name],
-                            alpha=_alpha(activation))
-        out = self._call(self.conv_kernel(plan, epilogue), f"tvm_ext_winograd_conv2d_{tag}{suffix}", args,
-                         plan.out_shape())
+        operands, epilogue = self._epilogue(plan, bias, residual, activation)
+        out = self._call(self.conv_kernel(plan, epilogue), f"tvm_ext_winograd_conv2d_{tag}{suffix}",
+                         [products, *operands], plan.out_shape())
         return self.unpack(out, wl.K)
+
+    def _epilogue(self, plan: _conv.Conv2dPlan, bias: np.ndarray | None, residual: relax.Expr | None,
+                  activation: relax.Call | None, blocked_out: bool = True) -> tuple[list, Epilogue]:
+        """A convolution epilogue's operands (the bias in blocks, zero past K; the shortcut in the
+        output's layout) and its description."""
+        operands = []
+        if bias is not None:
+            blocked = np.zeros(plan.K_pad, np.float32)
+            blocked[: plan.wl.K] = bias.reshape(-1)
+            operands.append(relax.const(blocked.reshape(plan.OCB, plan.oc_bn)))
+        if residual is not None:
+            operands.append(self.pack(residual, plan.oc_bn) if blocked_out else residual)
+        return operands, Epilogue(bias=bias is not None, residual=residual is not None,
+                                  activation=None if activation is None else _ACTIVATION_OPS[activation.op.name],
+                                  nchw_out=not blocked_out, alpha=_alpha(activation))
 
     def conv_kernel(self, plan: _conv.Conv2dPlan, epilogue: Epilogue) -> tvm.tirx.PrimFunc:
         """The tuned schedule of this convolution if the database has one, else the analytic one."""
