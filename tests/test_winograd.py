@@ -1,4 +1,4 @@
-"""Winograd F(m x m, 3 x 3): the transforms, the three kernels against float64, the graph path."""
+"""Winograd F(m x m, r x r): the transforms, the three kernels against float64, the graph path."""
 
 from __future__ import annotations
 
@@ -19,22 +19,31 @@ TARGET = tvm_ext.resolve_target("llvm")
 ISA = tvm_ext.vector_isa(TARGET)
 
 
-@pytest.mark.parametrize("m", sorted(winograd.POINTS))
-def test_matrices_compute_the_correlation(m):
-    at, g, bt = winograd.winograd_matrices(m)
-    a = m + 2
-    assert at.shape == (m, a) and g.shape == (a, 3) and bt.shape == (a, a)
+@pytest.mark.parametrize("m,r", [(2, 3), (4, 3), (2, 5), (4, 5), (6, 3)])
+def test_matrices_compute_the_correlation(m, r):
+    at, g, bt = winograd.winograd_matrices(m, r)
+    a = m + r - 1
+    assert at.shape == (m, a) and g.shape == (a, r) and bt.shape == (a, a)
     assert np.array_equal(bt, np.round(bt))  # integer input transform: exact in float32
-    rng = np.random.default_rng(m)
-    d, w = rng.standard_normal(a), rng.standard_normal(3)
-    ref = [sum(w[k] * d[i + k] for k in range(3)) for i in range(m)]
+    rng = np.random.default_rng(m * r)
+    d, w = rng.standard_normal(a), rng.standard_normal(r)
+    ref = [sum(w[k] * d[i + k] for k in range(r)) for i in range(m)]
     np.testing.assert_allclose(at @ ((g @ w) * (bt @ d)), ref, rtol=1e-12, atol=1e-12)
+
+
+def test_matrices_need_interpolation_points():
+    with pytest.raises(KeyError):
+        winograd.winograd_matrices(3, 3)  # a = 5: no points chosen
 
 
 def test_eligibility_and_tile_size():
     make = Conv2dWorkload.make
     assert winograd.eligible(make((1, 64, 14, 14), (64, 64, 3, 3), 1, 1, 1, 1)) == ""
+    assert winograd.eligible(make((1, 64, 27, 27), (192, 64, 5, 5), 1, 2, 1, 1)) == ""
     assert "3x3" in winograd.eligible(make((1, 64, 14, 14), (64, 64, 3, 3), 2, 1, 1, 1))
+    assert "5x5" in winograd.eligible(make((1, 64, 14, 14), (64, 64, 5, 5), 2, 2, 1, 1))
+    assert "5x5" in winograd.eligible(make((1, 64, 14, 14), (64, 64, 7, 7), 1, 3, 1, 1))
+    assert "5x5" in winograd.eligible(make((1, 64, 14, 14), (64, 64, 3, 5), 1, (1, 2), 1, 1))
     assert "3x3" in winograd.eligible(make((1, 64, 14, 14), (64, 64, 1, 1), 1, 0, 1, 1))
     assert "3x3" in winograd.eligible(make((1, 64, 14, 14), (64, 32, 3, 3), 1, 1, 1, 2))
     assert "3x3" in winograd.eligible(make((1, 64, 14, 14), (64, 64, 3, 3), 1, 2, 2, 1))
@@ -43,6 +52,9 @@ def test_eligibility_and_tile_size():
     assert winograd.tile_size(make((1, 64, 14, 14), (64, 64, 3, 3), 1, 1, 1, 1)) == 4
     assert winograd.tile_size(make((1, 64, 8, 9), (64, 64, 3, 3), 1, 1, 1, 1)) == 4
     assert winograd.tile_size(make((1, 64, 7, 9), (64, 64, 3, 3), 1, 1, 1, 1)) == 2
+    assert winograd.tile_size(make((1, 64, 27, 27), (192, 64, 5, 5), 1, 2, 1, 1)) == 4
+    assert winograd.tile_size(make((1, 64, 11, 11), (64, 64, 5, 5), 1, 0, 1, 1)) == 2
+    assert "F(4x4, 5x5)" in winograd.winograd_plan(make((1, 64, 27, 27), (192, 64, 5, 5), 1, 2, 1, 1), ISA).reason
 
 
 def _blocked(x: np.ndarray, block: int, pads=(0, 0, 0, 0)) -> np.ndarray:
@@ -58,28 +70,33 @@ def _unblocked(y: np.ndarray) -> np.ndarray:
     return y.transpose(0, 1, 4, 2, 3).reshape(n, kb * k, h, w)
 
 
-# (x shape, K, padding, epilogue): both tile sizes, ragged last tiles, batch 2, asymmetric padding.
+# (x shape, K, kernel size, padding, epilogue): both tile sizes of 3x3 and 5x5, ragged last tiles,
+# batch 2, asymmetric padding.
 _CASES = [
-    ((1, 32, 14, 14), 32, (1, 1, 1, 1), Epilogue()),
-    ((1, 32, 23, 21), 48, (1, 1, 1, 1), Epilogue(bias=True)),  # a 6 x 6 grid of tiles, not flattened
-    ((1, 64, 17, 14), 48, (1, 1, 1, 1), Epilogue(bias=True, activation="relu", out_pad=(1, 1, 1, 1))),
-    ((2, 48, 9, 11), 64, (1, 1, 1, 1), Epilogue(bias=True, residual=True, activation="relu", out_pad=(1, 2, 3, 1))),
-    ((1, 64, 15, 13), 32, (0, 1, 2, 1), Epilogue(bias=True, activation="sigmoid")),
-    ((1, 32, 6, 5), 32, (2, 2, 2, 2), Epilogue(residual=True, activation="gelu")),
+    ((1, 32, 14, 14), 32, 3, (1, 1, 1, 1), Epilogue()),
+    ((1, 32, 23, 21), 48, 3, (1, 1, 1, 1), Epilogue(bias=True)),  # a 6 x 6 grid of tiles, not flattened
+    ((1, 64, 17, 14), 48, 3, (1, 1, 1, 1), Epilogue(bias=True, activation="relu", out_pad=(1, 1, 1, 1))),
+    ((2, 48, 9, 11), 64, 3, (1, 1, 1, 1),
+     Epilogue(bias=True, residual=True, activation="relu", out_pad=(1, 2, 3, 1))),
+    ((1, 64, 15, 13), 32, 3, (0, 1, 2, 1), Epilogue(bias=True, activation="sigmoid")),
+    ((1, 32, 6, 5), 32, 3, (2, 2, 2, 2), Epilogue(residual=True, activation="gelu")),
+    ((1, 64, 27, 27), 48, 5, (2, 2, 2, 2), Epilogue(bias=True, activation="relu", out_pad=(1, 1, 1, 1))),
+    ((2, 32, 13, 18), 32, 5, (0, 1, 2, 1), Epilogue(bias=True, residual=True)),  # 3 x 4 tiles, flattened
+    ((1, 48, 9, 10), 64, 5, (0, 0, 0, 0), Epilogue(activation="sigmoid")),  # F(2x2, 5x5)
 ]
 
 
-@pytest.mark.parametrize("shape,K,padding,epilogue", _CASES)
-def test_kernels_match_float64(shape, K, padding, epilogue):
+@pytest.mark.parametrize("shape,K,R,padding,epilogue", _CASES)
+def test_kernels_match_float64(shape, K, R, padding, epilogue):
     """Input transform -> the BRGEMM GEMMs on transformed weights -> output transform + epilogue,
     against a float64 direct convolution; the border is zero."""
     rng = np.random.default_rng(sum(shape) + K)
     x = rng.standard_normal(shape).astype(np.float32)
-    w = (rng.standard_normal((K, shape[1], 3, 3)) / np.sqrt(9 * shape[1])).astype(np.float32)
+    w = (rng.standard_normal((K, shape[1], R, R)) / np.sqrt(R * R * shape[1])).astype(np.float32)
     wl = Conv2dWorkload.make(x.shape, w.shape, 1, padding, 1, 1)
     plan = winograd.winograd_plan(wl, ISA)
     gemm = winograd.gemm_plan(plan, ISA)
-    assert plan.kind == "winograd" and gemm.kind == "brgemm" and gemm.wl.groups == (plan.m_r + 2) ** 2
+    assert plan.kind == "winograd" and gemm.kind == "brgemm" and gemm.wl.groups == (plan.m_r + R - 1) ** 2
     rows, cols = winograd.grid(plan)
     assert rows * cols == np.prod(winograd.tiles(plan)) and (rows == 1) == (winograd.tiles(plan)[1] <= 4)
     build = lambda f: tvm.compile(f, TARGET)  # noqa: E731
@@ -184,3 +201,11 @@ def test_cross_compiles_for_avx512_and_neon(target):
     mod = _block_graph()
     assert [r.kernel for r in tvm_ext.dispatch_report(mod, target) if r.op == "nn.conv2d"] == ["winograd_conv2d"] * 2
     assert tvm_ext.build(mod, target) is not None
+
+
+@pytest.mark.parametrize("name", ["alexnet", "overfeat"])
+def test_5x5_layers_of_the_networks_run_winograd(name):
+    """AlexNet's and OverFeat's stride-1 5x5 layers (their second) run F(4x4, 5x5); the
+    numbers of the whole networks are checked in tests/test_models.py."""
+    convs = [r for r in tvm_ext.dispatch_report(tvm_ext.models.get(name)[0], TARGET) if r.op == "nn.conv2d"]
+    assert [r.reason for r in convs].count("Winograd F(4x4, 5x5)") == 1 and convs[1].kernel == "winograd_conv2d"

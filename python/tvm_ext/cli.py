@@ -37,7 +37,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--no-stock", action="store_true", help="skip stock TVM (it takes seconds per run)")
     ap.add_argument("--direct", action="store_true",
-                    help="demo, report: every convolution direct (no Winograd for 3x3 layers)")
+                    help="demo, report: every convolution direct (no Winograd for 3x3 and 5x5 layers)")
     return ap.parse_args(argv)
 
 

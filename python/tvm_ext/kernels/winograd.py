@@ -1,7 +1,8 @@
-"""Winograd F(m x m, 3 x 3) convolution for stride-1 3x3 layers: fewer multiplies, the same BRGEMM.
+"""Winograd F(m x m, r x r) convolution for stride-1 3x3 and 5x5 layers: fewer multiplies, the
+same BRGEMM.
 
-F(m, 3) computes m outputs of a 3-tap correlation from a = m + 2 inputs with a multiplies
-instead of 3m (Lavin and Gray, "Fast Algorithms for Convolutional Neural Networks", 2016): per
+F(m, r) computes m outputs of an r-tap correlation from a = m + r - 1 inputs with a multiplies
+instead of r m (Lavin and Gray, "Fast Algorithms for Convolutional Neural Networks", 2016): per
 a x a input tile d, Y = A^T [(G g G^T) * (B^T d B)] A. Summed over input channels, the
 elementwise product becomes a² independent GEMMs, one per position (xi, nu) of the tile, of
 (tiles x C) by (C x K): a 1x1 convolution with a² groups on the grid of tiles, which tvm_ext runs
@@ -12,12 +13,14 @@ with its BRGEMM kernel (:func:`gemm_plan`). Around it:
 - :func:`output_transform_func` applies A^T . A and the convolution's epilogue (bias, shortcut,
   activation, zero border) in the same pass.
 
-Multiplies per output fall from 9 C K to (a/m)² C K: 4 for F(2, 3), 2.25 for F(4, 3). The
-transforms cost memory passes (V and the GEMM's output are (a/m)² times the input and output),
-which the saved multiplies outweigh from 16 channels up (measured; :data:`MIN_CHANNELS`).
-Accuracy, float32 against a float64 direct convolution on 64-512 channel layers, as the largest
-error over the largest output: F(2, 3) 4e-7 to 9e-7, F(4, 3) 7e-6 to 1.2e-5 (direct float32:
-2e-7 to 4e-7).
+Multiplies per output fall from r² C K to (a/m)² C K: for 3x3 from 9 to 4 (F(2, 3)) or 2.25
+(F(4, 3)), for 5x5 from 25 to 9 (F(2, 5)) or 4 (F(4, 5)). The transforms cost memory passes (V
+and the GEMM's output are (a/m)² times the input and output), which the saved multiplies
+outweigh from 16 channels up (measured; :data:`MIN_CHANNELS`).
+Accuracy, float32 against a float64 direct convolution, as the largest error over the largest
+output: F(2, 3) 4e-7 to 9e-7 and F(4, 3) 7e-6 to 1.2e-5 on 64-512 channel layers; F(2, 5) 5e-6
+to 9e-6 and F(4, 5) 7e-6 to 9e-6 on AlexNet's and OverFeat's 5x5 layers (direct float32: 2e-7 to
+4e-7).
 The plan is a :class:`~tvm_ext.kernels.conv2d.Conv2dPlan` of kind "winograd" whose `m_r` is m.
 """
 
@@ -33,9 +36,10 @@ from tvm import tirx
 from . import script
 from .conv2d import KERNEL_ATTR, Conv2dPlan, Conv2dWorkload, Epilogue, activation_text, plan_conv2d
 
-# Interpolation points of F(m, 3) (the point at infinity is implied): small integers keep the
-# transforms exact in float32 and their error growth low.
-POINTS = {2: (0, 1, -1), 4: (0, 1, -1, 2, -2)}
+# Interpolation points of F(m, r) by the tile size a = m + r - 1 (the point at infinity is
+# implied): small integers and halves keep the transforms exact in float32 and their error growth
+# low. a = 4: F(2, 3); 6: F(4, 3) and F(2, 5); 8: F(4, 5).
+POINTS = {4: (0, 1, -1), 6: (0, 1, -1, 2, -2), 8: (0, 1, -1, 2, -2, Fraction(1, 2), Fraction(-1, 2))}
 # Fewer channels stay direct: such layers are small either way, and direct has the lower error.
 # (Measured, 1 thread: 16 channels at 56x56 0.37 ms direct, 0.21 Winograd; 64 channels at 7x7
 # 0.093 against 0.088 ms.)
@@ -51,7 +55,7 @@ def winograd_matrices(m: int, r: int = 3) -> tuple[np.ndarray, np.ndarray, np.nd
     matching row of G by the inverse.
     """
     a = m + r - 1
-    points = [Fraction(p) for p in POINTS[m]]
+    points = [Fraction(p) for p in POINTS[a]]
     # Values at the points (and the leading coefficient, "at infinity") of a degree a-1 polynomial.
     values = [[p ** c for c in range(a)] for p in points] + [[Fraction(int(c == a - 1)) for c in range(a)]]
     inverse = _inverse(values)
@@ -66,6 +70,11 @@ def winograd_matrices(m: int, r: int = 3) -> tuple[np.ndarray, np.ndarray, np.nd
     for mat in matrices:  # shared by every caller (cached)
         mat.flags.writeable = False
     return matrices
+
+
+def matrices(plan: Conv2dPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`winograd_matrices` of a Winograd plan: F(m, r) for its m and its r x r kernel."""
+    return winograd_matrices(plan.m_r, plan.wl.KH)
 
 
 def _inverse(matrix: list[list[Fraction]]) -> list[list[Fraction]]:
@@ -84,9 +93,9 @@ def _inverse(matrix: list[list[Fraction]]) -> list[list[Fraction]]:
 
 
 def eligible(wl: Conv2dWorkload) -> str:
-    """Why `wl` cannot run as Winograd F(m, 3), or "" if it can."""
-    if (wl.KH, wl.KW) != (3, 3) or wl.stride != (1, 1) or wl.dilation != (1, 1) or wl.groups != 1:
-        return "not a 3x3, stride-1, undilated, ungrouped convolution"
+    """Why `wl` cannot run as Winograd F(m, r), or "" if it can."""
+    if (wl.KH, wl.KW) not in ((3, 3), (5, 5)) or wl.stride != (1, 1) or wl.dilation != (1, 1) or wl.groups != 1:
+        return "not a 3x3 or 5x5, stride-1, undilated, ungrouped convolution"
     if wl.dtype != "float32":
         return f"dtype {wl.dtype}"
     if wl.C % 16 or wl.K % 16 or min(wl.C, wl.K) < MIN_CHANNELS:
@@ -95,12 +104,16 @@ def eligible(wl: Conv2dWorkload) -> str:
 
 
 def tile_size(wl: Conv2dWorkload) -> int:
-    """m: F(4, 3) where the image holds 2 x 2 whole tiles of 4, else F(2, 3).
+    """m: 4 where the image holds 2 x 2 whole tiles of 4, else 2 (3x3 and 5x5 alike).
 
-    Measured on AVX2 (GEMM stage, 1 thread): F(4, 3) was 1.15-1.8x faster than F(2, 3) from
+    Measured on AVX2, 1 thread. 3x3, GEMM stage: F(4, 3) was 1.15-1.8x faster than F(2, 3) from
     56 x 56 down to 12 x 12 images, ragged edges included (13 x 13: 3.70 against 4.61 ms,
     384 -> 256). At 7 x 7 it was 13% faster (3.82 against 4.39 ms, 512 -> 512), but its
     transformed weights are 2.25x larger (38 against 17 MB there) and its error 10x higher.
+    F(6, 3) was slower than F(4, 3) from 56 x 56 to 14 x 14 (2.0 against 1.9 ms up to 3.1
+    against 2.6 ms): its transforms cost more than its GEMMs save. 5x5, all three kernels:
+    F(4, 5) 2.77 ms, F(3, 5) 3.26, F(2, 5) 5.62, direct 11.7 (AlexNet's 64 -> 192 at 27 x 27);
+    2.83, 3.80, 5.35 and 12.9 ms on OverFeat's 96 -> 256 at 20 x 20.
     """
     return 4 if min(wl.OH, wl.OW) >= 8 else 2
 
@@ -109,7 +122,7 @@ def winograd_plan(wl: Conv2dWorkload, isa, ic_bn: int = 16) -> Conv2dPlan:
     """The plan of `wl` as Winograd: input blocks of `ic_bn`, output blocks of its GEMM's n_r."""
     m = tile_size(wl)
     gemm = plan_conv2d(_gemm_workload(wl, m, *_grid(wl, m)), isa, ic_bn=ic_bn)
-    return Conv2dPlan(wl, "winograd", ic_bn, gemm.oc_bn, m, reason=f"Winograd F({m}x{m}, 3x3)")
+    return Conv2dPlan(wl, "winograd", ic_bn, gemm.oc_bn, m, reason=f"Winograd F({m}x{m}, {wl.KH}x{wl.KW})")
 
 
 def tiles(plan: Conv2dPlan) -> tuple[int, int]:
@@ -143,7 +156,7 @@ def input_padding(plan: Conv2dPlan) -> tuple[int, int, int, int]:
 
 
 def _gemm_workload(wl: Conv2dWorkload, m: int, rows: int, cols: int) -> Conv2dWorkload:
-    a2 = (m + 2) ** 2
+    a2 = (m + wl.KH - 1) ** 2
     return Conv2dWorkload.make((wl.N, a2 * wl.C, rows, cols), (a2 * wl.K, wl.C, 1, 1), 1, 0, 1, a2)
 
 
@@ -153,9 +166,9 @@ def gemm_plan(plan: Conv2dPlan, isa) -> Conv2dPlan:
 
 
 def transform_weight(plan: Conv2dPlan, weight: np.ndarray) -> np.ndarray:
-    """OIHW 3x3 weights -> U = G g G^T as the grouped 1x1 weights of :func:`gemm_plan`:
+    """OIHW r x r weights -> U = G g G^T as the grouped 1x1 weights of :func:`gemm_plan`:
     (a² K, C, 1, 1), group xi * a + nu; computed in float64."""
-    _, g, _ = winograd_matrices(plan.m_r)
+    _, g, _ = matrices(plan)
     u = np.einsum("xi,kcij,nj->xnkc", g, weight.astype(np.float64), g)
     a, k, c = g.shape[0], plan.wl.K, plan.wl.C
     return u.reshape(a * a * k, c, 1, 1).astype(np.float32)
@@ -223,8 +236,8 @@ def input_transform_func(plan: Conv2dPlan) -> tirx.PrimFunc:
     """Blocked, padded input (N, C/x, HP, WP, x) -> V (N, a² C/x, the :func:`grid` of tiles, x):
     V = B^T d B for each a x a tile d (stride m), group xi * a + nu of the GEMM's input."""
     wl, m = plan.wl, plan.m_r
-    a = m + 2
-    _, _, bt = winograd_matrices(m)
+    _, _, bt = matrices(plan)
+    a = len(bt)
     icb = wl.C // plan.ic_bn
     top, left, bottom, right = input_padding(plan)
     indent = " " * 20
@@ -249,8 +262,8 @@ def output_transform_func(plan: Conv2dPlan, epilogue: Epilogue | None = None) ->
     if epilogue.nchw_out:
         raise ValueError("winograd: the output transform writes the blocked layout only")
     wl, m = plan.wl, plan.m_r
-    a = m + 2
-    at, _, _ = winograd_matrices(m)
+    at, _, _ = matrices(plan)
+    a = at.shape[1]
     th, tw = tiles(plan)
     ocb = wl.K // plan.oc_bn
     top, left, bottom, right = epilogue.out_pad
