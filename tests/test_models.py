@@ -52,6 +52,8 @@ def test_network_through_tvm_ext_matches_float64_reference(name):
     report = tvm_ext.dispatch_report(mod, TARGET)
     served = [r for r in report if r.op in ("nn.conv2d", "nn.max_pool2d", "nn.relu", "clip", "matmul")]
     assert served and all(r.kernel != "fallback" for r in served), [r for r in served if r.kernel == "fallback"]
+    if name in ("alexnet", "overfeat"):  # their second layer, stride-1 5x5
+        assert [r.reason for r in report if r.op == "nn.conv2d"][1] == "Winograd F(4x4, 5x5)"
     x = np.random.default_rng(6).standard_normal(models.image_shape(mod)).astype("float32")
     ours = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
     assert ours.shape == (1, 1000) and np.abs(ours).max() > 1e-2
