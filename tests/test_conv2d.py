@@ -342,10 +342,11 @@ def test_prepacked_conv2d_module():
     ((1, 32, 8, 8), (32, 1, 3, 3), 32),     # depthwise
 ])
 def test_pack_weight_is_the_blocked_layout(x_shape, w_shape, groups):
-    """pack_weight_func writes exactly OIHW -> O/y, I/x, KH, KW, x, y, zeros past the last channel."""
+    """pack_weight_func (and pack_weight_array, for build-time constants) write exactly
+    OIHW -> O/y, I/x, KH, KW, x, y, zeros past the last channel."""
     import tvm
 
-    from tvm_ext.kernels.conv2d import pack_weight_func
+    from tvm_ext.kernels.conv2d import pack_weight_array, pack_weight_func
 
     plan = ops.conv2d_plan(x_shape, w_shape, padding=1, groups=groups)
     w = np.random.default_rng(5).standard_normal(w_shape, dtype=np.float32)
@@ -360,3 +361,4 @@ def test_pack_weight_is_the_blocked_layout(x_shape, w_shape, groups):
         expected = padded.reshape(k // plan.oc_bn, plan.oc_bn, c // plan.ic_bn, plan.ic_bn, kh, kw)
         expected = expected.transpose(0, 2, 4, 5, 3, 1)
     np.testing.assert_array_equal(packed.numpy(), expected)
+    np.testing.assert_array_equal(pack_weight_array(plan, w), expected)

@@ -25,7 +25,6 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from .. import ops as _ops
 from ..kernels import conv2d as _conv
 from ..kernels import elementwise as _elementwise
 from ..kernels import layout as _layout
@@ -179,18 +178,9 @@ def _tag(plan: _conv.Conv2dPlan) -> str:
 _UNPACK = "tvm_ext_unpack_nchwc"
 
 
-def _pack_constant_weight(plan: _conv.Conv2dPlan, weight: tvm.runtime.Tensor) -> tvm.runtime.Tensor:
-    """OIHW `weight` in `plan`'s blocked layout, packed now (at build time).
-
-    The packing kernel is the eager API's, compiled once per plan (ResNet-50: 53 convolutions,
-    23 plans; FoldConstant, which packed them before, built a kernel per call, 0.11 s each) for
-    plain "llvm", not the graph's target: it runs here, and the target may be a CPU this
-    machine does not have.
-    """
-    pack = _ops._compiled(("pack_weight", plan), lambda: _conv.pack_weight_func(plan), tvm.target.Target("llvm"))
-    packed = tvm.runtime.empty(plan.weight_shape(), plan.wl.dtype, tvm.cpu())
-    pack(weight, packed)
-    return packed
+def _pack_constant_weight(plan: _conv.Conv2dPlan, weight: np.ndarray) -> tvm.runtime.Tensor:
+    """OIHW `weight` in `plan`'s blocked layout, packed now (at build time, in NumPy)."""
+    return tvm.runtime.tensor(_conv.pack_weight_array(plan, weight))
 
 
 class _Emitter:
@@ -281,7 +271,7 @@ class _Emitter:
         tag = _tag(plan)
         weight = call.args[1]
         args = [self.pack(data, plan.ic_bn, wl.padding),
-                relax.const(_pack_constant_weight(plan, weight.value)) if isinstance(weight, tvm.ir.Constant)
+                relax.const(_pack_constant_weight(plan, weight.value.numpy())) if isinstance(weight, tvm.ir.Constant)
                 else self._call(_conv.pack_weight_func(plan), f"tvm_ext_pack_weight_{tag}", [weight],
                                 plan.weight_shape())]
         operands, epilogue = self._epilogue(plan, bias, residual, activation, blocked_out)
@@ -300,7 +290,7 @@ class _Emitter:
         wl, gemm, tag = plan.wl, _winograd.gemm_plan(plan, self.isa), _tag(plan)
         tiles = self._call(_winograd.input_transform_func(plan), f"tvm_ext_winograd_input_{tag}",
                            [self.pack(data, plan.ic_bn, _winograd.input_padding(plan))], gemm.data_shape())
-        weight = _pack_constant_weight(gemm, tvm.runtime.tensor(_winograd.transform_weight(plan, weight)))
+        weight = _pack_constant_weight(gemm, _winograd.transform_weight(plan, weight))
         products = self._call(self.conv_kernel(gemm, Epilogue()), f"tvm_ext_brgemm_conv2d_{_tag(gemm)}",
                               [tiles, relax.const(weight)], gemm.out_shape())
         operands, epilogue = self._epilogue(plan, bias, residual, activation)
