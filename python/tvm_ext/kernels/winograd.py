@@ -178,7 +178,7 @@ def transform_weight(plan: Conv2dPlan, weight: np.ndarray) -> np.ndarray:
 
 
 # The transforms are built with TVM's IRBuilder, not written as TVMScript text: their unrolled
-# bodies (up to 8 x 8 loads, sums and stores per tile) took 0.3-1.6 s each to parse, 13 of the
+# bodies (up to 8 x 8 loads, sums and stores per tile) took 0.3-1.6 s each to parse, about 8 of the
 # 21 s of an AlexNet build; built, 0.01-0.02 s. (The same IR: structurally equal.)
 
 
