@@ -19,8 +19,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tvm import s_tir, te, tirx
+from tvm.script.ir_builder import IRBuilder
+from tvm.tirx.script import builder as T
 
-from . import script
 from .conv2d import KERNEL_ATTR, USER_ALIGNMENT, Conv2dPlan, _accept_user_alignment
 from .transpose import TILE, transpose8x8
 
@@ -30,53 +31,76 @@ def _vector_tiles(block: int, dtype: str) -> bool:
     return dtype == "float32" and block % TILE == 0
 
 
-_PACK_TEMPLATE = """
-@T.prim_func(s_tir=True)
-def pack_nchwc(x: T.handle, y: T.handle):
-    T.func_attr({{"tirx.noalias": True, "{attr}": "pack_nchwc"}})
-    X = T.match_buffer(x, ({N}, {C}, {H}, {W}), "float32", align={align})
-    Y = T.match_buffer(y, ({N}, {CB}, {HP}, {WP}, {block}), "float32")
-    with T.sblock("root"):
-        for row in T.parallel({rows}):
-            n: T.let = row // {per_image}
-            cb: T.let = row // {HP} % {CB}
-            h: T.let = row % {HP}
-            if h < {top} or h >= {top_H}:
-                for w, c in T.grid({WP}, {vectors}):
-                    Y[n, cb, h, w, T.Ramp(c * 8, 1, 8)] = T.Broadcast(T.float32(0), 8)
-            else:
-                for w, c in T.grid({left}, {vectors}):
-                    Y[n, cb, h, w, T.Ramp(c * 8, 1, 8)] = T.Broadcast(T.float32(0), 8)
-                for w, c in T.grid({right}, {vectors}):
-                    Y[n, cb, h, {left_W} + w, T.Ramp(c * 8, 1, 8)] = T.Broadcast(T.float32(0), 8)
-                for c0, w0 in T.grid({vectors}, {W_tiles}):
-{tile}
-                for c, w in T.grid({block}, {W_tail}):
-                    Y[n, cb, h, {left} + {W_body} + w, c] = X[n, cb * {block} + c, h - {top}, {W_body} + w]
-"""
+def _rows(rows: int, per_image: int, height: int, blocks: int):
+    """One parallel task per (image, channel block, row): the loop and its (n, cb, h)."""
+    row = T.parallel(0, rows)
+    return row, lambda r: (T.Bind(r // per_image), T.Bind(r // height % blocks), T.Bind(r % height))
 
-_UNPACK_TEMPLATE = """
-@T.prim_func(s_tir=True)
-def unpack_nchwc(y: T.handle, x: T.handle):
-    T.func_attr({{"tirx.noalias": True, "{attr}": "unpack_nchwc"}})
-    Y = T.match_buffer(y, ({N}, {CB}, {H}, {W}, {block}), "float32")
-    X = T.match_buffer(x, ({N}, {channels}, {H}, {W}), "float32")
-    with T.sblock("root"):
-        for row in T.parallel({rows}):
-            n: T.let = row // {per_image}
-            cb: T.let = row // {H} % {CB}
-            h: T.let = row % {H}
-            for c0 in range({vectors}):
-                if cb * {block} + c0 * 8 + 8 <= {channels}:
-                    for w0 in range({W_tiles}):
-{tile}
-                    for c, w in T.grid(8, {W_tail}):
-                        X[n, cb * {block} + c0 * 8 + c, h, {W_body} + w] = Y[n, cb, h, {W_body} + w, c0 * 8 + c]
-                else:
-                    for c, w in T.grid(8, {W}):
-                        if cb * {block} + c0 * 8 + c < {channels}:
-                            X[n, cb * {block} + c0 * 8 + c, h, w] = Y[n, cb, h, w, c0 * 8 + c]
-"""
+
+def _buffer(name: str, shape, align: int = -1) -> tirx.Buffer:
+    return IRBuilder.name(name.upper(), T.match_buffer(T.arg(name, T.handle()), shape, "float32", align=align))
+
+
+def _zeros(lanes: int) -> tirx.PrimExpr:
+    return T.Broadcast(T.float32(0), lanes)
+
+
+def _pack_tiled(N: int, C: int, H: int, W: int, block: int, padding: Sequence[int], align: int) -> tirx.PrimFunc:
+    """NCHW -> blocked with a zero border: each row's (channel, pixel) tiles in 8x8 register
+    transposes, its edges element by element, the border rows and columns as zero vectors."""
+    top, left, bottom, right = padding
+    CB, HP, WP, vectors = C // block, H + top + bottom, W + left + right, block // TILE
+    W_body = W // TILE * TILE
+    with IRBuilder() as builder, T.prim_func(s_tir=True):
+        T.func_name("pack_nchwc")
+        T.func_attr({"tirx.noalias": True, KERNEL_ATTR: "pack_nchwc"})
+        x = _buffer("x", (N, C, H, W), align)
+        y = _buffer("y", (N, CB, HP, WP, block))
+        loop, bind = _rows(N * CB * HP, CB * HP, HP, CB)
+        with T.sblock("root"), loop as row:
+            n, cb, h = bind(row)
+            with T.If(tirx.Or(h < top, h >= top + H)):
+                with T.Then(), T.grid(WP, vectors) as (w, c):
+                    T.buffer_store(y, _zeros(8), [n, cb, h, w, T.Ramp(c * 8, 1, 8)])
+                with T.Else():
+                    with T.grid(left, vectors) as (w, c):
+                        T.buffer_store(y, _zeros(8), [n, cb, h, w, T.Ramp(c * 8, 1, 8)])
+                    with T.grid(right, vectors) as (w, c):
+                        T.buffer_store(y, _zeros(8), [n, cb, h, left + W + w, T.Ramp(c * 8, 1, 8)])
+                    with T.grid(vectors, W // TILE) as (c0, w0):
+                        transpose8x8(lambda i: x[n, cb * block + c0 * 8 + i, h - top, T.Ramp(w0 * 8, 1, 8)],
+                                     lambda j, v: T.buffer_store(y, v, [n, cb, h, left + w0 * 8 + j,
+                                                                        T.Ramp(c0 * 8, 1, 8)]))
+                    with T.grid(block, W % TILE) as (c, w):
+                        T.buffer_store(y, x[n, cb * block + c, h - top, W_body + w],
+                                       [n, cb, h, left + W_body + w, c])
+    return builder.get()
+
+
+def _unpack_tiled(N: int, CB: int, H: int, W: int, block: int, channels: int) -> tirx.PrimFunc:
+    """Blocked -> NCHW: each row's (pixel, channel) tiles in 8x8 register transposes, its last
+    pixels and a block's channels past `channels` element by element."""
+    W_body = W // TILE * TILE
+    with IRBuilder() as builder, T.prim_func(s_tir=True):
+        T.func_name("unpack_nchwc")
+        T.func_attr({"tirx.noalias": True, KERNEL_ATTR: "unpack_nchwc"})
+        y = _buffer("y", (N, CB, H, W, block))
+        x = _buffer("x", (N, channels, H, W))
+        loop, bind = _rows(N * CB * H, CB * H, H, CB)
+        with T.sblock("root"), loop as row:
+            n, cb, h = bind(row)
+            with T.serial(0, block // TILE) as c0, T.If(cb * block + c0 * 8 + 8 <= channels):
+                with T.Then():
+                    with T.serial(0, W // TILE) as w0:
+                        transpose8x8(lambda i: y[n, cb, h, w0 * 8 + i, T.Ramp(c0 * 8, 1, 8)],
+                                     lambda j, v: T.buffer_store(x, v, [n, cb * block + c0 * 8 + j, h,
+                                                                        T.Ramp(w0 * 8, 1, 8)]))
+                    with T.grid(8, W % TILE) as (c, w):
+                        T.buffer_store(x, y[n, cb, h, W_body + w, c0 * 8 + c],
+                                       [n, cb * block + c0 * 8 + c, h, W_body + w])
+                with T.Else(), T.grid(8, W) as (c, w), T.If(cb * block + c0 * 8 + c < channels), T.Then():
+                    T.buffer_store(x, y[n, cb, h, w, c0 * 8 + c], [n, cb * block + c0 * 8 + c, h, w])
+    return builder.get()
 
 
 def pack_nchwc_func(shape: Sequence[int], block: int, padding: Sequence[int] = (0, 0, 0, 0),
@@ -90,15 +114,7 @@ def pack_nchwc_func(shape: Sequence[int], block: int, padding: Sequence[int] = (
         raise ValueError(f"pack_nchwc: {C} channels are not a multiple of the block {block}")
     top, left, bottom, right = (int(p) for p in padding)
     if _vector_tiles(block, dtype):
-        HP, WP = H + top + bottom, W + left + right
-        tile = transpose8x8(lambda i: f"X[n, cb * {block} + c0 * 8 + {i}, h - {top}, T.Ramp(w0 * 8, 1, 8)]",
-                            lambda j, v: f"Y[n, cb, h, {left} + w0 * 8 + {j}, T.Ramp(c0 * 8, 1, 8)] = {v}",
-                            indent=" " * 20)
-        return script.from_source(_PACK_TEMPLATE.format(
-            attr=KERNEL_ATTR, N=N, C=C, H=H, W=W, CB=C // block, HP=HP, WP=WP, block=block,
-            align=USER_ALIGNMENT if user_input else 64, rows=N * (C // block) * HP, per_image=(C // block) * HP,
-            top=top, top_H=top + H, left=left, right=right, left_W=left + W, vectors=block // TILE,
-            W_tiles=W // TILE, W_body=W // TILE * TILE, W_tail=W % TILE, tile=tile))
+        return _pack_tiled(N, C, H, W, block, (top, left, bottom, right), USER_ALIGNMENT if user_input else 64)
     x = te.placeholder((N, C, H, W), dtype, name="data")
 
     def body(n, cb, h, w, c):
@@ -144,13 +160,7 @@ def unpack_nchwc_func(blocked_shape: Sequence[int], channels: int, dtype: str = 
     if not 0 < channels <= CB * block:
         raise ValueError(f"unpack_nchwc: {channels} channels do not fit {CB} blocks of {block}")
     if _vector_tiles(block, dtype):
-        tile = transpose8x8(lambda i: f"Y[n, cb, h, w0 * 8 + {i}, T.Ramp(c0 * 8, 1, 8)]",
-                            lambda j, v: f"X[n, cb * {block} + c0 * 8 + {j}, h, T.Ramp(w0 * 8, 1, 8)] = {v}",
-                            indent=" " * 24)
-        return script.from_source(_UNPACK_TEMPLATE.format(
-            attr=KERNEL_ATTR, N=N, CB=CB, H=H, W=W, block=block, channels=channels, rows=N * CB * H,
-            per_image=CB * H, vectors=block // TILE, W_tiles=W // TILE, W_body=W // TILE * TILE,
-            W_tail=W % TILE, tile=tile))
+        return _unpack_tiled(N, CB, H, W, block, channels)
     xb = te.placeholder((N, CB, H, W, block), dtype, name="data_blocked")
     y = te.compute((N, channels, H, W), lambda n, k, h, w: xb[n, k // block, h, w, k % block], name="data")
     sch = s_tir.Schedule(te.create_prim_func([xb, y]))

@@ -1,4 +1,4 @@
-"""An 8x8 float32 transpose in registers, as TVMScript lines for the layout kernels.
+"""An 8x8 float32 transpose in registers, emitted into the layout kernels with TVM's IRBuilder.
 
 NCHW <-> NCHW[x]c and OIHW -> OIHW[x]i[y]o are transposes of (channel, pixel) tiles. Written as
 element-wise loops, LLVM compiles them to scalar moves (4x slower than a memcpy of the same
@@ -6,14 +6,17 @@ bytes); written as 8 vector loads, three stages of two-input shuffles and 8 vect
 become vunpck/vshuf/vperm sequences and run near memcpy speed. The stages are data
 (:data:`STAGES`); :func:`transpose8x8` emits them between the caller's loads and stores.
 
-The intermediate vectors are bound with ``T.let``: a plain TVMScript assignment makes a one-element
-"local" buffer, which inside a parallel loop is a heap workspace allocated on every iteration
+The intermediate vectors are let bindings (``T.Bind``): a one-element "local" buffer, which a plain
+TVMScript assignment makes, is a heap workspace allocated on every iteration of a parallel loop
 (measured: 6x slower than the same code with let bindings).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+
+from tvm import tirx
+from tvm.tirx.script import builder as T
 
 TILE = 8  # float32 lanes of one ymm register; NEON splits each vector in two
 
@@ -33,17 +36,18 @@ STAGES: tuple[tuple[tuple[int, int, tuple[int, ...]], ...], ...] = (
 _ROW_OF = (0, 4, 1, 5, 2, 6, 3, 7)  # last-stage vector k holds column _ROW_OF[k] of the input
 
 
-def transpose8x8(load: Callable[[int], str], store: Callable[[int, str], str], indent: str, tag: str = "") -> str:
-    """TVMScript lines that store column j of the 8x8 tile whose row i is `load(i)`.
+def transpose8x8(load: Callable[[int], tirx.PrimExpr], store: Callable[[int, tirx.PrimExpr], None]) -> None:
+    """Emit, in the current IRBuilder frame, the stores of column j of the 8x8 tile whose row i
+    is `load(i)`.
 
-    load(i): an expression of an 8-lane vector (e.g. ``X[n, c + i, h, T.Ramp(w, 1, 8)]``);
-    store(j, value): a statement storing the 8-lane `value` (e.g. ``Y[n, h, w + j, T.Ramp(c, 1, 8)] = value``).
-    `tag` keeps the let names of two tiles in one scope apart.
+    load(i): an 8-lane vector (e.g. ``X[n, c + i, h, T.Ramp(w, 1, 8)]``); store(j, value): emits
+    the store of the 8-lane `value` (e.g. ``T.buffer_store(Y, value, [n, h, w + j, T.Ramp(c, 1, 8)])``).
     """
-    lines = [f"tr{tag}_0_{i}: T.let = {load(i)}" for i in range(TILE)]
+    rows = [T.Bind(load(i)) for i in range(TILE)]
     for s, stage in enumerate(STAGES, start=1):
-        last = s == len(STAGES)
-        for k, (a, b, mask) in enumerate(stage):
-            value = f"T.Shuffle([tr{tag}_{s - 1}_{a}, tr{tag}_{s - 1}_{b}], {list(mask)})"
-            lines.append(store(_ROW_OF[k], value) if last else f"tr{tag}_{s}_{k}: T.let = {value}")
-    return "".join(f"{indent}{line}\n" for line in lines)
+        values = [T.Shuffle([rows[a], rows[b]], list(mask)) for a, b, mask in stage]
+        if s == len(STAGES):
+            for k, value in enumerate(values):
+                store(_ROW_OF[k], value)
+        else:
+            rows = [T.Bind(value) for value in values]

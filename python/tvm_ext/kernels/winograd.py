@@ -32,12 +32,11 @@ import math
 from fractions import Fraction
 
 import numpy as np
-import tvm.script.tirx
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from .conv2d import KERNEL_ATTR, Conv2dPlan, Conv2dWorkload, Epilogue, activation_text, plan_conv2d
+from .conv2d import KERNEL_ATTR, Conv2dPlan, Conv2dWorkload, Epilogue, activation_expr, plan_conv2d
 
 # Interpolation points of F(m, r) by the tile size a = m + r - 1 (the point at infinity is
 # implied): small integers and halves keep the transforms exact in float32 and their error growth
@@ -224,12 +223,6 @@ def _buffer(name: str, shape) -> tirx.Buffer:
 _UNVECTORIZED_ACTIVATIONS = {"gelu"}
 
 
-def _activation(name: str, value: tirx.Var, alpha: float) -> tirx.PrimExpr:
-    """:data:`~tvm_ext.kernels.conv2d.ACTIVATIONS` `name` of `value` (a bound variable:
-    activations may use their input twice), evaluated as TVMScript."""
-    return eval(activation_text(name, "v", alpha), {"T": tvm.script.tirx, "v": value})  # noqa: S307
-
-
 def input_transform_func(plan: Conv2dPlan) -> tirx.PrimFunc:
     """Blocked, padded input (N, C/x, HP, WP, x) -> V (N, a² C/x, the :func:`grid` of tiles, x):
     V = B^T d B for each a x a tile d (stride m), group xi * a + nu of the GEMM's input."""
@@ -285,7 +278,7 @@ def output_transform_func(plan: Conv2dPlan, epilogue: Epilogue | None = None) ->
                         if epilogue.residual:
                             value = value + residual[n, ob, ty * m + i, tx * m + j, c]
                         if epilogue.activation:
-                            value = _activation(epilogue.activation, T.Bind(value), epilogue.alpha)
+                            value = activation_expr(epilogue.activation, T.Bind(value), epilogue.alpha)
                         inside = ([ty * m + i < wl.OH] if i >= wl.OH - (th - 1) * m else []) + (
                             [tx * m + j < wl.OW] if j >= wl.OW - (tw - 1) * m else [])
                         index = [n, ob, ty * m + (i + top), tx * m + (j + left), c]
