@@ -1,5 +1,5 @@
-"""The BRGEMM microkernel: generated from one description, refused when it would spill, and
-compiled to vector FMAs with no spills in the inner loop (checked in the assembly)."""
+"""The BRGEMM and depthwise microkernels: generated from one description, refused when they would
+spill, and compiled to vector FMAs with no spills in the inner loop (checked in the assembly)."""
 
 import re
 
@@ -19,6 +19,7 @@ from tvm_ext.intrin.cpu import (
     register_tiles,
     tile_efficiency,
 )
+from tvm_ext.intrin.cpu_depthwise import DepthwiseTile, get_depthwise_intrin
 from tvm_ext.kernels.conv2d import KERNEL_ATTR, Conv2dWorkload, Epilogue, conv2d_blocked_kernel, plan_conv2d
 from tvm_ext.target import AVX2, AVX512, NEON, resolve_target, vector_isa
 
@@ -77,9 +78,9 @@ def test_intrinsics_are_generated_once_under_stable_names():
     assert TensorIntrin.get(get_brgemm_intrin(BRGEMM(1, 8, 1, 8))) is not None
 
 
-def test_batch_shapes_share_one_parse():
+def test_batch_shapes_share_one_build():
     """Microkernels that differ only in their batch counts (channel blocks, kh, kw > 1) are one
-    parsed family, specialized to each: concrete shapes and loop extents, nothing symbolic left."""
+    built family, specialized to each: concrete shapes and loop extents, nothing symbolic left."""
     from tvm_ext.intrin import cpu
 
     first = BRGEMM(5, 16, 8, 8, batch=(3, 2, 5), stride=2, init=True)
@@ -195,3 +196,36 @@ def test_intrinsic_names_parse_back_to_their_brgemm():
     assert TensorIntrin.get(specs[1].name, allow_missing=True) is not None
     with pytest.raises(ValueError, match="not the name"):
         brgemm_from_name("tvm_ext.brgemm_float32_5x16")
+
+
+def test_depthwise_intrinsic_is_registered_once_and_refuses_a_spilling_tile():
+    tile = DepthwiseTile(4, 16, 8, (3, 3), stride=2, dilation=(1, 2))
+    assert get_depthwise_intrin(tile) == tile.name == "tvm_ext.depthwise_float32_4x16_l8_k3x3_s2_d1x2"
+    assert get_depthwise_intrin(tile) == tile.name and TensorIntrin.get(tile.name) is not None
+    assert tile.a_shape() == (3, 3 * 2 + 2 * 2 + 1, 16)
+    DepthwiseTile(6, 16, 8, (3, 3)).validate(AVX2)  # 12 accumulators + a weight and an input vector
+    with pytest.raises(ValueError, match="vector registers"):
+        DepthwiseTile(8, 16, 8, (3, 3)).validate(AVX2)
+    with pytest.raises(ValueError, match="multiple of the 8 lanes"):
+        DepthwiseTile(4, 12, 8, (3, 3)).validate()
+
+
+@pytest.mark.parametrize("target, register", [(AVX2_TARGET, "%ymm"), (AVX512_TARGET, "%zmm")])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_depthwise_kernel_is_the_microkernel_without_spills(target, register, stride):
+    """MobileNet's depthwise layers run the microkernel: no zero-filling pass, the tile's
+    accumulators the only arrays, and straight-line vector FMAs that never touch the stack."""
+    target = resolve_target(target)
+    isa = vector_isa(target)
+    plan = plan_conv2d(Conv2dWorkload.make((1, 96, 28, 28), (96, 1, 3, 3), stride, 1, 1, 96), isa)
+    func = conv2d_blocked_kernel(plan, isa.lanes, Epilogue(bias=True, activation="relu6"))
+    script = func.script()
+    assert plan.kind == "depthwise" and "T.init()" not in script
+    assert set(re.findall(r"(\w+) = T\.alloc_buffer", script)) <= {f"acc{i}" for i in range(plan.m_r)}
+    lib = tvm.compile(tvm.IRModule({"conv": func.with_attr("global_symbol", "conv")}), target)
+    blocks = fma_blocks(lib.mod.inspect_source("asm"), isa)
+    filter_row = plan.m_r * (plan.oc_bn // isa.lanes) * 3  # FMAs of one filter row over the whole tile
+    assert any(b.fma >= filter_row and b.fma % filter_row == 0 for b in blocks)
+    for block in blocks:
+        assert block.fma_on_isa_registers == block.fma and not block.spills
+        assert all(register in ln for ln in block.lines if "vfmadd" in ln)
