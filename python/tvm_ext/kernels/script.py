@@ -1,10 +1,12 @@
 """TVMScript text -> IR, parsed once per distinct text.
 
-tvm_ext generates its kernels and layout changes as TVMScript text. Parsing is the slowest
-step of a build (0.1-0.2 s for a kernel with an unrolled register tile; 24 of the 45 s of a
-ResNet-50 build before this cache), and a network repeats the same text for every layer of the
-same shape. TVM IR is immutable, so one parsed function can serve every caller. (Intrinsics
-are parsed once per description already: ``get_brgemm_intrin`` registers each once.)
+Parsing TVMScript is slow (0.1-0.2 s for a kernel with an unrolled register tile; 0.3-1.6 s for
+the unrolled Winograd transforms), so the CPU kernels on a build's hot path (convolutions,
+microkernels, layout changes, Winograd transforms) are built with TVM's IRBuilder instead. What
+is still written as text (the elementwise activations, the CUDA kernels, a parameter's alignment
+rewritten in :func:`tvm_ext.kernels.conv2d._accept_user_alignment`) goes through this cache: a
+network repeats the same text for every layer of the same shape, and TVM IR is immutable, so
+one parsed function can serve every caller.
 """
 
 from __future__ import annotations
