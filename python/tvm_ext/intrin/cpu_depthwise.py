@@ -46,7 +46,7 @@ class DepthwiseTile:
         return self.n_r // self.lanes
 
     def registers(self) -> int:
-        """Accumulators, one weight vector and the input vectors of one tap row in flight."""
+        """Accumulators, the weight vectors of one tap and one input vector."""
         return self.m_r * self.vectors + 1 + self.vectors
 
     def a_shape(self) -> tuple[int, int, int]:
@@ -69,6 +69,28 @@ class DepthwiseTile:
         (kh, kw), (dh, dw) = self.kernel, self.dilation
         return (f"tvm_ext.depthwise_{self.dtype}_{self.m_r}x{self.n_r}_l{self.lanes}_k{kh}x{kw}"
                 f"_s{self.stride}_d{dh}x{dw}")
+
+
+def _buffers(tile: DepthwiseTile, strided: bool) -> tuple[tirx.Buffer, tirx.Buffer, tirx.Buffer]:
+    """Parameters a, b, c and their buffers; `strided`: any strides (the implementation runs on
+    views of the blocked tensors)."""
+    shapes = (tile.a_shape(), (*tile.kernel, tile.n_r), (tile.m_r, tile.n_r))
+    buffers = []
+    for name, shape in zip("abc", shapes, strict=True):
+        strides = [tirx.Var(f"s{name}{i}", "int32") for i in range(len(shape) - 1)] + [1] if strided else None
+        handle = T.arg(name, T.handle())
+        buffers.append(IRBuilder.name(name.upper(), T.match_buffer(handle, shape, tile.dtype, offset_factor=1,
+                                                                   strides=strides)))
+    return tuple(buffers)
+
+
+@contextlib.contextmanager
+def _root(tile: DepthwiseTile, a: tirx.Buffer, b: tirx.Buffer, c: tirx.Buffer):
+    """The root block: reads all of A and B, writes all of C (which starts at zero)."""
+    with T.sblock("root"):
+        T.reads(a[tuple(slice(0, e) for e in a.shape)], b[tuple(slice(0, e) for e in b.shape)])
+        T.writes(c[0:tile.m_r, 0:tile.n_r])
+        yield
 
 
 def _description(tile: DepthwiseTile) -> tirx.PrimFunc:
@@ -117,28 +139,6 @@ def _implementation(tile: DepthwiseTile) -> tirx.PrimFunc:
                 for j in range(nv):
                     T.buffer_store(c, acc[i][j], [i, slice(j * lanes, (j + 1) * lanes)])
     return builder.get()
-
-
-def _buffers(tile: DepthwiseTile, strided: bool) -> tuple[tirx.Buffer, tirx.Buffer, tirx.Buffer]:
-    """Parameters a, b, c and their buffers; `strided`: any strides (the implementation runs on
-    views of the blocked tensors)."""
-    shapes = (tile.a_shape(), (*tile.kernel, tile.n_r), (tile.m_r, tile.n_r))
-    buffers = []
-    for name, shape in zip("abc", shapes, strict=True):
-        strides = [tirx.Var(f"s{name}{i}", "int32") for i in range(len(shape) - 1)] + [1] if strided else None
-        handle = T.arg(name, T.handle())
-        buffers.append(IRBuilder.name(name.upper(), T.match_buffer(handle, shape, tile.dtype, offset_factor=1,
-                                                                   strides=strides)))
-    return tuple(buffers)
-
-
-@contextlib.contextmanager
-def _root(tile: DepthwiseTile, a: tirx.Buffer, b: tirx.Buffer, c: tirx.Buffer):
-    """The root block: reads all of A and B, writes all of C (which starts at zero)."""
-    with T.sblock("root"):
-        T.reads(a[tuple(slice(0, e) for e in a.shape)], b[tuple(slice(0, e) for e in b.shape)])
-        T.writes(c[0:tile.m_r, 0:tile.n_r])
-        yield
 
 
 @functools.cache

@@ -11,9 +11,10 @@ graph edges convert layouts with :func:`pack_data_func`, :func:`pack_weight_func
 epilogue that writes NCHW.
 
 Depthwise convolution (one input channel per group) has no reduction over channels to batch, so
-it gets its own vector kernel over the channel block; groups whose channels do not fill a vector
-block, and every other case outside the tensorized path, use the direct (untensorized) schedule,
-with the reason logged.
+it gets its own microkernel (:mod:`tvm_ext.intrin.cpu_depthwise`: pixels x the channel block in
+registers over the filter); groups whose channels do not fill a vector block, and every other
+case outside the tensorized paths, use the direct (untensorized) schedule, with the reason
+logged.
 """
 
 from __future__ import annotations
@@ -345,7 +346,7 @@ def _alias(name: str, of: tirx.Buffer) -> tirx.Buffer:
 def _segment(plan: Conv2dPlan, name: str, width: int, start: int, row: tuple, out: tirx.Buffer,
              out_index: Callable, x: tirx.Buffer, w: tirx.Buffer) -> None:
     """The block of one row segment: output pixels [start, start + width) of row `row` (n, ob,
-    oh), x the block of output channels, reduced over :meth:`Conv2dPlan.reduce_axes`, into
+    oh), every channel of the output block, reduced over :meth:`Conv2dPlan.reduce_axes` into
     `out`[out_index(v_n, v_ob, v_oh, v_ow, v_o)]."""
     wl = plan.wl
     (sh, sw), (dh, dw) = wl.stride, wl.dilation
@@ -691,12 +692,12 @@ def _pack_weight_tiled(plan: Conv2dPlan) -> tirx.PrimFunc:
                 task = loops.enter_context(T.parallel(0, plan.OCB * ICB))
                 ob, ib = T.Bind(task // ICB), T.Bind(task % ICB)
                 q0, o0 = loops.enter_context(T.grid(q_block // 8, plan.oc_bn // 8))
+            def store(j: int, value: tirx.PrimExpr) -> None:  # column j: 8 output channels of one (i, kh, kw)
+                q = q0 * 8 + j
+                T.buffer_store(d, value, [ob, ib, q % khw // wl.KW, q % wl.KW, q // khw, T.Ramp(o0 * 8, 1, 8)])
+
             with T.If(ob * plan.oc_bn + o0 * 8 + 8 <= K):
                 with T.Then():
-                    def store(j: int, value: tirx.PrimExpr) -> None:
-                        q = q0 * 8 + j
-                        T.buffer_store(d, value, [ob, ib, q % khw // wl.KW, q % wl.KW, q // khw, T.Ramp(o0 * 8, 1, 8)])
-
                     transpose8x8(lambda i: rows[ob * plan.oc_bn + o0 * 8 + i, T.Ramp(ib * q_block + q0 * 8, 1, 8)],
                                  store)
                 with T.Else(), T.grid(8, 8) as (q, o):

@@ -16,6 +16,7 @@ blocks and dtypes keep an element-wise TensorIR schedule.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 from tvm import s_tir, te, tirx
@@ -31,10 +32,11 @@ def _vector_tiles(block: int, dtype: str) -> bool:
     return dtype == "float32" and block % TILE == 0
 
 
-def _rows(rows: int, per_image: int, height: int, blocks: int):
-    """One parallel task per (image, channel block, row): the loop and its (n, cb, h)."""
-    row = T.parallel(0, rows)
-    return row, lambda r: (T.Bind(r // per_image), T.Bind(r // height % blocks), T.Bind(r % height))
+@contextlib.contextmanager
+def _rows(images: int, blocks: int, height: int):
+    """The root block and one parallel task per (image, channel block, row): yields (n, cb, h)."""
+    with T.sblock("root"), T.parallel(0, images * blocks * height) as row:
+        yield T.Bind(row // (blocks * height)), T.Bind(row // height % blocks), T.Bind(row % height)
 
 
 def _buffer(name: str, shape, align: int = -1) -> tirx.Buffer:
@@ -56,24 +58,21 @@ def _pack_tiled(N: int, C: int, H: int, W: int, block: int, padding: Sequence[in
         T.func_attr({"tirx.noalias": True, KERNEL_ATTR: "pack_nchwc"})
         x = _buffer("x", (N, C, H, W), align)
         y = _buffer("y", (N, CB, HP, WP, block))
-        loop, bind = _rows(N * CB * HP, CB * HP, HP, CB)
-        with T.sblock("root"), loop as row:
-            n, cb, h = bind(row)
-            with T.If(tirx.Or(h < top, h >= top + H)):
-                with T.Then(), T.grid(WP, vectors) as (w, c):
+        with _rows(N, CB, HP) as (n, cb, h), T.If(tirx.Or(h < top, h >= top + H)):
+            with T.Then(), T.grid(WP, vectors) as (w, c):
+                T.buffer_store(y, _zeros(8), [n, cb, h, w, T.Ramp(c * 8, 1, 8)])
+            with T.Else():
+                with T.grid(left, vectors) as (w, c):
                     T.buffer_store(y, _zeros(8), [n, cb, h, w, T.Ramp(c * 8, 1, 8)])
-                with T.Else():
-                    with T.grid(left, vectors) as (w, c):
-                        T.buffer_store(y, _zeros(8), [n, cb, h, w, T.Ramp(c * 8, 1, 8)])
-                    with T.grid(right, vectors) as (w, c):
-                        T.buffer_store(y, _zeros(8), [n, cb, h, left + W + w, T.Ramp(c * 8, 1, 8)])
-                    with T.grid(vectors, W // TILE) as (c0, w0):
-                        transpose8x8(lambda i: x[n, cb * block + c0 * 8 + i, h - top, T.Ramp(w0 * 8, 1, 8)],
-                                     lambda j, v: T.buffer_store(y, v, [n, cb, h, left + w0 * 8 + j,
-                                                                        T.Ramp(c0 * 8, 1, 8)]))
-                    with T.grid(block, W % TILE) as (c, w):
-                        T.buffer_store(y, x[n, cb * block + c, h - top, W_body + w],
-                                       [n, cb, h, left + W_body + w, c])
+                with T.grid(right, vectors) as (w, c):
+                    T.buffer_store(y, _zeros(8), [n, cb, h, left + W + w, T.Ramp(c * 8, 1, 8)])
+                with T.grid(vectors, W // TILE) as (c0, w0):
+                    transpose8x8(lambda i: x[n, cb * block + c0 * 8 + i, h - top, T.Ramp(w0 * 8, 1, 8)],
+                                 lambda j, v: T.buffer_store(y, v, [n, cb, h, left + w0 * 8 + j,
+                                                                    T.Ramp(c0 * 8, 1, 8)]))
+                with T.grid(block, W % TILE) as (c, w):
+                    T.buffer_store(y, x[n, cb * block + c, h - top, W_body + w],
+                                   [n, cb, h, left + W_body + w, c])
     return builder.get()
 
 
@@ -86,20 +85,18 @@ def _unpack_tiled(N: int, CB: int, H: int, W: int, block: int, channels: int) ->
         T.func_attr({"tirx.noalias": True, KERNEL_ATTR: "unpack_nchwc"})
         y = _buffer("y", (N, CB, H, W, block))
         x = _buffer("x", (N, channels, H, W))
-        loop, bind = _rows(N * CB * H, CB * H, H, CB)
-        with T.sblock("root"), loop as row:
-            n, cb, h = bind(row)
-            with T.serial(0, block // TILE) as c0, T.If(cb * block + c0 * 8 + 8 <= channels):
-                with T.Then():
-                    with T.serial(0, W // TILE) as w0:
-                        transpose8x8(lambda i: y[n, cb, h, w0 * 8 + i, T.Ramp(c0 * 8, 1, 8)],
-                                     lambda j, v: T.buffer_store(x, v, [n, cb * block + c0 * 8 + j, h,
-                                                                        T.Ramp(w0 * 8, 1, 8)]))
-                    with T.grid(8, W % TILE) as (c, w):
-                        T.buffer_store(x, y[n, cb, h, W_body + w, c0 * 8 + c],
-                                       [n, cb * block + c0 * 8 + c, h, W_body + w])
-                with T.Else(), T.grid(8, W) as (c, w), T.If(cb * block + c0 * 8 + c < channels), T.Then():
-                    T.buffer_store(x, y[n, cb, h, w, c0 * 8 + c], [n, cb * block + c0 * 8 + c, h, w])
+        with (_rows(N, CB, H) as (n, cb, h), T.serial(0, block // TILE) as c0,
+              T.If(cb * block + c0 * 8 + 8 <= channels)):
+            with T.Then():
+                with T.serial(0, W // TILE) as w0:
+                    transpose8x8(lambda i: y[n, cb, h, w0 * 8 + i, T.Ramp(c0 * 8, 1, 8)],
+                                 lambda j, v: T.buffer_store(x, v, [n, cb * block + c0 * 8 + j, h,
+                                                                    T.Ramp(w0 * 8, 1, 8)]))
+                with T.grid(8, W % TILE) as (c, w):
+                    T.buffer_store(x, y[n, cb, h, W_body + w, c0 * 8 + c],
+                                   [n, cb * block + c0 * 8 + c, h, W_body + w])
+            with T.Else(), T.grid(8, W) as (c, w), T.If(cb * block + c0 * 8 + c < channels), T.Then():
+                T.buffer_store(x, y[n, cb, h, w, c0 * 8 + c], [n, cb * block + c0 * 8 + c, h, w])
     return builder.get()
 
 
