@@ -186,7 +186,7 @@ def _signature(spec: BRGEMM, strided: bool) -> tuple[tuple, tirx.Buffer, tirx.Bu
     return (batch, *buffers)
 
 
-def _regions(spec: BRGEMM, batch: tuple, a: tirx.Buffer, b: tirx.Buffer, c: tirx.Buffer) -> None:
+def _regions(spec: BRGEMM, a: tirx.Buffer, b: tirx.Buffer, c: tirx.Buffer) -> None:
     """The root block's reads and writes: the whole of A and B, and C unless it starts at zero."""
     whole = [a[tuple(slice(0, e) for e in a.shape)], b[tuple(slice(0, e) for e in b.shape)]]
     T.reads(*([] if spec.init else [c[0:spec.m_r, 0:spec.n_r]]), *whole)
@@ -201,7 +201,7 @@ def _description(spec: BRGEMM) -> tirx.PrimFunc:
         batch, a, b, c = _signature(spec, strided=False)
         extents = [spec.m_r, spec.n_r, *batch, spec.k]
         with T.sblock("root"):
-            _regions(spec, batch, a, b, c)
+            _regions(spec, a, b, c)
             with T.grid(*extents) as loops, T.sblock("update"):
                 IRBuilder.name_many(["m", "n", "i0", "i1", "i2", "k"], loops)
                 # Unit extents bind no iterator (blockize drops them from the tensorized block).
@@ -237,7 +237,7 @@ def _implementation(spec: BRGEMM) -> tirx.PrimFunc:
         T.func_name("impl")
         batch, a, b, c = _signature(spec, strided=True)
         with T.sblock("root"):
-            _regions(spec, batch, a, b, c)
+            _regions(spec, a, b, c)
             acc = [IRBuilder.name(f"acc{i}", T.alloc_buffer((nv,), vec)) for i in range(spec.m_r)]
             bv = IRBuilder.name("bv", T.alloc_buffer((nv,), vec))
             for i, j in tile:
