@@ -121,7 +121,7 @@ FIXED = [
     ("asymmetric_pad", 1, 16, 10, 12, 32, 3, 3, 1, (0, 1, 2, 1), 1, 1),
     ("dilated", 1, 16, 20, 20, 32, 3, 3, 1, 2, 2, 1),
     ("depthwise_s2", 1, 32, 15, 15, 32, 3, 3, 2, 1, 1, 32),
-    # the depthwise microkernel: pixel tails, 24-channel blocks (one vector per call on AVX2),
+    # the depthwise microkernel: pixel tails, 24-channel blocks (3 x 24 tiles on AVX2),
     # dilation, 5x5, asymmetric padding, a vertical-only stride, two images
     ("depthwise_tail_c24", 2, 48, 9, 13, 48, 3, 3, 1, 1, 1, 48),
     ("depthwise_dilated_5x5", 1, 64, 17, 19, 64, 5, 5, 1, (2, 4, 3, 4), 2, 64),
