@@ -356,13 +356,16 @@ def test_pack_weight_is_the_blocked_layout(x_shape, w_shape, groups):
     w = np.random.default_rng(5).standard_normal(w_shape, dtype=np.float32)
     packed = tvm.runtime.tensor(np.full(plan.weight_shape(), np.nan, np.float32))
     tvm.compile(pack_weight_func(plan), resolve_target("llvm"))(tvm.runtime.tensor(w), packed)
-    padded = np.zeros((plan.K_pad,) + w_shape[1:], np.float32)
-    padded[: w_shape[0]] = w
-    k, c, kh, kw = padded.shape
-    if plan.kind == "depthwise":
-        expected = padded.reshape(k // plan.oc_bn, plan.oc_bn, kh, kw).transpose(0, 2, 3, 1)
-    else:
-        expected = padded.reshape(k // plan.oc_bn, plan.oc_bn, c // plan.ic_bn, plan.ic_bn, kh, kw)
-        expected = expected.transpose(0, 2, 4, 5, 3, 1)
+    # The layout's definition, element by element (pack_weight_array reshapes and transposes).
+    expected = np.zeros(plan.weight_shape(), np.float32)
+    for index in np.ndindex(*plan.weight_shape()):
+        if plan.kind == "depthwise":
+            ob, r, s, o = index
+            k, i = ob * plan.oc_bn + o, 0
+        else:
+            ob, ib, r, s, i, o = index
+            k, i = ob * plan.oc_bn + o, ib * plan.ic_bn + i
+        if k < w_shape[0]:
+            expected[index] = w[k, i, r, s]
     np.testing.assert_array_equal(packed.numpy(), expected)
     np.testing.assert_array_equal(pack_weight_array(plan, w), expected)

@@ -166,6 +166,14 @@ def default_tile(isa: VectorISA, n_choices: list[int], width: int) -> tuple[int,
 # a small tuning test). Built, a pair takes milliseconds; the IR is the same.
 
 
+def operand_buffer(handle: tirx.Var, shape, dtype: str, strided: bool) -> tirx.Buffer:
+    """The buffer of a microkernel operand passed as `handle` (named in capitals); `strided`: any
+    strides but a unit last one (an implementation runs on views of larger tensors)."""
+    name = handle.name
+    strides = [tirx.Var(f"s{name}{i}", "int32") for i in range(len(shape) - 1)] + [1] if strided else None
+    return IRBuilder.name(name.upper(), T.match_buffer(handle, shape, dtype, offset_factor=1, strides=strides))
+
+
 def _signature(spec: BRGEMM, strided: bool) -> tuple[tuple, tirx.Buffer, tirx.Buffer, tirx.Buffer]:
     """Parameters (a, b, c, then each batch extent above one) and buffers: (batch, A, B, C).
 
@@ -178,12 +186,8 @@ def _signature(spec: BRGEMM, strided: bool) -> tuple[tuple, tirx.Buffer, tirx.Bu
     dh, dw = spec.dilation
     shapes = ((b0, (b1 - 1) * dh + 1, (spec.m_r - 1) * spec.stride + (b2 - 1) * dw + 1, spec.k),
               (b0, b1, b2, spec.k, spec.n_r), (spec.m_r, spec.n_r))
-    buffers = []
-    for name, handle, shape in zip("abc", handles, shapes, strict=True):
-        strides = [tirx.Var(f"s{name}{i}", "int32") for i in range(len(shape) - 1)] + [1] if strided else None
-        buffers.append(IRBuilder.name(name.upper(), T.match_buffer(handle, shape, spec.dtype, offset_factor=1,
-                                                                   strides=strides)))
-    return (batch, *buffers)
+    return (batch, *(operand_buffer(handle, shape, spec.dtype, strided)
+                     for handle, shape in zip(handles, shapes, strict=True)))
 
 
 def _regions(spec: BRGEMM, a: tirx.Buffer, b: tirx.Buffer, c: tirx.Buffer) -> None:

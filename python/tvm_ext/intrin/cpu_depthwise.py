@@ -27,6 +27,7 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
 from ..target import VectorISA
+from .cpu import operand_buffer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,13 +76,8 @@ def _buffers(tile: DepthwiseTile, strided: bool) -> tuple[tirx.Buffer, tirx.Buff
     """Parameters a, b, c and their buffers; `strided`: any strides (the implementation runs on
     views of the blocked tensors)."""
     shapes = (tile.a_shape(), (*tile.kernel, tile.n_r), (tile.m_r, tile.n_r))
-    buffers = []
-    for name, shape in zip("abc", shapes, strict=True):
-        strides = [tirx.Var(f"s{name}{i}", "int32") for i in range(len(shape) - 1)] + [1] if strided else None
-        handle = T.arg(name, T.handle())
-        buffers.append(IRBuilder.name(name.upper(), T.match_buffer(handle, shape, tile.dtype, offset_factor=1,
-                                                                   strides=strides)))
-    return tuple(buffers)
+    return tuple(operand_buffer(T.arg(name, T.handle()), shape, tile.dtype, strided)
+                 for name, shape in zip("abc", shapes, strict=True))
 
 
 @contextlib.contextmanager

@@ -335,8 +335,9 @@ def activation_expr(name: str, value: tirx.PrimExpr, alpha: float = 0.01) -> tir
 # kernel, 8 of the 24 s of a ResNet-50 build. (The same IR: structurally equal.)
 
 
-def _buffer(name: str, shape) -> tirx.Buffer:
-    return IRBuilder.name(name.upper(), T.match_buffer(T.arg(name, T.handle()), shape, "float32"))
+def param_buffer(name: str, shape, align: int = -1) -> tirx.Buffer:
+    """A float32 parameter `name` of the PrimFunc being built and its buffer (named in capitals)."""
+    return IRBuilder.name(name.upper(), T.match_buffer(T.arg(name, T.handle()), shape, "float32", align=align))
 
 
 def _alias(name: str, of: tirx.Buffer) -> tirx.Buffer:
@@ -433,12 +434,13 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
     top, left, bottom, right = epilogue.out_pad
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("conv")
-        x = _buffer("x", plan.data_shape())
-        w = _buffer("w", plan.weight_shape())
-        bias = _buffer("b", (plan.OCB, plan.oc_bn)) if epilogue.bias else None
-        residual = _buffer("r", wl.out_shape if epilogue.nchw_out else plan.out_shape()) if epilogue.residual else None
+        x = param_buffer("x", plan.data_shape())
+        w = param_buffer("w", plan.weight_shape())
+        bias = param_buffer("b", (plan.OCB, plan.oc_bn)) if epilogue.bias else None
+        residual_shape = wl.out_shape if epilogue.nchw_out else plan.out_shape()
+        residual = param_buffer("r", residual_shape) if epilogue.residual else None
         if epilogue.nchw_out:
-            out = _buffer("out", wl.out_shape)
+            out = param_buffer("out", wl.out_shape)
         else:
             # Blocked output: the tiles accumulate straight into it. The tail and the epilogue
             # write it through aliases (same memory, disjoint or later accesses): TensorIR
@@ -446,7 +448,7 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
             # of its buffer. The epilogue reads Y and writes its alias: a block reading and writing
             # one buffer in place is not "compact dataflow", and `parallel` refuses a loop above
             # it. A border (out_pad) is written by blocks of its own, through a third alias.
-            y = _buffer("y", epilogue.out_shape(plan))
+            y = param_buffer("y", epilogue.out_shape(plan))
             y_tail, y_epilogue, y_border = (_alias(name, y) for name in ("Y_tail", "Y_epilogue", "Y_border"))
         with T.grid(wl.N, plan.OCB, wl.OH) as row:
             IRBuilder.name_many(["n", "ob", "oh"], row)
@@ -677,9 +679,8 @@ def _pack_weight_tiled(plan: Conv2dPlan) -> tirx.PrimFunc:
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("pack_weight")
         T.func_attr({"tirx.noalias": True, KERNEL_ATTR: "pack_weight_blocked"})
-        weight = IRBuilder.name("W", T.match_buffer(T.arg("w", T.handle()), (K, wl.C // wl.groups, wl.KH, wl.KW),
-                                                    "float32", align=USER_ALIGNMENT))
-        d = _buffer("d", plan.weight_shape())
+        weight = param_buffer("w", (K, wl.C // wl.groups, wl.KH, wl.KW), align=USER_ALIGNMENT)
+        d = param_buffer("d", plan.weight_shape())
         rows = IRBuilder.name("W_rows", T.decl_buffer((K, (wl.C // wl.groups) * khw), "float32", data=weight.data,
                                                       align=USER_ALIGNMENT))
         with T.sblock("root"), contextlib.ExitStack() as loops:

@@ -23,7 +23,7 @@ from tvm import s_tir, te, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from .conv2d import KERNEL_ATTR, USER_ALIGNMENT, Conv2dPlan, _accept_user_alignment
+from .conv2d import KERNEL_ATTR, USER_ALIGNMENT, Conv2dPlan, _accept_user_alignment, param_buffer
 from .transpose import TILE, transpose8x8
 
 
@@ -39,10 +39,6 @@ def _rows(images: int, blocks: int, height: int):
         yield T.Bind(row // (blocks * height)), T.Bind(row // height % blocks), T.Bind(row % height)
 
 
-def _buffer(name: str, shape, align: int = -1) -> tirx.Buffer:
-    return IRBuilder.name(name.upper(), T.match_buffer(T.arg(name, T.handle()), shape, "float32", align=align))
-
-
 def _zeros(lanes: int) -> tirx.PrimExpr:
     return T.Broadcast(T.float32(0), lanes)
 
@@ -56,8 +52,8 @@ def _pack_tiled(N: int, C: int, H: int, W: int, block: int, padding: Sequence[in
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("pack_nchwc")
         T.func_attr({"tirx.noalias": True, KERNEL_ATTR: "pack_nchwc"})
-        x = _buffer("x", (N, C, H, W), align)
-        y = _buffer("y", (N, CB, HP, WP, block))
+        x = param_buffer("x", (N, C, H, W), align)
+        y = param_buffer("y", (N, CB, HP, WP, block))
         with _rows(N, CB, HP) as (n, cb, h), T.If(tirx.Or(h < top, h >= top + H)):
             with T.Then(), T.grid(WP, vectors) as (w, c):
                 T.buffer_store(y, _zeros(8), [n, cb, h, w, T.Ramp(c * 8, 1, 8)])
@@ -83,8 +79,8 @@ def _unpack_tiled(N: int, CB: int, H: int, W: int, block: int, channels: int) ->
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("unpack_nchwc")
         T.func_attr({"tirx.noalias": True, KERNEL_ATTR: "unpack_nchwc"})
-        y = _buffer("y", (N, CB, H, W, block))
-        x = _buffer("x", (N, channels, H, W))
+        y = param_buffer("y", (N, CB, H, W, block))
+        x = param_buffer("x", (N, channels, H, W))
         with (_rows(N, CB, H) as (n, cb, h), T.serial(0, block // TILE) as c0,
               T.If(cb * block + c0 * 8 + 8 <= channels)):
             with T.Then():

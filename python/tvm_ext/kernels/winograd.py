@@ -36,7 +36,7 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from .conv2d import KERNEL_ATTR, Conv2dPlan, Conv2dWorkload, Epilogue, activation_expr, plan_conv2d
+from .conv2d import KERNEL_ATTR, Conv2dPlan, Conv2dWorkload, Epilogue, activation_expr, param_buffer, plan_conv2d
 
 # Interpolation points of F(m, r) by the tile size a = m + r - 1 (the point at infinity is
 # implied): small integers and halves keep the transforms exact in float32 and their error growth
@@ -214,10 +214,6 @@ def _grid_index(plan: Conv2dPlan, ty: tirx.Var, tx: tirx.Var) -> list:
     return [ty, tx] if grid(plan) == tiles(plan) else [0, ty * tiles(plan)[1] + tx]
 
 
-def _buffer(name: str, shape) -> tirx.Buffer:
-    return T.match_buffer(T.arg(name, T.handle()), shape, "float32")
-
-
 # TVM's vectorizer cannot vectorize erf; falling back to scalar code inside a vectorized loop, it
 # loses the loop's let bindings (the tile's values). These keep a serial channel loop.
 _UNVECTORIZED_ACTIVATIONS = {"gelu"}
@@ -233,8 +229,8 @@ def input_transform_func(plan: Conv2dPlan) -> tirx.PrimFunc:
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("winograd_input")
         T.func_attr({"tirx.noalias": True})
-        x = _buffer("x", (wl.N, icb, wl.H + top + bottom, wl.W + left + right, plan.ic_bn))
-        v = _buffer("v", (wl.N, a * a * icb, *grid(plan), plan.ic_bn))
+        x = param_buffer("x", (wl.N, icb, wl.H + top + bottom, wl.W + left + right, plan.ic_bn))
+        v = param_buffer("v", (wl.N, a * a * icb, *grid(plan), plan.ic_bn))
         with T.sblock("root"), _tile_loops(plan, icb, plan.ic_bn) as (n, cb, ty, tx, c):
             d = [[T.Bind(x[n, cb, ty * m + i, tx * m + j, c]) for j in range(a)] for i in range(a)]
             bt_d = [[T.Bind(_sum(bt[xi], [d[i][j] for i in range(a)])) for j in range(a)] for xi in range(a)]
@@ -260,10 +256,10 @@ def output_transform_func(plan: Conv2dPlan, epilogue: Epilogue | None = None) ->
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("winograd_output")
         T.func_attr({"tirx.noalias": True})
-        products = _buffer("mm", (wl.N, a * a * ocb, *grid(plan), plan.oc_bn))
-        bias = _buffer("b", (ocb, plan.oc_bn)) if epilogue.bias else None
-        residual = _buffer("r", plan.out_shape()) if epilogue.residual else None
-        y = _buffer("y", y_shape)
+        products = param_buffer("mm", (wl.N, a * a * ocb, *grid(plan), plan.oc_bn))
+        bias = param_buffer("b", (ocb, plan.oc_bn)) if epilogue.bias else None
+        residual = param_buffer("r", plan.out_shape()) if epilogue.residual else None
+        y = param_buffer("y", y_shape)
         with T.sblock("root"):
             vectorized = epilogue.activation not in _UNVECTORIZED_ACTIVATIONS
             with _tile_loops(plan, ocb, plan.oc_bn, vectorized) as (n, ob, ty, tx, c):
