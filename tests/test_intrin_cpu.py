@@ -188,7 +188,8 @@ def test_intrinsic_names_parse_back_to_their_brgemm():
     """Tuning records name intrinsics; a fresh process registers them from those names."""
     specs = [BRGEMM(5, 16, 16, 8, (1, 3, 3), init=True, unroll=2),
              BRGEMM(14, 32, 16, 16, (2, 1, 7), stride=2, dilation=(2, 3), unroll=4),
-             BRGEMM(1, 8, 3, 8)]
+             BRGEMM(1, 8, 3, 8), BRGEMM(6, 16, 16, 8, (4, 1, 1), prefetch=2), BRGEMM(6, 16, 16, 8, prefetch=0)]
+    assert specs[3].name.endswith("_u1_p2") and specs[4].name.endswith("_u1_p0")
     for spec in specs:
         assert brgemm_from_name(spec.name).name == spec.name
     record = f'[0, [["Tensorize", "{specs[1].name}"], ["Tensorize", "{specs[2].name}"]]]'
@@ -196,6 +197,24 @@ def test_intrinsic_names_parse_back_to_their_brgemm():
     assert TensorIntrin.get(specs[1].name, allow_missing=True) is not None
     with pytest.raises(ValueError, match="not the name"):
         brgemm_from_name("tvm_ext.brgemm_float32_5x16")
+
+
+def test_microkernel_prefetches_the_next_channel_block():
+    """A's next channel block is prefetched while the current one's k steps run: one prefetch per
+    row of C and filter tap, only while that block exists (never past the operand)."""
+    def impl(spec: BRGEMM) -> str:
+        return TensorIntrin.get(get_brgemm_intrin(spec)).impl.script()
+
+    near, far = impl(BRGEMM(3, 16, 16, 8, (4, 3, 3))), impl(BRGEMM(3, 16, 16, 8, (4, 1, 1), prefetch=2))
+    assert near.count("llvm.prefetch") == far.count("llvm.prefetch") == 3  # per tap of the 3x3 filter
+    assert "if i0 + 1 < 4:" in near and "T.address_of(A[i0 + 1, p1, 2 + p2, 0])" in near
+    assert "if i0 + 2 < 4:" in far
+    for spec in (BRGEMM(3, 16, 16, 8, (1, 3, 3)), BRGEMM(3, 16, 16, 8, (4, 3, 3), prefetch=0)):
+        assert "llvm.prefetch" not in impl(spec)
+    with pytest.raises(ValueError, match="prefetch distance"):
+        BRGEMM(3, 16, 16, 8, prefetch=-1).validate()
+    plan, _, asm = _conv_asm(AVX2_TARGET, ((1, 64, 7, 7), (64, 64, 1, 1)), padding=0)
+    assert asm.count("prefetcht0") >= plan.m_r  # the hint reaches the machine code
 
 
 def test_depthwise_intrinsic_is_registered_once_and_refuses_a_spilling_tile():

@@ -43,6 +43,8 @@ class BRGEMM:
     dtype: str = "float32"
     init: bool = False  # C = sum(...) (accumulators start at zero, C is only written) vs C += sum
     unroll: int = 1  # k steps unrolled in the implementation (largest divisor of k up to this)
+    # Software prefetch of A this many channel blocks (batch entries along b0) ahead; 0: none.
+    prefetch: int = 1
 
     @property
     def k_unroll(self) -> int:
@@ -68,6 +70,8 @@ class BRGEMM:
             raise ValueError(f"BRGEMM: dtype {self.dtype} is not supported (float32 only)")
         if min(self.m_r, self.n_r, self.k, self.lanes, self.stride, *self.batch, *self.dilation) < 1:
             raise ValueError(f"BRGEMM: every extent must be positive: {self}")
+        if self.prefetch < 0:
+            raise ValueError(f"BRGEMM: prefetch distance {self.prefetch} is negative")
         if self.n_r % self.lanes:
             raise ValueError(f"BRGEMM: n_r={self.n_r} is not a multiple of the {self.lanes} lanes")
         if isa is not None:
@@ -86,11 +90,13 @@ class BRGEMM:
         return (
             f"tvm_ext.brgemm_{self.dtype}_{self.m_r}x{self.n_r}x{self.k}_l{self.lanes}"
             f"_b{b0}x{b1}x{b2}_s{self.stride}_d{dh}x{dw}_u{self.k_unroll}{'_init' if self.init else ''}"
+            # The default distance is unnamed: records tuned before prefetching name no distance.
+            f"{'' if self.prefetch == BRGEMM.prefetch else f'_p{self.prefetch}'}"
         )
 
 
 _NAME = re.compile(r"tvm_ext\.brgemm_(\w+?)_(\d+)x(\d+)x(\d+)_l(\d+)_b(\d+)x(\d+)x(\d+)_s(\d+)_d(\d+)x(\d+)"
-                   r"_u(\d+)(_init)?\b")
+                   r"_u(\d+)(_init)?(?:_p(\d+))?\b")
 
 
 def brgemm_from_name(name: str) -> BRGEMM:
@@ -102,9 +108,10 @@ def brgemm_from_name(name: str) -> BRGEMM:
     match = _NAME.fullmatch(name)
     if match is None:
         raise ValueError(f"{name!r} is not the name of a tvm_ext BRGEMM intrinsic")
-    dtype, *v, init = match.groups()
+    dtype, *v, init, prefetch = match.groups()
     m_r, n_r, k, lanes, b0, b1, b2, stride, dh, dw, unroll = (int(x) for x in v)
-    return BRGEMM(m_r, n_r, k, lanes, (b0, b1, b2), stride, (dh, dw), dtype, init is not None, unroll)
+    return BRGEMM(m_r, n_r, k, lanes, (b0, b1, b2), stride, (dh, dw), dtype, init is not None, unroll,
+                  BRGEMM.prefetch if prefetch is None else int(prefetch))
 
 
 def register_named(text: str) -> list[str]:
@@ -248,18 +255,43 @@ def _implementation(spec: BRGEMM) -> tirx.PrimFunc:
                 start = (T.broadcast(tirx.const(0.0, spec.dtype), lanes) if spec.init
                          else c.vload([i, j * lanes], vec))
                 T.buffer_store(acc[i], start, [j])
-            with T.grid(*batch) as (i0, i1, i2), T.serial(spec.k // ku) as k0, T.unroll(ku) as k1:
-                IRBuilder.name_many(["i0", "i1", "i2", "k0", "k1"], [i0, i1, i2, k0, k1])
-                k = k0 * ku + k1
-                for j in range(nv):
-                    T.buffer_store(bv, b.vload([i0, i1, i2, k, j * lanes], vec), [j])
-                for i, j in tile:
-                    a_value = T.broadcast(a[i0, i1 * dh, i * s + i2 * dw, k], lanes)
-                    T.buffer_store(acc[i], T.call_llvm_pure_intrin(vec, "llvm.fmuladd", a_value, bv[j], acc[i][j]),
-                                   [j])
+            with T.serial(batch[0]) as i0:
+                IRBuilder.name("i0", i0)
+                if spec.prefetch and spec.batch[0] > 1:
+                    _prefetch_block(spec, a, batch, i0 + spec.prefetch)
+                with T.grid(*batch[1:]) as (i1, i2), T.serial(spec.k // ku) as k0, T.unroll(ku) as k1:
+                    IRBuilder.name_many(["i1", "i2", "k0", "k1"], [i1, i2, k0, k1])
+                    k = k0 * ku + k1
+                    for j in range(nv):
+                        T.buffer_store(bv, b.vload([i0, i1, i2, k, j * lanes], vec), [j])
+                    for i, j in tile:
+                        a_value = T.broadcast(a[i0, i1 * dh, i * s + i2 * dw, k], lanes)
+                        T.buffer_store(acc[i], T.call_llvm_pure_intrin(vec, "llvm.fmuladd", a_value, bv[j],
+                                                                       acc[i][j]), [j])
             for i, j in tile:
                 T.buffer_store(c, acc[i][j], [i, slice(j * lanes, (j + 1) * lanes)])
     return builder.get()
+
+
+def _prefetch_block(spec: BRGEMM, a: tirx.Buffer, batch: tuple, i0: tirx.PrimExpr) -> None:
+    """Prefetch into L1 (llvm.prefetch: read, high locality, data) what channel block `i0` of A
+    holds for the tile, if that block exists: for each filter tap and row of C, the cache line
+    its k channels start on.
+
+    A channel block of a blocked activation is a whole tensor away from the next one (12 KB at
+    14 x 14, 200 KB at 56 x 56), too far for the hardware prefetchers to follow the m_r short
+    streams of a tile. Prefetching the next block while this one's k steps run measured
+    1.05-1.08x on ResNet-50 at batch 16 with 1 thread, 1.07x with 2 (a Zen 1; isolated layers
+    with cold data up to 1.2x, none slower). Issued before the block's taps, not inside them:
+    addresses that move with the taps cost LLVM general registers, and it spilled one in the
+    k loop of a 3x3 tile.
+    """
+    dh, dw = spec.dilation
+    with T.If(i0 < batch[0]), T.Then(), T.grid(*batch[1:]) as (i1, i2):
+        IRBuilder.name_many(["p1", "p2"], [i1, i2])
+        for i in range(spec.m_r):
+            address = T.address_of(a[i0, i1 * dh, i * spec.stride + i2 * dw, 0])
+            T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", address, 0, 3, 1))
 
 
 def _desc_impl(spec: BRGEMM):
