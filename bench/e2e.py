@@ -30,6 +30,7 @@ import csv
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -219,37 +220,46 @@ def main(argv=None) -> int:
     target = tvm_ext.resolve_target(args.target)
     peaks = peak_bench.load_or_measure()
     runtimes = [r for r in args.runtimes.split(",") if r]
-    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="tvm_ext_e2e_"))
+    # Built networks, exported models and outputs take 2-7 GB a model: a temporary folder is
+    # removed as each model is done (it filled the disk over a few runs when it was kept).
+    keep = bool(args.work_dir)
+    work = Path(args.work_dir) if keep else Path(tempfile.mkdtemp(prefix="tvm_ext_e2e_"))
     rows = []
     print(f"target {target}; peak {peaks['peak_gflops_1thread']} GFLOP/s (1 thread), "
           f"{peaks['peak_gflops_all']} ({peaks['threads']} threads)")
     print(" ".join(f"{name:>{width}}" for name, width in _COLUMNS))
-    for model in args.models.split(","):
-        for batch in _ints(args.batches):
-            folder = work / f"{model}_b{batch}"
-            artifacts, flops = _prepare(model, batch, runtimes, batch in _ints(args.stock_batches), target, folder,
-                                        _ints(args.threads))
-            for threads in _ints(args.threads):
-                peak = peaks["peak_gflops_1thread"] if threads == 1 else peaks["peak_gflops_all"] * threads / peaks[
-                    "threads"]
-                todo = {runtime: artifacts.get(runtime) or artifacts.get(f"{runtime}_t{threads if batch > 1 else 0}")
-                        for runtime in runtimes}
-                results = _run_rounds({r: a for r, a in todo.items() if a}, args, model, batch, threads, folder)
-                ref = results.get("onnxruntime", {}).get("out")
-                ours = results.get("tvm_ext")
-                for runtime, r in results.items():
-                    err = "" if ref is None else f"{float(np.abs(r['out'] - ref).max() / np.abs(ref).max()):.1e}"
-                    median = statistics.median(ms for round_ms in r["rounds"] for ms in round_ms)
-                    gflops = flops / median / 1e6
-                    speedup, spread = ("", "") if ours is None else _paired_speedup(r["rounds"], ours["rounds"])
-                    rows.append({
-                        "model": model, "batch": batch, "threads": threads, "runtime": runtime,
-                        "ms": round(median, 2), "images_s": round(batch * 1e3 / median, 1),
-                        "gflops": round(gflops, 1), "pct_peak": round(100 * gflops / peak),
-                        "rss_mib": round(r["rss_mib"]), "tvm_ext_speedup": speedup, "speedup_range": spread,
-                        "err_vs_ort": err, "note": r.get("note", ""),
-                    })
-                _print(rows[len(rows) - len(results):])
+    try:
+        for model in args.models.split(","):
+            for batch in _ints(args.batches):
+                folder = work / f"{model}_b{batch}"
+                artifacts, flops = _prepare(model, batch, runtimes, batch in _ints(args.stock_batches), target, folder,
+                                            _ints(args.threads))
+                for threads in _ints(args.threads):
+                    peak = (peaks["peak_gflops_1thread"] if threads == 1
+                            else peaks["peak_gflops_all"] * threads / peaks["threads"])
+                    variant = f"_t{threads if batch > 1 else 0}"
+                    todo = {runtime: artifacts.get(runtime) or artifacts.get(runtime + variant) for runtime in runtimes}
+                    results = _run_rounds({r: a for r, a in todo.items() if a}, args, model, batch, threads, folder)
+                    ref = results.get("onnxruntime", {}).get("out")
+                    ours = results.get("tvm_ext")
+                    for runtime, r in results.items():
+                        err = "" if ref is None else f"{float(np.abs(r['out'] - ref).max() / np.abs(ref).max()):.1e}"
+                        median = statistics.median(ms for round_ms in r["rounds"] for ms in round_ms)
+                        gflops = flops / median / 1e6
+                        speedup, spread = ("", "") if ours is None else _paired_speedup(r["rounds"], ours["rounds"])
+                        rows.append({
+                            "model": model, "batch": batch, "threads": threads, "runtime": runtime,
+                            "ms": round(median, 2), "images_s": round(batch * 1e3 / median, 1),
+                            "gflops": round(gflops, 1), "pct_peak": round(100 * gflops / peak),
+                            "rss_mib": round(r["rss_mib"]), "tvm_ext_speedup": speedup, "speedup_range": spread,
+                            "err_vs_ort": err, "note": r.get("note", ""),
+                        })
+                    _print(rows[len(rows) - len(results):])
+                if not keep:
+                    shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
     path = Path(args.csv) if args.csv else HERE / "results" / f"e2e_{'_'.join(args.models.split(','))[:60]}.csv"
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:

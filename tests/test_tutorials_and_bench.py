@@ -13,8 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(*args: str, timeout: int = 600) -> str:
-    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def _run(*args: str, timeout: int = 600, env: dict | None = None) -> str:
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                         env=None if env is None else {**os.environ, **env})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return out.stdout
 
@@ -85,11 +86,13 @@ def test_cli_tune_an_onnx_model(tmp_path):
 
 
 def test_e2e_bench_smoke(tmp_path):
-    table = tmp_path / "e2e.csv"
+    table, scratch = tmp_path / "e2e.csv", tmp_path / "tmp"
+    scratch.mkdir()
     out = _run("bench/e2e.py", "--models", "mobilenet_v2", "--batches", "1", "--threads", "1", "--repeat", "2",
-               "--rounds", "2", "--runtimes", "tvm_ext,onnxruntime", "--csv", str(table),
-               "--work-dir", str(tmp_path / "work"))
+               "--rounds", "2", "--runtimes", "tvm_ext,onnxruntime", "--csv", str(table), env={"TMPDIR": str(scratch)})
     assert "onnxruntime" in out and "tvm_ext" in out
+    # The models it built (2-7 GB a model) went to a temporary folder, now gone, not to its cwd.
+    assert not list(scratch.glob("tvm_ext_e2e_*")) and not (ROOT / "mobilenet_v2_b1").exists()
     rows = list(csv.DictReader(table.open()))
     assert len(rows) == 2
     ours, ort = (next(r for r in rows if r["runtime"] == name) for name in ("tvm_ext", "onnxruntime"))
