@@ -278,10 +278,10 @@ def _prefetch_block(spec: BRGEMM, a: tirx.Buffer, batch: tuple, i0: tirx.PrimExp
     holds for the tile, if that block exists: for each filter tap and row of C, the cache line
     its k channels start on.
 
-    A channel block of a blocked activation is a whole tensor away from the next one (12 KB at
-    14 x 14, 200 KB at 56 x 56), too far for the hardware prefetchers to follow the m_r short
+    A channel block of a blocked activation lies a whole image plane past the one before (12.5 KB
+    at 14 x 14, 200 KB at 56 x 56), too far for the hardware prefetchers to follow the m_r short
     streams of a tile. Prefetching the next block while this one's k steps run measured
-    1.05-1.08x on ResNet-50 at batch 16 with 1 thread, 1.07x with 2 (a Zen 1; isolated layers
+    1.05-1.08x on ResNet-50 at batch 16 with 1 thread, 1.06-1.07x with 2 (a Zen 1; isolated layers
     with cold data up to 1.2x, none slower). Issued before the block's taps, not inside them:
     addresses that move with the taps cost LLVM general registers, and it spilled one in the
     k loop of a 3x3 tile.
