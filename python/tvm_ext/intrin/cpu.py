@@ -197,6 +197,13 @@ def _signature(spec: BRGEMM, strided: bool) -> tuple[tuple, tirx.Buffer, tirx.Bu
                      for handle, shape in zip(handles, shapes, strict=True)))
 
 
+def _a_index(spec: BRGEMM, i0, i1, i2, m, k) -> list:
+    """Where row `m` of C reads A at channel `k` of batch entry (i0, i1, i2): the description's
+    access, and the loads and prefetches of the implementation."""
+    dh, dw = spec.dilation
+    return [i0, i1 * dh, m * spec.stride + i2 * dw, k]
+
+
 def _regions(spec: BRGEMM, a: tirx.Buffer, b: tirx.Buffer, c: tirx.Buffer) -> None:
     """The root block's reads and writes: the whole of A and B, and C unless it starts at zero."""
     whole = [a[tuple(slice(0, e) for e in a.shape)], b[tuple(slice(0, e) for e in b.shape)]]
@@ -206,7 +213,6 @@ def _regions(spec: BRGEMM, a: tirx.Buffer, b: tirx.Buffer, c: tirx.Buffer) -> No
 
 def _description(spec: BRGEMM) -> tirx.PrimFunc:
     """C (+)= the batch-reduce product, one multiply-add per block: what tensorize matches."""
-    dh, dw = spec.dilation
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("desc")
         batch, a, b, c = _signature(spec, strided=False)
@@ -221,7 +227,7 @@ def _description(spec: BRGEMM) -> tirx.PrimFunc:
                      for d, (e, loop) in enumerate(zip(extents, loops, strict=True))]
                 vm, vn, vi0, vi1, vi2, vk = v
                 c_index = [vm, vn]
-                a_index = [vi0, vi1 * dh, vm * spec.stride + vi2 * dw, vk]
+                a_index = _a_index(spec, vi0, vi1, vi2, vm, vk)
                 b_index = [vi0, vi1, vi2, vk, vn]
                 T.reads(c[tuple(c_index)], a[tuple(a_index)], b[tuple(b_index)])
                 T.writes(c[tuple(c_index)])
@@ -240,8 +246,7 @@ def _implementation(spec: BRGEMM) -> tirx.PrimFunc:
     most 1 KiB; "local" buffers and larger ones (a 14x32 AVX-512 tile is 1.8 KiB) go to a heap
     workspace, where the accumulators were loaded and stored around every FMA (4x slower).
     """
-    vec, lanes, s = f"{spec.dtype}x{spec.lanes}", spec.lanes, spec.stride
-    dh, dw = spec.dilation
+    vec, lanes = f"{spec.dtype}x{spec.lanes}", spec.lanes
     ku, nv = spec.k_unroll, spec.vectors
     tile = [(i, j) for i in range(spec.m_r) for j in range(nv)]
     with IRBuilder() as builder, T.prim_func(s_tir=True):
@@ -265,7 +270,7 @@ def _implementation(spec: BRGEMM) -> tirx.PrimFunc:
                     for j in range(nv):
                         T.buffer_store(bv, b.vload([i0, i1, i2, k, j * lanes], vec), [j])
                     for i, j in tile:
-                        a_value = T.broadcast(a[i0, i1 * dh, i * s + i2 * dw, k], lanes)
+                        a_value = T.broadcast(a[tuple(_a_index(spec, i0, i1, i2, i, k))], lanes)
                         T.buffer_store(acc[i], T.call_llvm_pure_intrin(vec, "llvm.fmuladd", a_value, bv[j],
                                                                        acc[i][j]), [j])
             for i, j in tile:
@@ -286,11 +291,10 @@ def _prefetch_block(spec: BRGEMM, a: tirx.Buffer, batch: tuple, i0: tirx.PrimExp
     addresses that move with the taps cost LLVM general registers, and it spilled one in the
     k loop of a 3x3 tile.
     """
-    dh, dw = spec.dilation
     with T.If(i0 < batch[0]), T.Then(), T.grid(*batch[1:]) as (i1, i2):
         IRBuilder.name_many(["p1", "p2"], [i1, i2])
         for i in range(spec.m_r):
-            address = T.address_of(a[i0, i1 * dh, i * spec.stride + i2 * dw, 0])
+            address = T.address_of(a[tuple(_a_index(spec, i0, i1, i2, i, 0))])
             T.evaluate(T.call_llvm_intrin("void", "llvm.prefetch.p0", address, 0, 3, 1))
 
 
