@@ -226,7 +226,7 @@ def _pack_nchwc(x, plan):
 
 @pytest.mark.parametrize("activation", [None, "relu", "relu6", "sigmoid", "silu", "gelu"])
 @pytest.mark.parametrize("shape", [((1, 32, 9, 17), (48, 32, 3, 3), 1, 1), ((2, 16, 12, 11), (32, 16, 1, 1), 2, 0)])
-@pytest.mark.parametrize("row_order", ["ob_oh", "oh_ob"])
+@pytest.mark.parametrize("row_order", ["ob_oh", "oh_ob", "ob_n_oh"])
 def test_blocked_kernel_with_fused_epilogue(activation, shape, row_order):
     """The graph-mode kernel: blocked in and out, bias and activation applied in the row write,
     with either order of a task's rows."""

@@ -20,7 +20,14 @@ from tvm_ext.intrin.cpu import (
     tile_efficiency,
 )
 from tvm_ext.intrin.cpu_depthwise import DepthwiseTile, get_depthwise_intrin
-from tvm_ext.kernels.conv2d import KERNEL_ATTR, Conv2dWorkload, Epilogue, conv2d_blocked_kernel, plan_conv2d
+from tvm_ext.kernels.conv2d import (
+    KERNEL_ATTR,
+    Conv2dWorkload,
+    Epilogue,
+    conv2d_blocked_kernel,
+    plan_conv2d,
+    row_order_tiles,
+)
 from tvm_ext.target import AVX2, AVX512, NEON, resolve_target, vector_isa
 
 AVX2_TARGET = "llvm -mcpu=znver3"
@@ -67,6 +74,24 @@ def test_strided_1x1_plans_rows_outer(isa):
     assert order((1, 128, 56, 56), (128, 128, 3, 3), 2, 1) == "ob_oh"
     forced = plan_conv2d(Conv2dWorkload.make((1, 64, 8, 8), (64, 64, 1, 1), 2), isa, row_order="ob_oh")
     assert forced.row_order == "ob_oh"
+
+
+@pytest.mark.parametrize("isa", [AVX2, AVX512])
+def test_small_images_run_inside_output_blocks(isa):
+    """From 4 images a call, outputs of at most 64 pixels run their images inside each output
+    block (its weights read once for all); fewer images, or larger outputs, keep images outer."""
+    def order(x_shape, w_shape, stride=1, padding=0, groups=1):
+        return plan_conv2d(Conv2dWorkload.make(x_shape, w_shape, stride, padding, 1, groups), isa).row_order
+
+    assert order((4, 512, 7, 7), (2048, 512, 1, 1)) == "ob_n_oh"
+    assert order((4, 1024, 14, 14), (2048, 1024, 1, 1), 2) == "ob_n_oh"  # 7 x 7 out, rows outer otherwise
+    assert order((8, 9216, 1, 16), (9216, 256, 1, 1), groups=36) == "ob_n_oh"  # a Winograd GEMM
+    assert order((4, 512, 8, 8), (512, 512, 3, 3), 1, 1) == "ob_n_oh"
+    assert order((2, 512, 7, 7), (2048, 512, 1, 1)) == "ob_oh"
+    assert order((4, 256, 14, 14), (1024, 256, 1, 1)) == "ob_oh"
+    assert order((4, 256, 9, 8), (1024, 256, 1, 1)) == "ob_oh"  # 72 pixels
+    with pytest.raises(ValueError, match="row order 'rows'"):
+        row_order_tiles(plan_conv2d(Conv2dWorkload.make((4, 64, 7, 7), (64, 64, 1, 1)), isa, row_order="rows"))
 
 
 def test_intrinsics_are_generated_once_under_stable_names():

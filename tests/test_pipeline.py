@@ -1,5 +1,7 @@
 """Relax networks through tvm_ext.build: same numbers as stock TVM, our kernels really used."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ import tvm_ext
 from tvm_ext.dlight.cpu import ParallelVectorize
 from tvm_ext.kernels.conv2d import KERNEL_ATTR
 from tvm_ext.strategy import cpu as cpu_strategy
+from tvm_ext.tuning.space import PLAN_ATTR
 
 TARGET = tvm_ext.resolve_target("llvm")
 
@@ -387,3 +390,51 @@ def test_batch_trunk_runs_one_image_at_a_time():
     assert "main_image" in [gv.name_hint for gv in split_batch(1)(as_many_channels).get_global_vars()]
     pairs = split_batch(images_per_call=2)(models.get("resnet18", batch=4)[0])  # one image per core
     assert pairs["main_image"].params[0].ty.shape[0] == 2 and pairs["main"].script().count("main_image(") == 2
+
+
+def _large_then_small(batch: int) -> tvm.IRModule:
+    """1.1 MB an image in, a stride-2 conv to 0.56 MB an image, then a residual block and a
+    7 x 7 classifier-like conv: a trunk with an early and a late stage."""
+    rng = np.random.default_rng(21)
+
+    def body(bb, x):
+        y = bb.emit(relax.op.nn.relu(bb.emit(relax.op.nn.conv2d(x, _const(rng, 32, 16, 3, 3), (2, 2), (1, 1)))))
+        z = bb.emit(relax.op.nn.relu(bb.emit(relax.op.nn.conv2d(y, _const(rng, 32, 32, 3, 3), padding=(1, 1)))))
+        y = bb.emit(relax.op.nn.relu(bb.emit(relax.op.add(y, z))))
+        y = bb.emit(relax.op.nn.max_pool2d(y, (9, 9), (9, 9)))  # 7 x 7
+        return bb.emit(relax.op.nn.conv2d(y, _const(rng, 48, 32, 3, 3), padding=(1, 1)))
+
+    return _graph((batch, 16, 132, 132), body)
+
+
+def test_late_trunk_runs_four_images_at_a_time():
+    """Where no tensor of the trunk is over 1 MB an image any more, the trunk runs 4 images a call
+    (`main_late`, fed by 4 calls of `main_image`), its 7 x 7 convolution with the images inside
+    each output block; the numbers equal a float64 reference. With only 4 images the late ops run
+    at the whole batch."""
+    import torch
+
+    from tvm_ext.models.torch_reference import to_torch
+    from tvm_ext.strategy.split_batch import split_batch
+
+    mod = _large_then_small(8)
+    split = split_batch(images_per_call=1)(mod)
+    assert split["main_image"].params[0].ty.shape[0] == 1 and split["main_late"].params[0].ty.shape[0] == 4
+    assert split["main"].script().count("main_image(") == 8 and split["main"].script().count("main_late(") == 2
+    early_ops = [b.value.op.name for blk in split["main_image"].body.blocks for b in blk.bindings
+                 if isinstance(b.value, relax.Call)]
+    assert early_ops == ["relax.nn.conv2d", "relax.nn.relu"]
+    x = np.random.default_rng(22).standard_normal((8, 16, 132, 132)).astype("float32")
+    with torch.inference_mode():
+        reference = to_torch(mod, torch.float64)(torch.from_numpy(x).double()).numpy()
+    ex = tvm_ext.build(mod, "llvm", images_per_call=1)
+    assert rel_err(_run(ex, x), reference) <= 1e-4
+    lowered = tvm_ext.pipeline(TARGET, images_per_call=1)(mod)
+    orders = {gv.name_hint: json.loads(str(f.attrs[PLAN_ATTR]))["plan"]["row_order"]
+              for gv, f in lowered.functions_items() if f.attrs is not None and PLAN_ATTR in f.attrs}
+    # The 7 x 7 conv as Winograd F(4x4, 3x3): 36 GEMMs of 32 channels on a 2 x 2 grid of tiles.
+    assert [o for n, o in orders.items() if n.startswith("tvm_ext_brgemm_conv2d_4x1152x1x4_")] == ["ob_n_oh"]
+
+    whole = split_batch(images_per_call=1)(_large_then_small(4))
+    assert "main_late" not in [gv.name_hint for gv in whole.get_global_vars()]
+    assert whole["main"].script().count("main_image(") == 4 and "R.nn.conv2d" in whole["main"].script()

@@ -52,6 +52,9 @@ def test_eligibility_and_tile_size():
     assert winograd.tile_size(make((1, 64, 14, 14), (64, 64, 3, 3), 1, 1, 1, 1)) == 4
     assert winograd.tile_size(make((1, 64, 8, 9), (64, 64, 3, 3), 1, 1, 1, 1)) == 4
     assert winograd.tile_size(make((1, 64, 7, 9), (64, 64, 3, 3), 1, 1, 1, 1)) == 2
+    # 4 images a call share the larger weights of F(4, 3) (their GEMMs run images inside blocks).
+    assert winograd.tile_size(make((4, 64, 7, 7), (64, 64, 3, 3), 1, 1, 1, 1)) == 4
+    assert winograd.tile_size(make((4, 64, 5, 7), (64, 64, 3, 3), 1, 1, 1, 1)) == 2
     assert winograd.tile_size(make((1, 64, 27, 27), (192, 64, 5, 5), 1, 2, 1, 1)) == 4
     assert winograd.tile_size(make((1, 64, 11, 11), (64, 64, 5, 5), 1, 0, 1, 1)) == 2
     assert "F(4x4, 5x5)" in winograd.winograd_plan(make((1, 64, 27, 27), (192, 64, 5, 5), 1, 2, 1, 1), ISA).reason
@@ -83,6 +86,8 @@ _CASES = [
     ((1, 64, 27, 27), 48, 5, (2, 2, 2, 2), Epilogue(bias=True, activation="relu", out_pad=(1, 1, 1, 1))),
     ((2, 32, 13, 18), 32, 5, (0, 1, 2, 1), Epilogue(bias=True, residual=True)),  # 3 x 4 tiles, flattened
     ((1, 48, 9, 10), 64, 5, (0, 0, 0, 0), Epilogue(activation="sigmoid")),  # F(2x2, 5x5)
+    # 4 images of 7 x 7: F(4x4, 3x3) on a 2 x 2 grid, the GEMMs' images inside their output blocks
+    ((4, 32, 7, 7), 48, 3, (1, 1, 1, 1), Epilogue(bias=True, residual=True, activation="relu")),
 ]
 
 
@@ -97,6 +102,8 @@ def test_kernels_match_float64(shape, K, R, padding, epilogue):
     plan = winograd.winograd_plan(wl, ISA)
     gemm = winograd.gemm_plan(plan, ISA)
     assert plan.kind == "winograd" and gemm.kind == "brgemm" and gemm.wl.groups == (plan.m_r + R - 1) ** 2
+    if shape[0] >= 4:
+        assert plan.m_r == 4 and gemm.row_order == "ob_n_oh"
     rows, cols = winograd.grid(plan)
     assert rows * cols == np.prod(winograd.tiles(plan)) and (rows == 1) == (winograd.tiles(plan)[1] <= 4)
     build = lambda f: tvm.compile(f, TARGET)  # noqa: E731

@@ -63,7 +63,8 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
 
     `images_per_call`: how many images of a batch the convolutional trunk runs at a time
     (default: one per core this process may use; best when the runtime uses that many threads,
-    as TVM does by default. With 1 runtime thread, 1 is best).
+    as TVM does by default. With 1 runtime thread, 1 is best). Its late layers, where images are
+    small and weights large, run 4 images at a time (:mod:`tvm_ext.strategy.split_batch`).
 
     `database`: tuning records (`tvm_ext.tune`'s work_dir, or a MetaSchedule Database): each
     convolution uses its best record, the others the analytic schedule. Without one, the

@@ -36,7 +36,16 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from .conv2d import KERNEL_ATTR, Conv2dPlan, Conv2dWorkload, Epilogue, activation_expr, param_buffer, plan_conv2d
+from .conv2d import (
+    IMAGES_INSIDE_BLOCKS,
+    KERNEL_ATTR,
+    Conv2dPlan,
+    Conv2dWorkload,
+    Epilogue,
+    activation_expr,
+    param_buffer,
+    plan_conv2d,
+)
 
 # Interpolation points of F(m, r) by the tile size a = m + r - 1 (the point at infinity is
 # implied): small integers and halves keep the transforms exact in float32 and their error growth
@@ -116,8 +125,13 @@ def tile_size(wl: Conv2dWorkload) -> int:
     against 2.6 ms): its transforms cost more than its GEMMs save. 5x5, all three kernels:
     F(4, 5) 2.77 ms, F(3, 5) 3.26, F(2, 5) 5.62, direct 11.7 (AlexNet's 64 -> 192 at 27 x 27);
     2.83, 3.80, 5.35 and 12.9 ms on OverFeat's 96 -> 256 at 20 x 20.
+    With 4 or more images per call the GEMMs of small images run their images inside each output
+    block (:data:`~tvm_ext.kernels.conv2d.IMAGES_INSIDE_BLOCKS`), which reads the larger weights
+    once for all of them: then F(4, 3) at 7 x 7 took 2.40 ms an image against 3.74 for F(2, 3)
+    (GEMMs, 512 -> 512, 4 images, cold weights), so it is used from 6 x 6 up.
     """
-    return 4 if min(wl.OH, wl.OW) >= 8 else 2
+    images_share_weights = wl.N >= IMAGES_INSIDE_BLOCKS[0]
+    return 4 if min(wl.OH, wl.OW) >= (6 if images_share_weights else 8) else 2
 
 
 def winograd_plan(wl: Conv2dWorkload, isa, ic_bn: int = 16) -> Conv2dPlan:
