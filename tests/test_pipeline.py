@@ -438,3 +438,7 @@ def test_late_trunk_runs_four_images_at_a_time():
     whole = split_batch(images_per_call=1)(_large_then_small(4))
     assert "main_late" not in [gv.name_hint for gv in whole.get_global_vars()]
     assert whole["main"].script().count("main_image(") == 4 and "R.nn.conv2d" in whole["main"].script()
+    # 6 images: 3 a call would still run them one after another in each kernel; no late stage.
+    six = split_batch(images_per_call=1)(_large_then_small(6))
+    assert "main_late" not in [gv.name_hint for gv in six.get_global_vars()]
+    assert six["main"].script().count("main_image(") == 6 and "R.nn.conv2d" not in six["main"].script()

@@ -174,7 +174,8 @@ def split_batch(images_per_call: int | None = None) -> tvm.transform.Pass:
     one image per core, each thread of the pool works on an image of its own (the rows of the
     first image go to the first thread) while all of them still fit in cache. The late stage runs
     the largest divisor of the batch up to max(LATE_IMAGES, images_per_call) that is a multiple of
-    it; where that is the whole batch, the late ops stay in `main`.
+    it, if that is more than `images_per_call` and at least LATE_IMAGES; where it is the whole
+    batch, the late ops stay in `main`.
     """
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.SplitBatch")
@@ -203,7 +204,8 @@ def split_batch(images_per_call: int | None = None) -> tvm.transform.Pass:
             return mod
         late_chunk = max(d for d in range(chunk, min(max(LATE_IMAGES, chunk), batch) + 1)
                          if batch % d == 0 and d % chunk == 0)
-        late = _late_start(trunk, live, batch) if late_chunk > chunk else None
+        # Fewer than LATE_IMAGES images a call would keep every image outer: no late stage then.
+        late = _late_start(trunk, live, batch) if late_chunk > chunk and late_chunk >= LATE_IMAGES else None
         early_end = cut if late is None else late
         early_out, trunk_out = live[early_end - 1][0], live[-1][0]
 
