@@ -82,12 +82,13 @@ def _body(func) -> str:
     return "\n".join(line for line in func.script().splitlines() if "T.func_attr" not in line)
 
 
-@pytest.mark.parametrize("border", [(0, 0, 0, 0), (1, 1, 1, 1)])
-def test_the_default_point_of_the_space_is_the_analytic_schedule(border):
+@pytest.mark.parametrize("border,images", [((0, 0, 0, 0), 1), ((1, 1, 1, 1), 1), ((0, 0, 0, 0), 4)])
+def test_the_default_point_of_the_space_is_the_analytic_schedule(border, images):
     """default_trace picks the analytic row order and, per segment, the analytic m_r, n_r and
-    unroll: the same kernel."""
-    wl = Conv2dWorkload.make((1, 16, 9, 13), (32, 16, 3, 3), 1, 1)
+    unroll: the same kernel (4 images of 7 x 7: images inside the output blocks)."""
+    wl = Conv2dWorkload.make((images, 16, 9 if images == 1 else 7, 13 if images == 1 else 7), (32, 16, 3, 3), 1, 1)
     plan = plan_conv2d(wl, AVX2)
+    assert plan.row_order == ("ob_oh" if images == 1 else "ob_n_oh")
     epilogue = Epilogue(bias=True, out_pad=border)
     workload = conv2d_workload(plan, epilogue, AVX2)
     sch = Schedule(workload)
