@@ -412,8 +412,6 @@ def test_late_trunk_runs_four_images_at_a_time():
     (`main_late`, fed by 4 calls of `main_image`), its 7 x 7 convolution with the images inside
     each output block; the numbers equal a float64 reference. With only 4 images the late ops run
     at the whole batch."""
-    import torch
-
     from tvm_ext.models.torch_reference import to_torch
     from tvm_ext.strategy.split_batch import split_batch
 
