@@ -191,8 +191,7 @@ def split_batch(images_per_call: int | None = None) -> tvm.transform.Pass:
         if chunk == batch:
             return mod
         bindings = [b for block in func.body.blocks for b in block.bindings]
-        cut = next((i for i, b in enumerate(bindings) if isinstance(b.value, relax.Call)
-                    and isinstance(b.value.op, tvm.ir.Op) and b.value.op.name == "relax.matmul"), len(bindings))
+        cut = next((i for i, b in enumerate(bindings) if _op_name(b) == "relax.matmul"), len(bindings))
         for binding in bindings[:cut]:
             reason = _not_per_image(binding.value, batch)
             if reason is not None:
