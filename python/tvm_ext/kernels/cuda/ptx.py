@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import glob
 import importlib.util
 import os
 import re
@@ -142,17 +143,61 @@ def ptx_instructions(ptx: str) -> collections.Counter:
     return collections.Counter(ops)
 
 
+def _k_loop(lines: list[str], label: str, branch: str) -> list[str]:
+    """The longest innermost loop of a listing, from its label (regex `label`, group 1 the name)
+    to the branch back to it (`branch`, group 1 the target)."""
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(label, line))}
+    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := re.search(branch, line)) and labels.get(m.group(1), i) < i]
+    innermost = [(lo, hi) for lo, hi in loops
+                 if not any(lo <= lo2 and hi2 <= hi and (lo2, hi2) != (lo, hi) for lo2, hi2 in loops)]
+    lo, hi = max(innermost, key=lambda loop: loop[1] - loop[0], default=(0, -1))
+    return lines[lo:hi + 1]
+
+
 def main_loop_instructions(ptx: str) -> collections.Counter:
-    """The instructions of the longest loop body in `ptx` (from a label to the branch back to it):
-    for a kernel with one k loop, what every k step issues."""
-    lines = ptx.splitlines()
-    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\$L__BB\d+_\d+):", line))}
-    body: list[str] = []
-    for i, line in enumerate(lines):
-        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)
-        if m and labels.get(m.group(1), i) < i and i - labels[m.group(1)] > len(body):
-            body = lines[labels[m.group(1)]:i + 1]
+    """The PTX instructions of the k loop: the longest innermost loop body (from a label to the
+    branch back to it), which every k step but a few issue."""
+    body = _k_loop(ptx.splitlines(), r"^(\$L__BB\d+_\d+):", r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
     return ptx_instructions("\n".join(body))
+
+
+def find_nvdisasm() -> str | None:
+    """nvdisasm: on PATH, in the `nvidia-cuda-nvdisasm` wheel (a test dependency), or in a CUDA
+    toolkit next to nvcc."""
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    candidates = []
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        candidates += sorted(glob.glob(os.path.join(root, "cu*", "bin", "nvdisasm")))
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates += sorted(glob.glob("/usr/local/cuda*/bin/nvdisasm"))
+    return next((c for c in candidates if os.access(c, os.X_OK)), None)
+
+
+def disassemble(cubin: bytes) -> str:
+    """The SASS of a cubin (nvdisasm; raises if it is not installed)."""
+    nvdisasm = find_nvdisasm()
+    if nvdisasm is None:
+        raise RuntimeError("disassembling SASS needs nvdisasm (pip install nvidia-cuda-nvdisasm)")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+
+
+def sass_loop_instructions(sass: str) -> collections.Counter:
+    """The SASS opcodes (without modifiers: "FFMA", "LDS", ...) of the k loop, the longest
+    innermost loop: what the GPU issues per pair of k steps, the instruction mix that bounds the
+    share of the FFMA peak a kernel can reach (one warp instruction per cycle per scheduler)."""
+    body = _k_loop(sass.splitlines(), r"^(\.L_x_\d+):", r"\bBRA\s+`\((\.L_x_\d+)\)")
+    ops = [m.group(1) for line in body
+           if (m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line))]
+    return collections.Counter(ops)
 
 
 def ptxas_resources(source: str, arch: str) -> dict[str, int]:
