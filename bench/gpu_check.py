@@ -236,8 +236,11 @@ def main(argv=None) -> int:
     peak = device.ffma_peak_gflops(cubins[ffma_src], args.repeat)
     print(f"measured fp32 FFMA peak: {peak:,.0f} GFLOP/s", flush=True)
 
-    header = "| layer | engine | tile | err | ms | GFLOP/s | % FFMA peak | baseline | baseline ms | speed-up |"
-    lines = [header, "|" + "---|" * 10]
+    # "loop bound": the FFMA share of the k loop's SASS (gpu_export.py --sass), the most of the
+    # FFMA peak the kernel can reach at one warp instruction per cycle per scheduler
+    header = ("| layer | engine | tile | err | ms | GFLOP/s | % FFMA peak | loop bound | baseline | baseline ms "
+              "| speed-up |")
+    lines = [header, "|" + "---|" * 11]
     print(header, flush=True)
     rows = []
     for entry in manifest["layers"]:
@@ -259,9 +262,11 @@ def main(argv=None) -> int:
                           tile=entry["tile"])
             rows.append(result)
             pct = f"{result['peak_pct']:.1f}%" if engine == "ffma" else "-"  # the FFMA peak is no tensor peak
+            loop = entry.get("sass_loop")
+            bound = f"{100 * loop['ffma'] / loop['instructions']:.1f}%" if loop and engine == "ffma" else "-"
             line = (f"| {entry['set']} {entry['layer']} | {engine} | {entry['tile'][0]}x{entry['tile'][1]} | "
                     f"{result['err']:.1e}{'' if result['ok'] else ' FAIL'} | {result['ours_ms']:.3f} | "
-                    f"{gflops:,.0f} | {pct} | {result['cudnn']} | {result['cudnn_ms']:.3f} | "
+                    f"{gflops:,.0f} | {pct} | {bound} | {result['cudnn']} | {result['cudnn_ms']:.3f} | "
                     f"{result['cudnn_ms'] / result['ours_ms']:.2f}x |")
         lines.append(line)
         print(line, flush=True)

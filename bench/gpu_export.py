@@ -7,6 +7,7 @@ machines lent here take 64 MiB.
 
     python bench/gpu_export.py --out bench/gpu_kernels            # AlexNet/OverFeat b128, ResNet-50 b32
     python bench/gpu_export.py --out /tmp/k --sets alexnet --batch 4 --layers 2
+    python bench/gpu_export.py --sass ...     # with each k loop's SASS instruction mix
 """
 
 from __future__ import annotations
@@ -31,8 +32,18 @@ def load_layers(name: str) -> list[dict]:
     raise FileNotFoundError("workloads.json not found in bench/ or ../shared/")
 
 
+def sass_loop(source: str, arch: str) -> dict:
+    """The k loop's SASS instruction mix for `arch` (nvcc and nvdisasm here): what bounds the
+    share of the FFMA peak the kernel can reach, to read next to what the GPU measures."""
+    from tvm_ext.kernels.cuda import ptx
+
+    loop = ptx.sass_loop_instructions(ptx.disassemble(ptx.compile_source(source, arch, "cubin")))
+    return {"arch": arch, "instructions": sum(loop.values()), "ffma": loop["FFMA"], "hmma": loop["HMMA"],
+            "lds": loop["LDS"]}
+
+
 def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
-           engines: tuple[str, ...] = ("ffma", "mma_tf32", "mma_tf32:64")) -> list[dict]:
+           engines: tuple[str, ...] = ("ffma", "mma_tf32", "mma_tf32:64"), sass: bool = False) -> list[dict]:
     from tvm_ext.kernels.conv2d import Conv2dWorkload
     from tvm_ext.kernels.cuda import conv2d as cc
 
@@ -57,7 +68,13 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
                 name = f"{set_name}_{layer['name']}_{engine}"
                 (out / f"{name}.cu").write_text(source)
                 entries.append(_entry(name, set_name, layer["name"], engine, wl, plan, source))
-                print(f"{name:36s} tile {plan.tile.rows}x{plan.tile.cols} grid {plan.grid} "
+                mix = ""
+                if sass:
+                    loop = entries[-1]["sass_loop"] = sass_loop(source, arch)
+                    mix = (f" k loop: {loop['instructions']} instructions, "
+                           f"{100 * (loop['ffma'] or loop['hmma']) / loop['instructions']:.1f}% "
+                           f"{'FFMA' if loop['ffma'] else 'HMMA'}")
+                print(f"{name:36s} tile {plan.tile.rows}x{plan.tile.cols} grid {plan.grid}{mix} "
                       f"({time.perf_counter() - start:.1f} s)", flush=True)
     (out / "manifest.json").write_text(json.dumps({"arch": arch, "layers": entries}, indent=1))
     return entries
@@ -90,9 +107,11 @@ def main(argv=None) -> int:
     parser.add_argument("--engines", nargs="+", default=["ffma", "mma_tf32", "mma_tf32:64"],
                         choices=["ffma", "mma_tf32", "mma_tf32:64", "mma_bf16"],
                         help="kernel variants; ':64' = 64-row warp slabs (4 x m16 per warp)")
+    parser.add_argument("--sass", action="store_true",
+                        help="also record each kernel's k-loop SASS mix for --arch (needs nvcc and nvdisasm)")
     args = parser.parse_args(argv)
     sets = {name: args.batch or DEFAULT_SETS.get(name, 32) for name in args.sets}
-    export(args.out, sets, args.layers, args.arch, tuple(args.engines))
+    export(args.out, sets, args.layers, args.arch, tuple(args.engines), args.sass)
     return 0
 
 

@@ -112,14 +112,22 @@ def test_gpu_check_pipeline_without_gpu(tmp_path):
     """What the GPU check does before it needs a GPU: export the CUDA C, compile it with nvcc."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not installed")
-    out = _run("bench/gpu_export.py", "--out", str(tmp_path), "--sets", "overfeat", "--batch", "4",
-               "--layers", "1")
+    from tvm_ext.kernels.cuda import ptx
+
+    args = ["--out", str(tmp_path), "--sets", "overfeat", "--batch", "4", "--layers", "1"]
+    sass = ptx.find_nvdisasm() is not None
+    out = _run("bench/gpu_export.py", *args, *(["--sass"] if sass else []))
     assert "overfeat_conv1_ffma" in out and "tile 96x64" in out  # 96 filters: one 96-row tile
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     entries = manifest["layers"]
     assert [e["engine"] for e in entries] == ["ffma", "mma_tf32", "mma_tf32_w64"]
     for entry in entries:
         assert sorted(entry["cuda_args"]) == ["w", "x", "y"] and entry["params"]["y"] == [96, 56, 56, 4]
+    if sass:  # each k loop's SASS mix: FFMA for the FFMA tile, mma for the tensor-core ones
+        loops = [e["sass_loop"] for e in entries]
+        assert loops[0]["ffma"] > 0.8 * loops[0]["instructions"] and loops[0]["hmma"] == 0
+        assert all(loop["hmma"] > 0 and loop["ffma"] == 0 for loop in loops[1:])
+        assert "% FFMA (" in out and "% HMMA (" in out
     sys.path.insert(0, str(ROOT / "bench"))
     import gpu_check
 
