@@ -230,6 +230,37 @@ def _net(repeated: int = 3) -> tvm.IRModule:
     return bb.get()
 
 
+def test_tasks_are_the_kernels_the_split_batch_runs():
+    """A batch's trunk runs a few images a call (strategy.split_batch): the tasks are those
+    kernels, weighted by how often one inference calls them, not the whole-batch ones."""
+    rng = np.random.default_rng(4)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 16, 14, 14), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = x
+            for c in (16, 32):  # the second, small and with 32 channels, is the late stage's Winograd
+                y = bb.emit(relax.op.nn.relu(relax.op.nn.conv2d(
+                    y, relax.const((rng.standard_normal((32, c, 3, 3)) * 0.1).astype("float32")), padding=(1, 1))))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    mod = bb.get()
+
+    def tasks(images_per_call: int) -> list[tuple[int, str, int]]:
+        """(images a call, kernel, calls) per task; names read tvm_ext_brgemm_conv2d_<N>x<C>x..."""
+        found = extract_tasks(mod, TARGET, images_per_call=images_per_call)
+        return sorted((int(t.name.split("_")[4].split("x")[0]), "winograd" if "_g36_" in t.name else "direct",
+                       t.weight) for t in found)
+
+    assert tasks(1) == [(1, "direct", 4), (4, "winograd", 1)]  # 4 calls of one image, then the batch
+    assert tasks(2) == [(2, "direct", 2), (4, "winograd", 1)]
+    assert tasks(4) == [(4, "direct", 1), (4, "winograd", 1)]  # one call: the batch runs whole
+    with TARGET:  # the build lowers to the same kernels
+        lowered = tvm_ext.pipeline(TARGET, images_per_call=2)(mod)
+    kernels = {gv.name_hint for gv, f in lowered.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    assert {t.name for t in extract_tasks(mod, TARGET, images_per_call=2)} <= kernels
+
+
 def test_tune_a_network_then_build_with_its_records(tmp_path):
     mod = _net()
     tasks = extract_tasks(mod, TARGET)
@@ -379,7 +410,7 @@ def test_shipped_records_cover_every_task_of_their_networks(model, batch):
     target = tvm.target.Target({"kind": "llvm", "mcpu": "znver4"})
     database = shipped_database(target)
     assert database is not None
-    tasks = extract_tasks(models.get(model, batch=batch)[0], target, winograd=False)
+    tasks = extract_tasks(models.get(model, batch=batch)[0], target, winograd=False, images_per_call=2)
     missing = [t.name for t in tasks if not database.has_workload(tvm.IRModule({"main": t.workload}))]
     assert tasks and not missing, f"no shipped record for {missing}: re-run `python -m tvm_ext tune --ship`"
 

@@ -16,6 +16,7 @@ builder gets a build function of ours and contexts are made without that import.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -54,23 +55,25 @@ class Task:
         return self.kind.flops(self.workload)
 
 
-def extract_tasks(mod: tvm.IRModule, target: TargetLike = None, winograd: bool = True) -> list[Task]:
-    """The tunable tvm_ext kernels of `mod` on `target`, identical ones merged (weight = count);
-    `winograd`: as for :func:`tvm_ext.build` (a Winograd convolution's task is its GEMM)."""
+def extract_tasks(mod: tvm.IRModule, target: TargetLike = None, winograd: bool = True,
+                  images_per_call: int | None = None) -> list[Task]:
+    """The tunable tvm_ext kernels of `mod` on `target`, identical ones merged (weight = how
+    often one inference runs them). They are the kernels the build runs: the batch is split as
+    :func:`tvm_ext.build` splits it (`images_per_call`, `winograd`: as there; a Winograd
+    convolution's task is its GEMM), so a batch-16 network's trunk is tuned at the images per
+    call it runs with, not at 16."""
     from ..strategy import cpu as cpu_strategy
+    from ..strategy.split_batch import split_batch
 
     target = resolve_target(target)
     isa = vector_isa(target)
     with target:
-        lowered = tvm.transform.Sequential(cpu_strategy.fusion_passes(target)
+        lowered = tvm.transform.Sequential([split_batch(images_per_call)] + cpu_strategy.fusion_passes(target)
                                            + [cpu_strategy.lower_to_kernels(target, winograd=winograd)])(mod)
-    calls: dict[str, int] = {}
-    relax.analysis.post_order_visit(lowered["main"], lambda e: calls.__setitem__(
-        e.args[0].name_hint, calls.get(e.args[0].name_hint, 0) + 1) if (
-        isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir") else None)
+    runs = _runs_per_inference(lowered)
     tasks: dict[str, Task] = {}  # by the workload's self-description: equal kernels, one task
     for gvar, func in lowered.functions_items():
-        if not isinstance(func, tvm.tirx.PrimFunc) or gvar.name_hint not in calls:
+        if not isinstance(func, tvm.tirx.PrimFunc) or gvar.name_hint not in runs:
             continue
         kind = kind_of(func)
         workload = None if kind is None else kind.task_of(func, isa)
@@ -78,10 +81,40 @@ def extract_tasks(mod: tvm.IRModule, target: TargetLike = None, winograd: bool =
             continue
         key = str(workload.attrs[kind.attr])
         if key in tasks:
-            tasks[key] = dataclasses.replace(tasks[key], weight=tasks[key].weight + calls[gvar.name_hint])
+            tasks[key] = dataclasses.replace(tasks[key], weight=tasks[key].weight + runs[gvar.name_hint])
         else:
-            tasks[key] = Task(gvar.name_hint, workload, calls[gvar.name_hint])
+            tasks[key] = Task(gvar.name_hint, workload, runs[gvar.name_hint])
     return list(tasks.values())
+
+
+def _runs_per_inference(mod: tvm.IRModule) -> collections.Counter:
+    """How often one call of `main` runs each PrimFunc: its `call_tir`s in each Relax function,
+    times how often that function is called (`main_image` once per slice of the batch)."""
+    relax_funcs = {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, relax.Function)}
+    calls: dict[str, collections.Counter] = {}
+    for name, func in relax_funcs.items():
+        counter = calls[name] = collections.Counter()
+
+        def visit(e, counter=counter) -> None:
+            if not isinstance(e, relax.Call):
+                return
+            if isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir":
+                counter[e.args[0].name_hint] += 1
+            elif isinstance(e.op, tvm.ir.GlobalVar) and e.op.name_hint in relax_funcs:
+                counter[e.op.name_hint] += 1
+
+        relax.analysis.post_order_visit(func, visit)
+    runs: collections.Counter = collections.Counter()
+
+    def walk(name: str, times: int) -> None:
+        for callee, n in calls[name].items():
+            if callee in calls:
+                walk(callee, times * n)
+            else:
+                runs[callee] += times * n
+
+    walk("main", 1)
+    return runs
 
 
 def _build(mod: tvm.IRModule, target: tvm.target.Target, _params) -> tvm.runtime.Module:
@@ -198,14 +231,15 @@ def _check_json_lines(path: Path) -> str:
 def tune(mod: tvm.IRModule, target: TargetLike, work_dir: str | os.PathLike, max_trials: int = 64,
          trials_per_task: int | None = None, *, num_trials_per_iter: int = 16, cost_model: str = "xgb",
          seed: int = 1, tasks: list[Task] | None = None, measure_callbacks: list | None = None,
-         rpc: str | None = None) -> ms.Database:
+         rpc: str | None = None, images_per_call: int | None = None) -> ms.Database:
     """Tune the tvm_ext convolutions and poolings of `mod` for `target`; records go to `work_dir`.
 
     Each task new to the database first gets its analytic schedule measured and recorded (one
     measurement more per task), so no record is ever preferred that measured slower than it.
     `max_trials` is the budget over all tasks (the task scheduler spends it where the weighted
     latency falls fastest), `trials_per_task` caps each (default: max_trials). `cost_model`:
-    "xgb" (default) or "random". `tasks`: those of :func:`extract_tasks` (extracted if not given);
+    "xgb" (default) or "random". `tasks`: those of :func:`extract_tasks` (extracted if not given,
+    with `images_per_call`: the build's, default one image per core);
     `measure_callbacks`: MetaSchedule measure callbacks run after MetaSchedule's own (e.g.
     :class:`tvm_ext.tuning.progress.TuningProgress`). `rpc`: "host:port:key" of a TVM RPC
     tracker (`python -m tvm.exec.rpc_tracker`) whose servers (`python -m tvm.exec.rpc_server
@@ -216,7 +250,7 @@ def tune(mod: tvm.IRModule, target: TargetLike, work_dir: str | os.PathLike, max
     if target.kind.name != "llvm":
         raise UnsupportedError(f"tune: target {target.kind.name} is not supported yet (LLVM CPUs only)")
     runner = _runner(rpc)  # before the task extraction: a bad address fails at once
-    tasks = extract_tasks(mod, target) if tasks is None else tasks
+    tasks = extract_tasks(mod, target, images_per_call=images_per_call) if tasks is None else tasks
     if not tasks:
         raise UnsupportedError("tune: the module has no tvm_ext convolution or pooling with a design space")
     logger.info("tvm_ext.tune: %d tasks, %d kernel calls", len(tasks), sum(t.weight for t in tasks))
