@@ -9,6 +9,8 @@ engine), compiles it with nvcc for this GPU, and for every kernel:
   (TF32 off), the tf32 tensor-core kernel against cuDNN with TF32 on, the bf16 one (exported with
   `--engines ... mma_bf16`) against cuDNN on bf16 tensors;
 - prints GFLOP/s and, for FFMA, % of the fp32 FFMA peak it measures itself with an FFMA-chain kernel.
+A layer exported with split-K (a grid too small to fill the GPU; "K/n" in the tile column) runs
+its two kernels, the slices and their sum, and both are timed together.
 
 Needs numpy, torch (CUDA) and cupy (to load a cubin and launch it); not TVM. Layouts: the kernel
 takes activations CHWN and weights CRSK (maxDNN's); the conversion from NCHW/OIHW is done once
@@ -165,11 +167,20 @@ def run_layer(torch, device: CudaDevice, entry: dict, cubin: Path, repeat: int) 
         "x": x.permute(1, 2, 3, 0).contiguous(),
         "w": w.reshape(groups, k // groups, cg, r, s).permute(*((0, 2, 3, 4, 1) if taps_last else (0, 3, 4, 2, 1)))
               .reshape(groups, cg * r * s, k // groups).contiguous(),
-        "y": torch.full(entry["params"]["y"], float("nan"), device=device.torch_device),
     }
+    for output in ("partial", "y"):  # "partial": split-K's slices, summed by a second kernel
+        if output in entry["params"]:
+            tensors[output] = torch.full(entry["params"][output], float("nan"), device=device.torch_device)
     for name, shape in entry["params"].items():
         assert list(tensors[name].shape) == shape, (name, tensors[name].shape, shape)
-    ours = device.kernel(entry, cubin, tensors)
+    conv = device.kernel(entry, cubin, tensors)
+    reduce = device.kernel(entry["reduce"], cubin, tensors) if "reduce" in entry else None
+
+    def ours():
+        conv()
+        if reduce is not None:
+            reduce()
+
     ours()
     if device.torch_device == "cuda":
         torch.cuda.synchronize()
@@ -264,7 +275,9 @@ def main(argv=None) -> int:
             pct = f"{result['peak_pct']:.1f}%" if engine == "ffma" else "-"  # the FFMA peak is no tensor peak
             loop = entry.get("sass_loop")
             bound = f"{100 * loop['ffma'] / loop['instructions']:.1f}%" if loop and engine == "ffma" else "-"
-            line = (f"| {entry['set']} {entry['layer']} | {engine} | {entry['tile'][0]}x{entry['tile'][1]} | "
+            tile = f"{entry['tile'][0]}x{entry['tile'][1]}" + (f", K/{entry['splits']}" if entry.get("splits", 1) > 1
+                                                                else "")
+            line = (f"| {entry['set']} {entry['layer']} | {engine} | {tile} | "
                     f"{result['err']:.1e}{'' if result['ok'] else ' FAIL'} | {result['ours_ms']:.3f} | "
                     f"{gflops:,.0f} | {pct} | {bound} | {result['cudnn']} | {result['cudnn_ms']:.3f} | "
                     f"{result['cudnn_ms'] / result['ours_ms']:.2f}x |")

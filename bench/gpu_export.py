@@ -62,6 +62,7 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
                     rows = 128 if (wl.K // wl.groups) % 128 == 0 else 64
                     tile = dataclasses.replace(tile, rows=rows, warp_rows=int(warp_rows))
                 plan = cc.MaxDNNPlan.make(wl, tile)
+                plan = cc.MaxDNNPlan.make(wl, tile, splits=cc.choose_splits(plan))  # as the graph strategy
                 start = time.perf_counter()
                 source = cc.cuda_source(plan, {"kind": "cuda", "arch": arch})
                 engine = variant.replace(":", "_w")
@@ -74,7 +75,8 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
                     mix = (f" k loop: {loop['instructions']} instructions, "
                            f"{100 * (loop['ffma'] or loop['hmma']) / loop['instructions']:.1f}% "
                            f"{'FFMA' if loop['ffma'] else 'HMMA'}")
-                print(f"{name:36s} tile {plan.tile.rows}x{plan.tile.cols} grid {plan.grid}{mix} "
+                split = f" split-K {plan.splits}" if plan.splits > 1 else ""
+                print(f"{name:36s} tile {plan.tile.rows}x{plan.tile.cols} grid {plan.grid}{split}{mix} "
                       f"({time.perf_counter() - start:.1f} s)", flush=True)
     (out / "manifest.json").write_text(json.dumps({"arch": arch, "layers": entries}, indent=1))
     return entries
@@ -84,16 +86,22 @@ def _entry(name: str, set_name: str, layer: str, engine: str, wl, plan, source: 
     """The manifest entry bench/gpu_check.py launches and checks the kernel from."""
     from tvm_ext.kernels.cuda import conv2d as cc
 
-    return {
+    entry = {
         "name": name, "set": set_name, "layer": layer, "engine": engine, "file": f"{name}.cu",
         "kernel": "maxdnn_conv2d_kernel", "grid": list(plan.grid), "block": [plan.tile.threads, 1, 1],
-        "tile": [plan.tile.rows, plan.tile.cols],
+        "tile": [plan.tile.rows, plan.tile.cols], "splits": plan.splits,
         "x_nchw": [wl.N, wl.C, wl.H, wl.W], "w_oihw": [wl.K, wl.C // wl.groups, wl.KH, wl.KW],
         "stride": list(wl.stride), "padding": list(wl.padding), "dilation": list(wl.dilation),
         "groups": wl.groups, "flops": wl.flops, "k_order": plan.k_order,
-        "params": {k: list(v) for k, v in plan.shapes().items()},
+        "params": {k: list(v) for k, v in {**plan.shapes(), **plan.reduce_shapes()}.items()},
         "cuda_args": cc.cuda_param_order(source),
     }
+    if plan.splits > 1:  # split-K: a second kernel sums the slices (launched after the first)
+        kernel = cc.KERNEL_NAME + cc.REDUCE_SUFFIX + "_kernel"
+        grid, block = cc.reduce_launch(plan)
+        entry["reduce"] = {"kernel": kernel, "grid": list(grid), "block": list(block),
+                           "cuda_args": cc.cuda_param_order(source, kernel)}
+    return entry
 
 
 def main(argv=None) -> int:

@@ -7,6 +7,7 @@ nvcc (PTX and ptxas for sm_80 and sm_90). Tests marked `gpu` run the kernel on a
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import numpy as np
@@ -102,6 +103,44 @@ def test_emulated_tile_heights(rows):
     wl = Conv2dWorkload.make((4, 10, 6, 6), (100, 10, 3, 3), padding=1)
     got, ref = _emulated(cc.MaxDNNPlan.make(wl, cc.BlockTile(rows=rows)))
     assert rel_err(got, ref) < 1e-4
+
+
+@needs_gxx
+@pytest.mark.parametrize("x_shape, w_shape, options, splits, engine", [
+    ((4, 16, 6, 6), (64, 16, 3, 3), dict(padding=1), 3, "ffma"),  # 3 slices of 3 taps
+    ((3, 48, 7, 7), (20, 48, 3, 3), dict(padding=1, stride=2), 9, "ffma"),  # a tap each, scalar lanes
+    ((4, 32, 5, 5), (40, 32, 1, 1), {}, 2, "ffma"),  # 1x1: 2 slices of 2 channel steps
+    ((4, 16, 6, 6), (64, 16, 3, 3), dict(padding=1), 3, "mma_tf32"),
+])
+def test_emulated_split_k(x_shape, w_shape, options, splits, engine):
+    """Split-K: each slice of the reduction writes its partial sums, a second kernel adds them
+    with bias, residual and relu."""
+    wl = Conv2dWorkload.make(x_shape, w_shape, **options)
+    epilogue = cc.Epilogue(bias=True, residual=True, activation="relu")
+    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(wl.K, engine), epilogue, splits=splits)
+    assert plan.grid[2] == splits and plan.shapes()["partial"] == (splits, *plan.y_shape)
+    assert list(plan.reduce_shapes()) == ["partial", "bias", "residual", "y"]
+    got, ref = _emulated(plan)
+    assert np.isfinite(got).all() and rel_err(got, ref) < (1e-4 if engine == "ffma" else 1e-2)
+
+
+def test_split_k_choice_and_validation():
+    big = cc.MaxDNNPlan.make(Conv2dWorkload.make((128, 256, 13, 13), (512, 256, 3, 3), padding=1))
+    assert cc.choose_splits(big) == 1  # 2704 blocks fill the GPU
+    late = cc.MaxDNNPlan.make(Conv2dWorkload.make((32, 512, 7, 7), (512, 512, 3, 3), padding=1))
+    assert math.prod(late.grid) == 200 and cc.choose_splits(late) == 9  # ResNet-50's last 3x3, batch 32
+    one = cc.MaxDNNPlan.make(Conv2dWorkload.make((32, 2048, 7, 7), (512, 2048, 1, 1)))
+    assert cc.choose_splits(one) == 8  # 256 k steps: 8 slices of 32
+    short = cc.MaxDNNPlan.make(Conv2dWorkload.make((4, 64, 6, 6), (64, 64, 1, 1)))
+    assert cc.choose_splits(short) == 1  # 8 k steps: too few to share
+    crs = Conv2dWorkload.make((4, 3, 9, 9), (64, 3, 3, 3))
+    assert cc.MaxDNNPlan.make(crs).split_unit is None
+    with pytest.raises(ValueError, match="split-K into 2"):
+        cc.MaxDNNPlan.make(crs, splits=2)
+    with pytest.raises(ValueError, match="split-K into 4"):
+        cc.MaxDNNPlan.make(Conv2dWorkload.make((4, 16, 6, 6), (64, 16, 3, 3), padding=1), splits=4)  # 9 taps
+    with pytest.raises(ValueError, match="no split-K"):
+        cc.split_reduce_func(big)
 
 
 # -- deliberately broken kernels must fail the same check ------------------------------------

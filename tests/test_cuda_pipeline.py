@@ -168,3 +168,37 @@ def test_weights_that_are_inputs_are_laid_out_in_the_graph(channels):
     wv = rng.standard_normal((12, channels, 3, 3)).astype(np.float32)
     got = vm["main"](tvm.runtime.tensor(xv), tvm.runtime.tensor(wv)).numpy()
     assert rel_err(got, conv2d_nchw(xv, wv, padding=(1, 1, 1, 1))) < 1e-4
+
+
+@needs_gxx
+def test_small_grids_split_the_reduction():
+    """A grid far below what fills a GPU splits K (kernels/cuda/conv2d.choose_splits): the 3x3
+    conv by taps, the 1x1 by channel steps; a second kernel sums the slices and applies bias,
+    residual and relu. Numbers against float64 PyTorch on the emulator; the report says so."""
+    rng = np.random.default_rng(7)
+
+    def const(*shape, scale=0.1):
+        return relax.const((rng.standard_normal(shape) * scale).astype(np.float32))
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 64, 6, 6), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.relu(relax.op.add(relax.op.nn.conv2d(x, const(256, 64, 3, 3), padding=1),
+                                                      const(1, 256, 1, 1))))
+            y = bb.emit(relax.op.nn.relu(relax.op.add(relax.op.nn.conv2d(y, const(64, 256, 1, 1)), x)))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    mod = bb.get()
+    report = [row for row in tvm_ext.dispatch_report(mod, TARGET) if row.op == "nn.conv2d"]
+    assert [" x 3 split-K slices of its taps" in r.reason for r in report] == [True, False]
+    assert " x 2 split-K slices of its steps" in report[1].reason
+    lowered = lower(mod, TARGET)
+    names = [gv.name_hint for gv, f in lowered.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert sum(name.endswith("_reduce") for name in names) == 2
+    assert any(name.endswith("_split3") for name in names) and any(name.endswith("_split2") for name in names)
+    vm = relax.VirtualMachine(emulated_executable(lowered, TARGET), tvm.cpu())
+    xv = rng.standard_normal((4, 64, 6, 6)).astype(np.float32)
+    out = vm["main"](tvm.runtime.tensor(xv)).numpy()
+    ref = to_torch(mod, torch.float64)(torch.from_numpy(xv).double()).numpy()
+    assert np.isfinite(out).all() and rel_err(out, ref) < 1e-4

@@ -140,7 +140,8 @@ def test_gpu_check_pipeline_without_gpu(tmp_path):
     assert out.returncode == 2 and "gpu_check:" in out.stderr  # no GPU (or no CuPy) here: says so
     # the whole script, kernels on the CPU emulator: layouts, argument order and checks are right
     env = {**os.environ, "KERNELS": str(tmp_path), "PYTHON": sys.executable, "OUT": str(tmp_path / "report"),
-           "EXPORT_ARGS": "--sets resnet50 --batch 4 --layers 2 --engines ffma mma_tf32:64"}  # CRS and RSC
+           # CRS order, and RSC with split-K (AlexNet conv2 at batch 4: 138 blocks, 5 slices of taps)
+           "EXPORT_ARGS": "--sets alexnet --batch 4 --layers 2 --engines ffma mma_tf32:64"}
     result = subprocess.run(["bash", "bench/gpu_check.sh", "--emulate", "--repeat", "1"], cwd=ROOT,
                             capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -148,3 +149,5 @@ def test_gpu_check_pipeline_without_gpu(tmp_path):
     report = json.loads((tmp_path / "report" / "gpu_check.json").read_text())
     assert [row["engine"] for row in report["layers"]] == ["ffma", "mma_tf32_w64"] * 2
     assert all(row["ok"] for row in report["layers"])
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert [e.get("splits") for e in manifest["layers"]] == [1, 1, 5, 5] and "K/5" in result.stdout

@@ -50,7 +50,11 @@ def conv2d_decision(wl: _conv.Conv2dWorkload,
     if wl.depthwise:
         return None, "depthwise: one filter per group would fill 1 row of a 64-row maxDNN tile; stock TVM", None
     plan = _maxdnn.MaxDNNPlan.make(wl, _maxdnn.choose_tile(wl.K // wl.groups, engine))
+    splits = _maxdnn.choose_splits(plan)
     reason = f"{plan.tile.rows}x{plan.tile.cols} {engine} tile, grid {plan.grid}"
+    if splits > 1:
+        plan = _maxdnn.MaxDNNPlan.make(wl, plan.tile, splits=splits)
+        reason += f" x {splits} split-K slices of its {plan.split_unit[0]} (a small grid), summed by a second kernel"
     return _maxdnn.KERNEL_NAME, reason, plan
 
 
@@ -127,17 +131,25 @@ class CudaEmitter:
         wl = decided.wl
         act = None if activation is None else _ACTIVATION_OPS[activation.op.name]
         epilogue = _maxdnn.Epilogue(bias=bias is not None, residual=residual is not None, activation=act)
-        plan = _maxdnn.MaxDNNPlan.make(wl, decided.tile, epilogue)
-        args = [self.chwn(data), self._weight(call.args[1], wl.groups, plan.k_order)]
+        plan = _maxdnn.MaxDNNPlan.make(wl, decided.tile, epilogue, decided.splits)
+        epilogue_args = []
         if bias is not None:
-            args.append(relax.const(np.ascontiguousarray(bias.reshape(-1), dtype=np.float32)))
+            epilogue_args.append(relax.const(np.ascontiguousarray(bias.reshape(-1), dtype=np.float32)))
         if residual is not None:
-            args.append(self.chwn(residual))
+            epilogue_args.append(self.chwn(residual))
+        args = [self.chwn(data), self._weight(call.args[1], wl.groups, plan.k_order)]
         name = _name("maxdnn_conv2d", (wl.N, wl.C, wl.H, wl.W), (wl.K, wl.KH, wl.KW),
                      f"s{wl.stride[0]}x{wl.stride[1]}_p{'x'.join(map(str, wl.padding))}"
                      f"_d{wl.dilation[0]}x{wl.dilation[1]}_g{wl.groups}") + suffix
-        func = _maxdnn.maxdnn_conv2d_func(plan, symbol=name)
-        return self.nchw(self._call(func, name, args, plan.shapes()["y"]))
+        if plan.splits == 1:
+            func = _maxdnn.maxdnn_conv2d_func(plan, symbol=name)
+            return self.nchw(self._call(func, name, args + epilogue_args, plan.y_shape))
+        # split-K: the slices' partial sums, then their sum with the epilogue
+        sliced = name + f"_split{plan.splits}"
+        func = _maxdnn.maxdnn_conv2d_func(plan, symbol=sliced)
+        partial = self._call(func, sliced, args, plan.shapes()["partial"])
+        reduce = _maxdnn.split_reduce_func(plan, symbol=name + _maxdnn.REDUCE_SUFFIX)
+        return self.nchw(self._call(reduce, name + _maxdnn.REDUCE_SUFFIX, [partial] + epilogue_args, plan.y_shape))
 
     def pool_or_activation(self, call: relax.Call, decision) -> relax.Expr:
         from .cpu import _alpha, _pool_workload

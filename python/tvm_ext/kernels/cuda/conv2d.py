@@ -59,7 +59,7 @@ ACTIVATIONS = (None, "relu", "relu6")
 # last step; never move the prefetched tile into shared memory.
 FAULTS = (None, "wrong_buffer", "no_store")
 # The kernel indexes flat views of its tensors; these names are its CUDA parameters (`<name>_ptr`).
-_FLAT = {"x": "Xf", "w": "Wf", "y": "Yf", "residual": "Rf", "bias": "bias"}
+_FLAT = {"x": "Xf", "w": "Wf", "y": "Yf", "residual": "Rf", "bias": "bias", "partial": "Pf"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +183,34 @@ def choose_tile(out_channels_per_group: int, engine: str = "ffma") -> BlockTile:
     return BlockTile(rows=best, engine=engine, k_step=8 if mma is None else mma.k)
 
 
+# Split-K: thread blocks that fill an H100/H200 (132 SMs, 6-8 of our 64-thread blocks each; a
+# grid of fewer leaves SMs idle or short of warps to hide latency), and the k steps a slice keeps
+# at least (its prologue, epilogue and partial-sum write stay small beside its loop).
+FILL_BLOCKS = 1024
+MIN_SPLIT_STEPS = 16
+
+
+def choose_splits(plan: MaxDNNPlan) -> int:
+    """How many slices split-K cuts the reduction of `plan` into: 1 where its grid has at least
+    half of :data:`FILL_BLOCKS`, else the fewest that reach it, each keeping
+    :data:`MIN_SPLIT_STEPS` k steps (ResNet-50's 7 x 7 layers at batch 32 have 200 blocks: its
+    3x3 runs 9 slices of a tap, its 1x1 from 2048 channels 8 slices of 256)."""
+    unit = plan.split_unit
+    blocks = math.prod(dataclasses.replace(plan, splits=1).grid)
+    if unit is None or 2 * blocks >= FILL_BLOCKS:
+        return 1
+    best = 1
+    for d in range(2, unit[1] + 1):
+        if unit[1] % d:
+            continue
+        if plan.k_steps // d < MIN_SPLIT_STEPS:
+            break
+        best = d
+        if blocks * d >= FILL_BLOCKS:
+            break
+    return best
+
+
 @dataclasses.dataclass(frozen=True)
 class Epilogue:
     """What the output write applies: Y = act(acc + bias[o] + residual)."""
@@ -203,14 +231,38 @@ class MaxDNNPlan:
     wl: Conv2dWorkload
     tile: BlockTile
     epilogue: Epilogue = Epilogue()
+    splits: int = 1  # split-K: the reduction in this many slices (see :attr:`split_unit`)
 
     @staticmethod
-    def make(wl: Conv2dWorkload, tile: BlockTile | None = None, epilogue: Epilogue | None = None) -> MaxDNNPlan:
+    def make(wl: Conv2dWorkload, tile: BlockTile | None = None, epilogue: Epilogue | None = None,
+             splits: int = 1) -> MaxDNNPlan:
         if wl.dtype != "float32":
             raise ValueError(f"maxdnn_conv2d: dtype {wl.dtype} is not supported (float32 only)")
         tile = tile or choose_tile(wl.K // wl.groups)
         tile.validate()
-        return MaxDNNPlan(wl, tile, epilogue or Epilogue())
+        plan = MaxDNNPlan(wl, tile, epilogue or Epilogue(), splits)
+        if splits != 1:
+            unit = plan.split_unit
+            if unit is None or splits < 1 or unit[1] % splits:
+                raise ValueError(f"maxdnn_conv2d: split-K into {splits} needs an RSC reduction whose taps (or, "
+                                 f"for a 1x1 filter, k steps) divide into {splits}; this one has {unit}")
+        return plan
+
+    @property
+    def split_unit(self) -> tuple[str, int] | None:
+        """What split-K divides, and how many there are: the filter taps of a :attr:`tap_loop`,
+        or the k steps of a 1x1 filter in RSC order; None where the reduction does not split."""
+        if self.tap_loop:
+            return "taps", self.wl.KH * self.wl.KW
+        if self.k_order == "rsc" and self.wl.KH * self.wl.KW == 1:
+            return "steps", self.k_steps
+        return None
+
+    @property
+    def y_shape(self) -> tuple[int, int, int, int]:
+        """The output, KPQN."""
+        wl = self.wl
+        return (wl.K, wl.OH, wl.OW, wl.N)
 
     @property
     def gemm(self) -> tuple[int, int, int]:
@@ -221,7 +273,7 @@ class MaxDNNPlan:
     @property
     def grid(self) -> tuple[int, int, int]:
         m, n, _ = self.gemm
-        return (-(-n // self.tile.cols), -(-m // self.tile.rows), self.wl.groups)
+        return (-(-n // self.tile.cols), -(-m // self.tile.rows), self.wl.groups * self.splits)
 
     @property
     def k_steps(self) -> int:
@@ -274,16 +326,29 @@ class MaxDNNPlan:
         return self.gemm[1] % self.tile.vec == 0
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        """The kernel's parameters in order, with their shapes: x, w[, bias][, residual], y."""
+        """The kernel's parameters in order, with their shapes: x, w[, bias][, residual], y; with
+        split-K x, w, partial (each slice's sums; the epilogue is :meth:`reduce_shapes`' kernel's)."""
         wl = self.wl
         m, _, k = self.gemm
-        y = (wl.K, wl.OH, wl.OW, wl.N)
         shapes = {"x": (wl.C, wl.H, wl.W, wl.N), "w": (wl.groups, k, m)}
+        if self.splits > 1:
+            shapes["partial"] = (self.splits, *self.y_shape)
+            return shapes
+        return {**shapes, **self._epilogue_shapes(), "y": self.y_shape}
+
+    def reduce_shapes(self) -> dict[str, tuple[int, ...]]:
+        """With split-K, the parameters of the kernel that sums the slices and applies the
+        epilogue (:func:`split_reduce_func`): partial[, bias][, residual], y; else none."""
+        if self.splits == 1:
+            return {}
+        return {"partial": (self.splits, *self.y_shape), **self._epilogue_shapes(), "y": self.y_shape}
+
+    def _epilogue_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = {}
         if self.epilogue.bias:
-            shapes["bias"] = (wl.K,)
+            shapes["bias"] = (self.wl.K,)
         if self.epilogue.residual:
-            shapes["residual"] = y
-        shapes["y"] = y
+            shapes["residual"] = self.y_shape
         return shapes
 
 
@@ -395,9 +460,9 @@ class _Generator:
         k step, entering a new tap only when the channels run out (a runtime check; a 1x1
         filter has one tap). Returns the channel step's expression."""
         wl, e = self.wl, self.e
-        if first:
+        if first:  # a 1x1 filter's slice of split-K starts at its first channel step
             e("tap[0] = 0")
-            e("c0[0] = 0")
+            e(f"c0[0] = {self.first_step()}")
             self.enter_tap("tap[0]")
         elif wl.KH * wl.KW == 1:
             e("c0[0] = c0[0] + 1")
@@ -594,34 +659,51 @@ class _Generator:
         """Every k step after the prologue's, each computing on one buffer while the next step's
         loads fill the other."""
         plan, e = self.plan, self.e
+        first = self.first_step()
         if plan.tap_loop:
-            taps, per_tap = self.wl.KH * self.wl.KW, plan.steps_per_tap
+            taps, per_tap = self.wl.KH * self.wl.KW // plan.splits, plan.steps_per_tap
+            tap = f"({first} + rs)"
             with e.block(f"for rs in range({taps}):"):
                 if per_tap > 2:
                     # kept a loop: nvcc would unroll a short one, spilling the tensor-core tiles
                     with e.block(f"for c2 in T.serial(0, {per_tap // 2 - 1}, unroll=False):"):
-                        self.step(f"rs * {per_tap} + c2 * 2", 0, True, (None, "(c2 * 2 + 1)"))
-                        self.step(f"rs * {per_tap} + c2 * 2 + 1", 1, True, (None, "(c2 * 2 + 2)"))
-                self.step(f"rs * {per_tap} + {per_tap - 2}", 0, True, (None, str(per_tap - 1)))
-                self.step(f"rs * {per_tap} + {per_tap - 1}", 1, True, ("(rs + 1)", "0"), when=f"rs < {taps - 1}")
+                        self.step(f"{tap} * {per_tap} + c2 * 2", 0, True, (None, "(c2 * 2 + 1)"))
+                        self.step(f"{tap} * {per_tap} + c2 * 2 + 1", 1, True, (None, "(c2 * 2 + 2)"))
+                self.step(f"{tap} * {per_tap} + {per_tap - 2}", 0, True, (None, str(per_tap - 1)))
+                self.step(f"{tap} * {per_tap} + {per_tap - 1}", 1, True, (f"({tap} + 1)", "0"),
+                          when=f"rs < {taps - 1}")
             return
-        steps = plan.k_steps
+        steps = plan.k_steps // plan.splits
         pairs = (steps - 1) // 2  # pairs of steps that both prefetch
         if pairs:
             with e.block(f"for kt2 in range({pairs}):"):
-                self.step("kt2 * 2", 0, True)
-                self.step("kt2 * 2 + 1", 1, True)
+                self.step(f"{first} + kt2 * 2", 0, True)
+                self.step(f"{first} + kt2 * 2 + 1", 1, True)
         tail = steps - 2 * pairs  # 1 or 2 steps; only the last has nothing to prefetch
         if tail == 2:
-            self.step(str(2 * pairs), 0, True)
-            self.step(str(2 * pairs + 1), 1, False)
+            self.step(f"{first} + {2 * pairs}", 0, True)
+            self.step(f"{first} + {2 * pairs + 1}", 1, False)
         else:
-            self.step(str(2 * pairs), 0, False)
+            self.step(f"{first} + {2 * pairs}", 0, False)
+
+    def first_step(self) -> str:
+        """Where this block's share of the reduction starts: its slice's first tap (with
+        :attr:`MaxDNNPlan.tap_loop`) or k step; 0 without split-K."""
+        plan = self.plan
+        if plan.splits == 1:
+            return "0"
+        unit, count = plan.split_unit
+        return f"(sp * {count // plan.splits})"
 
     # -- output ----------------------------------------------------------------------------
     def write_output(self) -> None:
+        """The block's tile through shared memory to the output with the epilogue; with split-K,
+        the slice's raw sums to `partial` (the reduce kernel applies the epilogue)."""
         t, e, ep = self.t, self.e, self.plan.epilogue
         M, NC = self.M, self.NCOLS
+        split = self.plan.splits > 1
+        if split:
+            ep = Epilogue()
         self.stage_accumulators()
         e('T.evaluate(T.tvm_storage_sync("shared"))')
         per_row = t.cols // t.vec
@@ -634,7 +716,8 @@ class _Generator:
                 sidx = (f"T.ramp({f} % {per_row} * {t.vec} + {lane}, 1, {vec})" if vec > 1
                         else f"{f} % {per_row} * {t.vec} + {lane}")
                 value = f"O_sh[{f} // {per_row}, {sidx}]"
-                yaddr = f"(g * {M} + oo{s}) * {NC} + "
+                yaddr = (f"((sp * {self.wl.groups} + g) * {M} + oo{s}) * {NC} + " if split
+                         else f"(g * {M} + oo{s}) * {NC} + ")
                 yidx = (f"T.ramp({yaddr}oc{s} + {lane}, 1, {vec})" if vec > 1 else f"{yaddr}oc{s} + {lane}")
                 if ep.bias:
                     b = f"bias[g * {M} + oo{s}]"
@@ -648,7 +731,7 @@ class _Generator:
                     six = f"T.Broadcast(T.float32(6), {vec})" if vec > 1 else "T.float32(6)"
                     value = f"T.min({value}, {six})"
                 with e.block(f"if oo{s} < {M} and oc{s} + {lane} < {NC}:"):
-                    e(f"Yf[{yidx}] = {value}")
+                    e(f"{'Pf' if split else 'Yf'}[{yidx}] = {value}")
 
     # -- the whole function ----------------------------------------------------------------
     def text(self, symbol: str) -> str:
@@ -667,15 +750,16 @@ class _Generator:
         # implicit root whose inferred reads name the buffers allocated here (ill-formed TIR).
         with e.block('with T.sblock("root"):'):
             # explicit regions: inference cannot read the tensor-core calls' raw buffer pointers
+            out = params[-1]  # y, or with split-K the slices' partial sums
             e("T.reads(" + ", ".join(f"{n}[{', '.join(f'0:{d}' for d in shapes[n])}]" for n in params[:-1]) + ")")
-            e(f"T.writes(y[{', '.join(f'0:{d}' for d in shapes['y'])}])")
+            e(f"T.writes({out}[{', '.join(f'0:{d}' for d in shapes[out])}])")
             flat = _FLAT
             sizes = {n: math.prod(shape) for n, shape in shapes.items()}
             for n in params:
                 if flat[n] != n:
                     e(f'{flat[n]} = T.decl_buffer(({sizes[n]},), "float32", data={n}.data)')
             gx, gy, gz = plan.grid
-            e(f'for g in T.thread_binding({gz}, thread="blockIdx.z"):')
+            e(f'for {"gz" if plan.splits > 1 else "g"} in T.thread_binding({gz}, thread="blockIdx.z"):')
             e.depth += 1
             e(f'for by in T.thread_binding({gy}, thread="blockIdx.y"):')
             e.depth += 1
@@ -701,6 +785,9 @@ class _Generator:
             nb = len(self.slots(t.k_step * t.cols // t.vec))
             e(f'a_pre = T.decl_buffer(({na * t.vec},), "float32", scope="local")')
             e(f'b_pre = T.decl_buffer(({nb * t.vec},), "float32", scope="local")')
+            if plan.splits > 1:  # blockIdx.z: the group and the slice of the reduction
+                e(f"g: T.let = gz // {plan.splits}")
+                e(f"sp: T.let = gz % {plan.splits}")
             if t.mma is not None:
                 e("warp: T.let = tid // 32")
                 e("gq: T.let = tid % 32 // 4")
@@ -713,7 +800,11 @@ class _Generator:
                 with e.block(f"for i, j in T.grid({tt.rows}, {tt.cols}):"):
                     e("acc[i, j] = T.float32(0)")
             self.b_columns()
-            self.load_global("0", ("0", "0") if plan.tap_loop else None, first=True)
+            first = self.first_step()
+            if plan.tap_loop:
+                self.load_global(f"{first} * {plan.steps_per_tap}", (first, "0"), first=True)
+            else:
+                self.load_global(first, first=True)
             self.store_shared(0)
             self.sync()
             self.k_loop()
@@ -739,6 +830,56 @@ def maxdnn_conv2d_func(plan: MaxDNNPlan, symbol: str = "maxdnn_conv2d", *, tenso
     for name in gen.updates:
         sch.tensorize(sch.get_loops(sch.get_sblock(name))[-5], intrin)
     return sch.mod["main"]
+
+
+REDUCE_SUFFIX = "_reduce"  # the split-K reduce kernel's symbol: the convolution's + this
+
+
+def split_reduce_func(plan: MaxDNNPlan, symbol: str = KERNEL_NAME + REDUCE_SUFFIX) -> tvm.tirx.PrimFunc:
+    """Split-K's second kernel: y = act(sum of the slices' partial sums + bias + residual), one
+    thread per output element (the slices summed in registers, in order: deterministic).
+    Parameters as :meth:`MaxDNNPlan.reduce_shapes`."""
+    from tvm import te, tirx
+
+    from .simple import bind_threads
+
+    shapes, ep = plan.reduce_shapes(), plan.epilogue
+    if not shapes:
+        raise ValueError("split_reduce_func: the plan has no split-K")
+    partial = te.placeholder(shapes["partial"], "float32", name="partial")
+    inputs = [partial]
+    bias = residual = None
+    if ep.bias:
+        bias = te.placeholder(shapes["bias"], "float32", name="bias")
+        inputs.append(bias)
+    if ep.residual:
+        residual = te.placeholder(shapes["residual"], "float32", name="residual")
+        inputs.append(residual)
+    sp = te.reduce_axis((0, plan.splits), "sp")
+    total = te.compute(plan.y_shape, lambda *i: te.sum(partial[(sp, *i)], axis=sp), name="slices")
+
+    def value(*i):
+        v = total[i]
+        if bias is not None:
+            v = v + bias[i[0]]
+        if residual is not None:
+            v = v + residual[i]
+        if ep.activation in ("relu", "relu6"):
+            v = tirx.max(v, tirx.const(0.0, "float32"))
+        if ep.activation == "relu6":
+            v = tirx.min(v, tirx.const(6.0, "float32"))
+        return v
+
+    y = te.compute(plan.y_shape, value, name="output")
+    func = bind_threads(te.create_prim_func([*inputs, y]), KERNEL_NAME + REDUCE_SUFFIX, reducer="slices")
+    return func.with_attr("global_symbol", symbol)
+
+
+def reduce_launch(plan: MaxDNNPlan) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(grid, block) of :func:`split_reduce_func`'s kernel: one thread per output element."""
+    from .simple import THREADS
+
+    return (-(-math.prod(plan.y_shape) // THREADS), 1, 1), (THREADS, 1, 1)
 
 
 def data_to_chwn(x: np.ndarray) -> np.ndarray:
@@ -767,9 +908,11 @@ def weight_to_crsk(w: np.ndarray, groups: int = 1, k_order: str = "crs") -> np.n
 
 def kernel_arrays(plan: MaxDNNPlan, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None,
                   residual: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """The kernel's parameters from NCHW/OIHW NumPy arrays (and an NCHW residual), by name.
+    """The parameters of the plan's kernels from NCHW/OIHW NumPy arrays (and an NCHW residual),
+    by name: x, w[, bias][, residual][, partial], y.
 
-    The output, "y", starts filled with NaN so that anything the kernel fails to write shows.
+    The outputs ("y"; "partial", split-K's slices) start filled with NaN so that anything the
+    kernels fail to write shows.
     """
     wl, ep = plan.wl, plan.epilogue
     if (bias is not None) != ep.bias or (residual is not None) != ep.residual:
@@ -780,35 +923,51 @@ def kernel_arrays(plan: MaxDNNPlan, x: np.ndarray, w: np.ndarray, bias: np.ndarr
         arrays["bias"] = np.ascontiguousarray(bias, dtype=np.float32)
     if residual is not None:
         arrays["residual"] = data_to_chwn(residual.astype(np.float32, copy=False))
-    arrays["y"] = np.full(plan.shapes()["y"], np.nan, np.float32)
-    for name, shape in plan.shapes().items():
+    shapes = {**plan.shapes(), **plan.reduce_shapes()}
+    for output in ("partial", "y"):
+        if output in shapes:
+            arrays[output] = np.full(shapes[output], np.nan, np.float32)
+    for name, shape in shapes.items():
         if arrays[name].shape != shape:
             raise ValueError(f"kernel_arrays: {name} has shape {arrays[name].shape}, the plan needs {shape}")
     return arrays
 
 
+def plan_module(plan: MaxDNNPlan, symbol: str = KERNEL_NAME, fault: str | None = None) -> tvm.IRModule:
+    """The plan's kernels: the convolution, and with split-K the reduce kernel after it."""
+    funcs = {"main": maxdnn_conv2d_func(plan, symbol, fault=fault)}
+    if plan.splits > 1:
+        funcs["reduce"] = split_reduce_func(plan, symbol + REDUCE_SUFFIX)
+    return tvm.IRModule(funcs)
+
+
 def cuda_source(plan: MaxDNNPlan, target="nvidia/nvidia-h100", fault: str | None = None) -> str:
-    """The CUDA C that TVM generates for `plan` (no GPU needed)."""
-    return generate_source(maxdnn_conv2d_func(plan, fault=fault), resolve_target(target))
+    """The CUDA C that TVM generates for `plan` (no GPU needed): its kernels, in launch order."""
+    return generate_source(plan_module(plan, fault=fault), resolve_target(target))
 
 
 def emulate(plan: MaxDNNPlan, arrays: dict[str, np.ndarray], source: str | None = None) -> np.ndarray:
-    """Run the kernel of `plan` on the CPU emulator (:mod:`tvm_ext.testing.cuda_emulator`).
+    """Run the kernels of `plan` on the CPU emulator (:mod:`tvm_ext.testing.cuda_emulator`).
 
-    `arrays` are the kernel's parameters (:func:`kernel_arrays`); returns arrays["y"], written.
+    `arrays` are the kernels' parameters (:func:`kernel_arrays`); returns arrays["y"], written.
     """
     from ...testing.cuda_emulator import run_kernel
 
     source = source or cuda_source(plan)
-    named = {_FLAT[name]: arr for name, arr in arrays.items()}
-    run_kernel(source, "maxdnn_conv2d_kernel", plan.grid, (plan.tile.threads, 1, 1), named)
+    main = {_FLAT[name]: arrays[name] for name in plan.shapes()}
+    run_kernel(source, KERNEL_NAME + "_kernel", plan.grid, (plan.tile.threads, 1, 1), main)
+    if plan.splits > 1:
+        reduce = {("output" if name == "y" else name): arrays[name] for name in plan.reduce_shapes()}
+        run_kernel(source, KERNEL_NAME + REDUCE_SUFFIX + "_kernel", *reduce_launch(plan), reduce)
     return arrays["y"]
 
 
 def cuda_param_order(source: str, kernel: str = "maxdnn_conv2d_kernel") -> list[str]:
-    """The plan parameter ("x", "w", "bias", "residual", "y") behind each CUDA kernel argument.
+    """The plan parameter ("x", "w", "bias", "residual", "partial", "y") behind each argument of
+    a plan's CUDA kernel (the convolution, or split-K's reduce kernel).
 
     Whoever launches the CUDA C directly (the GPU check, the emulator) passes them in this order.
     """
-    by_flat = {flat: name for name, flat in _FLAT.items()}
+    by_flat = {flat: name for name, flat in _FLAT.items()} | {"output": "y", "partial": "partial",
+                                                             "residual": "residual"}
     return [by_flat[param.removesuffix("_ptr")] for _, param in kernel_params(source, kernel)]

@@ -18,7 +18,7 @@ from ..pool2d import Pool2dWorkload
 THREADS = 256  # per block: enough warps to hide memory latency, small enough for full occupancy
 
 
-def _bind(func: tirx.PrimFunc, kernel: str, reducer: str | None = None) -> tirx.PrimFunc:
+def bind_threads(func: tirx.PrimFunc, kernel: str, reducer: str | None = None) -> tirx.PrimFunc:
     """One thread per element of the "output" block (its spatial loops fused); a reduction (the
     window) runs inside the thread, `reducer` (a separate reduction block) too, in registers."""
     sch = s_tir.Schedule(func)
@@ -47,7 +47,7 @@ def transpose_func(shape, axes, kernel: str = "transpose") -> tirx.PrimFunc:
         return x[tuple(src)]
 
     y = te.compute(out_shape, value, name="output")
-    return _bind(te.create_prim_func([x, y]), kernel)
+    return bind_threads(te.create_prim_func([x, y]), kernel)
 
 
 NCHW_TO_CHWN = (1, 2, 3, 0)
@@ -71,7 +71,7 @@ def pool2d_chwn_func(wl: Pool2dWorkload) -> tirx.PrimFunc:
     if wl.mode == "max":
         y = te.compute(shape, lambda c, oh, ow, n: te.max(term(c, oh, ow, n, tirx.min_value("float32")),
                                                           axis=[rh, rw]), name="output")
-        return _bind(te.create_prim_func([x, y]), "max_pool2d")
+        return bind_threads(te.create_prim_func([x, y]), "max_pool2d")
     s = te.compute(shape, lambda c, oh, ow, n: te.sum(term(c, oh, ow, n, tirx.const(0.0, "float32")),
                                                       axis=[rh, rw]), name="window_sum")
 
@@ -86,7 +86,7 @@ def pool2d_chwn_func(wl: Pool2dWorkload) -> tirx.PrimFunc:
         return s[c, oh, ow, n] / tirx.Cast("float32", area)
 
     y = te.compute(shape, mean, name="output")
-    return _bind(te.create_prim_func([x, y]), "avg_pool2d", reducer="window_sum")
+    return bind_threads(te.create_prim_func([x, y]), "avg_pool2d", reducer="window_sum")
 
 
 def global_avg_pool2d_chwn_func(shape) -> tirx.PrimFunc:
@@ -96,7 +96,7 @@ def global_avg_pool2d_chwn_func(shape) -> tirx.PrimFunc:
     rh, rw = te.reduce_axis((0, h), "rh"), te.reduce_axis((0, w), "rw")
     s = te.compute((c, 1, 1, n), lambda i, a, b, j: te.sum(x[i, rh, rw, j], axis=[rh, rw]), name="window_sum")
     y = te.compute((c, 1, 1, n), lambda i, a, b, j: s[i, a, b, j] / float(h * w), name="output")
-    return _bind(te.create_prim_func([x, y]), "global_avg_pool2d", reducer="window_sum")
+    return bind_threads(te.create_prim_func([x, y]), "global_avg_pool2d", reducer="window_sum")
 
 
 def activation_func(name: str, shape, alpha: float = 0.01) -> tirx.PrimFunc:
