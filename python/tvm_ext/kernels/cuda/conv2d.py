@@ -25,7 +25,9 @@ reads and whether it falls in the padding is worked out once per tap, and the ch
 nothing but its loads, stores, shared loads, FFMAs and one barrier per step (91% of its SASS is
 FFMA on sm_80 and sm_90, against a floor of 92.6% for an 8x8 thread tile). The finished tile is
 staged through shared memory so the global stores are coalesced float4 rows, with the epilogue
-(bias, residual add, activation) applied on the way out.
+(bias, residual add, activation) applied on the way out. A grid too small to fill a GPU splits
+its reduction (split-K, :func:`choose_splits`): each slice of taps or channel steps is a set of
+blocks writing partial sums, and :func:`split_reduce_func` adds them with the epilogue.
 
 Where a float4 would straddle a row of memory (images per batch or output channels not a multiple
 of 4) the loads fall back to scalars, and all bounds (K not a multiple of 8, tiles past the edge,
