@@ -31,6 +31,11 @@ def test_tutorial_04_cuda_maxdnn_tile():
     err = float(out.split("relative error against float64 NumPy ")[1].split()[0])
     assert err < 1e-4
     assert "ops served by tvm_ext kernels" in out
+    from tvm_ext.kernels.cuda import ptx
+
+    if ptx.have_nvcc() and ptx.find_nvdisasm():  # the k loop's SASS: FFMA-bound
+        share = float(out.split("in SASS: ")[1].split("(")[1].split("%")[0])
+        assert share >= 90
 
 
 def test_peak_quick(tmp_path):

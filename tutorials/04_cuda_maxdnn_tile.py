@@ -5,8 +5,8 @@ What you will see:
 2. the implicit-GEMM convolution (64x64 block tile, double-buffered shared memory, float4 loads,
    one barrier per k step, output staged through shared memory), generated as TensorIR with its
    updates tensorized, and the CUDA C TVM makes of it;
-3. what nvcc makes of that for sm_90: instruction counts in the PTX, registers and spills, and
-   the tensor-core (mma.sync tf32) variant of the same block;
+3. what nvcc makes of that for sm_90: instruction counts in the PTX, registers and spills, the
+   k loop's SASS (with nvdisasm), and the tensor-core (mma.sync tf32) variant of the same block;
 4. its numbers: on the GPU if there is one, else on the CPU emulator (the same CUDA C, compiled
    with g++, one fiber per CUDA thread);
 5. a whole network through `tvm_ext.build(mod, "cuda")`: which kernel serves each op.
@@ -62,6 +62,10 @@ def main(small: bool = False) -> None:
         loop_fma = sum(v for op, v in loop.items() if op.startswith("fma.rn"))
         print(f"   the k loop issues {sum(loop.values())} PTX instructions per pair of k steps, "
               f"{loop_fma} of them FFMA ({100 * loop_fma / sum(loop.values()):.0f}%)")
+        if ptx.find_nvdisasm() is not None:  # what the GPU issues: one warp instruction a cycle
+            sass = ptx.sass_loop_instructions(ptx.disassemble(ptx.compile_source(source, "sm_90", "cubin")))
+            print(f"   in SASS: {sum(sass.values())} instructions, {sass['FFMA']} FFMA "
+                  f"({100 * sass['FFMA'] / sum(sass.values()):.1f}%: the most of the FFMA peak it can reach)")
         # The tensor-core variant: the same block, its compute as mma.sync m16n8k8 (tf32) per warp.
         tc_plan = maxdnn.MaxDNNPlan.make(wl, maxdnn.BlockTile(engine="mma_tf32"), plan.epilogue)
         tc_counts = ptx.ptx_instructions(ptx.compile_source(maxdnn.cuda_source(tc_plan), "sm_90").decode())
