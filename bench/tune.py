@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -144,6 +145,7 @@ def main() -> int:
                f"{untuned / tuned:.2f}", f"{stock / tuned:.2f}", best_at(1 / 8), best_at(1 / 4), best_at(1 / 2),
                f"{tune_s:.0f}", f"{stock_s:.0f}")
         print(" | ".join(row), flush=True)
+        shutil.rmtree(work, ignore_errors=True)  # the layer's records: measured, printed, done
     return 0
 
 
