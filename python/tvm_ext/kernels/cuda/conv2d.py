@@ -640,10 +640,8 @@ class _Generator:
              when: str | None = None) -> None:
         """One k step on buffer `buf`; with `prefetch`, the next step's loads overlap it (only
         where the condition `when` holds, if given; `at`: see :meth:`load_global`)."""
-        e = self.e
-        guard = e.block(f"if {when}:") if when else contextlib.nullcontext()
         if prefetch:
-            with guard:
+            with self.only_if(when):
                 self.load_global(f"({kt} + 1)", at)
         source = 1 - buf if self.fault == "wrong_buffer" else buf
         if self.t.mma is not None:
@@ -652,10 +650,13 @@ class _Generator:
             self.compute(source, f"update{len(self.updates)}")
             self.updates.append(f"update{len(self.updates)}")
         if prefetch and self.fault != "no_store":
-            guard = e.block(f"if {when}:") if when else contextlib.nullcontext()
-            with guard:
+            with self.only_if(when):
                 self.store_shared(1 - buf)
         self.sync()
+
+    def only_if(self, condition: str | None):
+        """A scope whose statements run where `condition` holds (always, if None)."""
+        return self.e.block(f"if {condition}:") if condition else contextlib.nullcontext()
 
     def k_loop(self) -> None:
         """Every k step after the prologue's, each computing on one buffer while the next step's
@@ -694,7 +695,7 @@ class _Generator:
         plan = self.plan
         if plan.splits == 1:
             return "0"
-        unit, count = plan.split_unit
+        _, count = plan.split_unit
         return f"(sp * {count // plan.splits})"
 
     # -- output ----------------------------------------------------------------------------
