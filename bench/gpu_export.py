@@ -61,8 +61,7 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
                 if warp_rows:  # a taller warp slab: rows in whole slabs
                     rows = 128 if (wl.K // wl.groups) % 128 == 0 else 64
                     tile = dataclasses.replace(tile, rows=rows, warp_rows=int(warp_rows))
-                plan = cc.MaxDNNPlan.make(wl, tile)
-                plan = cc.MaxDNNPlan.make(wl, tile, splits=cc.choose_splits(plan))  # as the graph strategy
+                plan = cc.MaxDNNPlan.make(wl, tile).with_chosen_splits()  # split-K as the graph strategy
                 start = time.perf_counter()
                 source = cc.cuda_source(plan, {"kind": "cuda", "arch": arch})
                 engine = variant.replace(":", "_w")

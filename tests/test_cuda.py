@@ -129,6 +129,7 @@ def test_split_k_choice_and_validation():
     assert cc.choose_splits(big) == 1  # 2704 blocks fill the GPU
     late = cc.MaxDNNPlan.make(Conv2dWorkload.make((32, 512, 7, 7), (512, 512, 3, 3), padding=1))
     assert math.prod(late.grid) == 200 and cc.choose_splits(late) == 9  # ResNet-50's last 3x3, batch 32
+    assert late.with_chosen_splits().grid == (*late.grid[:2], 9)
     one = cc.MaxDNNPlan.make(Conv2dWorkload.make((32, 2048, 7, 7), (512, 2048, 1, 1)))
     assert cc.choose_splits(one) == 8  # 256 k steps: 8 slices of 32
     short = cc.MaxDNNPlan.make(Conv2dWorkload.make((4, 64, 6, 6), (64, 64, 1, 1)))

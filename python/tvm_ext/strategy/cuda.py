@@ -50,11 +50,11 @@ def conv2d_decision(wl: _conv.Conv2dWorkload,
     if wl.depthwise:
         return None, "depthwise: one filter per group would fill 1 row of a 64-row maxDNN tile; stock TVM", None
     plan = _maxdnn.MaxDNNPlan.make(wl, _maxdnn.choose_tile(wl.K // wl.groups, engine))
-    splits = _maxdnn.choose_splits(plan)
     reason = f"{plan.tile.rows}x{plan.tile.cols} {engine} tile, grid {plan.grid}"
-    if splits > 1:
-        plan = _maxdnn.MaxDNNPlan.make(wl, plan.tile, splits=splits)
-        reason += f" x {splits} split-K slices of its {plan.split_unit[0]} (a small grid), summed by a second kernel"
+    plan = plan.with_chosen_splits()
+    if plan.splits > 1:
+        reason += (f" x {plan.splits} split-K slices of its {plan.split_unit[0]} (a small grid), summed by a "
+                   "second kernel")
     return _maxdnn.KERNEL_NAME, reason, plan
 
 

@@ -250,6 +250,10 @@ class MaxDNNPlan:
                                  f"for a 1x1 filter, k steps) divide into {splits}; this one has {unit}")
         return plan
 
+    def with_chosen_splits(self) -> MaxDNNPlan:
+        """This plan with the split-K the graph strategy uses for it (:func:`choose_splits`)."""
+        return dataclasses.replace(self, splits=choose_splits(self))
+
     @property
     def split_unit(self) -> tuple[str, int] | None:
         """What split-K divides, and how many there are: the filter taps of a :attr:`tap_loop`,

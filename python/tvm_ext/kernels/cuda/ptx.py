@@ -163,8 +163,8 @@ def main_loop_instructions(ptx: str) -> collections.Counter:
 
 
 def find_nvdisasm() -> str | None:
-    """nvdisasm: on PATH, in the `nvidia-cuda-nvdisasm` wheel (a test dependency), or in a CUDA
-    toolkit next to nvcc."""
+    """nvdisasm: on PATH, in the `nvidia-cuda-nvdisasm` wheel (a test dependency), or, where nvcc
+    is installed, in a toolkit under /usr/local/cuda*/bin."""
     found = shutil.which("nvdisasm")
     if found:
         return found
@@ -172,8 +172,7 @@ def find_nvdisasm() -> str | None:
     spec = importlib.util.find_spec("nvidia")
     for root in (spec.submodule_search_locations or []) if spec else []:
         candidates += sorted(glob.glob(os.path.join(root, "cu*", "bin", "nvdisasm")))
-    nvcc = shutil.which("nvcc")
-    if nvcc:
+    if have_nvcc():
         candidates += sorted(glob.glob("/usr/local/cuda*/bin/nvdisasm"))
     return next((c for c in candidates if os.access(c, os.X_OK)), None)
 
