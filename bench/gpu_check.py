@@ -10,7 +10,10 @@ engine), compiles it with nvcc for this GPU, and for every kernel:
   `--engines ... mma_bf16`) against cuDNN on bf16 tensors;
 - prints GFLOP/s and, for FFMA, % of the fp32 FFMA peak it measures itself with an FFMA-chain kernel.
 A layer exported with split-K (a grid too small to fill the GPU; "K/n" in the tile column) runs
-its two kernels, the slices and their sum, and both are timed together.
+its two kernels, the slices and their sum, and both are timed together. A Winograd entry (engine
+"winograd", fp32 on the FFMA tile; "F(4x4)" in the tile column) runs and times its three kernels
+(input transform, GEMMs, output transform) with its weights transformed beforehand, as a graph
+does at build time; its GFLOP/s are effective ones (the direct convolution's FLOPs).
 
 Needs numpy, torch (CUDA) and cupy (to load a cubin and launch it); not TVM. Layouts: the kernel
 takes activations CHWN and weights CRSK (maxDNN's); the conversion from NCHW/OIHW is done once
@@ -81,10 +84,11 @@ class CudaDevice:
     def __init__(self, torch, cp):
         self.torch, self.cp = torch, cp
 
-    def kernel(self, entry: dict, cubin: Path, tensors: dict):
-        function = self.cp.RawModule(path=str(cubin)).get_function(entry["kernel"])
-        args = tuple(self.cp.asarray(tensors[name]) for name in entry["cuda_args"])
-        grid, block = tuple(entry["grid"]), tuple(entry["block"])
+    def kernel(self, launch: dict, cubin: Path, tensors: dict):
+        """One of a layer's kernels ("launches" of its manifest entry), ready to launch."""
+        function = self.cp.RawModule(path=str(cubin)).get_function(launch["kernel"])
+        args = tuple(self.cp.asarray(tensors[name]) for name in launch["cuda_args"])
+        grid, block = tuple(launch["grid"]), tuple(launch["block"])
         return lambda: function(grid, block, args)
 
     def median_ms(self, fn, repeat: int) -> float:
@@ -121,14 +125,14 @@ class EmulatedDevice(CudaDevice):
     torch_device = "cpu"
     baseline = "torch CPU"
 
-    def kernel(self, entry: dict, cubin: Path, tensors: dict):
+    def kernel(self, launch: dict, cubin: Path, tensors: dict):
         from tvm_ext.kernels.cuda.ptx import kernel_params
         from tvm_ext.testing.cuda_emulator import run_kernel
 
         source = cubin.with_suffix("").with_suffix(".cu").read_text()
-        names = [name for _, name in kernel_params(source, entry["kernel"])]
-        arrays = {cuda: tensors[ours].numpy() for cuda, ours in zip(names, entry["cuda_args"], strict=True)}
-        return lambda: run_kernel(source, entry["kernel"], tuple(entry["grid"]), tuple(entry["block"]), arrays)
+        names = [name for _, name in kernel_params(source, launch["kernel"])]
+        arrays = {cuda: tensors[ours].numpy() for cuda, ours in zip(names, launch["cuda_args"], strict=True)}
+        return lambda: run_kernel(source, launch["kernel"], tuple(launch["grid"]), tuple(launch["block"]), arrays)
 
     def median_ms(self, fn, repeat: int) -> float:
         times = []
@@ -161,31 +165,33 @@ def run_layer(torch, device: CudaDevice, entry: dict, cubin: Path, repeat: int) 
     def pad(t):
         return F.pad(t, (left, right, top, bottom))
 
-    # the kernel's operands, laid out once: CHWN data; weights CRSK, or RSCK (the reduction order)
-    taps_last = entry.get("k_order", "crs") == "crs"
-    tensors = {
-        "x": x.permute(1, 2, 3, 0).contiguous(),
-        "w": w.reshape(groups, k // groups, cg, r, s).permute(*((0, 2, 3, 4, 1) if taps_last else (0, 3, 4, 2, 1)))
-              .reshape(groups, cg * r * s, k // groups).contiguous(),
-    }
-    for output in ("partial", "y"):  # "partial": split-K's slices, summed by a second kernel
-        if output in entry["params"]:
-            tensors[output] = torch.full(entry["params"][output], float("nan"), device=device.torch_device)
-    for name, shape in entry["params"].items():
+    # the kernel's operands, laid out once: CHWN data; weights CRSK, or RSCK (the reduction order),
+    # or for Winograd U = G w G^T as the GEMMs' [a², C, K]
+    order = entry.get("k_order", "crs")
+    if order == "winograd":
+        g = torch.tensor(entry["winograd"]["G"], dtype=torch.float64, device=device.torch_device)
+        u = torch.einsum("xi,kcij,nj->xnck", g, w.double(), g)
+        weights = u.reshape(g.shape[0] ** 2, cg, k).float().contiguous()
+    else:
+        axes = (0, 2, 3, 4, 1) if order == "crs" else (0, 3, 4, 2, 1)
+        weights = w.reshape(groups, k // groups, cg, r, s).permute(*axes).reshape(groups, cg * r * s, k // groups)
+    tensors = {"x": x.permute(1, 2, 3, 0).contiguous(), "w": weights.contiguous()}
+    for name, shape in entry["params"].items():  # what the kernels write: "y", and split-K's
+        if name not in tensors:                  # slices or Winograd's transformed tiles
+            tensors[name] = torch.full(shape, float("nan"), device=device.torch_device)
         assert list(tensors[name].shape) == shape, (name, tensors[name].shape, shape)
-    conv = device.kernel(entry, cubin, tensors)
-    reduce = device.kernel(entry["reduce"], cubin, tensors) if "reduce" in entry else None
+    launches = [device.kernel(launch, cubin, tensors) for launch in entry["launches"]]
 
     def ours():
-        conv()
-        if reduce is not None:
-            reduce()
+        for launch in launches:
+            launch()
 
     ours()
     if device.torch_device == "cuda":
         torch.cuda.synchronize()
     got = tensors["y"].permute(3, 0, 1, 2)
-    engine = entry.get("engine", "ffma").split("_w")[0]  # "mma_tf32_w64": the tf32 engine, 64-row warp slabs
+    # "mma_tf32_w64": the tf32 engine, 64-row warp slabs; "winograd": fp32 on the FFMA tile
+    engine = entry.get("engine", "ffma").split("_w")[0].replace("winograd", "ffma")
 
     def as_read(t):  # what the kernel's arithmetic sees of an fp32 input
         if engine == "mma_tf32":
@@ -272,11 +278,15 @@ def main(argv=None) -> int:
             result.update(name=entry["name"], engine=engine, gflops=gflops, peak_pct=100 * gflops / peak,
                           tile=entry["tile"])
             rows.append(result)
-            pct = f"{result['peak_pct']:.1f}%" if engine == "ffma" else "-"  # the FFMA peak is no tensor peak
+            # the FFMA peak is no tensor peak; Winograd's GFLOP/s are effective (a direct conv's FLOPs)
+            pct = {"ffma": f"{result['peak_pct']:.1f}%", "winograd": f"{result['peak_pct']:.1f}% eff."}.get(engine, "-")
             loop = entry.get("sass_loop")
-            bound = f"{100 * loop['ffma'] / loop['instructions']:.1f}%" if loop and engine == "ffma" else "-"
+            ffma_loop = loop and engine in ("ffma", "winograd")
+            bound = f"{100 * loop['ffma'] / loop['instructions']:.1f}%" if ffma_loop else "-"
             tile = f"{entry['tile'][0]}x{entry['tile'][1]}" + (f", K/{entry['splits']}" if entry.get("splits", 1) > 1
                                                                 else "")
+            if "winograd" in entry:
+                tile = f"F({entry['winograd']['m']}x{entry['winograd']['m']}), {tile}"
             line = (f"| {entry['set']} {entry['layer']} | {engine} | {tile} | "
                     f"{result['err']:.1e}{'' if result['ok'] else ' FAIL'} | {result['ours_ms']:.3f} | "
                     f"{gflops:,.0f} | {pct} | {bound} | {result['cudnn']} | {result['cudnn_ms']:.3f} | "

@@ -1,7 +1,8 @@
 """Generate the CUDA C of tvm_ext's maxDNN convolution for the GPU check's layers (no GPU needed).
 
-Writes one .cu file per layer and engine (FFMA; tf32 tensor cores) and manifest.json (shapes,
-grid, block, parameter order) into --out. bench/gpu_check.py compiles and runs them with nvcc and
+Writes one .cu file per layer and engine (FFMA; Winograd F(4x4) on the FFMA tile, for the layers
+it can run; tf32 tensor cores) and manifest.json (shapes, and each kernel's launch and parameter
+order) into --out. bench/gpu_check.py compiles and runs them with nvcc and
 CuPy on a GPU machine, so that machine needs no TVM: apache-tvm's wheel is 100 MB and the GPU
 machines lent here take 64 MiB.
 
@@ -43,9 +44,11 @@ def sass_loop(source: str, arch: str) -> dict:
 
 
 def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
-           engines: tuple[str, ...] = ("ffma", "mma_tf32", "mma_tf32:64"), sass: bool = False) -> list[dict]:
+           engines: tuple[str, ...] = ("ffma", "winograd", "mma_tf32", "mma_tf32:64"),
+           sass: bool = False) -> list[dict]:
     from tvm_ext.kernels.conv2d import Conv2dWorkload
     from tvm_ext.kernels.cuda import conv2d as cc
+    from tvm_ext.kernels.cuda import winograd as cw
 
     out.mkdir(parents=True, exist_ok=True)
     entries = []
@@ -57,13 +60,20 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
                                      stride=layer["stride"], padding=layer["pad"], groups=groups)
             for variant in engines:
                 engine, _, warp_rows = variant.partition(":")
-                tile = cc.choose_tile(wl.K // wl.groups, engine)
-                if warp_rows:  # a taller warp slab: rows in whole slabs
-                    rows = 128 if (wl.K // wl.groups) % 128 == 0 else 64
-                    tile = dataclasses.replace(tile, rows=rows, warp_rows=int(warp_rows))
-                plan = cc.MaxDNNPlan.make(wl, tile).with_chosen_splits()  # split-K as the graph strategy
                 start = time.perf_counter()
-                source = cc.cuda_source(plan, {"kind": "cuda", "arch": arch})
+                target = {"kind": "cuda", "arch": arch}
+                if engine == "winograd":  # every layer it can run, chosen by the strategy's estimate or not
+                    if cw.eligible(wl):
+                        continue
+                    plan = cw.WinogradPlan.make(wl)
+                    source = cw.cuda_source(plan, target)
+                else:
+                    tile = cc.choose_tile(wl.K // wl.groups, engine)
+                    if warp_rows:  # a taller warp slab: rows in whole slabs
+                        rows = 128 if (wl.K // wl.groups) % 128 == 0 else 64
+                        tile = dataclasses.replace(tile, rows=rows, warp_rows=int(warp_rows))
+                    plan = cc.MaxDNNPlan.make(wl, tile).with_chosen_splits()  # split-K as the graph strategy
+                    source = cc.cuda_source(plan, target)
                 engine = variant.replace(":", "_w")
                 name = f"{set_name}_{layer['name']}_{engine}"
                 (out / f"{name}.cu").write_text(source)
@@ -74,32 +84,49 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
                     mix = (f" k loop: {loop['instructions']} instructions, "
                            f"{100 * (loop['ffma'] or loop['hmma']) / loop['instructions']:.1f}% "
                            f"{'FFMA' if loop['ffma'] else 'HMMA'}")
-                split = f" split-K {plan.splits}" if plan.splits > 1 else ""
-                print(f"{name:36s} tile {plan.tile.rows}x{plan.tile.cols} grid {plan.grid}{split}{mix} "
-                      f"({time.perf_counter() - start:.1f} s)", flush=True)
+                if engine == "winograd":
+                    direct_ms, winograd_ms = entries[-1]["estimate_ms"]
+                    shape = (f"F({plan.m}x{plan.m}) GEMM tile {plan.gemm.tile.rows}x{plan.gemm.tile.cols} grid "
+                             f"{plan.gemm.grid}, estimated {direct_ms / winograd_ms:.2f}x direct")
+                else:
+                    shape = f"tile {plan.tile.rows}x{plan.tile.cols} grid {plan.grid}"
+                    shape += f" split-K {plan.splits}" if plan.splits > 1 else ""
+                print(f"{name:36s} {shape}{mix} ({time.perf_counter() - start:.1f} s)", flush=True)
     (out / "manifest.json").write_text(json.dumps({"arch": arch, "layers": entries}, indent=1))
     return entries
 
 
 def _entry(name: str, set_name: str, layer: str, engine: str, wl, plan, source: str) -> dict:
-    """The manifest entry bench/gpu_check.py launches and checks the kernel from."""
+    """The manifest entry bench/gpu_check.py launches and checks the layer from: its tensors'
+    shapes ("params") and its kernels in launch order ("launches"), each with its arguments."""
     from tvm_ext.kernels.cuda import conv2d as cc
+    from tvm_ext.kernels.cuda import winograd as cw
 
     entry = {
         "name": name, "set": set_name, "layer": layer, "engine": engine, "file": f"{name}.cu",
-        "kernel": "maxdnn_conv2d_kernel", "grid": list(plan.grid), "block": [plan.tile.threads, 1, 1],
-        "tile": [plan.tile.rows, plan.tile.cols], "splits": plan.splits,
         "x_nchw": [wl.N, wl.C, wl.H, wl.W], "w_oihw": [wl.K, wl.C // wl.groups, wl.KH, wl.KW],
         "stride": list(wl.stride), "padding": list(wl.padding), "dilation": list(wl.dilation),
-        "groups": wl.groups, "flops": wl.flops, "k_order": plan.k_order,
-        "params": {k: list(v) for k, v in {**plan.shapes(), **plan.reduce_shapes()}.items()},
-        "cuda_args": cc.cuda_param_order(source),
+        "groups": wl.groups, "flops": wl.flops,
     }
-    if plan.splits > 1:  # split-K: a second kernel sums the slices (launched after the first)
+    if isinstance(plan, cw.WinogradPlan):  # input transform, the a² GEMMs, output transform
+        _, g, _ = plan.matrices
+        entry.update(tile=[plan.gemm.tile.rows, plan.gemm.tile.cols], splits=1, k_order="winograd",
+                     winograd={"m": plan.m, "G": g.tolist()}, estimate_ms=list(cw.estimate(plan)),
+                     params={k: list(v) for k, v in plan.shapes().items()})
+        entry["launches"] = [
+            {"kernel": f"{cw.KERNEL_NAME}_{stage}_kernel", "grid": list(grid), "block": list(block),
+             "cuda_args": cw.cuda_param_order(plan, source, stage)}
+            for stage, (grid, block) in plan.launches().items()]
+        return entry
+    entry.update(tile=[plan.tile.rows, plan.tile.cols], splits=plan.splits, k_order=plan.k_order,
+                 params={k: list(v) for k, v in {**plan.shapes(), **plan.reduce_shapes()}.items()})
+    entry["launches"] = [{"kernel": cc.KERNEL_NAME + "_kernel", "grid": list(plan.grid),
+                          "block": [plan.tile.threads, 1, 1], "cuda_args": cc.cuda_param_order(source)}]
+    if plan.splits > 1:  # split-K: a second kernel sums the slices
         kernel = cc.KERNEL_NAME + cc.REDUCE_SUFFIX + "_kernel"
         grid, block = cc.reduce_launch(plan)
-        entry["reduce"] = {"kernel": kernel, "grid": list(grid), "block": list(block),
-                           "cuda_args": cc.cuda_param_order(source, kernel)}
+        entry["launches"].append({"kernel": kernel, "grid": list(grid), "block": list(block),
+                                  "cuda_args": cc.cuda_param_order(source, kernel)})
     return entry
 
 
@@ -111,9 +138,10 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=None, help="one batch for every set (default: per set)")
     parser.add_argument("--layers", type=int, default=None, help="first N layers of each set")
     parser.add_argument("--arch", default="sm_90", help="the arch TVM generates for (the source is portable)")
-    parser.add_argument("--engines", nargs="+", default=["ffma", "mma_tf32", "mma_tf32:64"],
-                        choices=["ffma", "mma_tf32", "mma_tf32:64", "mma_bf16"],
-                        help="kernel variants; ':64' = 64-row warp slabs (4 x m16 per warp)")
+    parser.add_argument("--engines", nargs="+", default=["ffma", "winograd", "mma_tf32", "mma_tf32:64"],
+                        choices=["ffma", "winograd", "mma_tf32", "mma_tf32:64", "mma_bf16"],
+                        help="kernel variants; ':64' = 64-row warp slabs (4 x m16 per warp); winograd: fp32 "
+                             "F(4x4) on the FFMA tile, for the 3x3 and 5x5 stride-1 layers")
     parser.add_argument("--sass", action="store_true",
                         help="also record each kernel's k-loop SASS mix for --arch (needs nvcc and nvdisasm)")
     args = parser.parse_args(argv)

@@ -125,9 +125,10 @@ def test_gpu_check_pipeline_without_gpu(tmp_path):
     assert "overfeat_conv1_ffma" in out and "tile 96x64" in out  # 96 filters: one 96-row tile
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     entries = manifest["layers"]
-    assert [e["engine"] for e in entries] == ["ffma", "mma_tf32", "mma_tf32_w64"]
+    assert [e["engine"] for e in entries] == ["ffma", "mma_tf32", "mma_tf32_w64"]  # 11x11 stride 4: no Winograd
     for entry in entries:
-        assert sorted(entry["cuda_args"]) == ["w", "x", "y"] and entry["params"]["y"] == [96, 56, 56, 4]
+        [launch] = entry["launches"]
+        assert sorted(launch["cuda_args"]) == ["w", "x", "y"] and entry["params"]["y"] == [96, 56, 56, 4]
     if sass:  # each k loop's SASS mix: FFMA for the FFMA tile, mma for the tensor-core ones
         loops = [e["sass_loop"] for e in entries]
         assert loops[0]["ffma"] > 0.8 * loops[0]["instructions"] and loops[0]["hmma"] == 0
@@ -145,14 +146,17 @@ def test_gpu_check_pipeline_without_gpu(tmp_path):
     assert out.returncode == 2 and "gpu_check:" in out.stderr  # no GPU (or no CuPy) here: says so
     # the whole script, kernels on the CPU emulator: layouts, argument order and checks are right
     env = {**os.environ, "KERNELS": str(tmp_path), "PYTHON": sys.executable, "OUT": str(tmp_path / "report"),
-           # CRS order, and RSC with split-K (AlexNet conv2 at batch 2: 69 blocks, 5 slices of taps)
-           "EXPORT_ARGS": "--sets alexnet --batch 2 --layers 2 --engines ffma mma_tf32:64"}
+           # CRS order, and RSC with split-K (AlexNet conv2 at batch 2: 69 blocks, 5 slices of taps),
+           # and conv2 (5x5) as Winograd F(4x4, 5x5): three kernels
+           "EXPORT_ARGS": "--sets alexnet --batch 2 --layers 2 --engines ffma winograd mma_tf32:64"}
     result = subprocess.run(["bash", "bench/gpu_check.sh", "--emulate", "--repeat", "1"], cwd=ROOT,
                             capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "4/4 layers correct" in result.stdout
+    assert "5/5 layers correct" in result.stdout
     report = json.loads((tmp_path / "report" / "gpu_check.json").read_text())
-    assert [row["engine"] for row in report["layers"]] == ["ffma", "mma_tf32_w64"] * 2
+    assert [row["engine"] for row in report["layers"]] == ["ffma", "mma_tf32_w64", "ffma", "winograd", "mma_tf32_w64"]
     assert all(row["ok"] for row in report["layers"])
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert [e.get("splits") for e in manifest["layers"]] == [1, 1, 5, 5] and "K/5" in result.stdout
+    assert [e.get("splits") for e in manifest["layers"]] == [1, 1, 5, 1, 5] and "K/5" in result.stdout
+    assert [len(e["launches"]) for e in manifest["layers"]] == [1, 1, 2, 3, 2]
+    assert "| alexnet conv2 | winograd | F(4x4), 64x64 |" in result.stdout and "% eff." in result.stdout

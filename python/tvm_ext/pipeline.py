@@ -87,7 +87,7 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
         if database is not None:
             raise UnsupportedError("pipeline: tuning records apply to CPU targets only (the CUDA kernels use "
                                    "their analytic tiles)")
-        return _cuda_pipeline(target, tensor_cores)
+        return _cuda_pipeline(target, tensor_cores, winograd)
     if target.kind.name != "llvm":
         raise UnsupportedError(f"pipeline: target {target.kind.name} is not supported (LLVM CPUs and CUDA)")
     if tensor_cores:
@@ -111,7 +111,7 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
     return _pipeline
 
 
-def _cuda_pipeline(target: tvm.target.Target, tensor_cores: bool | str) -> tvm.transform.Pass:
+def _cuda_pipeline(target: tvm.target.Target, tensor_cores: bool | str, winograd: bool) -> tvm.transform.Pass:
     """TVM's CUDA pipeline (relax/backend/cuda) with tvm_ext's strategy in front of legalization;
     what is left gets dlight's GPU schedules."""
 
@@ -121,7 +121,8 @@ def _cuda_pipeline(target: tvm.target.Target, tensor_cores: bool | str) -> tvm.t
             passes = (
                 cuda_pipeline.library_dispatch_passes(target)
                 + cpu_strategy.fusion_passes(target)
-                + _lowering_passes(target, cpu_strategy.lower_to_kernels(target, tensor_cores=tensor_cores),
+                + _lowering_passes(target, cpu_strategy.lower_to_kernels(target, tensor_cores=tensor_cores,
+                                                                             winograd=winograd),
                                    [dlight.gpu.Matmul(), dlight.gpu.GEMV(), dlight.gpu.Reduction(),
                                     dlight.gpu.GeneralReduction(), dlight.gpu.Fallback()])
                 + cuda_pipeline.dataflow_lower_passes(target)

@@ -103,12 +103,20 @@ def _inverse(matrix: list[list[Fraction]]) -> list[list[Fraction]]:
     return [row[n:] for row in rows]
 
 
-def eligible(wl: Conv2dWorkload) -> str:
-    """Why `wl` cannot run as Winograd F(m, r), or "" if it can."""
+def shape_eligible(wl: Conv2dWorkload) -> str:
+    """Why the F(m, r) of :data:`POINTS` cannot compute `wl` at all, or "" if they can."""
     if (wl.KH, wl.KW) not in ((3, 3), (5, 5)) or wl.stride != (1, 1) or wl.dilation != (1, 1) or wl.groups != 1:
         return "not a 3x3 or 5x5, stride-1, undilated, ungrouped convolution"
     if wl.dtype != "float32":
         return f"dtype {wl.dtype}"
+    return ""
+
+
+def eligible(wl: Conv2dWorkload) -> str:
+    """Why `wl` cannot run as Winograd F(m, r) on the CPU, or "" if it can."""
+    why = shape_eligible(wl)
+    if why:
+        return why
     if wl.C % 16 or wl.K % 16 or min(wl.C, wl.K) < MIN_CHANNELS:
         return f"channels {wl.C} -> {wl.K}: Winograd needs multiples of 16, at least {MIN_CHANNELS}"
     return ""

@@ -110,7 +110,8 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
     except ValueError as err:
         return Decision(op, shapes, None, str(err))
     if target.kind.name == "cuda":
-        kernel, reason, cuda_plan = _cuda.conv2d_decision(wl, engine)
+        constant = isinstance(call.args[1], tvm.ir.Constant)
+        kernel, reason, cuda_plan = _cuda.conv2d_decision(wl, engine, winograd and constant)
         return Decision(op, shapes, kernel, reason, cuda_plan)
     if winograd and isinstance(call.args[1], tvm.ir.Constant) and not _winograd.eligible(wl):
         plan = _winograd.winograd_plan(wl, vector_isa(target))
@@ -365,7 +366,7 @@ def make_emitter(bb: relax.BlockBuilder, target: tvm.target.Target, database=Non
     """The emitter of `target`'s kernels: blocked NCHW[x]c on CPUs, CHWN on CUDA (`tensor_cores`,
     `winograd`: see :func:`tvm_ext.pipeline`)."""
     if target.kind.name == "cuda":
-        return _cuda.CudaEmitter(bb, target, database, engine=_cuda.engine_for(tensor_cores))
+        return _cuda.CudaEmitter(bb, target, database, engine=_cuda.engine_for(tensor_cores), winograd=winograd)
     return _Emitter(bb, target, database, winograd)
 
 

@@ -27,6 +27,7 @@ from tvm import relax
 from ..kernels import conv2d as _conv
 from ..kernels.cuda import conv2d as _maxdnn
 from ..kernels.cuda import simple as _simple
+from ..kernels.cuda import winograd as _winograd
 
 _TO_NCHW = "tvm_ext_chwn_to_nchw"
 _OPAQUE = 8  # Relax's FuseOps must leave our scheduled kernels alone: kOpaque
@@ -44,11 +45,22 @@ def engine_for(tensor_cores) -> str:
     return engines[tensor_cores]
 
 
-def conv2d_decision(wl: _conv.Conv2dWorkload,
-                    engine: str = "ffma") -> tuple[str | None, str, _maxdnn.MaxDNNPlan | None]:
-    """(kernel or None, reason, plan) for a validated float32 NCHW/OIHW convolution on `engine`."""
+def conv2d_decision(wl: _conv.Conv2dWorkload, engine: str = "ffma", winograd: bool = False
+                    ) -> tuple[str | None, str, _maxdnn.MaxDNNPlan | _winograd.WinogradPlan | None]:
+    """(kernel or None, reason, plan) for a validated float32 NCHW/OIHW convolution on `engine`;
+    `winograd`: the weights are constant and Winograd is allowed (FFMA only: a tensor core's
+    10-bit mantissa does not survive the transforms)."""
     if wl.depthwise:
         return None, "depthwise: one filter per group would fill 1 row of a 64-row maxDNN tile; stock TVM", None
+    if winograd and engine == "ffma" and not _winograd.eligible(wl):
+        fast = _winograd.WinogradPlan.make(wl)
+        direct_ms, winograd_ms = _winograd.estimate(fast)
+        if direct_ms >= _winograd.MIN_SPEEDUP * winograd_ms:
+            gemm = fast.gemm
+            return _winograd.KERNEL_NAME, (
+                f"Winograd F({fast.m}x{fast.m}, {wl.KH}x{wl.KW}): {fast.a ** 2} GEMMs on the {gemm.tile.rows}x"
+                f"{gemm.tile.cols} ffma tile, grid {gemm.grid}, between an input and an output transform "
+                f"(estimated {direct_ms / winograd_ms:.1f}x faster than direct)"), fast
     plan = _maxdnn.MaxDNNPlan.make(wl, _maxdnn.choose_tile(wl.K // wl.groups, engine))
     reason = f"{plan.tile.rows}x{plan.tile.cols} {engine} tile, grid {plan.grid}"
     plan = plan.with_chosen_splits()
@@ -69,12 +81,14 @@ def _name(kind: str, *parts) -> str:
 class CudaEmitter:
     """Emits tvm_ext CUDA kernel calls for one op (the CPU strategy's `_Emitter`, for CUDA)."""
 
-    def __init__(self, bb: relax.BlockBuilder, target: tvm.target.Target, database=None, engine: str = "ffma"):
+    def __init__(self, bb: relax.BlockBuilder, target: tvm.target.Target, database=None, engine: str = "ffma",
+                 winograd: bool = True):
         if database is not None:
             raise ValueError("tuning records apply to CPU targets only; the CUDA kernels use their analytic tiles")
         self.bb = bb
         self.target = target
         self.engine = engine  # "ffma" (fp32), "mma_tf32" or "mma_bf16" (tensor cores): engine_for()
+        self.winograd = winograd  # constant-weight 3x3/5x5 stride-1 layers may run as Winograd
 
     def _call(self, func: tvm.tirx.PrimFunc, name: str, args: list, shape: tuple) -> relax.Var:
         gvar = self.bb.add_func(func.with_attr("op_pattern", _OPAQUE), name)
@@ -127,20 +141,25 @@ class CudaEmitter:
                suffix: str = "") -> relax.Expr:
         from .cpu import _ACTIVATION_OPS, decide
 
-        decided = decide(call, self.target, self.engine).plan  # the tile the report names
+        decided = decide(call, self.target, self.engine, self.winograd).plan  # the plan the report names
         wl = decided.wl
         act = None if activation is None else _ACTIVATION_OPS[activation.op.name]
         epilogue = _maxdnn.Epilogue(bias=bias is not None, residual=residual is not None, activation=act)
-        plan = _maxdnn.MaxDNNPlan.make(wl, decided.tile, epilogue, decided.splits)
         epilogue_args = []
         if bias is not None:
             epilogue_args.append(relax.const(np.ascontiguousarray(bias.reshape(-1), dtype=np.float32)))
         if residual is not None:
             epilogue_args.append(self.chwn(residual))
+        shape = ((wl.N, wl.C, wl.H, wl.W), (wl.K, wl.KH, wl.KW),
+                 f"s{wl.stride[0]}x{wl.stride[1]}_p{'x'.join(map(str, wl.padding))}"
+                 f"_d{wl.dilation[0]}x{wl.dilation[1]}_g{wl.groups}")
+        if isinstance(decided, _winograd.WinogradPlan):
+            plan = _winograd.WinogradPlan.make(wl, decided.m, epilogue)
+            return self._winograd_conv2d(plan, call.args[1], data, epilogue_args, _name("winograd_conv2d", *shape)
+                                         + suffix)
+        plan = _maxdnn.MaxDNNPlan.make(wl, decided.tile, epilogue, decided.splits)
         args = [self.chwn(data), self._weight(call.args[1], wl.groups, plan.k_order)]
-        name = _name("maxdnn_conv2d", (wl.N, wl.C, wl.H, wl.W), (wl.K, wl.KH, wl.KW),
-                     f"s{wl.stride[0]}x{wl.stride[1]}_p{'x'.join(map(str, wl.padding))}"
-                     f"_d{wl.dilation[0]}x{wl.dilation[1]}_g{wl.groups}") + suffix
+        name = _name("maxdnn_conv2d", *shape) + suffix
         if plan.splits == 1:
             func = _maxdnn.maxdnn_conv2d_func(plan, symbol=name)
             return self.nchw(self._call(func, name, args + epilogue_args, plan.y_shape))
@@ -150,6 +169,18 @@ class CudaEmitter:
         partial = self._call(func, sliced, args, plan.shapes()["partial"])
         reduce = _maxdnn.split_reduce_func(plan, symbol=name + _maxdnn.REDUCE_SUFFIX)
         return self.nchw(self._call(reduce, name + _maxdnn.REDUCE_SUFFIX, [partial] + epilogue_args, plan.y_shape))
+
+    def _winograd_conv2d(self, plan: _winograd.WinogradPlan, weight: relax.Constant, data: relax.Expr,
+                         epilogue_args: list, name: str) -> relax.Expr:
+        """The three calls of a Winograd convolution: input transform, the a² GEMMs (on weights
+        transformed here, at build time), output transform with the epilogue."""
+        shapes = plan.shapes()
+        v = self._call(_winograd.input_transform_func(plan, name + "_input"), name + "_input", [self.chwn(data)],
+                       shapes["v"])
+        u = relax.const(_winograd.transform_weight(plan, weight.value.numpy()))
+        mm = self._call(_maxdnn.maxdnn_conv2d_func(plan.gemm, name + "_gemm"), name + "_gemm", [v, u], shapes["mm"])
+        out = _winograd.output_transform_func(plan, name + "_output")
+        return self.nchw(self._call(out, name + "_output", [mm, *epilogue_args], plan.y_shape))
 
     def pool_or_activation(self, call: relax.Call, decision) -> relax.Expr:
         from .cpu import _alpha, _pool_workload

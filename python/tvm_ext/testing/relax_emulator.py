@@ -27,14 +27,16 @@ _THREAD = re.compile(r'T\.thread_binding\((\d+), thread="(blockIdx|threadIdx)\.(
 _ALIAS = re.compile(r"(\w+) = (?:(\w+)\.view\(|T\.decl_buffer\([^\n]*data=(\w+)\.data)")
 
 
-def lower(mod: tvm.IRModule, target, tensor_cores: bool | str = False) -> tvm.IRModule:
-    """`mod` after tvm_ext's fusion and lowering passes for `target` (before legalization)."""
+def lower(mod: tvm.IRModule, target, tensor_cores: bool | str = False, winograd: bool = True) -> tvm.IRModule:
+    """`mod` after tvm_ext's fusion and lowering passes for `target` (before legalization);
+    `tensor_cores`, `winograd`: see :func:`tvm_ext.pipeline`."""
     from ..strategy import cpu as strategy
     from ..target import resolve_target
 
     target = resolve_target(target)
     with target:
-        passes = strategy.fusion_passes(target) + [strategy.lower_to_kernels(target, tensor_cores=tensor_cores)]
+        passes = strategy.fusion_passes(target) + [strategy.lower_to_kernels(target, tensor_cores=tensor_cores,
+                                                                             winograd=winograd)]
         return tvm.transform.Sequential(passes)(mod)
 
 
