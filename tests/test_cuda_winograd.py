@@ -208,10 +208,5 @@ def test_gpu_winograd_matches_reference():
     wl = Conv2dWorkload.make((8, 32, 14, 14), (64, 32, 3, 3), 1, 1)
     plan = cw.WinogradPlan.make(wl, epilogue=cc.Epilogue(bias=True))
     x, w, bias, _, ref = _case((8, 32, 14, 14), (64, 32, 3, 3), (1, 1, 1, 1), plan.epilogue)
-    arrays = cw.kernel_arrays(plan, x, w, bias)
-    ex = ptx.build_for_device(cw.winograd_module(plan), tvm.target.Target("cuda"))
-    dev = tvm.cuda(0)
-    tensors = {name: tvm.runtime.tensor(a, dev) for name, a in arrays.items()}
-    for stage, params in plan.stage_params().items():
-        ex[f"{cw.KERNEL_NAME}_{stage}"](*(tensors[name] for name in params.values()))
-    assert rel_err(cc.output_to_nchw(tensors["y"].numpy()), ref) < 1e-4
+    got = cw.run_on_gpu(plan, cw.kernel_arrays(plan, x, w, bias))
+    assert rel_err(cc.output_to_nchw(got), ref) < 1e-4

@@ -31,6 +31,8 @@ def test_tutorial_04_cuda_maxdnn_tile():
     err = float(out.split("relative error against float64 NumPy ")[1].split()[0])
     assert err < 1e-4
     assert "ops served by tvm_ext kernels" in out
+    assert "6. OverFeat L3 at batch 128 for CUDA: winograd_conv2d, Winograd F(4x4, 3x3)" in out
+    assert float(out.split("F(4x4, 3x3) on the small layer")[1].split("NumPy ")[1].split()[0]) < 1e-4
     from tvm_ext.kernels.cuda import ptx
 
     if ptx.have_nvcc() and ptx.find_nvdisasm():  # the k loop's SASS: FFMA-bound

@@ -9,7 +9,9 @@ What you will see:
    k loop's SASS (with nvdisasm), and the tensor-core (mma.sync tf32) variant of the same block;
 4. its numbers: on the GPU if there is one, else on the CPU emulator (the same CUDA C, compiled
    with g++, one fiber per CUDA thread);
-5. a whole network through `tvm_ext.build(mod, "cuda")`: which kernel serves each op.
+5. a whole network through `tvm_ext.build(mod, "cuda")`: which kernel serves each op;
+6. Winograd on the GPU: a 3x3 layer as an input transform, 36 GEMMs on the same tile and an
+   output transform, where the strategy's estimate says it beats the direct tile.
 
 Run: python tutorials/04_cuda_maxdnn_tile.py [--small]
 """
@@ -107,6 +109,25 @@ def main(small: bool = False) -> None:
         kernels = ptx.kernel_names(ptx.executable_cuda_source(ex))
         print(f"   built in {time.perf_counter() - start:.0f} s: {len(kernels)} CUDA kernels, "
               f"{sum('maxdnn' in k for k in kernels)} of them maxDNN convolutions")
+    winograd(small_wl, x, w, bias, ref)
+
+
+def winograd(small_wl: Conv2dWorkload, x: np.ndarray, w: np.ndarray, bias: np.ndarray, ref: np.ndarray) -> None:
+    """Step 6: the strategy's choice for OverFeat layer 3 at batch 128, and a small layer's numbers."""
+    from tvm_ext.kernels.cuda import winograd as cw
+    from tvm_ext.strategy.cuda import conv2d_decision
+
+    layer = Conv2dWorkload.make((128, 256, 12, 12), (512, 256, 3, 3), padding=1)
+    kernel, reason, plan = conv2d_decision(layer, "ffma", winograd=True)
+    print(f"\n6. OverFeat L3 at batch 128 for CUDA: {kernel}, {reason}")
+    print(f"   kernels: {', '.join(f'{stage} grid {grid}' for stage, (grid, _) in plan.launches().items())}; "
+          f"V and M: {plan.traffic_bytes() / 2e6:.0f} MB written and read")
+    small = cw.WinogradPlan.make(small_wl, epilogue=maxdnn.Epilogue(bias=True))
+    arrays = cw.kernel_arrays(small, x, w, bias)
+    y = cw.run_on_gpu(small, arrays) if tvm.cuda(0).exist else cw.emulate(small, arrays)
+    err = np.abs(maxdnn.output_to_nchw(y) - ref).max() / np.abs(ref).max()
+    print(f"   F(4x4, 3x3) on the small layer, {'GPU' if tvm.cuda(0).exist else 'emulator'}: relative error "
+          f"against float64 NumPy {err:.1e} (direct: the tile's rounding only; Winograd's transforms add some)")
 
 
 def _reference(x: np.ndarray, w: np.ndarray, bias: np.ndarray) -> np.ndarray:

@@ -74,10 +74,11 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
     or "tf32" (inputs read as tf32, as cuDNN does with TF32 allowed), "bf16" (inputs rounded to
     bf16; fp32 accumulation and outputs).
 
-    `winograd` (CPU): stride-1 3x3 and 5x5 convolutions with constant weights and at least 32
-    channels run as Winograd F(4x4, rxr) or F(2x2, rxr) (:mod:`tvm_ext.kernels.winograd`):
-    2.25-6x fewer multiplies, and a float32 error of about 1e-5 of the output's range instead of
-    4e-7. False keeps every convolution direct.
+    `winograd`: stride-1 3x3 and 5x5 convolutions with constant weights run as Winograd
+    F(4x4, rxr) or F(2x2, rxr): 2.25-6x fewer multiplies, and a float32 error of about 1e-5 of
+    the output's range instead of 4e-7. On CPUs (:mod:`tvm_ext.kernels.winograd`) from 32
+    channels; on CUDA (:mod:`tvm_ext.kernels.cuda.winograd`, FFMA engine only) where its
+    estimate beats the direct tile's. False keeps every convolution direct.
     """
     from .tuning.tuner import open_database, shipped_database
 

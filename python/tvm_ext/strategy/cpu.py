@@ -79,8 +79,9 @@ def _dtype(expr: relax.Expr) -> str:
 
 def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", winograd: bool = True) -> Decision:
     """The kernel for `call` on `target`, or why stock TVM keeps it (`engine`: CUDA's
-    convolution engine, see :func:`tvm_ext.strategy.cuda.engine_for`; `winograd`: whether a CPU
-    convolution with constant weights may run as Winograd, :mod:`tvm_ext.kernels.winograd`)."""
+    convolution engine, see :func:`tvm_ext.strategy.cuda.engine_for`; `winograd`: whether a
+    convolution with constant weights may run as Winograd, :mod:`tvm_ext.kernels.winograd` and
+    :mod:`tvm_ext.kernels.cuda.winograd`)."""
     op = call.op.name if isinstance(call.op, tvm.ir.Op) else str(call.op)
     tensors = [arg for arg in call.args if isinstance(arg.ty, relax.TensorType)]
     shapes = tuple(_shape_text(arg) for arg in tensors)
@@ -109,11 +110,11 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
                                        int(attrs.groups))
     except ValueError as err:
         return Decision(op, shapes, None, str(err))
+    winograd = winograd and isinstance(call.args[1], tvm.ir.Constant)  # transformed at build time
     if target.kind.name == "cuda":
-        constant = isinstance(call.args[1], tvm.ir.Constant)
-        kernel, reason, cuda_plan = _cuda.conv2d_decision(wl, engine, winograd and constant)
+        kernel, reason, cuda_plan = _cuda.conv2d_decision(wl, engine, winograd)
         return Decision(op, shapes, kernel, reason, cuda_plan)
-    if winograd and isinstance(call.args[1], tvm.ir.Constant) and not _winograd.eligible(wl):
+    if winograd and not _winograd.eligible(wl):
         plan = _winograd.winograd_plan(wl, vector_isa(target))
     else:
         plan = _conv.plan_conv2d(wl, vector_isa(target))

@@ -332,6 +332,18 @@ def emulate(plan: WinogradPlan, arrays: dict[str, np.ndarray], source: str | Non
     return arrays["y"]
 
 
+def run_on_gpu(plan: WinogradPlan, arrays: dict[str, np.ndarray], target="cuda") -> np.ndarray:
+    """Run the three kernels on this machine's GPU (:func:`emulate`'s counterpart); returns y."""
+    from .ptx import build_for_device
+
+    executable = build_for_device(winograd_module(plan), resolve_target(target))
+    device = tvm.cuda(0)
+    tensors = {name: tvm.runtime.tensor(array, device) for name, array in arrays.items()}
+    for stage, params in plan.stage_params().items():  # in the PrimFuncs' parameter order
+        executable[f"{KERNEL_NAME}_{stage}"](*(tensors[name] for name in params.values()))
+    return tensors["y"].numpy()
+
+
 def cuda_param_order(plan: WinogradPlan, source: str, stage: str) -> list[str]:
     """The tensors of :meth:`WinogradPlan.shapes` behind each argument of kernel `stage`, in the
     CUDA function's order (TVM sorts them): whoever launches the CUDA C directly passes them so."""
