@@ -6,6 +6,7 @@ nvcc (PTX and ptxas for sm_80 and sm_90). Tests marked `gpu` run the kernel on a
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import re
@@ -463,6 +464,14 @@ def test_tensor_core_machine_code(arch, engine, warp_rows):
     mt, nt = plan.tile.mma_tiles
     assert ops_count[plan.tile.mma.opcode] == mt * nt * plan.code_steps
     assert ops_count["bar.sync"] == plan.code_steps + 2 and ops_count["ld.global.nc.v4.f32"] > 0
+    # fragment loads as vectors (mma_chunks): tf32 A's row pairs 64-bit, B 32-bit; bf16 128-bit
+    ca, cb = plan.tile.mma_chunks
+    per = plan.tile.mma.per_reg
+    kind, width = ("u32" if per == 1 else "f32"), {1: "", 2: ".v2", 4: ".v4"}
+    expected = collections.Counter({f"ld.shared{width[ca]}.{kind}": 2 * per * (2 * mt // ca) * plan.code_steps})
+    expected[f"ld.shared{width[cb]}.{kind}"] += 2 * per * (nt // cb) * plan.code_steps
+    assert {op: ops_count[op] for op in expected} == dict(expected)
+    assert (ca, cb) == ((2, 1) if engine == "mma_tf32" else (4, 4))
     resources = ptx.ptxas_resources(source, arch)
     assert resources["spill_stores"] == resources["spill_loads"] == resources["stack"] == 0
 

@@ -105,6 +105,27 @@ class BlockTile:
         """(m16 tiles, n8 tiles) of one warp's warp_rows x cols slab."""
         return self.warp_rows // 16, self.cols // 8
 
+    @property
+    def mma_chunks(self) -> tuple[int, int]:
+        """Tensor cores: how many of a lane's values from one shared row of A (2 per m16 tile) and
+        of B (1 per n8 tile) sit side by side and load as one vector: for tf32, A's row pairs g,
+        g + 8 (the registers an mma reads as a pair) and B's one by one; for bf16, up to 4 each."""
+        mt, nt = self.mma_tiles
+        if self.mma.per_reg == 1:
+            return 2, 1
+        return tuple(next(c for c in (4, 2, 1) if count % c == 0) for count in (2 * mt, nt))
+
+    def mma_row(self, v: str, g: str) -> str:
+        """The row of a warp's slab behind mma row g + 8 (v % 2) of m16 tile v // 2: lane group g's
+        values v = 0 .. 2 mt - 1 side by side, in chunks of :attr:`mma_chunks`."""
+        c = self.mma_chunks[0]
+        return f"({v}) // {c} * {8 * c} + ({g}) * {c} + ({v}) % {c}"
+
+    def mma_col(self, ni: str, n: str) -> str:
+        """The tile column behind column n of n8 tile ni (B's lane group n = g, C's n = 2t + b)."""
+        c = self.mma_chunks[1]
+        return f"({ni}) // {c} * {8 * c} + ({n}) * {c} + ({ni}) % {c}"
+
     def thread_tile(self) -> ThreadTile:
         return ThreadTile(
             rows=self.thread_rows, cols=self.thread_cols, k_step=self.k_step, vec=self.vec,
@@ -159,9 +180,11 @@ class MmaShape:
 
 MMA_SHAPES = {
     # tf32: fp32 registers as they are (the tensor cores read their top 19 bits); rows of 72
-    # floats put k-rows t = 0..3 in banks 8t + g
+    # floats put k-row t at bank 8t, so a warp's 64-bit A loads (banks 8t + 2g, + 1) and 32-bit
+    # B loads (8t + g) are conflict-free
     "mma_tf32": MmaShape("m16n8k8", "tf32", 8, 1, 8),
-    # bf16: two values rounded and packed per register; rows of 68 put k-rows 2t in banks 8t + g
+    # bf16: two values rounded and packed per register; rows of 68 put k-row 2t at bank 8t, so a
+    # quarter warp's 128-bit loads (banks 8t + 4g .. + 3) are conflict-free
     "mma_bf16": MmaShape("m16n8k16", "bf16", 16, 2, 4),
 }
 ENGINES = ("ffma", *MMA_SHAPES)
@@ -595,29 +618,53 @@ class _Generator:
 
     def compute_mma(self, buf: int) -> None:
         """One k step on the tensor cores: a warp's warp_rows x cols slab as warp_rows/16 x cols/8
-        mma.sync, its fragments loaded from shared memory in the layouts of :class:`MmaShape`."""
+        mma.sync, its fragments loaded from shared memory in the layouts of :class:`MmaShape`.
+
+        The mma's row and column indices are a permutation of the tile's (:meth:`BlockTile.mma_row`,
+        :meth:`BlockTile.mma_col`; the output staging undoes it) that puts side by side the values a
+        lane needs from one shared row, so that it loads them as one vector (:attr:`BlockTile.mma_chunks`).
+        tf32 takes the registers as loaded: an A fragment's rows g and g + 8 are one 64-bit load
+        into the register pair the mma reads (its B registers come from two k rows: 32-bit loads).
+        bf16 packs two k rows into each register anyway: its loads are 128-bit, into `a_val` and
+        `b_val`, then packed."""
         t, e, mma = self.t, self.e, self.t.mma
         mt, nt = t.mma_tiles
         half, per = mma.k // 2, mma.per_reg
+        ca, cb = t.mma_chunks
+        a_base = f"warp * {t.warp_rows} + "
+        if per == 1:
+            with e.block(f"for mi in T.unroll({mt}):"):
+                for kh in range(2):  # A registers j, j + 1 = rows g, g + 8 of k-half j // 2
+                    e(f"a_val[T.ramp(mi * 4 + {2 * kh}, 1, 2)] = A_sh{buf}[tq + {kh * half}, "
+                      f"T.ramp({a_base}{t.mma_row('mi * 2', 'gq')}, 1, 2)]")
+                # a copy nvcc does not issue (the same registers); TVM would declare `af` float2
+                # if the load wrote it, and offset the mma's pointer into it in float2 units
+                with e.block("for j in T.unroll(4):"):
+                    e("af[mi * 4 + j] = a_val[mi * 4 + j]")
+            with e.block(f"for ni in T.unroll({nt}):"):
+                with e.block("for j in T.unroll(2):"):
+                    e(f"bf[ni * 2 + j] = B_sh{buf}[tq + j * {half}, {t.mma_col('ni', 'gq')}]")
+        else:
+            for operand, count, chunk, base in (("a", 2 * mt, ca, a_base), ("b", nt, cb, "")):
+                for kh in range(2):  # the 2 x per k rows a lane reads, `chunk` values a load
+                    for el in range(per):
+                        at = (kh * per + el) * count
+                        for q in range(count // chunk):
+                            col = f"{base}{q * 8 * chunk} + gq * {chunk}"
+                            e(f"{operand}_val[T.ramp({at + q * chunk}, 1, {chunk})] = "
+                              f"{operand.upper()}_sh{buf}[tq * {per} + {el + kh * half}, T.ramp({col}, 1, {chunk})]")
 
-        def operand(value: str) -> list[str]:
-            return [value.format(e=i) for i in range(per)]
+            def packed(operand: str, count: int, kh: int, v: int) -> str:
+                bits = [f'T.Cast("uint32", T.reinterpret("uint16", T.Cast("bfloat16", '
+                        f'{operand}_val[{(kh * per + el) * count + v}])))' for el in range(per)]
+                return f"{bits[0]} | ({bits[1]} << T.uint32(16))"
 
-        def register(values: list[str]) -> str:
-            if per == 1:
-                return values[0]  # tf32: the fp32 bits as they are
-            bits = [f'T.Cast("uint32", T.reinterpret("uint16", T.Cast("bfloat16", {v})))' for v in values]
-            return f"{bits[0]} | ({bits[1]} << T.uint32(16))"
-
-        with e.block(f"for mi in T.unroll({mt}):"):
-            with e.block("for j in T.unroll(4):"):
-                row = f"warp * {t.warp_rows} + mi * 16 + gq + j % 2 * 8"
-                a = operand(f"A_sh{buf}[tq * {per} + {{e}} + j // 2 * {half}, {row}]")
-                e(f"af[mi * 4 + j] = {register(a)}")
-        with e.block(f"for ni in T.unroll({nt}):"):
-            with e.block("for j in T.unroll(2):"):
-                b = operand(f"B_sh{buf}[tq * {per} + {{e}} + j * {half}, ni * 8 + gq]")
-                e(f"bf[ni * 2 + j] = {register(b)}")
+            for mi in range(mt):
+                for j in range(4):  # A register j: rows g + 8 (j % 2), k-half j // 2
+                    e(f"af[{mi * 4 + j}] = {packed('a', 2 * mt, j // 2, 2 * mi + j % 2)}")
+            for ni in range(nt):
+                for j in range(2):  # B register j: k-half j
+                    e(f"bf[{ni * 2 + j}] = {packed('b', nt, j, ni)}")
         with e.block(f"for mi in T.unroll({mt}):"):
             with e.block(f"for ni in T.unroll({nt}):"):
                 e(f'T.evaluate(T.ptx_legacy.mma("{mma.shape}", "row", "col", "{mma.ptx_type}", "{mma.ptx_type}", '
@@ -629,9 +676,9 @@ class _Generator:
         t, e = self.t, self.e
         if t.mma is not None:
             mt, nt = t.mma_tiles
-            with e.block(f"for mi, ni, h in T.grid({mt}, {nt}, 2):"):
-                e(f"O_sh[warp * {t.warp_rows} + mi * 16 + gq + h * 8, T.ramp(ni * 8 + tq * 2, 1, 2)] = "
-                  f"acc[T.ramp((mi * {nt} + ni) * 4 + h * 2, 1, 2)]")
+            with e.block(f"for mi, ni, h, b in T.grid({mt}, {nt}, 2, 2):"):  # C[g + 8h][2t + b] of tile (mi, ni)
+                e(f"O_sh[warp * {t.warp_rows} + {t.mma_row('mi * 2 + h', 'gq')}, {t.mma_col('ni', 'tq * 2 + b')}] = "
+                  f"acc[(mi * {nt} + ni) * 4 + h * 2 + b]")
             return
         tt = t.thread_tile()
         for i in range(tt.rows):
@@ -786,6 +833,10 @@ class _Generator:
                 e(f'acc = T.decl_buffer(({mt * nt * 4},), "float32", scope="local")')
                 e(f'af = T.decl_buffer(({mt * 4},), "{reg}", scope="local")')
                 e(f'bf = T.decl_buffer(({nt * 2},), "{reg}", scope="local")')
+                # the fragments' values as loaded from shared memory (bf16: before packing)
+                e(f'a_val = T.decl_buffer(({2 * t.mma.per_reg * 2 * mt},), "float32", scope="local")')
+                if t.mma.per_reg > 1:
+                    e(f'b_val = T.decl_buffer(({2 * t.mma.per_reg * nt},), "float32", scope="local")')
             else:
                 e(f'acc = T.decl_buffer(({tt.rows}, {tt.cols}), "float32", scope="local")')
             na = len(self.slots(t.k_step * t.rows // t.vec))
