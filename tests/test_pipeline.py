@@ -440,3 +440,35 @@ def test_late_trunk_runs_four_images_at_a_time():
     six = split_batch(images_per_call=1)(_large_then_small(6))
     assert "main_late" not in [gv.name_hint for gv in six.get_global_vars()]
     assert six["main"].script().count("main_image(") == 6 and "R.nn.conv2d" not in six["main"].script()
+
+
+def test_report_of_a_split_batch_names_the_kernels_the_build_runs():
+    """With a batch, the CPU build runs the trunk a few images a call (split_batch): the report
+    shows each op at the shapes of its calls and how many calls an inference makes, and its
+    convolutions are the kernels the pipeline lowers (their names carry the shapes), not the
+    whole batch's; the slices and concatenations the split adds are not reported."""
+    rng = np.random.default_rng(0)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((8, 16, 20, 20), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.relu(relax.op.nn.conv2d(x, _const(rng, 32, 16, 3, 3), padding=1)))
+            y = bb.emit(relax.op.nn.max_pool2d(y, (2, 2), (2, 2)))
+            y = bb.emit(relax.op.nn.relu(relax.op.nn.conv2d(y, _const(rng, 32, 32, 3, 3), padding=1)))
+            y = bb.emit(relax.op.matmul(bb.emit(relax.op.mean(y, axis=[2, 3])), _const(rng, 32, 10)))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    mod = bb.get()
+    report = tvm_ext.dispatch_report(mod, "llvm", images_per_call=2)
+    convs = [r for r in report if r.op == "nn.conv2d"]
+    assert [(r.shapes[0][0], r.runs) for r in convs] == [(2, 4), (4, 2)]  # the late stage: 4 images a call
+    assert [r.runs for r in report if r.op == "matmul"] == [1]  # the classifier: the whole batch
+    assert not any(r.op in ("strided_slice", "concat") for r in report)
+    assert "runs" in str(report).splitlines()[0] and " x4 " in str(report)
+    lowered = tvm_ext.pipeline(TARGET, images_per_call=2)(mod)
+    names = [gv.name_hint for gv, f in lowered.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    for r in convs:
+        (n, c, h, w), (k, _, kh, kw) = r.shapes
+        assert any(name.startswith(f"tvm_ext_{r.kernel}_{n}x{c}x{h}x{w}_{k}x{kh}x{kw}_") for name in names), r
+    whole = tvm_ext.dispatch_report(mod, "llvm", images_per_call=8)
+    assert {r.runs for r in whole} == {1} and "runs" not in str(whole)

@@ -161,15 +161,19 @@ class DispatchRow:
     shapes: tuple
     kernel: str
     reason: str
+    runs: int = 1  # calls per inference: a batch's trunk runs once per slice of images (split_batch)
 
 
 class DispatchReport(list):
-    """One row per op of `main`: what serves it. Prints as a table."""
+    """One row per op the build lowers: what serves it. Prints as a table (with a "runs" column
+    where the batch is split)."""
 
     def __str__(self) -> str:
-        header = ("op", "input shapes", "kernel", "reason")
-        rows = [header] + [(r.op, " ".join(str(s) for s in r.shapes), r.kernel, r.reason) for r in self]
-        widths = [max(len(str(row[i])) for row in rows) for i in range(4)]
+        split = any(r.runs > 1 for r in self)
+        header = ("op", "input shapes", *(("runs",) if split else ()), "kernel", "reason")
+        rows = [header] + [(r.op, " ".join(str(s) for s in r.shapes), *((f"x{r.runs}",) if split else ()),
+                            r.kernel, r.reason) for r in self]
+        widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
         return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
                          for row in rows)
 
@@ -178,57 +182,105 @@ def _is_call_to(expr, op: str) -> bool:
     return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == op
 
 
-def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *,
+def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_call: int | None = None,
                     tensor_cores: bool | str = False, winograd: bool = True) -> DispatchReport:
     """Which tvm_ext kernel serves each op of `mod["main"]` on `target`, or why stock TVM does.
 
     Ops fused into a convolution's epilogue are reported as served by that kernel.
-    `tensor_cores`, `winograd`: as for :func:`build`, so the report names the kernel the build uses.
+    `images_per_call`, `tensor_cores`, `winograd`: as for :func:`build`, so the report names the
+    kernels the build uses. On CPUs a batch's trunk runs a few images a call
+    (:mod:`tvm_ext.strategy.split_batch`): its ops are reported with the shapes of one call and
+    how many calls an inference makes (`runs`); the slicing and concatenation the split adds
+    are not reported.
     """
     target = resolve_target(target)
     engine = engine_for(tensor_cores)
     if tensor_cores and target.kind.name != "cuda":
         raise UnsupportedError("dispatch_report: tensor_cores applies to CUDA targets")
+    if target.kind.name != "cuda":  # the pipeline splits the batch on CPUs only
+        mod = split_batch(images_per_call)(mod)
     with target:
         fused = tvm.transform.Sequential(cpu_strategy.fusion_passes(target))(mod)
     report = DispatchReport()
+    stages = _stage_runs(fused)
 
-    bindings = relax.analysis.get_var2val(fused["main"])
+    def report_function(name: str, runs: int) -> None:
+        func = fused[name]
+        bindings = relax.analysis.get_var2val(func)
+        plumbing = _split_plumbing(func, bindings, stages) if name == "main" else set()
 
-    def from_matmul(data: relax.Expr) -> bool:
-        """Whether a convolution of `data` is one matmul_as_conv2d made: its image is a reshape
-        of a transposed matrix."""
-        image = bindings.get(data) if isinstance(data, relax.Var) else None
-        source = image.args[0] if _is_call_to(image, "relax.reshape") else None
-        return _is_call_to(bindings.get(source) if isinstance(source, relax.Var) else None, "relax.permute_dims")
+        def from_matmul(data: relax.Expr) -> bool:
+            """Whether a convolution of `data` is one matmul_as_conv2d made: its image is a reshape
+            of a transposed matrix."""
+            image = bindings.get(data) if isinstance(data, relax.Var) else None
+            source = image.args[0] if _is_call_to(image, "relax.reshape") else None
+            return _is_call_to(bindings.get(source) if isinstance(source, relax.Var) else None, "relax.permute_dims")
 
-    def row(call: relax.Call, fused_into: str | None = None, matmul: bool = False) -> None:
-        decision = cpu_strategy.decide(call, target, engine, winograd)
-        if matmul:
-            (_, k, _, m), (n, *_) = decision.shapes
-            reason = "as a 1x1 convolution (a GEMM is a batch-reduce of one)"
-            decision = cpu_strategy.Decision("relax.matmul", ((m, k), (k, n)), decision.kernel,
-                                             reason if decision.kernel else decision.reason)
-        if fused_into is not None and call.op.name != "relax.nn.conv2d":
-            decision = cpu_strategy.Decision(decision.op, decision.shapes, f"{fused_into} epilogue", "fused")
-        report.append(DispatchRow(decision.op.removeprefix("relax."), decision.shapes,
-                                  decision.kernel or "fallback", decision.reason))
+        def row(call: relax.Call, fused_into: str | None = None, matmul: bool = False) -> None:
+            decision = cpu_strategy.decide(call, target, engine, winograd)
+            if matmul:
+                (_, k, _, m), (n, *_) = decision.shapes
+                reason = "as a 1x1 convolution (a GEMM is a batch-reduce of one)"
+                decision = cpu_strategy.Decision("relax.matmul", ((m, k), (k, n)), decision.kernel,
+                                                 reason if decision.kernel else decision.reason)
+            if fused_into is not None and call.op.name != "relax.nn.conv2d":
+                decision = cpu_strategy.Decision(decision.op, decision.shapes, f"{fused_into} epilogue", "fused")
+            report.append(DispatchRow(decision.op.removeprefix("relax."), decision.shapes,
+                                      decision.kernel or "fallback", decision.reason, runs))
 
-    def visit(expr) -> None:
-        if not isinstance(expr, relax.Call):
-            return
-        if isinstance(expr.op, tvm.ir.Op):
-            row(expr, matmul=expr.op.name == "relax.nn.conv2d" and from_matmul(expr.args[0]))
-        elif isinstance(expr.op, tvm.ir.GlobalVar) and "Composite" in (fused[expr.op].attrs or {}):
-            calls = []
-            relax.analysis.post_order_visit(fused[expr.op].body,
-                                            lambda e: calls.append(e) if isinstance(e, relax.Call) else None)
-            conv = next(c for c in calls if isinstance(c.op, tvm.ir.Op) and c.op.name == "relax.nn.conv2d")
-            kernel = cpu_strategy.decide(conv, target, engine, winograd).kernel
-            matmul = from_matmul(expr.args[list(fused[expr.op].params).index(conv.args[0])])
-            for call in calls:
-                if isinstance(call.op, tvm.ir.Op):
-                    row(call, kernel, matmul=matmul and call.same_as(conv))
+        def visit(expr) -> None:
+            if not isinstance(expr, relax.Call) or any(expr.same_as(p) for p in plumbing):
+                return
+            if isinstance(expr.op, tvm.ir.Op):
+                row(expr, matmul=expr.op.name == "relax.nn.conv2d" and from_matmul(expr.args[0]))
+            elif isinstance(expr.op, tvm.ir.GlobalVar) and "Composite" in (fused[expr.op].attrs or {}):
+                calls = []
+                relax.analysis.post_order_visit(fused[expr.op].body,
+                                                lambda e: calls.append(e) if isinstance(e, relax.Call) else None)
+                conv = next(c for c in calls if isinstance(c.op, tvm.ir.Op) and c.op.name == "relax.nn.conv2d")
+                kernel = cpu_strategy.decide(conv, target, engine, winograd).kernel
+                matmul = from_matmul(expr.args[list(fused[expr.op].params).index(conv.args[0])])
+                for call in calls:
+                    if isinstance(call.op, tvm.ir.Op):
+                        row(call, kernel, matmul=matmul and call.same_as(conv))
 
-    relax.analysis.post_order_visit(fused["main"], visit)
+        relax.analysis.post_order_visit(func, visit)
+
+    for name, runs in stages.items():
+        report_function(name, runs)
     return report
+
+
+def _stage_runs(mod: tvm.IRModule) -> dict[str, int]:
+    """The functions a split batch runs (:mod:`~tvm_ext.strategy.split_batch`), in order, with
+    their calls per inference: `main_image`, `main_late`, then the rest of `main`."""
+    calls = {"main_image": 0, "main_late": 0}
+
+    def count(expr) -> None:
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.GlobalVar) and expr.op.name_hint in calls:
+            calls[expr.op.name_hint] += 1
+
+    relax.analysis.post_order_visit(mod["main"], count)
+    return {**{name: n for name, n in calls.items() if n}, "main": 1}
+
+
+def _split_plumbing(main: relax.Function, bindings: dict, stages: dict[str, int]) -> list[relax.Call]:
+    """The calls split_batch added to `main`: the slices of the input and the concatenations of
+    the stages' results (none where the batch is whole)."""
+    if len(stages) == 1:
+        return []
+    param = main.params[0]
+
+    def stage_result(var) -> bool:
+        value = bindings.get(var) if isinstance(var, relax.Var) else None
+        return isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.GlobalVar) and \
+            value.op.name_hint in stages
+
+    added = []
+    for value in bindings.values():
+        if _is_call_to(value, "relax.strided_slice") and value.args[0].same_as(param):
+            added.append(value)
+        elif _is_call_to(value, "relax.concat") and isinstance(value.args[0], relax.Tuple) and \
+                all(stage_result(field) for field in value.args[0].fields):
+            added.append(value)
+    return added
