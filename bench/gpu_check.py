@@ -190,8 +190,8 @@ def run_layer(torch, device: CudaDevice, entry: dict, cubin: Path, repeat: int) 
     if device.torch_device == "cuda":
         torch.cuda.synchronize()
     got = tensors["y"].permute(3, 0, 1, 2)
-    # "mma_tf32_w64": the tf32 engine, 64-row warp slabs; "winograd": fp32 on the FFMA tile
-    engine = entry.get("engine", "ffma").split("_w")[0].replace("winograd", "ffma")
+    # "mma_tf32_w64": the tf32 engine, 64-row warp slabs; Winograd: fp32 on the FFMA tile
+    engine = "ffma" if "winograd" in entry else entry.get("engine", "ffma").split("_w")[0]
 
     def as_read(t):  # what the kernel's arithmetic sees of an fp32 input
         if engine == "mma_tf32":
@@ -279,14 +279,16 @@ def main(argv=None) -> int:
                           tile=entry["tile"])
             rows.append(result)
             # the FFMA peak is no tensor peak; Winograd's GFLOP/s are effective (a direct conv's FLOPs)
-            pct = {"ffma": f"{result['peak_pct']:.1f}%", "winograd": f"{result['peak_pct']:.1f}% eff."}.get(engine, "-")
+            winograd = "winograd" in entry
+            pct = f"{result['peak_pct']:.1f}%" + (" eff." if winograd else "") if engine == "ffma" or winograd else "-"
             loop = entry.get("sass_loop")
-            ffma_loop = loop and engine in ("ffma", "winograd")
+            ffma_loop = loop and (engine == "ffma" or winograd)
             bound = f"{100 * loop['ffma'] / loop['instructions']:.1f}%" if ffma_loop else "-"
             tile = f"{entry['tile'][0]}x{entry['tile'][1]}" + (f", K/{entry['splits']}" if entry.get("splits", 1) > 1
                                                                 else "")
-            if "winograd" in entry:
-                tile = f"F({entry['winograd']['m']}x{entry['winograd']['m']}), {tile}"
+            if winograd:  # with the strategy's estimate of its speed-up over the direct tile
+                m, (direct_ms, winograd_ms) = entry["winograd"]["m"], entry["estimate_ms"]
+                tile = f"F({m}x{m}), {tile}, est. {direct_ms / winograd_ms:.1f}x"
             line = (f"| {entry['set']} {entry['layer']} | {engine} | {tile} | "
                     f"{result['err']:.1e}{'' if result['ok'] else ' FAIL'} | {result['ours_ms']:.3f} | "
                     f"{gflops:,.0f} | {pct} | {bound} | {result['cudnn']} | {result['cudnn_ms']:.3f} | "

@@ -62,10 +62,10 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
                 engine, _, warp_rows = variant.partition(":")
                 start = time.perf_counter()
                 target = {"kind": "cuda", "arch": arch}
-                if engine == "winograd":  # every layer it can run, chosen by the strategy's estimate or not
+                if engine.startswith("winograd"):  # every layer it can run, chosen by the strategy's estimate or not
                     if cw.eligible(wl):
                         continue
-                    plan = cw.WinogradPlan.make(wl)
+                    plan = cw.WinogradPlan.make(wl, int(warp_rows or cw.TILE))  # "winograd:2": F(2x2)
                     source = cw.cuda_source(plan, target)
                 else:
                     tile = cc.choose_tile(wl.K // wl.groups, engine)
@@ -74,7 +74,7 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
                         tile = dataclasses.replace(tile, rows=rows, warp_rows=int(warp_rows))
                     plan = cc.MaxDNNPlan.make(wl, tile).with_chosen_splits()  # split-K as the graph strategy
                     source = cc.cuda_source(plan, target)
-                engine = variant.replace(":", "_w")
+                engine = variant.replace("winograd:", "winograd_f").replace(":", "_w")
                 name = f"{set_name}_{layer['name']}_{engine}"
                 (out / f"{name}.cu").write_text(source)
                 entries.append(_entry(name, set_name, layer["name"], engine, wl, plan, source))
@@ -84,7 +84,7 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
                     mix = (f" k loop: {loop['instructions']} instructions, "
                            f"{100 * (loop['ffma'] or loop['hmma']) / loop['instructions']:.1f}% "
                            f"{'FFMA' if loop['ffma'] else 'HMMA'}")
-                if engine == "winograd":
+                if engine.startswith("winograd"):
                     direct_ms, winograd_ms = entries[-1]["estimate_ms"]
                     shape = (f"F({plan.m}x{plan.m}) GEMM tile {plan.gemm.tile.rows}x{plan.gemm.tile.cols} grid "
                              f"{plan.gemm.grid}, estimated {direct_ms / winograd_ms:.2f}x direct")
@@ -139,9 +139,9 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="first N layers of each set")
     parser.add_argument("--arch", default="sm_90", help="the arch TVM generates for (the source is portable)")
     parser.add_argument("--engines", nargs="+", default=["ffma", "winograd", "mma_tf32", "mma_tf32:64"],
-                        choices=["ffma", "winograd", "mma_tf32", "mma_tf32:64", "mma_bf16"],
+                        choices=["ffma", "winograd", "winograd:2", "mma_tf32", "mma_tf32:64", "mma_bf16"],
                         help="kernel variants; ':64' = 64-row warp slabs (4 x m16 per warp); winograd: fp32 "
-                             "F(4x4) on the FFMA tile, for the 3x3 and 5x5 stride-1 layers")
+                             "F(4x4) on the FFMA tile, for the 3x3 and 5x5 stride-1 layers (':2': F(2x2))")
     parser.add_argument("--sass", action="store_true",
                         help="also record each kernel's k-loop SASS mix for --arch (needs nvcc and nvdisasm)")
     args = parser.parse_args(argv)

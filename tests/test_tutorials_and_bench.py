@@ -161,4 +161,4 @@ def test_gpu_check_pipeline_without_gpu(tmp_path):
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert [e.get("splits") for e in manifest["layers"]] == [1, 1, 5, 1, 5] and "K/5" in result.stdout
     assert [len(e["launches"]) for e in manifest["layers"]] == [1, 1, 2, 3, 2]
-    assert "| alexnet conv2 | winograd | F(4x4), 64x64 |" in result.stdout and "% eff." in result.stdout
+    assert "| alexnet conv2 | winograd | F(4x4), 64x64, est. " in result.stdout and "% eff." in result.stdout

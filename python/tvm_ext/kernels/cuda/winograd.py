@@ -62,6 +62,7 @@ MIN_SPEEDUP = 1.2  # Winograd must be estimated this much faster (it is also the
 # loop's rate.
 OVERHEAD_STEPS = 4
 LAUNCH_MS = 0.003  # a kernel launch and its tail: what keeps small layers in one kernel
+MAX_ELEMENTS = 2**31 - 1  # the kernels index with int32: V and M ((a/m)² x the activations) must fit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +81,12 @@ class WinogradPlan:
             raise ValueError(f"winograd_conv2d: {why}")
         if m not in (2, 4):
             raise ValueError(f"winograd_conv2d: tile m={m} is not supported (2 or 4)")
-        return WinogradPlan(wl, m, epilogue or _maxdnn.Epilogue())
+        plan = WinogradPlan(wl, m, epilogue or _maxdnn.Epilogue())
+        largest = max(math.prod(shape) for shape in plan.shapes().values())
+        if largest > MAX_ELEMENTS:
+            raise ValueError(f"winograd_conv2d: a transformed tensor of {largest} elements is past the kernels' "
+                             f"32-bit indices ({MAX_ELEMENTS})")
+        return plan
 
     @property
     def a(self) -> int:
