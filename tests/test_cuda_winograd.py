@@ -139,6 +139,9 @@ def test_strategy_takes_winograd_where_the_estimate_wins():
     with pytest.raises(ValueError, match="32-bit indices"):
         cw.WinogradPlan.make(huge)
     assert cuda_strategy.conv2d_decision(huge, "ffma", True)[0] == cc.KERNEL_NAME
+    larger = Conv2dWorkload.make((1024, 128, 224, 224), (64, 128, 3, 3), 1, 1)  # x itself: 6.6e9 elements
+    kernel, reason, _ = cuda_strategy.conv2d_decision(larger, "ffma", True)
+    assert kernel is None and "32-bit indices" in reason and reason.endswith("stock TVM")
 
 
 @needs_gxx

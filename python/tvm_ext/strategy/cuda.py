@@ -64,7 +64,10 @@ def conv2d_decision(wl: _conv.Conv2dWorkload, engine: str = "ffma", winograd: bo
                 f"Winograd F({fast.m}x{fast.m}, {wl.KH}x{wl.KW}): {fast.a ** 2} GEMMs on the {gemm.tile.rows}x"
                 f"{gemm.tile.cols} ffma tile, grid {gemm.grid}, between an input and an output transform "
                 f"(estimated {direct_ms / winograd_ms:.1f}x faster than direct)"), fast
-    plan = _maxdnn.MaxDNNPlan.make(wl, _maxdnn.choose_tile(wl.K // wl.groups, engine))
+    try:
+        plan = _maxdnn.MaxDNNPlan.make(wl, _maxdnn.choose_tile(wl.K // wl.groups, engine))
+    except ValueError as err:  # a tensor too large for the kernel's indices
+        return None, f"{err}: stock TVM", None
     reason = f"{plan.tile.rows}x{plan.tile.cols} {engine} tile, grid {plan.grid}"
     plan = plan.with_chosen_splits()
     if plan.splits > 1:

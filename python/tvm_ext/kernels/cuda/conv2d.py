@@ -188,6 +188,7 @@ MMA_SHAPES = {
     "mma_bf16": MmaShape("m16n8k16", "bf16", 16, 2, 4),
 }
 ENGINES = ("ffma", *MMA_SHAPES)
+MAX_ELEMENTS = 2**31 - 1  # the kernels index with int32
 STATIC_SHARED_LIMIT = 48 * 1024  # per block, without opting in to dynamic shared memory
 TILE_ROWS = (64, 96, 128, 32)  # candidate block heights in order of preference: maxDNN's, then taller
 
@@ -271,6 +272,10 @@ class MaxDNNPlan:
             if unit is None or splits < 1 or unit[1] % splits:
                 raise ValueError(f"maxdnn_conv2d: split-K into {splits} needs an RSC reduction whose taps (or, "
                                  f"for a 1x1 filter, k steps) divide into {splits}; this one has {unit}")
+        largest = max(math.prod(shape) for shape in {**plan.shapes(), **plan.reduce_shapes()}.values())
+        if largest > MAX_ELEMENTS:
+            raise ValueError(f"maxdnn_conv2d: a tensor of {largest} elements is past the kernel's 32-bit indices "
+                             f"({MAX_ELEMENTS})")
         return plan
 
     def with_chosen_splits(self) -> MaxDNNPlan:

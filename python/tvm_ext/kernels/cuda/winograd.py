@@ -62,7 +62,6 @@ MIN_SPEEDUP = 1.2  # Winograd must be estimated this much faster (it is also the
 # loop's rate.
 OVERHEAD_STEPS = 4
 LAUNCH_MS = 0.003  # a kernel launch and its tail: what keeps small layers in one kernel
-MAX_ELEMENTS = 2**31 - 1  # the kernels index with int32: V and M ((a/m)² x the activations) must fit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,9 +82,9 @@ class WinogradPlan:
             raise ValueError(f"winograd_conv2d: tile m={m} is not supported (2 or 4)")
         plan = WinogradPlan(wl, m, epilogue or _maxdnn.Epilogue())
         largest = max(math.prod(shape) for shape in plan.shapes().values())
-        if largest > MAX_ELEMENTS:
+        if largest > _maxdnn.MAX_ELEMENTS:  # V and M are (a/m)² times the activations
             raise ValueError(f"winograd_conv2d: a transformed tensor of {largest} elements is past the kernels' "
-                             f"32-bit indices ({MAX_ELEMENTS})")
+                             f"32-bit indices ({_maxdnn.MAX_ELEMENTS})")
         return plan
 
     @property
