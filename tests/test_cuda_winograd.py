@@ -135,6 +135,8 @@ def test_strategy_takes_winograd_where_the_estimate_wins():
         assert cuda_strategy.conv2d_decision(alexnet_conv3, engine, allowed)[0] == cc.KERNEL_NAME
     strided = Conv2dWorkload.make((128, 256, 13, 13), (384, 256, 3, 3), 2, 1)
     assert cuda_strategy.conv2d_decision(strided, "ffma", True)[0] == cc.KERNEL_NAME
+    tiny_images = Conv2dWorkload.make((64, 256, 2, 2), (256, 256, 3, 3), 1, 1)  # F(4x4): 36 products for 4
+    assert cw.choose_plan(tiny_images)[0].m == 2 and cw.choose_plan(alexnet_conv3)[0].m == 4
     huge = Conv2dWorkload.make((256, 128, 224, 224), (64, 128, 3, 3), 1, 1)  # V: 3.7e9 elements
     with pytest.raises(ValueError, match="32-bit indices"):
         cw.WinogradPlan.make(huge)

@@ -53,12 +53,8 @@ def conv2d_decision(wl: _conv.Conv2dWorkload, engine: str = "ffma", winograd: bo
     if wl.depthwise:
         return None, "depthwise: one filter per group would fill 1 row of a 64-row maxDNN tile; stock TVM", None
     if winograd and engine == "ffma" and not _winograd.eligible(wl):
-        try:
-            fast = _winograd.WinogradPlan.make(wl)
-        except ValueError:  # transformed tensors too large to index: direct, which needs none
-            fast = None
-        direct_ms, winograd_ms = _winograd.estimate(fast) if fast else (0.0, 1.0)
-        if direct_ms >= _winograd.MIN_SPEEDUP * winograd_ms:
+        fast, direct_ms, winograd_ms = _winograd.choose_plan(wl)
+        if fast is not None and direct_ms >= _winograd.MIN_SPEEDUP * winograd_ms:
             gemm = fast.gemm
             return _winograd.KERNEL_NAME, (
                 f"Winograd F({fast.m}x{fast.m}, {wl.KH}x{wl.KW}): {fast.a ** 2} GEMMs on the {gemm.tile.rows}x"

@@ -50,6 +50,7 @@ from .simple import THREADS
 KERNEL_NAME = "winograd_conv2d"  # the three kernels: <symbol>_input, <symbol>_gemm, <symbol>_output
 STAGES = ("input", "gemm", "output")
 TILE = 4  # m: F(4x4, 3x3) and F(4x4, 5x5); fewer multiplies and less transform traffic than m = 2
+TILES = (4, 2)  # the tiles :func:`choose_plan` weighs, F(4x4) first (ties go to it)
 
 # The cost model that picks Winograd over direct convolution (:func:`estimate`): an H100/H200's
 # FFMA rate at the tile's ~90% and its DRAM bandwidth at ~80% of the data sheet. Unmeasured on a
@@ -178,6 +179,22 @@ def estimate(plan: WinogradPlan) -> tuple[float, float]:
     direct_ms = gemm_ms(plan.wl.flops, direct.k_steps // direct.splits) + LAUNCH_MS * (1 + (direct.splits > 1))
     winograd_ms = gemm_ms(plan.gemm_flops, plan.gemm.k_steps) + plan.traffic_bytes() / DRAM_GBPS / 1e6
     return direct_ms, winograd_ms + LAUNCH_MS * len(STAGES)
+
+
+def choose_plan(wl: Conv2dWorkload) -> tuple[WinogradPlan | None, float, float]:
+    """(plan, direct ms, its ms): the tile of :data:`TILES` :func:`estimate` finds fastest for
+    `wl` (F(4x4) on every layer of bench/workloads.json; F(2x2) can win where F(4x4)'s tiles
+    waste more of a small image); None where neither fits the kernels' indices."""
+    best = None
+    for m in TILES:
+        try:
+            plan = WinogradPlan.make(wl, m)
+        except ValueError:  # transformed tensors too large to index
+            continue
+        direct_ms, winograd_ms = estimate(plan)
+        if best is None or winograd_ms < best[2]:
+            best = (plan, direct_ms, winograd_ms)
+    return best or (None, 0.0, 0.0)
 
 
 def transform_weight(plan: WinogradPlan, weight: np.ndarray) -> np.ndarray:
