@@ -36,6 +36,21 @@ def test_matrices_need_interpolation_points():
         winograd.winograd_matrices(3, 3)  # a = 5: no points chosen
 
 
+def test_weighted_sum_skips_zeros_and_unit_factors():
+    """The transforms' sums: no multiply by 0 or +-1, and the value of sum(c * t)."""
+    from tvm import tirx
+
+    terms = [tirx.Var(name, "float32") for name in "pqrs"]
+    expr = winograd.weighted_sum([1, 0, -1, 2.5], terms)
+    text = str(expr)
+    assert "q" not in text and text.count("*") == 1 and "2.5" in text
+    values = dict(zip("pqrs", (3.0, 7.0, 0.5, 2.0), strict=True))
+    assert eval(text.replace("T.float32", "float"), {}, values) == 3.0 - 0.5 + 2.5 * 2.0  # noqa: S307
+    assert str(winograd.weighted_sum([0, 0], terms[:2])) in ("T.float32(0.0)", "T.float32(0)")
+    negative_first = str(winograd.weighted_sum([-1, 1], terms[:2]))
+    assert negative_first.startswith("T.float32(0") and "- p" in negative_first
+
+
 def test_eligibility_and_tile_size():
     make = Conv2dWorkload.make
     assert winograd.eligible(make((1, 64, 14, 14), (64, 64, 3, 3), 1, 1, 1, 1)) == ""

@@ -203,7 +203,7 @@ def transform_weight(plan: Conv2dPlan, weight: np.ndarray) -> np.ndarray:
 # 21 s of an AlexNet build; built, 0.01-0.02 s. (The same IR: structurally equal.)
 
 
-def _sum(coefficients, terms: list[tirx.PrimExpr]) -> tirx.PrimExpr:
+def weighted_sum(coefficients, terms: list[tirx.PrimExpr]) -> tirx.PrimExpr:
     """sum(c * t) without the zero terms and the multiplications by +-1."""
     total = None
     for c, t in zip(coefficients, terms, strict=True):
@@ -255,10 +255,10 @@ def input_transform_func(plan: Conv2dPlan) -> tirx.PrimFunc:
         v = param_buffer("v", (wl.N, a * a * icb, *grid(plan), plan.ic_bn))
         with T.sblock("root"), _tile_loops(plan, icb, plan.ic_bn) as (n, cb, ty, tx, c):
             d = [[T.Bind(x[n, cb, ty * m + i, tx * m + j, c]) for j in range(a)] for i in range(a)]
-            bt_d = [[T.Bind(_sum(bt[xi], [d[i][j] for i in range(a)])) for j in range(a)] for xi in range(a)]
+            bt_d = [[T.Bind(weighted_sum(bt[xi], [d[i][j] for i in range(a)])) for j in range(a)] for xi in range(a)]
             for xi in range(a):
                 for nu in range(a):
-                    T.buffer_store(v, _sum(bt[nu], bt_d[xi]),
+                    T.buffer_store(v, weighted_sum(bt[nu], bt_d[xi]),
                                    [n, (xi * a + nu) * icb + cb, *_grid_index(plan, ty, tx), c])
     return builder.get().with_attr(KERNEL_ATTR, "winograd_input_transform")
 
@@ -287,10 +287,11 @@ def output_transform_func(plan: Conv2dPlan, epilogue: Epilogue | None = None) ->
             with _tile_loops(plan, ocb, plan.oc_bn, vectorized) as (n, ob, ty, tx, c):
                 s = [[T.Bind(products[(n, (xi * a + nu) * ocb + ob, *_grid_index(plan, ty, tx), c)])
                       for nu in range(a)] for xi in range(a)]
-                at_s = [[T.Bind(_sum(at[i], [s[xi][nu] for xi in range(a)])) for nu in range(a)] for i in range(m)]
+                at_s = [[T.Bind(weighted_sum(at[i], [s[xi][nu] for xi in range(a)])) for nu in range(a)]
+                        for i in range(m)]
                 for i in range(m):
                     for j in range(m):
-                        value = _sum(at[j], at_s[i])
+                        value = weighted_sum(at[j], at_s[i])
                         if epilogue.bias:
                             value = value + bias[ob, c]
                         if epilogue.residual:

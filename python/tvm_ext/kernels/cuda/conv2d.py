@@ -61,7 +61,7 @@ ACTIVATIONS = (None, "relu", "relu6")
 # last step; never move the prefetched tile into shared memory.
 FAULTS = (None, "wrong_buffer", "no_store")
 # The kernel indexes flat views of its tensors; these names are its CUDA parameters (`<name>_ptr`).
-_FLAT = {"x": "Xf", "w": "Wf", "y": "Yf", "residual": "Rf", "bias": "bias", "partial": "Pf"}
+FLAT_PARAMS = {"x": "Xf", "w": "Wf", "y": "Yf", "residual": "Rf", "bias": "bias", "partial": "Pf"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -812,7 +812,7 @@ class _Generator:
             out = params[-1]  # y, or with split-K the slices' partial sums
             e("T.reads(" + ", ".join(f"{n}[{', '.join(f'0:{d}' for d in shapes[n])}]" for n in params[:-1]) + ")")
             e(f"T.writes({out}[{', '.join(f'0:{d}' for d in shapes[out])}])")
-            flat = _FLAT
+            flat = FLAT_PARAMS
             sizes = {n: math.prod(shape) for n, shape in shapes.items()}
             for n in params:
                 if flat[n] != n:
@@ -1017,7 +1017,7 @@ def emulate(plan: MaxDNNPlan, arrays: dict[str, np.ndarray], source: str | None 
     from ...testing.cuda_emulator import run_kernel
 
     source = source or cuda_source(plan)
-    main = {_FLAT[name]: arrays[name] for name in plan.shapes()}
+    main = {FLAT_PARAMS[name]: arrays[name] for name in plan.shapes()}
     run_kernel(source, KERNEL_NAME + "_kernel", plan.grid, (plan.tile.threads, 1, 1), main)
     if plan.splits > 1:
         reduce = {("output" if name == "y" else name): arrays[name] for name in plan.reduce_shapes()}
@@ -1031,6 +1031,6 @@ def cuda_param_order(source: str, kernel: str = "maxdnn_conv2d_kernel") -> list[
 
     Whoever launches the CUDA C directly (the GPU check, the emulator) passes them in this order.
     """
-    by_flat = {flat: name for name, flat in _FLAT.items()} | {"output": "y", "partial": "partial",
+    by_flat = {flat: name for name, flat in FLAT_PARAMS.items()} | {"output": "y", "partial": "partial",
                                                              "residual": "residual"}
     return [by_flat[param.removesuffix("_ptr")] for _, param in kernel_params(source, kernel)]

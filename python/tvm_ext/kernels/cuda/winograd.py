@@ -43,6 +43,7 @@ from tvm.tirx.script import builder as T
 from ...target import resolve_target
 from .. import winograd as _cpu
 from ..conv2d import KERNEL_ATTR, Conv2dWorkload, param_buffer
+from ..winograd import weighted_sum
 from . import conv2d as _maxdnn
 from .ptx import generate_source
 from .simple import THREADS
@@ -133,7 +134,7 @@ class WinogradPlan:
         tensor of :meth:`shapes` it takes."""
         ep = self.epilogue
         epilogue = (["bias"] if ep.bias else []) + (["residual"] if ep.residual else [])
-        flat = _maxdnn._FLAT
+        flat = _maxdnn.FLAT_PARAMS
         return {"input": {"X": "x", "V": "v"}, "gemm": {flat["x"]: "v", flat["w"]: "w", flat["y"]: "mm"},
                 "output": {name.upper(): name for name in ["mm", *epilogue, "y"]}}
 
@@ -209,23 +210,19 @@ def transform_weight(plan: WinogradPlan, weight: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(u.reshape(a * a, plan.wl.C, plan.wl.K), dtype=np.float32)
 
 
+@contextlib.contextmanager
 def _thread_per_element(count: int):
-    """The flat index of this thread's element over a grid of :data:`THREADS`-thread blocks
-    (a context: its body runs only for indices below `count`)."""
+    """The flat index of this thread's element over a grid of :data:`THREADS`-thread blocks; the
+    body runs only for indices below `count`."""
     blocks = -(-count // THREADS)
-
-    @contextlib.contextmanager
-    def scope():
-        with T.thread_binding(0, blocks, thread="blockIdx.x") as bx, \
-                T.thread_binding(0, THREADS, thread="threadIdx.x") as tx:
-            index = T.Bind(bx * THREADS + tx)
-            if blocks * THREADS == count:
+    with T.thread_binding(0, blocks, thread="blockIdx.x") as bx, \
+            T.thread_binding(0, THREADS, thread="threadIdx.x") as tx:
+        index = T.Bind(bx * THREADS + tx)
+        if blocks * THREADS == count:
+            yield index
+        else:
+            with T.If(index < count), T.Then():
                 yield index
-            else:
-                with T.If(index < count), T.Then():
-                    yield index
-
-    return scope()
 
 
 def _split(index: tirx.PrimExpr, extents: tuple[int, ...]) -> list[tirx.PrimExpr]:
@@ -260,10 +257,10 @@ def input_transform_func(plan: WinogradPlan, symbol: str = KERNEL_NAME + "_input
                     inside = tirx.all(0 <= h, h < wl.H, 0 <= w, w < wl.W)
                     row.append(T.Bind(tirx.if_then_else(inside, x[c, h, w, n], tirx.const(0.0, "float32"))))
                 d.append(row)
-            bt_d = [[T.Bind(_cpu._sum(bt[xi], [d[i][j] for i in range(a)])) for j in range(a)] for xi in range(a)]
+            bt_d = [[T.Bind(weighted_sum(bt[xi], [d[i][j] for i in range(a)])) for j in range(a)] for xi in range(a)]
             for xi in range(a):
                 for nu in range(a):
-                    T.buffer_store(v, _cpu._sum(bt[nu], bt_d[xi]), [(xi * a + nu) * wl.C + c, ty, tx, n])
+                    T.buffer_store(v, weighted_sum(bt[nu], bt_d[xi]), [(xi * a + nu) * wl.C + c, ty, tx, n])
     return builder.get().with_attr(KERNEL_ATTR, "winograd_input_transform")
 
 
@@ -285,11 +282,11 @@ def output_transform_func(plan: WinogradPlan, symbol: str = KERNEL_NAME + "_outp
         with T.sblock("root"), _thread_per_element(wl.K * th * tw * wl.N) as index:
             k, ty, tx, n = _split(index, (wl.K, th, tw, wl.N))
             s = [[T.Bind(products[(xi * a + nu) * wl.K + k, ty, tx, n]) for nu in range(a)] for xi in range(a)]
-            at_s = [[T.Bind(_cpu._sum(at[i], [s[xi][nu] for xi in range(a)])) for nu in range(a)] for i in range(m)]
+            at_s = [[T.Bind(weighted_sum(at[i], [s[xi][nu] for xi in range(a)])) for nu in range(a)] for i in range(m)]
             for i in range(m):
                 for j in range(m):
                     h, w = ty * m + i, tx * m + j
-                    value = _cpu._sum(at[j], at_s[i])
+                    value = weighted_sum(at[j], at_s[i])
                     if bias is not None:
                         value = value + bias[k]
                     if residual is not None:
