@@ -280,7 +280,9 @@ def main(argv=None) -> int:
             rows.append(result)
             # the FFMA peak is no tensor peak; Winograd's GFLOP/s are effective (a direct conv's FLOPs)
             winograd = "winograd" in entry
-            pct = f"{result['peak_pct']:.1f}%" + (" eff." if winograd else "") if engine == "ffma" or winograd else "-"
+            pct = "-"
+            if engine == "ffma" or winograd:
+                pct = f"{result['peak_pct']:.1f}%" + (" eff." if winograd else "")
             loop = entry.get("sass_loop")
             ffma_loop = loop and (engine == "ffma" or winograd)
             bound = f"{100 * loop['ffma'] / loop['instructions']:.1f}%" if ffma_loop else "-"

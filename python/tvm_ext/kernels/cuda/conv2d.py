@@ -1032,5 +1032,5 @@ def cuda_param_order(source: str, kernel: str = "maxdnn_conv2d_kernel") -> list[
     Whoever launches the CUDA C directly (the GPU check, the emulator) passes them in this order.
     """
     by_flat = {flat: name for name, flat in FLAT_PARAMS.items()} | {"output": "y", "partial": "partial",
-                                                             "residual": "residual"}
+                                                                   "residual": "residual"}
     return [by_flat[param.removesuffix("_ptr")] for _, param in kernel_params(source, kernel)]
