@@ -5,12 +5,15 @@ patterns, batch-norm folding, `lower_to_kernels`); this module supplies what dif
 
 - convolutions run the maxDNN kernel (:mod:`tvm_ext.kernels.cuda.conv2d`), with bias, residual
   and relu/relu6 fused into its output write (FFMA, or tensor cores with `tensor_cores=`);
-  other activations stay separate kernels;
+  other activations stay separate kernels. A stride-1 3x3 or 5x5 FFMA convolution with constant
+  weights runs as Winograd (:mod:`tvm_ext.kernels.cuda.winograd`: the same tile for its GEMMs,
+  the epilogue in its output transform) where its estimate beats the direct tile's;
 - activations travel between our kernels in CHWN, the convolution's layout: a tensor one of our
   kernels produced is bound to `chwn_to_nchw(y)`, the view the rest of the graph reads, and our
   kernels look through that binding, so layouts change only at the graph's edges and around
   fallbacks (DeadCodeElimination drops the views nobody reads);
-- constant weights are re-laid out (OIHW -> CRSK) here, at build time, in NumPy;
+- constant weights are re-laid out (OIHW -> CRSK) or transformed (Winograd's U) here, at build
+  time, in NumPy;
 - pooling, global pooling and activations run the memory-bound kernels of
   :mod:`tvm_ext.kernels.cuda.simple`, in CHWN where their input is.
 
