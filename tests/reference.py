@@ -1,8 +1,15 @@
-"""Float64 NumPy references the tests compare against."""
+"""Float64 NumPy references the tests compare against, and the seeded weights of their graphs."""
 
 from __future__ import annotations
 
 import numpy as np
+
+
+def random_const(rng: np.random.Generator, *shape: int, scale: float = 0.1):
+    """A float32 Relax constant of normal values times `scale` (a test graph's weights)."""
+    from tvm import relax
+
+    return relax.const((rng.standard_normal(shape) * scale).astype(np.float32))
 
 
 def conv2d_nchw(x, w, bias=None, stride=(1, 1), padding=(0, 0, 0, 0), dilation=(1, 1), groups=1):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from reference import conv2d_nchw, rel_err
+from reference import conv2d_nchw, random_const, rel_err
 from tvm import relax
 
 import tvm_ext
@@ -177,8 +177,8 @@ def test_small_grids_split_the_reduction():
     residual and relu. Numbers against float64 PyTorch on the emulator; the report says so."""
     rng = np.random.default_rng(7)
 
-    def const(*shape, scale=0.1):
-        return relax.const((rng.standard_normal(shape) * scale).astype(np.float32))
+    def const(*shape):
+        return random_const(rng, *shape)
 
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((4, 64, 6, 6), "float32"))

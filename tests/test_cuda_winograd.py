@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from reference import conv2d_nchw, rel_err
+from reference import conv2d_nchw, random_const, rel_err
 from tvm import relax
 
 import tvm_ext
@@ -154,8 +154,8 @@ def test_network_through_winograd(monkeypatch):
     monkeypatch.setattr(cw, "MIN_SPEEDUP", 0.0)
     rng = np.random.default_rng(7)
 
-    def const(*shape, scale=0.1):
-        return relax.const((rng.standard_normal(shape) * scale).astype(np.float32))
+    def const(*shape):
+        return random_const(rng, *shape)
 
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((3, 48, 9, 7), "float32"))
