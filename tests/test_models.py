@@ -80,6 +80,10 @@ def test_torch_reference_covers_every_op_of_the_networks():
 def test_cli_cuda_target(capsys):
     assert cli.main(["report", "--model", "resnet18", "--target", "cuda -arch=sm_90"]) == 0
     assert "maxdnn_conv2d" in capsys.readouterr().out
+    assert cli.main(["report", "--model", "resnet18", "--target", "cuda -arch=sm_90", "--tensor-cores", "tf32"]) == 0
+    assert "mma_tf32 tile" in capsys.readouterr().out
+    assert cli.main(["report", "--model", "resnet18", "--tensor-cores", "bf16"]) == 2  # an LLVM target
+    assert "--tensor-cores applies to `report` for CUDA targets" in capsys.readouterr().err
     assert cli.main(["demo", "--model", "resnet18", "--target", "nvidia/nvidia-h100"]) == 2  # CPU-only commands
     assert "runs on the CPU" in capsys.readouterr().err
 

@@ -38,6 +38,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-stock", action="store_true", help="skip stock TVM (it takes seconds per run)")
     ap.add_argument("--direct", action="store_true",
                     help="demo, report: every convolution direct (no Winograd for 3x3 and 5x5 layers)")
+    ap.add_argument("--tensor-cores", choices=("tf32", "bf16"), default=None,
+                    help="report, CUDA targets: convolutions on the tensor-core tile (tvm_ext.build's tensor_cores)")
     return ap.parse_args(argv)
 
 
@@ -166,12 +168,15 @@ def main(argv: list[str] | None = None) -> int:
         return demo(args)
     if args.command == "tune":
         return tune(args)
+    if args.tensor_cores and (args.command != "report" or not _is_cuda(args.target)):
+        print(f"tvm_ext {args.command}: --tensor-cores applies to `report` for CUDA targets", file=sys.stderr)
+        return 2
     if args.command == "report":
         import tvm_ext
         from tvm_ext import models
 
         print(tvm_ext.dispatch_report(models.get(args.model, batch=args.batch)[0], args.target,
-                                      winograd=not args.direct))
+                                      tensor_cores=args.tensor_cores or False, winograd=not args.direct))
         return 0
     bench = Path(__file__).resolve().parents[2] / "bench" / "layers.py"
     layer_set = "resnet50" if args.model.startswith("resnet") else args.model
