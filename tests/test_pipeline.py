@@ -13,6 +13,7 @@ import tvm_ext
 from tvm_ext.dlight.cpu import ParallelVectorize
 from tvm_ext.kernels.conv2d import KERNEL_ATTR
 from tvm_ext.strategy import cpu as cpu_strategy
+from tvm_ext.strategy.split_batch import runs_per_inference, split_batch
 from tvm_ext.tuning.space import PLAN_ATTR
 
 TARGET = tvm_ext.resolve_target("llvm")
@@ -465,6 +466,8 @@ def test_report_of_a_split_batch_names_the_kernels_the_build_runs():
     assert [r.runs for r in report if r.op == "matmul"] == [1]  # the classifier: the whole batch
     assert not any(r.op in ("strided_slice", "concat") for r in report)
     assert "runs" in str(report).splitlines()[0] and " x4 " in str(report)
+    runs = runs_per_inference(split_batch(2)(mod))
+    assert (runs["main_image"], runs["main_late"]) == (4, 2)
     lowered = tvm_ext.pipeline(TARGET, images_per_call=2)(mod)
     names = [gv.name_hint for gv, f in lowered.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
     for r in convs:

@@ -25,7 +25,7 @@ from .errors import UnsupportedError
 from .kernels.conv2d import KERNEL_ATTR
 from .strategy import cpu as cpu_strategy
 from .strategy.cuda import engine_for
-from .strategy.split_batch import split_batch
+from .strategy.split_batch import runs_per_inference, split_batch
 from .target import TargetLike, resolve_target
 
 
@@ -207,7 +207,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
     def report_function(name: str, runs: int) -> None:
         func = fused[name]
         bindings = relax.analysis.get_var2val(func)
-        plumbing = _split_plumbing(func, bindings, stages) if name == "main" else set()
+        plumbing = _split_plumbing(func, bindings, stages) if name == "main" else []
 
         def from_matmul(data: relax.Expr) -> bool:
             """Whether a convolution of `data` is one matmul_as_conv2d made: its image is a reshape
@@ -254,14 +254,8 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
 def _stage_runs(mod: tvm.IRModule) -> dict[str, int]:
     """The functions a split batch runs (:mod:`~tvm_ext.strategy.split_batch`), in order, with
     their calls per inference: `main_image`, `main_late`, then the rest of `main`."""
-    calls = {"main_image": 0, "main_late": 0}
-
-    def count(expr) -> None:
-        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.GlobalVar) and expr.op.name_hint in calls:
-            calls[expr.op.name_hint] += 1
-
-    relax.analysis.post_order_visit(mod["main"], count)
-    return {**{name: n for name, n in calls.items() if n}, "main": 1}
+    runs = runs_per_inference(mod)
+    return {**{name: runs[name] for name in ("main_image", "main_late") if runs[name]}, "main": 1}
 
 
 def _split_plumbing(main: relax.Function, bindings: dict, stages: dict[str, int]) -> list[relax.Call]:

@@ -23,6 +23,7 @@ of them. ResNet-50 at batch 16, 1 thread, on a Zen 1: 1.03x end to end.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 
@@ -239,3 +240,33 @@ def split_batch(images_per_call: int | None = None) -> tvm.transform.Pass:
         return bb.get()
 
     return _pass
+
+
+def runs_per_inference(mod: tvm.IRModule) -> collections.Counter:
+    """How often one call of `main` runs each function it reaches: a Relax function (`main_image`
+    once per slice of the batch) as often as its callers call it, a PrimFunc as often as its
+    `call_tir`s in each Relax function run."""
+    relax_funcs = {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, relax.Function)}
+    calls: dict[str, collections.Counter] = {}
+    for name, func in relax_funcs.items():
+        counter = calls[name] = collections.Counter()
+
+        def visit(e, counter=counter) -> None:
+            if not isinstance(e, relax.Call):
+                return
+            if isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir":
+                counter[e.args[0].name_hint] += 1
+            elif isinstance(e.op, tvm.ir.GlobalVar) and e.op.name_hint in relax_funcs:
+                counter[e.op.name_hint] += 1
+
+        relax.analysis.post_order_visit(func, visit)
+    runs: collections.Counter = collections.Counter()
+
+    def walk(name: str, times: int) -> None:
+        for callee, n in calls[name].items():
+            runs[callee] += times * n
+            if callee in calls:
+                walk(callee, times * n)
+
+    walk("main", 1)
+    return runs

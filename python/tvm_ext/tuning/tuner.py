@@ -16,7 +16,6 @@ builder gets a build function of ours and contexts are made without that import.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import logging
@@ -25,7 +24,6 @@ import shutil
 from pathlib import Path
 
 import tvm
-from tvm import relax
 from tvm.s_tir import Schedule
 from tvm.s_tir import meta_schedule as ms
 
@@ -63,14 +61,14 @@ def extract_tasks(mod: tvm.IRModule, target: TargetLike = None, winograd: bool =
     convolution's task is its GEMM), so a batch-16 network's trunk is tuned at the images per
     call it runs with, not at 16."""
     from ..strategy import cpu as cpu_strategy
-    from ..strategy.split_batch import split_batch
+    from ..strategy.split_batch import runs_per_inference, split_batch
 
     target = resolve_target(target)
     isa = vector_isa(target)
     with target:
         lowered = tvm.transform.Sequential([split_batch(images_per_call)] + cpu_strategy.fusion_passes(target)
                                            + [cpu_strategy.lower_to_kernels(target, winograd=winograd)])(mod)
-    runs = _runs_per_inference(lowered)
+    runs = runs_per_inference(lowered)
     tasks: dict[str, Task] = {}  # by the workload's self-description: equal kernels, one task
     for gvar, func in lowered.functions_items():
         if not isinstance(func, tvm.tirx.PrimFunc) or gvar.name_hint not in runs:
@@ -85,36 +83,6 @@ def extract_tasks(mod: tvm.IRModule, target: TargetLike = None, winograd: bool =
         else:
             tasks[key] = Task(gvar.name_hint, workload, runs[gvar.name_hint])
     return list(tasks.values())
-
-
-def _runs_per_inference(mod: tvm.IRModule) -> collections.Counter:
-    """How often one call of `main` runs each PrimFunc: its `call_tir`s in each Relax function,
-    times how often that function is called (`main_image` once per slice of the batch)."""
-    relax_funcs = {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, relax.Function)}
-    calls: dict[str, collections.Counter] = {}
-    for name, func in relax_funcs.items():
-        counter = calls[name] = collections.Counter()
-
-        def visit(e, counter=counter) -> None:
-            if not isinstance(e, relax.Call):
-                return
-            if isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir":
-                counter[e.args[0].name_hint] += 1
-            elif isinstance(e.op, tvm.ir.GlobalVar) and e.op.name_hint in relax_funcs:
-                counter[e.op.name_hint] += 1
-
-        relax.analysis.post_order_visit(func, visit)
-    runs: collections.Counter = collections.Counter()
-
-    def walk(name: str, times: int) -> None:
-        for callee, n in calls[name].items():
-            if callee in calls:
-                walk(callee, times * n)
-            else:
-                runs[callee] += times * n
-
-    walk("main", 1)
-    return runs
 
 
 def _build(mod: tvm.IRModule, target: tvm.target.Target, _params) -> tvm.runtime.Module:
