@@ -6,8 +6,9 @@ engine), compiles it with nvcc for this GPU, and for every kernel:
   the FFMA kernel; for a tensor-core kernel < 1e-5 against the float64 convolution of the inputs
   as the tensor cores read them (tf32: low 13 mantissa bits dropped; bf16: rounded);
 - times it (CUDA events, median) against cuDNN through PyTorch: the FFMA kernel against cuDNN fp32
-  (TF32 off), the tf32 tensor-core kernel against cuDNN with TF32 on, the bf16 one (exported with
-  `--engines ... mma_bf16`) against cuDNN on bf16 tensors;
+  (TF32 off), the tf32 tensor-core kernels (mma.sync; wgmma, compiled for sm_90a on a Hopper GPU)
+  against cuDNN with TF32 on, the bf16 one (exported with `--engines ... mma_bf16`) against cuDNN
+  on bf16 tensors;
 - prints GFLOP/s and, for FFMA, % of the fp32 FFMA peak it measures itself with an FFMA-chain kernel.
 A layer exported with split-K (a grid too small to fill the GPU; "K/n" in the tile column) runs
 its two kernels, the slices and their sum, and both are timed together. A Winograd entry (engine
@@ -54,7 +55,10 @@ extern "C" __global__ void ffma_peak(float* __restrict__ out, int iters, float b
 
 
 def nvcc_cubin(source: Path, arch: str) -> Path:
-    """Compile one .cu file to a cubin next to it (nvcc -O3); returns the cubin's path."""
+    """Compile one .cu file to a cubin next to it (nvcc -O3); returns the cubin's path. A kernel
+    that issues wgmma compiles for sm_90a, Hopper's arch-specific target (nowhere else)."""
+    if arch == "sm_90" and "wgmma" in source.read_text():
+        arch = "sm_90a"
     cubin = source.with_suffix(f".{arch}.cubin")
     cmd = ["nvcc", "-cubin", f"-arch={arch}", "-O3", "-w", str(source), "-o", str(cubin)]
     result = subprocess.run(cmd, capture_output=True, text=True)
@@ -166,7 +170,8 @@ def run_layer(torch, device: CudaDevice, entry: dict, cubin: Path, repeat: int) 
         return F.pad(t, (left, right, top, bottom))
 
     # the kernel's operands, laid out once: CHWN data; weights CRSK, or RSCK (the reduction order),
-    # or for Winograd U = G w G^T as the GEMMs' [a², C, K]
+    # and for wgmma packed per block and k step (tvm_ext's pack_wgmma_weight); or for Winograd
+    # U = G w G^T as the GEMMs' [a², C, K]
     order = entry.get("k_order", "crs")
     if order == "winograd":
         g = torch.tensor(entry["winograd"]["G"], dtype=torch.float64, device=device.torch_device)
@@ -175,6 +180,12 @@ def run_layer(torch, device: CudaDevice, entry: dict, cubin: Path, repeat: int) 
     else:
         axes = (0, 2, 3, 4, 1) if order == "crs" else (0, 3, 4, 2, 1)
         weights = w.reshape(groups, k // groups, cg, r, s).permute(*axes).reshape(groups, cg * r * s, k // groups)
+    if "wgmma" in entry:  # each (group, block of rows, k step) tile in the layout the tensor cores read
+        rows, step = entry["wgmma"]["rows"], entry["wgmma"]["k_step"]
+        _, blocks, steps, _ = entry["params"]["w"]
+        weights = F.pad(weights, (0, blocks * rows - k // groups, 0, steps * step - cg * r * s))
+        weights = weights.reshape(groups, steps, step // 4, 4, blocks, rows // 8, 8).permute(0, 4, 1, 5, 2, 6, 3)
+        weights = weights.reshape(groups, blocks, steps, rows * step)
     tensors = {"x": x.permute(1, 2, 3, 0).contiguous(), "w": weights.contiguous()}
     for name, shape in entry["params"].items():  # what the kernels write: "y", and split-K's
         if name not in tensors:                  # slices or Winograd's transformed tiles
@@ -193,8 +204,10 @@ def run_layer(torch, device: CudaDevice, entry: dict, cubin: Path, repeat: int) 
     # "mma_tf32_w64": the tf32 engine, 64-row warp slabs; Winograd: fp32 on the FFMA tile
     engine = "ffma" if "winograd" in entry else entry.get("engine", "ffma").split("_w")[0]
 
+    tf32 = engine in ("mma_tf32", "wgmma_tf32")
+
     def as_read(t):  # what the kernel's arithmetic sees of an fp32 input
-        if engine == "mma_tf32":
+        if tf32:
             return (t.view(torch.int32) & -8192).view(torch.float32)
         return t.bfloat16().float() if engine == "mma_bf16" else t
 
@@ -203,11 +216,11 @@ def run_layer(torch, device: CudaDevice, entry: dict, cubin: Path, repeat: int) 
     err = (got.double() - ref).abs().max().item() / scale
     # the baseline at the same precision: fp32, TF32 allowed, bf16 tensors
     xp, wb = (pad(x).bfloat16(), w.bfloat16()) if engine == "mma_bf16" else (pad(x), w)
-    set_tf32(torch, engine == "mma_tf32")
+    set_tf32(torch, tf32)
     t_ours = device.median_ms(ours, repeat)
     t_base = device.median_ms(lambda: F.conv2d(xp, wb, **options), repeat)
     set_tf32(torch, False)
-    precision = {"ffma": "fp32", "mma_tf32": "TF32", "mma_bf16": "bf16"}[engine]
+    precision = {"ffma": "fp32", "mma_tf32": "TF32", "wgmma_tf32": "TF32", "mma_bf16": "bf16"}[engine]
     return {"err": err, "ok": err < (1e-4 if engine == "ffma" else 1e-5), "ours_ms": t_ours, "cudnn_ms": t_base,
             "cudnn": f"{device.baseline} {precision}"}
 

@@ -1,8 +1,8 @@
 """Generate the CUDA C of tvm_ext's maxDNN convolution for the GPU check's layers (no GPU needed).
 
 Writes one .cu file per layer and engine (FFMA; Winograd F(4x4) on the FFMA tile, for the layers
-it can run; tf32 tensor cores) and manifest.json (shapes, and each kernel's launch and parameter
-order) into --out. bench/gpu_check.py compiles and runs them with nvcc and
+it can run; tf32 tensor cores through mma.sync and, for Hopper, wgmma) and manifest.json (shapes,
+and each kernel's launch and parameter order) into --out. bench/gpu_check.py compiles and runs them with nvcc and
 CuPy on a GPU machine, so that machine needs no TVM: apache-tvm's wheel is 100 MB and the GPU
 machines lent here take 64 MiB.
 
@@ -38,13 +38,19 @@ def sass_loop(source: str, arch: str) -> dict:
     share of the FFMA peak the kernel can reach, to read next to what the GPU measures."""
     from tvm_ext.kernels.cuda import ptx
 
+    arch = wgmma_arch(source, arch)
     loop = ptx.sass_loop_instructions(ptx.disassemble(ptx.compile_source(source, arch, "cubin")))
     return {"arch": arch, "instructions": sum(loop.values()), "ffma": loop["FFMA"], "hmma": loop["HMMA"],
-            "lds": loop["LDS"]}
+            "hgmma": loop["HGMMA"], "lds": loop["LDS"]}
+
+
+def wgmma_arch(source: str, arch: str) -> str:
+    """The arch a kernel compiles for: wgmma exists only in sm_90a, Hopper's arch-specific target."""
+    return arch + "a" if "wgmma" in source and arch == "sm_90" else arch
 
 
 def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
-           engines: tuple[str, ...] = ("ffma", "winograd", "mma_tf32", "mma_tf32:64"),
+           engines: tuple[str, ...] = ("ffma", "winograd", "mma_tf32", "mma_tf32:64", "wgmma_tf32"),
            sass: bool = False) -> list[dict]:
     from tvm_ext.kernels.conv2d import Conv2dWorkload
     from tvm_ext.kernels.cuda import conv2d as cc
@@ -61,7 +67,7 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
             for variant in engines:
                 engine, _, warp_rows = variant.partition(":")
                 start = time.perf_counter()
-                target = {"kind": "cuda", "arch": arch}
+                target = {"kind": "cuda", "arch": arch + "a" if engine.startswith("wgmma") else arch}
                 if engine.startswith("winograd"):  # every layer it can run, chosen by the strategy's estimate or not
                     if cw.eligible(wl):
                         continue
@@ -82,8 +88,8 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
                 if sass:
                     loop = entries[-1]["sass_loop"] = sass_loop(source, arch)
                     mix = (f" k loop: {loop['instructions']} instructions, "
-                           f"{100 * (loop['ffma'] or loop['hmma']) / loop['instructions']:.1f}% "
-                           f"{'FFMA' if loop['ffma'] else 'HMMA'}")
+                           f"{100 * (loop['ffma'] or loop['hmma'] or loop['hgmma']) / loop['instructions']:.1f}% "
+                           f"{'FFMA' if loop['ffma'] else 'HMMA' if loop['hmma'] else 'HGMMA'}")
                 if engine.startswith("winograd"):
                     direct_ms, winograd_ms = entries[-1]["estimate_ms"]
                     shape = (f"F({plan.m}x{plan.m}) GEMM tile {plan.gemm.tile.rows}x{plan.gemm.tile.cols} grid "
@@ -120,6 +126,8 @@ def _entry(name: str, set_name: str, layer: str, engine: str, wl, plan, source: 
         return entry
     entry.update(tile=[plan.tile.rows, plan.tile.cols], splits=plan.splits, k_order=plan.k_order,
                  params={k: list(v) for k, v in {**plan.shapes(), **plan.reduce_shapes()}.items()})
+    if plan.tile.wgmma is not None:  # the weights packed per block and k step (pack_wgmma_weight)
+        entry["wgmma"] = {"rows": plan.tile.rows, "k_step": plan.tile.k_step}
     entry["launches"] = [{"kernel": cc.KERNEL_NAME + "_kernel", "grid": list(plan.grid),
                           "block": [plan.tile.threads, 1, 1], "cuda_args": cc.cuda_param_order(source)}]
     if plan.splits > 1:  # split-K: a second kernel sums the slices
@@ -138,10 +146,12 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=None, help="one batch for every set (default: per set)")
     parser.add_argument("--layers", type=int, default=None, help="first N layers of each set")
     parser.add_argument("--arch", default="sm_90", help="the arch TVM generates for (the source is portable)")
-    parser.add_argument("--engines", nargs="+", default=["ffma", "winograd", "mma_tf32", "mma_tf32:64"],
-                        choices=["ffma", "winograd", "winograd:2", "mma_tf32", "mma_tf32:64", "mma_bf16"],
+    parser.add_argument("--engines", nargs="+", default=["ffma", "winograd", "mma_tf32", "mma_tf32:64", "wgmma_tf32"],
+                        choices=["ffma", "winograd", "winograd:2", "mma_tf32", "mma_tf32:64", "mma_bf16",
+                                 "wgmma_tf32"],
                         help="kernel variants; ':64' = 64-row warp slabs (4 x m16 per warp); winograd: fp32 "
-                             "F(4x4) on the FFMA tile, for the 3x3 and 5x5 stride-1 layers (':2': F(2x2))")
+                             "F(4x4) on the FFMA tile, for the 3x3 and 5x5 stride-1 layers (':2': F(2x2)); "
+                             "wgmma_tf32: Hopper's warpgroup tensor cores (sm_90a)")
     parser.add_argument("--sass", action="store_true",
                         help="also record each kernel's k-loop SASS mix for --arch (needs nvcc and nvdisasm)")
     args = parser.parse_args(argv)

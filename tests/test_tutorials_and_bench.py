@@ -127,15 +127,17 @@ def test_gpu_check_pipeline_without_gpu(tmp_path):
     assert "overfeat_conv1_ffma" in out and "tile 96x64" in out  # 96 filters: one 96-row tile
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     entries = manifest["layers"]
-    assert [e["engine"] for e in entries] == ["ffma", "mma_tf32", "mma_tf32_w64"]  # 11x11 stride 4: no Winograd
+    # 11x11 stride 4: no Winograd
+    assert [e["engine"] for e in entries] == ["ffma", "mma_tf32", "mma_tf32_w64", "wgmma_tf32"]
     for entry in entries:
         [launch] = entry["launches"]
         assert sorted(launch["cuda_args"]) == ["w", "x", "y"] and entry["params"]["y"] == [96, 56, 56, 4]
     if sass:  # each k loop's SASS mix: FFMA for the FFMA tile, mma for the tensor-core ones
         loops = [e["sass_loop"] for e in entries]
         assert loops[0]["ffma"] > 0.8 * loops[0]["instructions"] and loops[0]["hmma"] == 0
-        assert all(loop["hmma"] > 0 and loop["ffma"] == 0 for loop in loops[1:])
-        assert "% FFMA (" in out and "% HMMA (" in out
+        assert all(loop["hmma"] > 0 and loop["ffma"] == 0 for loop in loops[1:3])
+        assert loops[3]["hgmma"] > 0 and loops[3]["arch"] == "sm_90a"  # wgmma: Hopper's own target
+        assert "% FFMA (" in out and "% HMMA (" in out and "% HGMMA (" in out
     sys.path.insert(0, str(ROOT / "bench"))
     import gpu_check
 
@@ -143,22 +145,24 @@ def test_gpu_check_pipeline_without_gpu(tmp_path):
     for cubin in cubins.values():
         assert not isinstance(cubin, Exception), cubin
         assert cubin.read_bytes()[:4] == b"\x7fELF"
+    assert cubins[tmp_path / entries[3]["file"]].name.endswith(".sm_90a.cubin")
     out = subprocess.run([sys.executable, "bench/gpu_check.py", "--kernels", str(tmp_path)], cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 2 and "gpu_check:" in out.stderr  # no GPU (or no CuPy) here: says so
     # the whole script, kernels on the CPU emulator: layouts, argument order and checks are right
     env = {**os.environ, "KERNELS": str(tmp_path), "PYTHON": sys.executable, "OUT": str(tmp_path / "report"),
            # CRS order, and RSC with split-K (AlexNet conv2 at batch 2: 69 blocks, 5 slices of taps),
-           # and conv2 (5x5) as Winograd F(4x4, 5x5): three kernels
-           "EXPORT_ARGS": "--sets alexnet --batch 2 --layers 2 --engines ffma winograd mma_tf32:64"}
+           # and conv2 (5x5) as Winograd F(4x4, 5x5): three kernels; both on wgmma
+           "EXPORT_ARGS": "--sets alexnet --batch 2 --layers 2 --engines ffma winograd mma_tf32:64 wgmma_tf32"}
     result = subprocess.run(["bash", "bench/gpu_check.sh", "--emulate", "--repeat", "1"], cwd=ROOT,
                             capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "5/5 layers correct" in result.stdout
+    assert "7/7 layers correct" in result.stdout
     report = json.loads((tmp_path / "report" / "gpu_check.json").read_text())
-    assert [row["engine"] for row in report["layers"]] == ["ffma", "mma_tf32_w64", "ffma", "winograd", "mma_tf32_w64"]
+    assert [row["engine"] for row in report["layers"]] == ["ffma", "mma_tf32_w64", "wgmma_tf32", "ffma", "winograd",
+                                                           "mma_tf32_w64", "wgmma_tf32"]
     assert all(row["ok"] for row in report["layers"])
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert [e.get("splits") for e in manifest["layers"]] == [1, 1, 5, 1, 5] and "K/5" in result.stdout
-    assert [len(e["launches"]) for e in manifest["layers"]] == [1, 1, 2, 3, 2]
+    assert [e.get("splits") for e in manifest["layers"]] == [1, 1, 1, 5, 1, 5, 5] and "K/5" in result.stdout
+    assert [len(e["launches"]) for e in manifest["layers"]] == [1, 1, 1, 2, 3, 2, 2]
     assert "| alexnet conv2 | winograd | F(4x4), 64x64, est. " in result.stdout and "% eff." in result.stdout

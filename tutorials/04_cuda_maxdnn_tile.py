@@ -6,7 +6,8 @@ What you will see:
    one barrier per k step, output staged through shared memory), generated as TensorIR with its
    updates tensorized, and the CUDA C TVM makes of it;
 3. what nvcc makes of that for sm_90: instruction counts in the PTX, registers and spills, the
-   k loop's SASS (with nvdisasm), and the tensor-core (mma.sync tf32) variant of the same block;
+   k loop's SASS (with nvdisasm), and the tensor-core variants of the same block: mma.sync tf32
+   per warp, and Hopper's asynchronous wgmma per warpgroup (sm_90a);
 4. its numbers: on the GPU if there is one, else on the CPU emulator (the same CUDA C, compiled
    with g++, one fiber per CUDA thread);
 5. a whole network through `tvm_ext.build(mod, "cuda")`: which kernel serves each op;
@@ -73,6 +74,15 @@ def main(small: bool = False) -> None:
         tc_counts = ptx.ptx_instructions(ptx.compile_source(maxdnn.cuda_source(tc_plan), "sm_90").decode())
         mma = sum(v for op, v in tc_counts.items() if op.startswith("mma.sync"))
         print(f"   tensor-core tile: {mma} mma.sync.m16n8k8.tf32 ({mma // tc_plan.code_steps} per warp per k step)")
+        # Hopper: one warpgroup issues wgmma m64nNk8 per 64-column slab, N = the block's rows; its B
+        # operand (the weights' tile) is read by the tensor cores from shared memory via a descriptor.
+        wg_plan = maxdnn.MaxDNNPlan.make(wl, maxdnn.choose_tile(wl.K, "wgmma_tf32"), plan.epilogue)
+        wg_source = maxdnn.cuda_source(wg_plan, "cuda -arch=sm_90a")
+        wg_counts = ptx.ptx_instructions(ptx.compile_source(wg_source, "sm_90a").decode())
+        wgmma = sum(v for op, v in wg_counts.items() if op.startswith("wgmma.mma_async"))
+        print(f"   wgmma tile {wg_plan.tile.rows}x{wg_plan.tile.cols}: {wgmma} "
+              f"{wg_plan.tile.wgmma.opcode(wg_plan.tile.rows)} ({wgmma // wg_plan.code_steps} per k step), "
+              f"each waited for after the next tile's shared stores")
     else:
         print("\n3. nvcc is not installed: no PTX to look at")
 
@@ -96,6 +106,13 @@ def main(small: bool = False) -> None:
     err = np.abs(got - ref).max() / np.abs(ref).max()
     print(f"\n4. conv {small_wl.C}x{small_wl.H}x{small_wl.W}x{small_wl.N} -> {small_wl.K} {where}: "
           f"relative error against float64 NumPy {err:.1e}")
+    if not tvm.cuda(0).exist:  # the wgmma tile on the emulator: tf32, so about 1e-3 of fp32's answer
+        wg_plan = maxdnn.MaxDNNPlan.make(small_wl, maxdnn.choose_tile(small_wl.K, "wgmma_tf32"),
+                                         maxdnn.Epilogue(bias=True))
+        wg_got = maxdnn.output_to_nchw(maxdnn.emulate(wg_plan, maxdnn.kernel_arrays(wg_plan, x, w, bias),
+                                                      maxdnn.cuda_source(wg_plan, "cuda -arch=sm_90a")))
+        wg_err = np.abs(wg_got - ref).max() / np.abs(ref).max()
+        print(f"   the wgmma (tf32) tile on the emulator: relative error {wg_err:.1e}")
 
     # 5. A network for CUDA: our kernels where they apply, stock TVM (with a reason) elsewhere.
     mod, _ = tvm_ext.models.get("resnet18", batch=8)

@@ -72,7 +72,9 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
 
     `tensor_cores` (CUDA): convolutions run a tensor-core tile instead of the fp32 FFMA one: True
     or "tf32" (inputs read as tf32, as cuDNN does with TF32 allowed), "bf16" (inputs rounded to
-    bf16; fp32 accumulation and outputs).
+    bf16; fp32 accumulation and outputs), both with mma.sync (sm_80+); "wgmma_tf32": tf32 with
+    Hopper's asynchronous warpgroup wgmma (sm_90a targets only; checked on the emulator and in
+    SASS, not yet timed on a GPU).
 
     `winograd`: stride-1 3x3 and 5x5 convolutions with constant weights run as Winograd
     F(4x4, rxr) or F(2x2, rxr): 2.25-6x fewer multiplies, and a float32 error of about 1e-5 of
@@ -84,7 +86,7 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
 
     target = resolve_target(target)
     if target.kind.name == "cuda":
-        engine_for(tensor_cores)  # a bad value fails here, not inside the pass
+        engine_for(tensor_cores, target)  # a bad value fails here, not inside the pass
         if database is not None:
             raise UnsupportedError("pipeline: tuning records apply to CPU targets only (the CUDA kernels use "
                                    "their analytic tiles)")
@@ -194,7 +196,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
     are not reported.
     """
     target = resolve_target(target)
-    engine = engine_for(tensor_cores)
+    engine = engine_for(tensor_cores, target if target.kind.name == "cuda" else None)
     if tensor_cores and target.kind.name != "cuda":
         raise UnsupportedError("dispatch_report: tensor_cores applies to CUDA targets")
     if target.kind.name != "cuda":  # the pipeline splits the batch on CPUs only

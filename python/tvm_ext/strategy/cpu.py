@@ -367,7 +367,8 @@ def make_emitter(bb: relax.BlockBuilder, target: tvm.target.Target, database=Non
     """The emitter of `target`'s kernels: blocked NCHW[x]c on CPUs, CHWN on CUDA (`tensor_cores`,
     `winograd`: see :func:`tvm_ext.pipeline`)."""
     if target.kind.name == "cuda":
-        return _cuda.CudaEmitter(bb, target, database, engine=_cuda.engine_for(tensor_cores), winograd=winograd)
+        return _cuda.CudaEmitter(bb, target, database, engine=_cuda.engine_for(tensor_cores, target),
+                                 winograd=winograd)
     return _Emitter(bb, target, database, winograd)
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..errors import UnsupportedError
 from ..kernels import conv2d as _conv
 from ..kernels.cuda import conv2d as _maxdnn
 from ..kernels.cuda import simple as _simple
@@ -39,13 +40,20 @@ _OPAQUE = 8  # Relax's FuseOps must leave our scheduled kernels alone: kOpaque
 FUSED_ACTIVATIONS = tuple(a for a in _maxdnn.ACTIVATIONS if a is not None)
 
 
-def engine_for(tensor_cores) -> str:
+def engine_for(tensor_cores, target: tvm.target.Target | None = None) -> str:
     """The convolution engine a `tensor_cores` option asks for: False -> fp32 FFMA, True or
-    "tf32" -> tf32 mma.sync, "bf16" -> bf16 mma.sync."""
-    engines = {False: "ffma", True: "mma_tf32", "tf32": "mma_tf32", "bf16": "mma_bf16"}
+    "tf32" -> tf32 mma.sync, "bf16" -> bf16 mma.sync, "wgmma_tf32" -> tf32 Hopper wgmma (a
+    `target` given must then be compiled for sm_90a, as the nvidia/nvidia-h100 tag is)."""
+    engines = {False: "ffma", True: "mma_tf32", "tf32": "mma_tf32", "bf16": "mma_bf16",
+               "wgmma_tf32": "wgmma_tf32"}
     if tensor_cores not in engines:
-        raise ValueError(f"tensor_cores must be False, True, 'tf32' or 'bf16', got {tensor_cores!r}")
-    return engines[tensor_cores]
+        raise ValueError(f"tensor_cores must be False, True, 'tf32', 'bf16' or 'wgmma_tf32', got {tensor_cores!r}")
+    engine = engines[tensor_cores]
+    if engine in _maxdnn.WGMMA_SHAPES and target is not None and target.attrs.get("arch") != "sm_90a":
+        raise UnsupportedError(f"tensor_cores={tensor_cores!r}: wgmma exists on sm_90a only (Hopper: a target "
+                               f"like 'cuda -arch=sm_90a' or the nvidia/nvidia-h100 tag); this target's arch is "
+                               f"{target.attrs.get('arch')}")
+    return engine
 
 
 def conv2d_decision(wl: _conv.Conv2dWorkload, engine: str = "ffma", winograd: bool = False
@@ -92,7 +100,7 @@ class CudaEmitter:
             raise ValueError("tuning records apply to CPU targets only; the CUDA kernels use their analytic tiles")
         self.bb = bb
         self.target = target
-        self.engine = engine  # "ffma" (fp32), "mma_tf32" or "mma_bf16" (tensor cores): engine_for()
+        self.engine = engine  # "ffma" (fp32), or a tensor-core engine: engine_for()
         self.winograd = winograd  # constant-weight 3x3/5x5 stride-1 layers may run as Winograd
 
     def _call(self, func: tvm.tirx.PrimFunc, name: str, args: list, shape: tuple) -> relax.Var:
@@ -128,18 +136,33 @@ class CudaEmitter:
         gvar = self.bb.add_func(func.with_attr("op_pattern", _OPAQUE), name)
         return relax.call_tir(gvar, [chwn], relax.TensorType(out, "float32"))
 
-    def _weight(self, weight: relax.Expr, groups: int, k_order: str) -> relax.Expr:
-        """OIHW -> [groups, I*H*W, O/groups] in the plan's reduction order: in NumPy for a
+    def _weight(self, weight: relax.Expr, plan: _maxdnn.MaxDNNPlan) -> relax.Expr:
+        """OIHW -> the plan's weights (:attr:`~tvm_ext.kernels.cuda.conv2d.MaxDNNPlan.weight_shape`):
+        [groups, I*H*W, O/groups] in its reduction order, packed for wgmma; in NumPy for a
         constant, else in the graph."""
+        groups, k_order = plan.wl.groups, plan.k_order
         if isinstance(weight, tvm.ir.expr.GenericConst):
-            return relax.const(_maxdnn.weight_to_crsk(weight.value.numpy(), groups, k_order))
+            crsk = _maxdnn.weight_to_crsk(weight.value.numpy(), groups, k_order)
+            return relax.const(crsk if plan.tile.wgmma is None else _maxdnn.pack_wgmma_weight(crsk, plan))
         k, cg, r, s = _shape(weight)
         if k_order == "crs":
             grouped = relax.op.reshape(weight, (groups, k // groups, cg * r * s))
-            return self.bb.emit(relax.op.permute_dims(grouped, [0, 2, 1]))
-        grouped = relax.op.reshape(weight, (groups, k // groups, cg, r * s))
-        return self.bb.emit(relax.op.reshape(relax.op.permute_dims(grouped, [0, 3, 2, 1]),
-                                             (groups, r * s * cg, k // groups)))
+            crsk = self.bb.emit(relax.op.permute_dims(grouped, [0, 2, 1]))
+        else:
+            grouped = relax.op.reshape(weight, (groups, k // groups, cg, r * s))
+            crsk = self.bb.emit(relax.op.reshape(relax.op.permute_dims(grouped, [0, 3, 2, 1]),
+                                                 (groups, r * s * cg, k // groups)))
+        return crsk if plan.tile.wgmma is None else self._pack_wgmma_weight(crsk, plan)
+
+    def _pack_wgmma_weight(self, crsk: relax.Expr, plan: _maxdnn.MaxDNNPlan) -> relax.Expr:
+        """:func:`~tvm_ext.kernels.cuda.conv2d.pack_wgmma_weight` as graph ops, for weights that
+        are not constants."""
+        t, (groups, blocks, steps, _) = plan.tile, plan.weight_shape
+        m, _, k = plan.gemm
+        padded = relax.op.nn.pad(crsk, [0, 0, 0, steps * t.k_step - k, 0, blocks * t.rows - m])
+        tiles = relax.op.reshape(padded, (groups, steps, t.k_step // 4, 4, blocks, t.rows // 8, 8))
+        packed = relax.op.permute_dims(tiles, [0, 4, 1, 5, 2, 6, 3])
+        return self.bb.emit(relax.op.reshape(packed, plan.weight_shape))
 
     def conv2d(self, call: relax.Call, data: relax.Expr, bias: np.ndarray | None = None,
                residual: relax.Expr | None = None, activation: relax.Call | None = None,
@@ -163,7 +186,7 @@ class CudaEmitter:
             return self._winograd_conv2d(plan, call.args[1], data, epilogue_args, _name("winograd_conv2d", *shape)
                                          + suffix)
         plan = _maxdnn.MaxDNNPlan.make(wl, decided.tile, epilogue, decided.splits)
-        args = [self.chwn(data), self._weight(call.args[1], wl.groups, plan.k_order)]
+        args = [self.chwn(data), self._weight(call.args[1], plan)]
         name = _name("maxdnn_conv2d", *shape) + suffix
         if plan.splits == 1:
             func = _maxdnn.maxdnn_conv2d_func(plan, symbol=name)

@@ -11,7 +11,14 @@ nobody wrote poisons the output instead of passing silently with a previous bloc
 Warp-collective tensor-core instructions (`mma.sync` m16n8k8 tf32 and m16n8k16 bf16, as TVM's
 inline PTX) become a rendezvous of the calling warp's lanes (only theirs: a missing
 `__syncthreads` still shows) and the PTX ISA's fragment layouts, with tf32 operands truncated as
-the hardware reads them.
+the hardware reads them. Hopper's asynchronous `wgmma.mma_async` (m64nNk8 tf32, A from registers,
+B through a shared-memory matrix descriptor, K-major without swizzle) is recorded when issued and
+carried out, for each thread, at the `wgmma.wait_group` that retires its group, which blocks only
+until every thread of the warpgroup has committed that group (the hardware's one guarantee: it
+is no barrier for anything else). B is read from shared memory then, so a kernel that overwrites
+the tile before waiting, reads its accumulators early, or never waits, gets wrong numbers or an
+error. Shared memory is one arena per block, so the descriptors' 14-bit shared addresses
+(`__cvta_generic_to_shared`) work.
 
 What it does not model: warps, timing, memory coalescing, out-of-bounds global accesses (they are
 plain C++ accesses), and any CUDA feature beyond what TVM's fp32 kernels use.
@@ -44,6 +51,7 @@ HEADER = r"""
 
 #define __global__
 #define __device__
+#define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define uint unsigned int
@@ -78,6 +86,7 @@ struct Fiber {
   bool done = false;
   bool at_barrier = false;
   bool at_warp_barrier = false;
+  long wgmma_wait = -1;  // the wgmma group this thread waits for every thread of its warpgroup to commit
   size_t shared_index = 0;
 };
 static ucontext_t scheduler;
@@ -85,21 +94,38 @@ static std::vector<Fiber> fibers;
 static size_t current = 0;
 static dim3 thread_idx, block_idx, block_dim, grid_dim;
 static std::function<void()> body;
-static std::vector<std::vector<unsigned char>> arena;  // this block's shared allocations
+static const char* failure = nullptr;  // what the kernel did that the hardware would not allow
+
+// This block's shared memory: one arena (as on the GPU, so that shared addresses are offsets),
+// each `__shared__` array at a 128-byte boundary, NaN-filled when the block starts.
+static const size_t SHARED_BYTES = 228 * 1024;
+alignas(1024) static unsigned char smem[SHARED_BYTES];
+static size_t smem_top = 0;
+static std::vector<size_t> arena;  // offsets of this block's shared arrays, in declaration order
 
 static void fiber_main() {
   body();
   fibers[current].done = true;
 }
 
+static void fail(const char* why) {
+  if (!failure) failure = why;
+}
+
 template <typename T>
 static T* shared(size_t count) {
   Fiber& f = fibers[current];
   if (f.shared_index == arena.size()) {
-    arena.emplace_back(count * sizeof(T) + 64, (unsigned char)0xFF);  // NaN-filled
+    size_t at = (smem_top + 127) / 128 * 128;
+    if (at + count * sizeof(T) > SHARED_BYTES) {
+      fail("shared memory past 228 KB");
+      at = 0;
+    }
+    arena.push_back(at);
+    smem_top = at + count * sizeof(T);
+    std::memset(smem + at, 0xFF, count * sizeof(T));  // NaN-filled
   }
-  unsigned char* p = arena[f.shared_index++].data();
-  return reinterpret_cast<T*>(p + (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64);
+  return reinterpret_cast<T*>(smem + arena[f.shared_index++]);
 }
 
 static void yield_to_scheduler() { swapcontext(&fibers[current].ctx, &scheduler); }
@@ -111,8 +137,12 @@ static void warp_sync() {
 }
 
 // Returns 0, or 1 when the threads of a block did not all reach the same barrier.
+static bool wgmma_idle();
+static bool wgmma_committed(size_t thread, long group);
+
 static int run_grid(dim3 grid, dim3 block) {
   grid_dim = grid;
+  failure = nullptr;
   block_dim = block;
   size_t n = (size_t)block.x * block.y * block.z;
   fibers.assign(n, Fiber());
@@ -122,10 +152,12 @@ static int run_grid(dim3 grid, dim3 block) {
   for (unsigned bx = 0; bx < grid.x; ++bx) {
     block_idx = {bx, by, bz};
     arena.clear();
+    smem_top = 0;
     for (size_t i = 0; i < n; ++i) {
       Fiber& f = fibers[i];
       f.tid = {(unsigned)(i % block.x), (unsigned)(i / block.x % block.y), (unsigned)(i / block.x / block.y)};
       f.done = f.at_barrier = f.at_warp_barrier = false;
+      f.wgmma_wait = -1;
       f.shared_index = 0;
       getcontext(&f.ctx);
       f.ctx.uc_stack.ss_sp = f.stack.data();
@@ -137,7 +169,7 @@ static int run_grid(dim3 grid, dim3 block) {
       // Run every runnable thread to its next barrier (or its end), in thread order.
       for (size_t i = 0; i < n; ++i) {
         Fiber& f = fibers[i];
-        if (f.done || f.at_barrier || f.at_warp_barrier) continue;
+        if (f.done || f.at_barrier || f.at_warp_barrier || f.wgmma_wait >= 0) continue;
         current = i;
         thread_idx = f.tid;
         swapcontext(&scheduler, &f.ctx);
@@ -145,7 +177,7 @@ static int run_grid(dim3 grid, dim3 block) {
       size_t done = 0, waiting = 0;
       for (auto& f : fibers) { done += f.done; waiting += f.at_barrier && !f.done; }
       if (done == n) break;
-      bool released = false;  // warps whose live lanes all wait at a warp rendezvous go on
+      bool released = false;  // warps whose live lanes all wait at a rendezvous go on
       for (size_t w = 0; w < n; w += 32) {
         size_t end = w + 32 < n ? w + 32 : n, live = 0, at = 0;
         for (size_t i = w; i < end; ++i) { live += !fibers[i].done; at += fibers[i].at_warp_barrier; }
@@ -154,10 +186,26 @@ static int run_grid(dim3 grid, dim3 block) {
           released = true;
         }
       }
+      bool wgmma_waits = false;  // threads waiting for a wgmma group go on once it is all committed
+      for (size_t i = 0; i < n; ++i) {
+        Fiber& f = fibers[i];
+        if (f.wgmma_wait < 0) continue;
+        wgmma_waits = true;
+        if (wgmma_committed(i, f.wgmma_wait)) {
+          f.wgmma_wait = -1;
+          released = true;
+        }
+      }
       if (released) continue;
+      if (wgmma_waits) {
+        fail("a wgmma.wait_group waits for a group that not every thread of the warpgroup commits");
+        return 2;
+      }
       if (done || waiting != n) return 1;  // some threads ended or wait elsewhere: divergent barriers
       for (auto& f : fibers) f.at_barrier = false;
     }
+    if (!wgmma_idle()) fail("wgmma.mma_async issued and never waited for (wgmma.wait_group)");
+    if (failure) return 2;
   }
   return 0;
 }
@@ -208,7 +256,137 @@ static void mma_m16n8(float* d0, float* d1, float* d2, float* d3, unsigned a0, u
   warp_sync();  // every lane has read the slots before any lane's next mma overwrites them
   for (int i = 0; i < 4; ++i) *d[i] = out[i];
 }
+
+// wgmma.mma_async.sync.aligned.m64nNk8.f32.tf32.tf32 with A in registers, over the calling
+// warpgroup (PTX ISA 9.7.15.5.1): warp w, lane (g, t); A register j holds A[16w + g + 8 (j % 2)]
+// [t + 4 (j / 2)]; D register 4c + 2h + b is D[16w + g + 8h][8c + 2t + b]; B[n][k] is read from
+// shared memory through the descriptor (start, LBO, SBO in 16-byte units; bits 62-63 the swizzle,
+// only 0 = none here), K-major: byte (n / 8) SBO + (n % 8) 16 + (k / 4) LBO + (k % 4) 4.
+// An mma is recorded when issued and its group closed by commit_group; each thread carries out
+// its share (its accumulators) at the wait_group that retires the group, once every thread of
+// the warpgroup has committed it: the accumulators change then, and B is read then.
+struct WgmmaOp {
+  int n;
+  float* d[128];
+  unsigned a[4];
+  uint64_t desc;
+  bool scale_d;
+  int scale_a, scale_b;
+};
+struct WgmmaGroup {
+  std::vector<WgmmaOp> ops[128];  // by thread of the warpgroup
+  int committed = 0, retired = 0;
+};
+struct Warpgroup {
+  std::vector<WgmmaGroup> groups;  // groups[i] is group number first + i
+  long first = 0;
+};
+struct ThreadWgmma {
+  std::vector<WgmmaOp> open;
+  long committed = 0, retired = 0;
+};
+static Warpgroup warpgroups[8];
+static ThreadWgmma thread_wgmma[1024];
+
+static bool wgmma_idle() {
+  bool idle = true;
+  for (size_t i = 0; i < fibers.size(); ++i) {
+    idle &= thread_wgmma[i].open.empty() && thread_wgmma[i].committed == thread_wgmma[i].retired;
+    thread_wgmma[i] = ThreadWgmma();
+  }
+  for (auto& w : warpgroups) w = Warpgroup();
+  return idle;
+}
+
+static bool wgmma_committed(size_t thread, long group) {
+  const Warpgroup& w = warpgroups[thread / 128];
+  return w.groups[group - w.first].committed == 128;
+}
+
+static void wgmma_fence() {}
+
+static void wgmma_tf32(int n, float** d, unsigned a0, unsigned a1, unsigned a2, unsigned a3, uint64_t desc,
+                       bool scale_d, int scale_a, int scale_b) {
+  if (block_dim.x * block_dim.y * block_dim.z % 128) fail("wgmma in a block that is not whole warpgroups");
+  WgmmaOp op{n, {}, {a0, a1, a2, a3}, desc, scale_d, scale_a, scale_b};
+  for (int i = 0; i < n / 2; ++i) op.d[i] = d[i];
+  thread_wgmma[current].open.push_back(op);
+}
+
+static void wgmma_commit() {
+  ThreadWgmma& me = thread_wgmma[current];
+  Warpgroup& w = warpgroups[current / 128];
+  while ((long)w.groups.size() <= me.committed - w.first) w.groups.emplace_back();
+  WgmmaGroup& group = w.groups[me.committed - w.first];
+  group.ops[current % 128] = me.open;
+  group.committed++;
+  me.open.clear();
+  me.committed++;
+}
+
+static float shared_tf32(uint32_t address) {
+  if (address + 4 > smem_top) {
+    fail("a wgmma descriptor reads past the block's shared memory");
+    return 0.0f;
+  }
+  unsigned u;
+  std::memcpy(&u, smem + address, 4);
+  return operand(u, 1, 0);
+}
+
+static void wgmma_wait(int pending) {
+  ThreadWgmma& me = thread_wgmma[current];
+  size_t lane = current % 128;
+  int w = (int)lane / 32, g = (int)(lane % 32) / 4, t = (int)lane % 4;
+  while (me.committed - me.retired > pending) {
+    Warpgroup& wg = warpgroups[current / 128];
+    if (!wgmma_committed(current, me.retired)) {
+      fibers[current].wgmma_wait = me.retired;
+      yield_to_scheduler();  // until every thread of the warpgroup has committed the group
+    }
+    WgmmaGroup& group = wg.groups[me.retired - wg.first];
+    const std::vector<WgmmaOp>& mine = group.ops[lane];
+    for (int i = 0; i < 128; ++i)
+      if (group.ops[i].size() != mine.size()) fail("the threads of a warpgroup issued different wgmma groups");
+    if (failure) return;
+    for (size_t q = 0; q < mine.size(); ++q) {
+      const WgmmaOp& op = mine[q];
+      for (int i = 0; i < 128; ++i)
+        if (group.ops[i][q].desc != op.desc || group.ops[i][q].n != op.n)
+          fail("the threads of a warpgroup gave one wgmma different descriptors or shapes");
+      if (op.desc >> 62) fail("the emulator reads only unswizzled wgmma descriptors");
+      if (failure) return;
+      uint32_t start = (uint32_t)(op.desc & 0x3FFF) << 4, lbo = (uint32_t)(op.desc >> 16 & 0x3FFF) << 4,
+               sbo = (uint32_t)(op.desc >> 32 & 0x3FFF) << 4;
+      auto A = [&](int row, int k) {
+        return operand(group.ops[(row / 16) * 32 + (row % 8) * 4 + k % 4][q].a[(row % 16 >= 8) + 2 * (k >= 4)], 1, 0);
+      };
+      auto B = [&](int col, int k) {
+        return shared_tf32(start + (col / 8) * sbo + (col % 8) * 16 + (k / 4) * lbo + (k % 4) * 4);
+      };
+      for (int r = 0; r < op.n / 2; ++r) {
+        int row = 16 * w + g + 8 * (r / 2 % 2), col = 8 * (r / 4) + 2 * t + r % 2;
+        double sum = 0.0;
+        for (int k = 0; k < 8; ++k) sum += (double)A(row, k) * (double)B(col, k);
+        sum *= op.scale_a * op.scale_b;
+        *op.d[r] = (float)(op.scale_d ? sum + (double)*op.d[r] : sum);
+      }
+    }
+    group.retired++;
+    me.retired++;
+    while (!wg.groups.empty() && wg.groups.front().retired == 128) {  // every thread is done with it
+      wg.groups.erase(wg.groups.begin());
+      wg.first++;
+    }
+  }
+}
 }  // namespace emu
+
+static inline uint32_t __cvta_generic_to_shared(const void* p) {
+  const unsigned char* at = static_cast<const unsigned char*>(p);
+  if (at < emu::smem || at >= emu::smem + emu::SHARED_BYTES) emu::fail("__cvta_generic_to_shared: not shared memory");
+  return (uint32_t)(at - emu::smem);
+}
 
 static inline void __syncthreads() {
   emu::Fiber& f = emu::fibers[emu::current];
@@ -236,6 +414,10 @@ _SHARED = re.compile(r"__shared__\s+(?:alignas\(\d+\)\s+)?(\w+)\s+(\w+)\[(\d+)\]
 _MMA = re.compile(r'__asm__ __volatile__\(\s*"mma\.sync\.aligned\.([\w.]+)"\s*"[^"]*"\s*:(.*?)\);', re.S)
 _SUPPORTED_MMA = {"m16n8k8.row.col.f32.tf32.tf32.f32": "mma_m16n8<8, 1>",
                   "m16n8k16.row.col.f32.bf16.bf16.f32": "mma_m16n8<16, 2>"}
+# TVM's wgmma helpers (`T.ptx["wgmma..."]`): one inline-PTX statement each, in the preamble
+_WGMMA_ASM = re.compile(r'asm volatile\("((?:[^"\\]|\\.)*)"\s*:(.*?)\);', re.S)
+_WGMMA_TF32 = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k8\.f32\.tf32\.tf32 \{[^}]*\}, "
+                         r"\{[^}]*\}, %\d+, ps0, (-?1), (-?1);")
 
 
 def _operands(text: str) -> list[str]:
@@ -264,14 +446,48 @@ def _emulate_mma(match: re.Match) -> str:
     return f"emu::{_SUPPORTED_MMA[kind]}({', '.join(args)});"
 
 
+def _emulate_wgmma(match: re.Match) -> str:
+    """One of TVM's wgmma helper statements -> its emulation (see the header)."""
+    text, operands = match.group(1), match.group(2)
+    if text.startswith("wgmma.fence.sync.aligned"):
+        return "emu::wgmma_fence();"
+    if text.startswith("wgmma.commit_group.sync.aligned"):
+        return "emu::wgmma_commit();"
+    if text.startswith("wgmma.wait_group.sync.aligned"):
+        return f"emu::wgmma_wait({int(text.split()[1].rstrip(';'))});"
+    mma = _WGMMA_TF32.search(text)
+    if mma is None:
+        raise EmulationError(f"the emulator has no {text.split(';')[-2].strip().split()[0]!r}")
+    n, scale_a, scale_b = int(mma.group(1)), mma.group(2), mma.group(3)
+    outputs, _, inputs = operands.partition(":")
+    d, rest = _operands(outputs), _operands(inputs)
+    if len(d) != n // 2 or len(rest) != 6:
+        raise EmulationError(f"wgmma m64n{n}k8: {len(d)} accumulators and {len(rest)} inputs, expected {n // 2} and 6")
+    a, desc, scale_d = rest[:4], rest[4], rest[5]
+    return (f"{{ float* d_[] = {{{', '.join(f'&({e})' for e in d)}}}; "
+            f"emu::wgmma_tf32({n}, d_, {', '.join(a)}, {desc}, ({scale_d}) != 0, {scale_a}, {scale_b}); }}")
+
+
+def _helpers(source: str, start: int) -> str:
+    """TVM's device helpers the kernels call when they issue wgmma (the descriptor type and
+    encoder, one function per instruction), from the preamble, their inline PTX emulated."""
+    if "wgmma" not in source[start:]:
+        return ""
+    begin = source.find("#ifndef HOST_DEVICE")
+    if begin < 0 or begin > start:
+        raise EmulationError("the kernel calls wgmma helpers the source does not define")
+    return _WGMMA_ASM.sub(_emulate_wgmma, source[begin:start])
+
+
 def _device_code(source: str) -> str:
-    """The kernels without TVM's CUDA preamble: shared arrays turned into per-block arenas,
-    tensor-core instructions (inline PTX) into calls of their emulation."""
+    """The kernels without TVM's CUDA preamble (but with the wgmma helpers they call): shared
+    arrays turned into per-block arenas, tensor-core instructions (inline PTX) into calls of
+    their emulation."""
     start = source.find('extern "C" __global__')
     if start < 0:
         raise EmulationError("the source has no __global__ kernel")
     code = _SHARED.sub(r"\1* \2 = emu::shared<\1>(\3);", source[start:])
-    code = _MMA.sub(_emulate_mma, code)
+    code = _helpers(source, start) + _MMA.sub(_emulate_mma, code)
     if "__asm__" in code or "asm volatile" in code:
         raise EmulationError("the kernel has inline PTX the emulator does not know")
     return code
@@ -302,6 +518,7 @@ extern "C" int emu_launch(void** args, unsigned gx, unsigned gy, unsigned gz,
   emu::body = [args]() {{ {kernel}({args}); }};
   return emu::run_grid({{gx, gy, gz}}, {{bx, by, bz}});
 }}
+extern "C" const char* emu_failure() {{ return emu::failure ? emu::failure : ""; }}
 """)
     digest = hashlib.sha256(text.encode()).hexdigest()[:20]
     lib = os.path.join(_cache_dir(), f"{kernel}_{digest}.so")
@@ -337,5 +554,9 @@ def run_kernel(source: str, kernel: str, grid: tuple[int, int, int], block: tupl
         pointers.append(arr.ctypes.data_as(ctypes.c_void_p))
     lib = compile_kernel(source, kernel)
     argv = (ctypes.c_void_p * max(1, len(pointers)))(*pointers)
-    if lib.emu_launch(argv, *(ctypes.c_uint(v) for v in (*grid, *block))):
+    status = lib.emu_launch(argv, *(ctypes.c_uint(v) for v in (*grid, *block)))
+    if status == 1:
         raise EmulationError(f"{kernel}: the threads of a block did not all reach the same __syncthreads()")
+    if status:
+        lib.emu_failure.restype = ctypes.c_char_p
+        raise EmulationError(f"{kernel}: {lib.emu_failure().decode()}")

@@ -74,12 +74,21 @@ class BlockTile:
     thread_cols: int = 8
     k_step: int = 8
     vec: int = 4
-    engine: str = "ffma"  # "ffma": 8x8 FFMA per thread; "mma_tf32"/"mma_bf16": tensor cores (MMA_SHAPES)
-    warp_rows: int = 32  # tensor cores: rows of the block one warp computes (32: 2 x m16; 64: 4 x m16)
+    engine: str = "ffma"  # "ffma": 8x8 FFMA per thread; tensor cores: MMA_SHAPES, WGMMA_SHAPES
+    warp_rows: int = 32  # mma.sync: rows of the block one warp computes (32: 2 x m16; 64: 4 x m16)
 
     @property
     def mma(self) -> MmaShape | None:
         return MMA_SHAPES.get(self.engine)
+
+    @property
+    def wgmma(self) -> WgmmaShape | None:
+        return WGMMA_SHAPES.get(self.engine)
+
+    @property
+    def slabs(self) -> int:
+        """wgmma: the 64-column slabs of the block, one wgmma each per k step (its M is 64)."""
+        return self.cols // 64
 
     @property
     def threads_m(self) -> int:
@@ -91,13 +100,18 @@ class BlockTile:
 
     @property
     def threads(self) -> int:
+        if self.wgmma is not None:
+            return 128  # one warpgroup
         if self.mma is not None:
             return self.rows // self.warp_rows * 32  # one warp per slab of warp_rows
         return self.threads_m * self.threads_n
 
     @property
     def pad(self) -> int:
-        """Extra floats per shared row, so that the k-rows a fragment load touches fall in different banks."""
+        """Extra floats per shared row, so that the k-rows a fragment load touches fall in different banks
+        (wgmma: B's rows only; its A tile is the descriptor's, unpadded)."""
+        if self.wgmma is not None:
+            return self.wgmma.pad
         return self.mma.pad if self.mma is not None else 0
 
     @property
@@ -137,6 +151,12 @@ class BlockTile:
         if self.shared_bytes() > STATIC_SHARED_LIMIT:
             raise ValueError(f"BlockTile: {self.shared_bytes()} bytes of shared memory; a kernel declares at most "
                              f"{STATIC_SHARED_LIMIT} statically")
+        if self.wgmma is not None:  # (its accumulators, slabs x rows / 2 a thread, fit within the 48 KB)
+            if (self.rows % 8 or not 8 <= self.rows <= 256 or self.cols % 64 or not self.slabs
+                    or self.k_step != self.wgmma.k or self.vec != 4):
+                raise ValueError(f"BlockTile: the {self.engine} tile needs rows a multiple of 8 up to 256 (the "
+                                 f"wgmma's N), cols a multiple of 64 (its M) and k_step {self.wgmma.k}, got {self}")
+            return
         if self.mma is not None:
             if (self.warp_rows % 16 or self.rows % self.warp_rows or self.cols % 8 or self.k_step != self.mma.k
                     or self.vec != 4):
@@ -187,10 +207,43 @@ MMA_SHAPES = {
     # quarter warp's 128-bit loads (banks 8t + 4g .. + 3) are conflict-free
     "mma_bf16": MmaShape("m16n8k16", "bf16", 16, 2, 4),
 }
-ENGINES = ("ffma", *MMA_SHAPES)
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaShape:
+    """One Hopper `wgmma.mma_async` flavour (sm_90a), as data: what the generator and the checks read.
+
+    A warpgroup (128 threads, warps w = 0..3, lane (g, t) = (lane // 4, lane % 4)) computes
+    D[64, n] += A[64, k] B[k, n] asynchronously. Here A comes from registers, register j holding
+    A[16w + g + 8 (j % 2)][t + 4 (j // 2)] (tf32: the fp32 bits); B is read by the tensor cores
+    from shared memory through a 64-bit matrix descriptor, K-major without swizzle (tf32 allows no
+    other major-ness): 8 x 16-byte core matrices, B[n][k] at byte (n // 8) SBO + (n % 8) 16 +
+    (k // 4) LBO + (k % 4) 4; accumulator register 4c + 2h + b holds D[16w + g + 8h][8c + 2t + b].
+    (PTX ISA 9.7.15.5.1, "Register Fragments and Shared Memory Matrix Layouts", and CUTLASS's
+    SM90 GMMA layouts agree on all of these.)
+    """
+
+    ptx_type: str  # "tf32"
+    k: int  # reduction per instruction = the block's k step
+    pad: int  # floats added to each shared row of the register operand's tile (bank spread)
+    lbo: int = 128  # bytes between the two core matrices of a row's k (the leading dimension)
+    sbo: int = 256  # bytes between 8-row groups of n (the stride dimension)
+
+    def opcode(self, n: int) -> str:
+        return f"wgmma.mma_async.sync.aligned.m64n{n}k{self.k}.f32.{self.ptx_type}.{self.ptx_type}"
+
+
+WGMMA_SHAPES = {
+    # tf32 from fp32 registers as they are; the data tile's rows of cols + 8 floats put k-row t at
+    # bank 8t, so a warp's A-fragment loads (banks 8t + g) are conflict-free
+    "wgmma_tf32": WgmmaShape("tf32", 8, 8),
+}
+ENGINES = ("ffma", *MMA_SHAPES, *WGMMA_SHAPES)
 MAX_ELEMENTS = 2**31 - 1  # the kernels index with int32
 STATIC_SHARED_LIMIT = 48 * 1024  # per block, without opting in to dynamic shared memory
 TILE_ROWS = (64, 96, 128, 32)  # candidate block heights in order of preference: maxDNN's, then taller
+# wgmma: the tallest first, as its N (each wgmma then reads more of B per A fragment loaded)
+WGMMA_TILE_ROWS = (128, 96, 64, 32)
 
 
 def choose_tile(out_channels_per_group: int, engine: str = "ffma") -> BlockTile:
@@ -204,7 +257,10 @@ def choose_tile(out_channels_per_group: int, engine: str = "ffma") -> BlockTile:
     def waste(rows: int) -> int:
         return -(-out_channels_per_group // rows) * rows - out_channels_per_group
 
-    best = min(TILE_ROWS, key=lambda rows: (waste(rows), TILE_ROWS.index(rows)))
+    order = WGMMA_TILE_ROWS if engine in WGMMA_SHAPES else TILE_ROWS
+    best = min(order, key=lambda rows: (waste(rows), order.index(rows)))
+    if engine in WGMMA_SHAPES:  # one warpgroup; two m64 slabs of pixels where the output tile fits 48 KB
+        return BlockTile(rows=best, cols=128 if best <= 64 else 64, engine=engine, k_step=WGMMA_SHAPES[engine].k)
     mma = MMA_SHAPES.get(engine)
     return BlockTile(rows=best, engine=engine, k_step=8 if mma is None else mma.k)
 
@@ -364,11 +420,20 @@ class MaxDNNPlan:
         split-K x, w, partial (each slice's sums; the epilogue is :meth:`reduce_shapes`' kernel's)."""
         wl = self.wl
         m, _, k = self.gemm
-        shapes = {"x": (wl.C, wl.H, wl.W, wl.N), "w": (wl.groups, k, m)}
+        shapes = {"x": (wl.C, wl.H, wl.W, wl.N), "w": self.weight_shape}
         if self.splits > 1:
             shapes["partial"] = (self.splits, *self.y_shape)
             return shapes
         return {**shapes, **self._epilogue_shapes(), "y": self.y_shape}
+
+    @property
+    def weight_shape(self) -> tuple[int, ...]:
+        """The kernel's weights: [groups, K, M] (:func:`weight_to_crsk`); for wgmma, each block's k
+        steps already in the tensor cores' shared layout (:func:`pack_wgmma_weight`)."""
+        m, _, k = self.gemm
+        if self.tile.wgmma is None:
+            return (self.wl.groups, k, m)
+        return (self.wl.groups, self.grid[1], self.k_steps, self.tile.rows * self.tile.k_step)
 
     def reduce_shapes(self) -> dict[str, tuple[int, ...]]:
         """With split-K, the parameters of the kernel that sums the slices and applies the
@@ -539,7 +604,14 @@ class _Generator:
         z = f"_{self.load_sites}"  # TVMScript lets are scoped to the function: one name per site
         self.load_sites += 1
         per_row_a = t.rows // t.vec
-        for s, guarded in self.slots(t.k_step * per_row_a):
+        if t.wgmma is not None:  # a contiguous, zero-padded chunk of the packed weights: no guards
+            chunk = t.rows * t.k_step
+            for s, guarded in self.slots(chunk // t.vec):
+                f = f"(tid + {s * t.threads})"
+                addr = f"((g * {self.plan.grid[1]} + by) * {self.plan.k_steps} + {kt}) * {chunk} + {f} * {t.vec}"
+                with self.only_if(f"{f} < {chunk // t.vec}" if guarded else None):
+                    e(f"a_pre[T.ramp({s * t.vec}, 1, {t.vec})] = Wf[T.ramp({addr}, 1, {t.vec})]")
+        for s, guarded in self.slots(t.k_step * per_row_a) if t.wgmma is None else ():
             f = f"(tid + {s * t.threads})"
             e(f"ak{s}{z}: T.let = {kt} * {t.k_step} + {f} // {per_row_a}")
             e(f"ao{s}{z}: T.let = by * {t.rows} + {f} % {per_row_a} * {t.vec}")
@@ -592,17 +664,36 @@ class _Generator:
 
     def store_shared(self, buf: int) -> None:
         t, e = self.t, self.e
-        for name, extent, reg in (("A", t.rows, "a_pre"), ("B", t.cols, "b_pre")):
+        if t.wgmma is not None:  # A: the packed chunk as it is, already in the descriptor's layout
+            for s, guarded in self.slots(t.rows * t.k_step // t.vec):
+                f = f"(tid + {s * t.threads})"
+                with self.only_if(f"{f} < {t.rows * t.k_step // t.vec}" if guarded else None):
+                    e(f"A_sh{buf}[T.ramp({f} * {t.vec}, 1, {t.vec})] = a_pre[T.ramp({s * t.vec}, 1, {t.vec})]")
+        for name, extent, reg in (("A", t.rows, "a_pre"), ("B", t.cols, "b_pre"))[t.wgmma is not None:]:
             per_row = extent // t.vec
             for s, guarded in self.slots(t.k_step * per_row):
                 f = f"(tid + {s * t.threads})"
-                store = (f"{name}_sh{buf}[{f} // {per_row}, T.ramp({f} % {per_row} * {t.vec}, 1, {t.vec})] = "
+                store = (f"{self.shared_at(name, buf, f'{f} // {per_row}', f'{f} % {per_row} * {t.vec}', t.vec)} = "
                          f"{reg}[T.ramp({s * t.vec}, 1, {t.vec})]")
                 if guarded:
                     with e.block(f"if {f} < {t.k_step * per_row}:"):
                         e(store)
                 else:
                     e(store)
+
+    def shared_at(self, name: str, buf: int, row: str, col: str, lanes: int = 1) -> str:
+        """Element (row, col) of operand tile `name` ("A", "B") in shared buffer `buf`, `lanes`
+        consecutive columns as one vector. Padded tiles are declared flat and indexed with their
+        padded row stride: TVM's CompactBufferAllocation trims a 2-D buffer to the columns it
+        sees accessed, which drops the padding and, with it, the bank spread the padding is for."""
+        if self.t.pad:
+            index = f"({row}) * {self.shared_stride(name)} + {col}"
+            return f"{name}_sh{buf}[T.ramp({index}, 1, {lanes})]" if lanes > 1 else f"{name}_sh{buf}[{index}]"
+        return f"{name}_sh{buf}[{row}, {f'T.ramp({col}, 1, {lanes})' if lanes > 1 else col}]"
+
+    def shared_stride(self, name: str) -> int:
+        """Floats per shared row of operand tile `name`, padding included."""
+        return (self.t.rows if name == "A" else self.t.cols) + self.t.pad
 
     def sync(self) -> None:
         self.e('T.evaluate(T.tvm_storage_sync("shared"))')
@@ -640,15 +731,15 @@ class _Generator:
         if per == 1:
             with e.block(f"for mi in T.unroll({mt}):"):
                 for kh in range(2):  # A registers j, j + 1 = rows g, g + 8 of k-half j // 2
-                    e(f"a_val[T.ramp(mi * 4 + {2 * kh}, 1, 2)] = A_sh{buf}[tq + {kh * half}, "
-                      f"T.ramp({a_base}{t.mma_row('mi * 2', 'gq')}, 1, 2)]")
+                    e(f"a_val[T.ramp(mi * 4 + {2 * kh}, 1, 2)] = "
+                      f"{self.shared_at('A', buf, f'tq + {kh * half}', a_base + t.mma_row('mi * 2', 'gq'), 2)}")
                 # a copy nvcc does not issue (the same registers); TVM would declare `af` float2
                 # if the load wrote it, and offset the mma's pointer into it in float2 units
                 with e.block("for j in T.unroll(4):"):
                     e("af[mi * 4 + j] = a_val[mi * 4 + j]")
             with e.block(f"for ni in T.unroll({nt}):"):
                 with e.block("for j in T.unroll(2):"):
-                    e(f"bf[ni * 2 + j] = B_sh{buf}[tq + j * {half}, {t.mma_col('ni', 'gq')}]")
+                    e(f"bf[ni * 2 + j] = {self.shared_at('B', buf, f'tq + j * {half}', t.mma_col('ni', 'gq'))}")
         else:
             for operand, count, chunk, base in (("a", 2 * mt, ca, a_base), ("b", nt, cb, "")):
                 for kh in range(2):  # the 2 x per k rows a lane reads, `chunk` values a load
@@ -657,7 +748,7 @@ class _Generator:
                         for q in range(count // chunk):
                             col = f"{base}{q * 8 * chunk} + gq * {chunk}"
                             e(f"{operand}_val[T.ramp({at + q * chunk}, 1, {chunk})] = "
-                              f"{operand.upper()}_sh{buf}[tq * {per} + {el + kh * half}, T.ramp({col}, 1, {chunk})]")
+                              f"{self.shared_at(operand.upper(), buf, f'tq * {per} + {el + kh * half}', col, chunk)}")
 
             def packed(operand: str, count: int, kh: int, v: int) -> str:
                 bits = [f'T.Cast("uint32", T.reinterpret("uint16", T.Cast("bfloat16", '
@@ -676,9 +767,34 @@ class _Generator:
                   f'"fp32", af.data, mi * 4, bf.data, ni * 2, acc.data, (mi * {nt} + ni) * 4, False, '
                   'dtype="float32"))')
 
+    def compute_wgmma(self, buf: int) -> None:
+        """One k step on Hopper's tensor cores: per 64-column slab one asynchronous wgmma of the
+        whole warpgroup, N = the block's rows. Its A operand is the slab's data (the im2col tile),
+        from registers loaded in the layout of :class:`WgmmaShape`; its B operand the weights'
+        tile, which the tensor cores read from shared memory through the buffer's descriptor. The
+        caller waits for the group (:meth:`step`) before the buffer or the registers change."""
+        t, e, wg = self.t, self.e, self.t.wgmma
+        half = wg.k // 2
+        with e.block(f"for sl in T.unroll({t.slabs}):"):
+            with e.block("for j in T.unroll(4):"):  # A[16 warp + g + 8 (j % 2)][t + 4 (j // 2)]
+                at = self.shared_at("B", buf, f"tq + j // 2 * {half}", "sl * 64 + warp * 16 + gq + j % 2 * 8")
+                e(f'af[sl * 4 + j] = T.reinterpret("uint32", {at})')
+        e('T.ptx["wgmma.fence.sync.aligned"]()')
+        per_slab = t.rows // 2
+        for sl in range(t.slabs):
+            d = ", ".join(f"acc[{sl * per_slab + i}]" for i in range(per_slab))
+            a = ", ".join(f"af[{sl * 4 + j}]" for j in range(4))
+            e(f'T.ptx["{wg.opcode(t.rows)}"]({d}, {a}, desc[{buf}], T.bool(True), 1, 1)')
+        e('T.ptx["wgmma.commit_group.sync.aligned"]()')
+
     def stage_accumulators(self) -> None:
         """Each thread's accumulators into the block's output tile in shared memory."""
         t, e = self.t, self.e
+        if t.wgmma is not None:  # D[16 warp + g + 8h][8c + 2t + b] of slab sl: row = channel
+            with e.block(f"for sl, c, h, b in T.grid({t.slabs}, {t.rows // 8}, 2, 2):"):
+                e(f"O_sh[c * 8 + tq * 2 + b, sl * 64 + warp * 16 + gq + h * 8] = "
+                  f"acc[sl * {t.rows // 2} + c * 4 + h * 2 + b]")
+            return
         if t.mma is not None:
             mt, nt = t.mma_tiles
             with e.block(f"for mi, ni, h, b in T.grid({mt}, {nt}, 2, 2):"):  # C[g + 8h][2t + b] of tile (mi, ni)
@@ -700,7 +816,9 @@ class _Generator:
             with self.only_if(when):
                 self.load_global(f"({kt} + 1)", at)
         source = 1 - buf if self.fault == "wrong_buffer" else buf
-        if self.t.mma is not None:
+        if self.t.wgmma is not None:
+            self.compute_wgmma(source)
+        elif self.t.mma is not None:
             self.compute_mma(source)
         else:
             self.compute(source, f"update{len(self.updates)}")
@@ -708,6 +826,8 @@ class _Generator:
         if prefetch and self.fault != "no_store":
             with self.only_if(when):
                 self.store_shared(1 - buf)
+        if self.t.wgmma is not None:  # the tensor cores worked through the store; the buffer and
+            self.e('T.ptx["wgmma.wait_group.sync.aligned"](0)')  # registers are free after this
         self.sync()
 
     def only_if(self, condition: str | None):
@@ -829,10 +949,19 @@ class _Generator:
             # Declared (allocated) here, under the thread loops: block allocations would be
             # hoisted out of the kernel, and a block here would hide `tid` from blockize.
             for buf in (0, 1):
-                e(f'A_sh{buf} = T.decl_buffer(({t.k_step}, {t.rows + t.pad}), "float32", scope="shared")')
-                e(f'B_sh{buf} = T.decl_buffer(({t.k_step}, {t.cols + t.pad}), "float32", scope="shared")')
+                if t.wgmma is not None:  # the descriptor's layout (WgmmaShape)
+                    e(f'A_sh{buf} = T.decl_buffer(({t.rows * t.k_step},), "float32", scope="shared")')
+                for name in ("A", "B")[t.wgmma is not None:]:
+                    shape = f"({t.k_step}, {self.shared_stride(name)})"
+                    if t.pad:  # flat: see shared_at
+                        shape = f"({t.k_step * self.shared_stride(name)},)"
+                    e(f'{name}_sh{buf} = T.decl_buffer({shape}, "float32", scope="shared")')
             e(f'O_sh = T.decl_buffer(({t.rows}, {t.cols}), "float32", scope="shared")')
-            if t.mma is not None:
+            if t.wgmma is not None:
+                e(f'acc = T.decl_buffer(({t.slabs * t.rows // 2},), "float32", scope="local")')
+                e(f'af = T.decl_buffer(({t.slabs * 4},), "uint32", scope="local")')
+                e('desc = T.decl_buffer((2,), "uint64", scope="local")')
+            elif t.mma is not None:
                 mt, nt = t.mma_tiles
                 reg = "float32" if t.mma.per_reg == 1 else "uint32"
                 e(f'acc = T.decl_buffer(({mt * nt * 4},), "float32", scope="local")')
@@ -851,12 +980,17 @@ class _Generator:
             if plan.splits > 1:  # blockIdx.z: the group and the slice of the reduction
                 e(f"g: T.let = gz // {plan.splits}")
                 e(f"sp: T.let = gz % {plan.splits}")
-            if t.mma is not None:
+            if t.mma is not None or t.wgmma is not None:
                 e("warp: T.let = tid // 32")
                 e("gq: T.let = tid % 32 // 4")
                 e("tq: T.let = tid % 4")
-                with e.block(f"for i in T.serial({mt * nt * 4}):"):
+                accumulators = t.slabs * t.rows // 2 if t.wgmma is not None else mt * nt * 4
+                with e.block(f"for i in T.serial({accumulators}):"):
                     e("acc[i] = T.float32(0)")
+                if t.wgmma is not None:  # LBO and SBO in 16-byte units, no swizzle
+                    for buf in (0, 1):
+                        e(f"T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[{buf}]), "
+                          f"T.address_of(A_sh{buf}[0]), {t.wgmma.lbo // 16}, {t.wgmma.sbo // 16}, 0)")
             else:
                 e(f"ty: T.let = tid // {t.threads_n}")
                 e(f"tx: T.let = tid % {t.threads_n}")
@@ -969,6 +1103,24 @@ def weight_to_crsk(w: np.ndarray, groups: int = 1, k_order: str = "crs") -> np.n
     return np.ascontiguousarray(per_group.reshape(groups, i * kh * kw, o // groups))
 
 
+def pack_wgmma_weight(wt: np.ndarray, plan: MaxDNNPlan) -> np.ndarray:
+    """[groups, K, M] weights (:func:`weight_to_crsk`) -> the wgmma kernel's: per group, block of
+    rows and k step, the rows x k_step tile in the shared layout the tensor cores read (K-major
+    core matrices, :class:`WgmmaShape`), zero-padded past M and K. A block's k steps are then
+    contiguous chunks it copies to shared memory as they are, float4 by float4, with no guards."""
+    t = plan.tile
+    groups, blocks, steps, _ = plan.weight_shape
+    k, m = plan.gemm[2], plan.gemm[0]
+    if wt.shape != (groups, k, m):
+        raise ValueError(f"pack_wgmma_weight: weights of shape {wt.shape}, the plan's GEMM needs {(groups, k, m)}")
+    padded = np.zeros((groups, steps * t.k_step, blocks * t.rows), np.float32)
+    padded[:, :k, :m] = wt
+    # (g, step, k-chunk of 4, k % 4, block, n-group of 8, n % 8) -> (g, block, step, n-group, k-chunk, n % 8, k % 4)
+    tiles = padded.reshape(groups, steps, t.k_step // 4, 4, blocks, t.rows // 8, 8)
+    packed = tiles.transpose(0, 4, 1, 5, 2, 6, 3)
+    return np.ascontiguousarray(packed.reshape(plan.weight_shape))
+
+
 def kernel_arrays(plan: MaxDNNPlan, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None,
                   residual: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """The parameters of the plan's kernels from NCHW/OIHW NumPy arrays (and an NCHW residual),
@@ -982,6 +1134,8 @@ def kernel_arrays(plan: MaxDNNPlan, x: np.ndarray, w: np.ndarray, bias: np.ndarr
         raise ValueError(f"kernel_arrays: the plan's epilogue {ep} does not match the arrays given")
     arrays = {"x": data_to_chwn(x.astype(np.float32, copy=False)),
               "w": weight_to_crsk(w.astype(np.float32, copy=False), wl.groups, plan.k_order)}
+    if plan.tile.wgmma is not None:
+        arrays["w"] = pack_wgmma_weight(arrays["w"], plan)
     if bias is not None:
         arrays["bias"] = np.ascontiguousarray(bias, dtype=np.float32)
     if residual is not None:

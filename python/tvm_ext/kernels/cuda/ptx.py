@@ -138,7 +138,10 @@ def compile_source(source: str, arch: str, target_format: str = "ptx") -> bytes:
 
 
 def ptx_instructions(ptx: str) -> collections.Counter:
-    """How often each PTX instruction (opcode with its modifiers, e.g. "ld.shared.v4.f32") occurs."""
+    """How often each PTX instruction (opcode with its modifiers, e.g. "ld.shared.v4.f32") occurs,
+    those of a braced inline-asm block (`{ .reg .pred p; setp...; wgmma...; }`) included."""
+    ptx = re.sub(r"^\s*\{(.*)\}\s*$", lambda m: "\n".join("\t" + part for part in m.group(1).split(";")),
+                 ptx, flags=re.M)
     ops = re.findall(r"^\s+(?:@%p\d+\s+)?([a-z][\w.]*)", ptx, flags=re.M)
     return collections.Counter(ops)
 

@@ -1,0 +1,204 @@
+"""CUDA: the maxDNN tile on Hopper's asynchronous warpgroup tensor cores (wgmma, tf32), without a GPU.
+
+Numbers come from the CPU emulator, which carries out each wgmma when its group is waited for,
+reading B from shared memory through the kernel's own descriptor; machine code from nvcc for
+sm_90a (PTX, ptxas and SASS).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import numpy as np
+import pytest
+import tvm
+from reference import conv2d_nchw, rel_err
+from test_cuda import _as_read, _fails, _inputs, _reference, _without_first_loop_barrier
+from tvm import relax
+
+import tvm_ext
+from tvm_ext.kernels.conv2d import Conv2dWorkload
+from tvm_ext.kernels.cuda import conv2d as cc
+from tvm_ext.kernels.cuda import ptx
+from tvm_ext.strategy.cuda import engine_for
+from tvm_ext.testing import cuda_emulator
+from tvm_ext.testing.relax_emulator import emulated_executable, lower
+
+ENGINE = "wgmma_tf32"
+TARGET = "cuda -arch=sm_90a"
+needs_nvcc = pytest.mark.skipif(not ptx.have_nvcc(), reason="nvcc is not installed")
+needs_gxx = pytest.mark.skipif(not cuda_emulator.have_compiler(), reason="g++ is not installed")
+
+
+@needs_gxx
+@pytest.mark.parametrize("x_shape, w_shape, options, epilogue", [
+    ((8, 16, 12, 12), (64, 16, 3, 3), dict(padding=1), cc.Epilogue()),  # N=64, two slabs, tap loop
+    ((3, 5, 9, 7), (70, 5, 3, 2), dict(padding=(1, 0, 2, 1), stride=2), cc.Epilogue(bias=True, activation="relu")),
+    ((4, 6, 9, 7), (96, 3, 5, 5), dict(padding=2, dilation=2, groups=2), cc.Epilogue(residual=True)),
+    ((5, 12, 5, 9), (40, 12, 1, 7), dict(padding=(0, 3)), cc.Epilogue(activation="relu6")),  # N=64 for 40
+    ((4, 24, 6, 5), (128, 24, 3, 3), dict(padding=1, stride=2), cc.Epilogue(bias=True)),  # N=128, one slab
+    ((2, 8, 5, 5), (16, 8, 3, 3), dict(padding=1), cc.Epilogue()),  # N=32, batch 2
+])
+def test_emulated_wgmma_conv2d(x_shape, w_shape, options, epilogue):
+    wl = Conv2dWorkload.make(x_shape, w_shape, **options)
+    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(wl.K // wl.groups, ENGINE), epilogue)
+    x, w, bias, residual = _inputs(wl, epilogue)
+    got = cc.output_to_nchw(cc.emulate(plan, cc.kernel_arrays(plan, x, w, bias, residual)))
+    ref = _reference(wl, epilogue, _as_read(x, "mma_tf32"), _as_read(w, "mma_tf32"), bias, residual)
+    assert rel_err(got, ref) < 1e-5
+    assert rel_err(got, _reference(wl, epilogue, x, w, bias, residual)) > 1e-5  # it really is tf32
+
+
+@needs_gxx
+def test_emulated_wgmma_split_k():
+    wl = Conv2dWorkload.make((4, 16, 6, 6), (64, 16, 3, 3), padding=1)
+    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(64, ENGINE), cc.Epilogue(bias=True, activation="relu"), splits=3)
+    x, w, bias, _ = _inputs(wl, plan.epilogue)
+    got = cc.output_to_nchw(cc.emulate(plan, cc.kernel_arrays(plan, x, w, bias)))
+    ref = _reference(wl, plan.epilogue, _as_read(x, "mma_tf32"), _as_read(w, "mma_tf32"), bias, None)
+    assert rel_err(got, ref) < 1e-5
+
+
+_WL = Conv2dWorkload.make((4, 16, 7, 7), (64, 16, 3, 3), padding=1)
+
+
+def _emulated(plan: cc.MaxDNNPlan, source: str):
+    """The emulated output and the float64 reference on the inputs as the tensor cores read them."""
+    x, w, bias, residual = _inputs(plan.wl, plan.epilogue)
+    got = cc.output_to_nchw(cc.emulate(plan, cc.kernel_arrays(plan, x, w, bias, residual), source))
+    return got, _reference(plan.wl, plan.epilogue, _as_read(x, "mma_tf32"), _as_read(w, "mma_tf32"), bias, residual)
+
+
+@needs_gxx
+def test_emulator_catches_broken_wgmma_kernels():
+    plan = cc.MaxDNNPlan.make(_WL, cc.choose_tile(64, ENGINE))
+    source = cc.cuda_source(plan)
+    got, ref = _emulated(plan, source)
+    assert rel_err(got, ref) < 1e-5
+    for fault in ("wrong_buffer", "no_store"):
+        assert _fails(*_emulated(plan, cc.cuda_source(plan, fault=fault)))
+    assert _fails(*_emulated(plan, _without_first_loop_barrier(source)))
+    # the descriptor's strides swapped: the tensor cores would read the weights' tile transposed
+    encode = re.compile(r"(ptx_wgmma_encode_matrix_descriptor\([^;]*), 8, 16, 0\);")
+    assert len(encode.findall(source)) == 2
+    assert _fails(*_emulated(plan, encode.sub(r"\1, 16, 8, 0);", source)))
+    # accumulators read (and buffers refilled) without waiting for the tensor cores
+    wait = "tvm_builtin_ptx_wgmma_wait_group_wait_group_sync_aligned_0();"
+    assert wait in source
+    with pytest.raises(cuda_emulator.EmulationError, match="never waited"):
+        _emulated(plan, source.replace(wait, ""))
+
+
+def test_pack_wgmma_weight_is_the_descriptor_layout():
+    """Each (group, block of rows, k step) chunk holds B[n][k] at float (n // 8) 64 + (k // 4) 32 +
+    (n % 8) 4 + k % 4: the K-major core matrices of WgmmaShape with LBO 128 and SBO 256 bytes,
+    zero past the GEMM's M and K."""
+    wl = Conv2dWorkload.make((2, 5, 6, 6), (70, 5, 3, 2), padding=1)
+    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(70, ENGINE))
+    rows, m, k = plan.tile.rows, plan.gemm[0], plan.gemm[2]
+    wt = np.random.default_rng(0).standard_normal((1, k, m)).astype(np.float32)
+    packed = cc.pack_wgmma_weight(wt, plan)
+    assert packed.shape == plan.weight_shape == (1, -(-m // rows), -(-k // 8), rows * 8)
+    wg = plan.tile.wgmma
+    for block in range(packed.shape[1]):
+        for step in range(packed.shape[2]):
+            for n in range(rows):
+                for kk in range(8):
+                    at = (n // 8) * wg.sbo // 4 + (kk // 4) * wg.lbo // 4 + (n % 8) * 4 + kk % 4
+                    row, col = step * 8 + kk, block * rows + n
+                    want = wt[0, row, col] if row < k and col < m else 0.0
+                    assert packed[0, block, step, at] == want
+    with pytest.raises(ValueError, match="GEMM needs"):
+        cc.pack_wgmma_weight(wt[:, :-1], plan)
+
+
+def test_wgmma_tile_validation_and_choice():
+    assert cc.BlockTile(rows=64, cols=128, engine=ENGINE).threads == 128  # one warpgroup
+    # the fewest wasted rows, the tallest of equals; two slabs where the output tile fits in 48 KB
+    assert [(t.rows, t.cols) for t in (cc.choose_tile(c, ENGINE) for c in (16, 64, 70, 96, 384))] == [
+        (32, 128), (64, 128), (96, 64), (96, 64), (128, 64)]
+    with pytest.raises(ValueError, match="multiple of 8 up to 256"):
+        cc.BlockTile(rows=36, cols=64, engine=ENGINE).validate()
+    with pytest.raises(ValueError, match="multiple of 8 up to 256"):
+        cc.BlockTile(rows=64, cols=96, engine=ENGINE).validate()
+    with pytest.raises(ValueError, match="shared memory"):
+        cc.BlockTile(rows=128, cols=128, engine=ENGINE).validate()
+
+
+def test_engine_needs_sm_90a():
+    assert engine_for("wgmma_tf32", tvm_ext.resolve_target(TARGET)) == ENGINE
+    assert engine_for("wgmma_tf32", tvm_ext.resolve_target("nvidia/nvidia-h100")) == ENGINE
+    for target in ("cuda -arch=sm_90", "cuda -arch=sm_80"):
+        with pytest.raises(tvm_ext.UnsupportedError, match="sm_90a only"):
+            engine_for("wgmma_tf32", tvm_ext.resolve_target(target))
+    with pytest.raises(tvm_ext.UnsupportedError, match="sm_90a only"):
+        tvm_ext.pipeline("cuda -arch=sm_80", tensor_cores="wgmma_tf32")
+
+
+@needs_nvcc
+def test_wgmma_machine_code():
+    """sm_90a: one wgmma per slab and k step in PTX, HGMMA in the SASS k loop between the fence
+    and the wait, the weights' tile stored while it runs; no spills and no ptxas warning (ptxas
+    warns when it must serialize wgmma, e.g. for registers it cannot keep)."""
+    wl = Conv2dWorkload.make((128, 256, 13, 13), (384, 256, 3, 3), padding=1)  # AlexNet conv3, b128
+    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(384, ENGINE))
+    t = plan.tile
+    assert (t.rows, t.cols, plan.tap_loop) == (128, 64, True)
+    source = cc.cuda_source(plan, TARGET)
+    ops_count = ptx.ptx_instructions(ptx.compile_source(source, "sm_90a").decode())
+    assert ops_count[t.wgmma.opcode(t.rows)] == t.slabs * plan.code_steps
+    for op in ("wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned", "wgmma.wait_group.sync.aligned"):
+        assert ops_count[op] == plan.code_steps
+    assert ops_count["ld.global.nc.v4.f32"] > 0 and ops_count["st.shared.v4.f32"] > 0
+    resources = ptx.ptxas_resources(source, "sm_90a")
+    assert resources["spill_stores"] == resources["spill_loads"] == resources["stack"] == 0
+    if ptx.find_nvdisasm() is not None:
+        loop = ptx.sass_loop_instructions(ptx.disassemble(ptx.compile_source(source, "sm_90a", "cubin")))
+        assert loop["HGMMA"] == 2 * t.slabs and loop["BAR"] == 2 and loop["LDS"] == 2 * 4 * t.slabs
+    with_warnings = subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-O3", "-x", "cu", "-", "-o", "/dev/null",
+                                    "-diag-suppress", "177"], input=source, capture_output=True, text=True)
+    assert with_warnings.returncode == 0 and "warning" not in with_warnings.stderr.lower()
+
+
+@needs_gxx
+def test_network_on_wgmma_with_weights_as_inputs():
+    """tensor_cores="wgmma_tf32" through the graph strategy: constant weights packed in NumPy, a
+    weight that is a function parameter packed by graph ops; the report names the engine."""
+    rng = np.random.default_rng(5)
+    k = (rng.standard_normal((24, 40, 1, 1)) * 0.3).astype(np.float32)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 8, 7, 6), "float32"))
+    w = relax.Var("w", relax.TensorType((40, 8, 3, 3), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.relu(relax.op.nn.conv2d(x, w, padding=1)))
+            out = bb.emit_output(bb.emit(relax.op.nn.conv2d(y, relax.const(k))))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    report = [row for row in tvm_ext.dispatch_report(mod, TARGET, tensor_cores="wgmma_tf32")
+              if row.op == "nn.conv2d"]
+    assert len(report) == 2 and all("wgmma_tf32 tile" in row.reason for row in report)
+    lowered = lower(mod, TARGET, tensor_cores="wgmma_tf32")
+    vm = relax.VirtualMachine(emulated_executable(lowered, TARGET), tvm.cpu())
+    xv = rng.standard_normal((4, 8, 7, 6)).astype(np.float32)
+    wv = rng.standard_normal((40, 8, 3, 3)).astype(np.float32)
+    got = vm["main"](tvm.runtime.tensor(xv), tvm.runtime.tensor(wv)).numpy()
+    ref = conv2d_nchw(np.maximum(conv2d_nchw(xv, wv, padding=(1, 1, 1, 1)), 0), k)
+    assert 1e-6 < rel_err(got, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not tvm.cuda(0).exist or tvm.cuda(0).compute_version != "9.0", reason="no Hopper GPU")
+def test_wgmma_on_the_gpu():
+    wl = Conv2dWorkload.make((8, 16, 12, 12), (64, 16, 3, 3), padding=1)
+    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(64, ENGINE), cc.Epilogue(bias=True, activation="relu"))
+    x, w, bias, _ = _inputs(wl, plan.epilogue)
+    arrays = cc.kernel_arrays(plan, x, w, bias)
+    lib = ptx.build_for_device(cc.plan_module(plan), tvm_ext.resolve_target(TARGET))
+    dev = tvm.cuda()
+    args = {name: tvm.runtime.tensor(arrays[name], dev) for name in plan.shapes()}
+    lib["main"](*args.values())
+    got = cc.output_to_nchw(args["y"].numpy())
+    ref = _reference(wl, plan.epilogue, _as_read(x, "mma_tf32"), _as_read(w, "mma_tf32"), bias, None)
+    assert rel_err(got, ref) < 1e-5
