@@ -476,6 +476,23 @@ def test_tensor_core_machine_code(arch, engine, warp_rows):
     assert resources["spill_stores"] == resources["spill_loads"] == resources["stack"] == 0
 
 
+@pytest.mark.parametrize("engine, operands", [("mma_tf32", "AB"), ("mma_bf16", "AB"), ("wgmma_tf32", "B")])
+def test_padded_shared_rows_survive_lowering(engine, operands):
+    """The fragment loads' bank spread needs the padded row stride in the CUDA C: TVM's
+    CompactBufferAllocation trims a 2-D buffer to the columns it sees used (0.5.6's tensor-core
+    tiles lost their padding that way), so padded tiles are flat, indexed with the padded stride."""
+    tile = cc.choose_tile(64, engine)
+    plan = cc.MaxDNNPlan.make(_WL_STATIC, tile)
+    source = cc.cuda_source(plan)
+    declared = re.findall(r"__shared__ alignas\(\d+\) (float4?) (\w_sh\d)_ptr\[(\d+)\]", source)
+    floats = {name: int(count) * (4 if kind == "float4" else 1) for kind, name, count in declared}
+    for name in operands:
+        stride = (tile.rows if name == "A" else tile.cols) + tile.pad
+        assert stride % 32 in (4, 8)  # k-row t at bank 4t or 8t
+        for buf in (0, 1):  # (a buffer may be shared with the output tile, and larger)
+            assert floats[f"{name}_sh{buf}"] >= (tile.k_step - 1) * stride + stride - tile.pad
+
+
 def test_tensor_core_tile_validation():
     assert cc.BlockTile(rows=96, engine="mma_tf32").threads == 96  # three warps of 32 rows
     assert cc.choose_tile(96, "mma_tf32").engine == "mma_tf32"
