@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -201,8 +202,9 @@ def run_layer(torch, device: CudaDevice, entry: dict, cubin: Path, repeat: int) 
     if device.torch_device == "cuda":
         torch.cuda.synchronize()
     got = tensors["y"].permute(3, 0, 1, 2)
-    # "mma_tf32_w64": the tf32 engine, 64-row warp slabs; Winograd: fp32 on the FFMA tile
-    engine = "ffma" if "winograd" in entry else entry.get("engine", "ffma").split("_w")[0]
+    # "mma_tf32_w64": the tf32 engine, 64-row warp slabs; "wgmma_tf32_shared": wgmma, A fragments
+    # from shared memory; Winograd: fp32 on the FFMA tile
+    engine = "ffma" if "winograd" in entry else re.sub(r"_(w\d+|shared)$", "", entry.get("engine", "ffma"))
 
     tf32 = engine in ("mma_tf32", "wgmma_tf32")
 

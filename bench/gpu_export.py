@@ -73,6 +73,10 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
                         continue
                     plan = cw.WinogradPlan.make(wl, int(warp_rows or cw.TILE))  # "winograd:2": F(2x2)
                     source = cw.cuda_source(plan, target)
+                elif warp_rows == "shared":  # wgmma with its A fragments from a shared tile, not gathered
+                    tile = dataclasses.replace(cc.choose_tile(wl.K // wl.groups, engine), gather_fragments=False)
+                    plan = cc.MaxDNNPlan.make(wl, tile).with_chosen_splits()
+                    source = cc.cuda_source(plan, target)
                 else:
                     tile = cc.choose_tile(wl.K // wl.groups, engine)
                     if warp_rows:  # a taller warp slab: rows in whole slabs
@@ -80,7 +84,7 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
                         tile = dataclasses.replace(tile, rows=rows, warp_rows=int(warp_rows))
                     plan = cc.MaxDNNPlan.make(wl, tile).with_chosen_splits()  # split-K as the graph strategy
                     source = cc.cuda_source(plan, target)
-                engine = variant.replace("winograd:", "winograd_f").replace(":", "_w")
+                engine = variant.replace("winograd:", "winograd_f").replace(":shared", "_shared").replace(":", "_w")
                 name = f"{set_name}_{layer['name']}_{engine}"
                 (out / f"{name}.cu").write_text(source)
                 entries.append(_entry(name, set_name, layer["name"], engine, wl, plan, source))
@@ -148,10 +152,11 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", default="sm_90", help="the arch TVM generates for (the source is portable)")
     parser.add_argument("--engines", nargs="+", default=["ffma", "winograd", "mma_tf32", "mma_tf32:64", "wgmma_tf32"],
                         choices=["ffma", "winograd", "winograd:2", "mma_tf32", "mma_tf32:64", "mma_bf16",
-                                 "wgmma_tf32"],
+                                 "wgmma_tf32", "wgmma_tf32:shared"],
                         help="kernel variants; ':64' = 64-row warp slabs (4 x m16 per warp); winograd: fp32 "
                              "F(4x4) on the FFMA tile, for the 3x3 and 5x5 stride-1 layers (':2': F(2x2)); "
-                             "wgmma_tf32: Hopper's warpgroup tensor cores (sm_90a)")
+                             "wgmma_tf32: Hopper's warpgroup tensor cores (sm_90a; ':shared': A fragments from a "
+                             "shared tile instead of gathered from the input)")
     parser.add_argument("--sass", action="store_true",
                         help="also record each kernel's k-loop SASS mix for --arch (needs nvcc and nvdisasm)")
     args = parser.parse_args(argv)

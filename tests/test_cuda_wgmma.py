@@ -7,6 +7,7 @@ sm_90a (PTX, ptxas and SASS).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 
@@ -32,17 +33,22 @@ needs_gxx = pytest.mark.skipif(not cuda_emulator.have_compiler(), reason="g++ is
 
 
 @needs_gxx
+@pytest.mark.parametrize("gather", [True, False])  # A fragments from the input, or from a shared tile
 @pytest.mark.parametrize("x_shape, w_shape, options, epilogue", [
     ((8, 16, 12, 12), (64, 16, 3, 3), dict(padding=1), cc.Epilogue()),  # N=64, two slabs, tap loop
     ((3, 5, 9, 7), (70, 5, 3, 2), dict(padding=(1, 0, 2, 1), stride=2), cc.Epilogue(bias=True, activation="relu")),
     ((4, 6, 9, 7), (96, 3, 5, 5), dict(padding=2, dilation=2, groups=2), cc.Epilogue(residual=True)),
     ((5, 12, 5, 9), (40, 12, 1, 7), dict(padding=(0, 3)), cc.Epilogue(activation="relu6")),  # N=64 for 40
     ((4, 24, 6, 5), (128, 24, 3, 3), dict(padding=1, stride=2), cc.Epilogue(bias=True)),  # N=128, one slab
+    ((3, 16, 9, 7), (64, 16, 3, 3), dict(padding=(1, 0, 2, 1), dilation=2), cc.Epilogue()),  # batch 3, dilated
+    ((4, 32, 6, 6), (32, 16, 3, 3), dict(padding=1, groups=2), cc.Epilogue(activation="relu")),
     ((2, 8, 5, 5), (16, 8, 3, 3), dict(padding=1), cc.Epilogue()),  # N=32, batch 2
 ])
-def test_emulated_wgmma_conv2d(x_shape, w_shape, options, epilogue):
+def test_emulated_wgmma_conv2d(x_shape, w_shape, options, epilogue, gather):
     wl = Conv2dWorkload.make(x_shape, w_shape, **options)
-    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(wl.K // wl.groups, ENGINE), epilogue)
+    tile = dataclasses.replace(cc.choose_tile(wl.K // wl.groups, ENGINE), gather_fragments=gather)
+    plan = cc.MaxDNNPlan.make(wl, tile, epilogue)
+    assert plan.gathers_fragments == (gather and plan.k_order == "rsc")
     x, w, bias, residual = _inputs(wl, epilogue)
     got = cc.output_to_nchw(cc.emulate(plan, cc.kernel_arrays(plan, x, w, bias, residual)))
     ref = _reference(wl, epilogue, _as_read(x, "mma_tf32"), _as_read(w, "mma_tf32"), bias, residual)
@@ -61,6 +67,7 @@ def test_emulated_wgmma_split_k():
 
 
 _WL = Conv2dWorkload.make((4, 16, 7, 7), (64, 16, 3, 3), padding=1)
+_WL_CRS = Conv2dWorkload.make((4, 4, 7, 7), (64, 4, 3, 3), padding=1)  # 4 channels: the shared A tile
 
 
 def _emulated(plan: cc.MaxDNNPlan, source: str):
@@ -70,19 +77,30 @@ def _emulated(plan: cc.MaxDNNPlan, source: str):
     return got, _reference(plan.wl, plan.epilogue, _as_read(x, "mma_tf32"), _as_read(w, "mma_tf32"), bias, residual)
 
 
+def _broken(plan: cc.MaxDNNPlan, source: str) -> bool:
+    """Whether the emulator shows `source` wrong: wrong numbers, or an error (a descriptor that
+    reads shared memory nobody declared, say)."""
+    try:
+        return _fails(*_emulated(plan, source))
+    except cuda_emulator.EmulationError:
+        return True
+
+
 @needs_gxx
-def test_emulator_catches_broken_wgmma_kernels():
-    plan = cc.MaxDNNPlan.make(_WL, cc.choose_tile(64, ENGINE))
+@pytest.mark.parametrize("wl", [_WL, _WL_CRS])
+def test_emulator_catches_broken_wgmma_kernels(wl):
+    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(64, ENGINE))
+    assert plan.gathers_fragments == (wl is _WL)
     source = cc.cuda_source(plan)
     got, ref = _emulated(plan, source)
     assert rel_err(got, ref) < 1e-5
     for fault in ("wrong_buffer", "no_store"):
-        assert _fails(*_emulated(plan, cc.cuda_source(plan, fault=fault)))
-    assert _fails(*_emulated(plan, _without_first_loop_barrier(source)))
+        assert _broken(plan, cc.cuda_source(plan, fault=fault))
+    assert _broken(plan, _without_first_loop_barrier(source))
     # the descriptor's strides swapped: the tensor cores would read the weights' tile transposed
     encode = re.compile(r"(ptx_wgmma_encode_matrix_descriptor\([^;]*), 8, 16, 0\);")
     assert len(encode.findall(source)) == 2
-    assert _fails(*_emulated(plan, encode.sub(r"\1, 16, 8, 0);", source)))
+    assert _broken(plan, encode.sub(r"\1, 16, 8, 0);", source))
     # accumulators read (and buffers refilled) without waiting for the tensor cores
     wait = "tvm_builtin_ptx_wgmma_wait_group_wait_group_sync_aligned_0();"
     assert wait in source
@@ -137,25 +155,31 @@ def test_engine_needs_sm_90a():
 
 
 @needs_nvcc
-def test_wgmma_machine_code():
+@pytest.mark.parametrize("gather", [True, False])
+def test_wgmma_machine_code(gather):
     """sm_90a: one wgmma per slab and k step in PTX, HGMMA in the SASS k loop between the fence
     and the wait, the weights' tile stored while it runs; no spills and no ptxas warning (ptxas
     warns when it must serialize wgmma, e.g. for registers it cannot keep)."""
     wl = Conv2dWorkload.make((128, 256, 13, 13), (384, 256, 3, 3), padding=1)  # AlexNet conv3, b128
-    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(384, ENGINE))
+    tile = dataclasses.replace(cc.choose_tile(384, ENGINE), gather_fragments=gather)
+    plan = cc.MaxDNNPlan.make(wl, tile)
     t = plan.tile
-    assert (t.rows, t.cols, plan.tap_loop) == (128, 64, True)
+    assert (t.rows, t.cols, plan.tap_loop, plan.gathers_fragments) == (128, 64, True, gather)
     source = cc.cuda_source(plan, TARGET)
     ops_count = ptx.ptx_instructions(ptx.compile_source(source, "sm_90a").decode())
     assert ops_count[t.wgmma.opcode(t.rows)] == t.slabs * plan.code_steps
     for op in ("wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned", "wgmma.wait_group.sync.aligned"):
         assert ops_count[op] == plan.code_steps
     assert ops_count["ld.global.nc.v4.f32"] > 0 and ops_count["st.shared.v4.f32"] > 0
+    # gathered fragments: 4 scalar loads a slab and step, and no shared loads at all
+    assert (ops_count["ld.global.nc.u32"] > 0) == gather and (ops_count["ld.shared.u32"] == 0) == gather
     resources = ptx.ptxas_resources(source, "sm_90a")
     assert resources["spill_stores"] == resources["spill_loads"] == resources["stack"] == 0
     if ptx.find_nvdisasm() is not None:
         loop = ptx.sass_loop_instructions(ptx.disassemble(ptx.compile_source(source, "sm_90a", "cubin")))
-        assert loop["HGMMA"] == 2 * t.slabs and loop["BAR"] == 2 and loop["LDS"] == 2 * 4 * t.slabs
+        assert loop["HGMMA"] == 2 * t.slabs and loop["BAR"] == 2
+        assert loop["LDS"] == (0 if gather else 2 * 4 * t.slabs)  # per pair of k steps
+        assert loop["STS"] == 2 * (2 if gather else 3)  # the weights' 4 KB (and the data's 2 KB)
     with_warnings = subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-O3", "-x", "cu", "-", "-o", "/dev/null",
                                     "-diag-suppress", "177"], input=source, capture_output=True, text=True)
     assert with_warnings.returncode == 0 and "warning" not in with_warnings.stderr.lower()

@@ -152,17 +152,20 @@ def test_gpu_check_pipeline_without_gpu(tmp_path):
     # the whole script, kernels on the CPU emulator: layouts, argument order and checks are right
     env = {**os.environ, "KERNELS": str(tmp_path), "PYTHON": sys.executable, "OUT": str(tmp_path / "report"),
            # CRS order, and RSC with split-K (AlexNet conv2 at batch 2: 69 blocks, 5 slices of taps),
-           # and conv2 (5x5) as Winograd F(4x4, 5x5): three kernels; both on wgmma
-           "EXPORT_ARGS": "--sets alexnet --batch 2 --layers 2 --engines ffma winograd mma_tf32:64 wgmma_tf32"}
+           # and conv2 (5x5) as Winograd F(4x4, 5x5): three kernels; both on wgmma (conv2's A fragments
+           # gathered from the input, or from a shared tile)
+           "EXPORT_ARGS": "--sets alexnet --batch 2 --layers 2 --engines ffma winograd mma_tf32:64 wgmma_tf32 "
+                          "wgmma_tf32:shared"}
     result = subprocess.run(["bash", "bench/gpu_check.sh", "--emulate", "--repeat", "1"], cwd=ROOT,
                             capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "7/7 layers correct" in result.stdout
+    assert "9/9 layers correct" in result.stdout
     report = json.loads((tmp_path / "report" / "gpu_check.json").read_text())
-    assert [row["engine"] for row in report["layers"]] == ["ffma", "mma_tf32_w64", "wgmma_tf32", "ffma", "winograd",
-                                                           "mma_tf32_w64", "wgmma_tf32"]
+    wgmma = ["wgmma_tf32", "wgmma_tf32_shared"]
+    assert [row["engine"] for row in report["layers"]] == ["ffma", "mma_tf32_w64", *wgmma, "ffma", "winograd",
+                                                           "mma_tf32_w64", *wgmma]
     assert all(row["ok"] for row in report["layers"])
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert [e.get("splits") for e in manifest["layers"]] == [1, 1, 1, 5, 1, 5, 5] and "K/5" in result.stdout
-    assert [len(e["launches"]) for e in manifest["layers"]] == [1, 1, 1, 2, 3, 2, 2]
+    assert [e.get("splits") for e in manifest["layers"]] == [1, 1, 1, 1, 5, 1, 5, 5, 5] and "K/5" in result.stdout
+    assert [len(e["launches"]) for e in manifest["layers"]] == [1, 1, 1, 1, 2, 3, 2, 2, 2]
     assert "| alexnet conv2 | winograd | F(4x4), 64x64, est. " in result.stdout and "% eff." in result.stdout

@@ -76,6 +76,8 @@ class BlockTile:
     vec: int = 4
     engine: str = "ffma"  # "ffma": 8x8 FFMA per thread; tensor cores: MMA_SHAPES, WGMMA_SHAPES
     warp_rows: int = 32  # mma.sync: rows of the block one warp computes (32: 2 x m16; 64: 4 x m16)
+    # wgmma in RSC order: each thread gathers its A fragments straight from the input, no shared tile
+    gather_fragments: bool = False
 
     @property
     def mma(self) -> MmaShape | None:
@@ -157,6 +159,8 @@ class BlockTile:
                 raise ValueError(f"BlockTile: the {self.engine} tile needs rows a multiple of 8 up to 256 (the "
                                  f"wgmma's N), cols a multiple of 64 (its M) and k_step {self.wgmma.k}, got {self}")
             return
+        if self.gather_fragments:
+            raise ValueError("BlockTile: gather_fragments is a wgmma option")
         if self.mma is not None:
             if (self.warp_rows % 16 or self.rows % self.warp_rows or self.cols % 8 or self.k_step != self.mma.k
                     or self.vec != 4):
@@ -260,7 +264,8 @@ def choose_tile(out_channels_per_group: int, engine: str = "ffma") -> BlockTile:
     order = WGMMA_TILE_ROWS if engine in WGMMA_SHAPES else TILE_ROWS
     best = min(order, key=lambda rows: (waste(rows), order.index(rows)))
     if engine in WGMMA_SHAPES:  # one warpgroup; two m64 slabs of pixels where the output tile fits 48 KB
-        return BlockTile(rows=best, cols=128 if best <= 64 else 64, engine=engine, k_step=WGMMA_SHAPES[engine].k)
+        return BlockTile(rows=best, cols=128 if best <= 64 else 64, engine=engine, k_step=WGMMA_SHAPES[engine].k,
+                         gather_fragments=True)
     mma = MMA_SHAPES.get(engine)
     return BlockTile(rows=best, engine=engine, k_step=8 if mma is None else mma.k)
 
@@ -402,6 +407,14 @@ class MaxDNNPlan:
         return "rsc" if cg % self.tile.k_step == 0 else "crs"
 
     @property
+    def gathers_fragments(self) -> bool:
+        """wgmma with :attr:`BlockTile.gather_fragments` in RSC order: each thread loads its four
+        A-fragment values per slab and k step straight from the input (the im2col tile never goes
+        through shared memory, which then holds only the weights' tile: a third less shared
+        traffic per MAC); in CRS order the tile is staged in shared memory as for mma.sync."""
+        return self.tile.gather_fragments and self.k_order == "rsc"
+
+    @property
     def vector_a(self) -> bool:
         """Weight rows hold whole float4 (output channels per group a multiple of 4)."""
         return self.gemm[0] % self.tile.vec == 0
@@ -500,6 +513,9 @@ class _Generator:
     def b_columns(self) -> None:
         """Bind, per B load slot (and lane if scalar), the k-invariant part of the gather."""
         t, wl, e = self.t, self.wl, self.e
+        if self.plan.gathers_fragments:
+            self.fragment_columns()
+            return
         per_row = t.cols // t.vec
         sh, sw = wl.stride
         pt, pl = wl.padding[0], wl.padding[1]
@@ -521,6 +537,59 @@ class _Generator:
             e(f'b_off = T.decl_buffer(({n},), "int32", scope="local")')
             e(f'b_live = T.decl_buffer(({n},), "bool", scope="local")')
 
+    def fragment_columns(self) -> None:
+        """Gathered wgmma fragments: per slab and row half h, the tile column this thread's A
+        registers h and h + 2 read (row 16 warp + g + 8h of the slab), its k-invariant gather."""
+        t, wl, e = self.t, self.wl, self.e
+        sh, sw = wl.stride
+        pt, pl = wl.padding[0], wl.padding[1]
+        for sl in range(t.slabs):
+            for h in range(2):
+                v = f"{sl}_{h}"
+                e(f"fc{v}: T.let = bx * {t.cols} + {sl * 64 + h * 8} + warp * 16 + gq")
+                e(f"fpq{v}: T.let = fc{v} // {wl.N}")
+                e(f"fh{v}: T.let = fpq{v} // {wl.OW} * {sh} - {pt}")
+                e(f"fw{v}: T.let = fpq{v} % {wl.OW} * {sw} - {pl}")
+                e(f"fn{v}: T.let = fc{v} % {wl.N}")
+        if not self.plan.tap_loop:
+            e('tap = T.decl_buffer((1,), "int32", scope="local")')
+            e('c0 = T.decl_buffer((1,), "int32", scope="local")')
+        e(f'f_off = T.decl_buffer(({2 * t.slabs},), "int32", scope="local")')
+        e(f'f_live = T.decl_buffer(({2 * t.slabs},), "bool", scope="local")')
+
+    def enter_tap_fragments(self, tap: str) -> None:
+        """Gathered wgmma fragments, for filter tap `tap`: per column, where its k row t (channel
+        t of the step) is in the input, and whether it is read at all; a dead column's registers
+        are zeroed here and left alone by the tap's loads."""
+        t, wl, e = self.t, self.wl, self.e
+        z = f"_{self.load_sites}"
+        cg = wl.C // wl.groups
+        e(f"fr{z}: T.let = {tap} // {wl.KW} * {wl.dilation[0]}")
+        e(f"fs{z}: T.let = {tap} % {wl.KW} * {wl.dilation[1]}")
+        for sl in range(t.slabs):
+            for h in range(2):
+                v, i = f"{sl}_{h}", sl * 2 + h
+                row, col = f"fh{v} + fr{z}", f"fw{v} + fs{z}"
+                e(f"f_live[{i}] = fc{v} < {self.NCOLS} and 0 <= {row} and {row} < {wl.H} and 0 <= {col} "
+                  f"and {col} < {wl.W}")
+                e(f"f_off[{i}] = (((g * {cg} + tq) * {wl.H} + {row}) * {wl.W} + {col}) * {wl.N} + fn{v}")
+                with e.block(f"if not f_live[{i}]:"):
+                    for j in (h, h + 2):
+                        e(f"af_pre[{sl * 4 + j}] = T.float32(0)")
+
+    def load_fragments(self, chan: str) -> None:
+        """Gathered wgmma fragments of channel step `chan` of the current tap: register h + 2j of
+        a slab is k row t + 4j (a channel) of the column of row half h; scalar loads, 8 lanes of
+        a warp reading 8 consecutive images or pixels."""
+        t, wl, e = self.t, self.wl, self.e
+        plane = wl.H * wl.W * wl.N
+        for sl in range(t.slabs):
+            for h in range(2):
+                i = sl * 2 + h
+                with e.block(f"if f_live[{i}]:"):
+                    for j in range(2):
+                        e(f"af_pre[{sl * 4 + h + 2 * j}] = Xf[f_off[{i}] + ({chan} * {t.k_step} + {4 * j}) * {plane}]")
+
     @property
     def lanes(self) -> list[int]:
         """The lanes of a B load slot gathered one by one (one float4 where the batch allows)."""
@@ -532,6 +601,9 @@ class _Generator:
         channel offset 0, and whether it reads the input at all (a padding border, a column past
         the end, a slot beyond the tile). A dead slot's registers are zeroed here and left alone
         by the tap's loads, so its shared row is zero without a select per step."""
+        if self.plan.gathers_fragments:
+            self.enter_tap_fragments(tap)
+            return
         t, wl, e = self.t, self.wl, self.e
         z = f"_{self.load_sites}"
         per_row = t.cols // t.vec
@@ -604,13 +676,8 @@ class _Generator:
         z = f"_{self.load_sites}"  # TVMScript lets are scoped to the function: one name per site
         self.load_sites += 1
         per_row_a = t.rows // t.vec
-        if t.wgmma is not None:  # a contiguous, zero-padded chunk of the packed weights: no guards
-            chunk = t.rows * t.k_step
-            for s, guarded in self.slots(chunk // t.vec):
-                f = f"(tid + {s * t.threads})"
-                addr = f"((g * {self.plan.grid[1]} + by) * {self.plan.k_steps} + {kt}) * {chunk} + {f} * {t.vec}"
-                with self.only_if(f"{f} < {chunk // t.vec}" if guarded else None):
-                    e(f"a_pre[T.ramp({s * t.vec}, 1, {t.vec})] = Wf[T.ramp({addr}, 1, {t.vec})]")
+        if t.wgmma is not None:
+            self.load_packed_weights(kt)
         for s, guarded in self.slots(t.k_step * per_row_a) if t.wgmma is None else ():
             f = f"(tid + {s * t.threads})"
             e(f"ak{s}{z}: T.let = {kt} * {t.k_step} + {f} // {per_row_a}")
@@ -624,13 +691,14 @@ class _Generator:
                     self.guarded_load("a_pre", s * t.vec + lane, f"{live} and ao{s}{z} + {lane} < {M}", "Wf",
                                       f"{base} + {lane}", 1)
         if self.plan.k_order == "rsc":
+            load = self.load_fragments if self.plan.gathers_fragments else self.load_b_rsc
             if at is None:
-                self.load_b_rsc(self.advance_running_tap(first))
+                load(self.advance_running_tap(first))
                 return
             tap, chan = at
             if tap is not None:
                 self.enter_tap(tap)
-            self.load_b_rsc(chan)
+            load(chan)
             return
         per_row_b = t.cols // t.vec
         rs, S = wl.KH * wl.KW, wl.KW
@@ -651,6 +719,17 @@ class _Generator:
                 vec = t.vec if self.plan.vector_b else 1
                 self.guarded_load("b_pre", s * t.vec + lane, live, "Xf", addr, vec)
 
+    def load_packed_weights(self, kt: str) -> None:
+        """wgmma: k step `kt`'s chunk of the packed weights (:func:`pack_wgmma_weight`), contiguous
+        and zero-padded: float4 loads with no guards."""
+        t, e = self.t, self.e
+        chunk = t.rows * t.k_step
+        for s, guarded in self.slots(chunk // t.vec):
+            f = f"(tid + {s * t.threads})"
+            addr = f"((g * {self.plan.grid[1]} + by) * {self.plan.k_steps} + {kt}) * {chunk} + {f} * {t.vec}"
+            with self.only_if(f"{f} < {chunk // t.vec}" if guarded else None):
+                e(f"a_pre[T.ramp({s * t.vec}, 1, {t.vec})] = Wf[T.ramp({addr}, 1, {t.vec})]")
+
     def guarded_load(self, reg: str, at: int, live: str, src: str, addr: str, vec: int) -> None:
         """reg[at : at + vec] = src[addr : addr + vec] where `live`, else zeros (a border, a tail)."""
         e = self.e
@@ -669,7 +748,8 @@ class _Generator:
                 f = f"(tid + {s * t.threads})"
                 with self.only_if(f"{f} < {t.rows * t.k_step // t.vec}" if guarded else None):
                     e(f"A_sh{buf}[T.ramp({f} * {t.vec}, 1, {t.vec})] = a_pre[T.ramp({s * t.vec}, 1, {t.vec})]")
-        for name, extent, reg in (("A", t.rows, "a_pre"), ("B", t.cols, "b_pre"))[t.wgmma is not None:]:
+        for name in self.staged_tiles:
+            extent, reg = (t.rows, "a_pre") if name == "A" else (t.cols, "b_pre")
             per_row = extent // t.vec
             for s, guarded in self.slots(t.k_step * per_row):
                 f = f"(tid + {s * t.threads})"
@@ -690,6 +770,15 @@ class _Generator:
             index = f"({row}) * {self.shared_stride(name)} + {col}"
             return f"{name}_sh{buf}[T.ramp({index}, 1, {lanes})]" if lanes > 1 else f"{name}_sh{buf}[{index}]"
         return f"{name}_sh{buf}[{row}, {f'T.ramp({col}, 1, {lanes})' if lanes > 1 else col}]"
+
+    @property
+    def staged_tiles(self) -> tuple[str, ...]:
+        """The operand tiles staged in shared memory as k_step rows (the weights' "A", the im2col
+        "B"): wgmma keeps its weights in the descriptor's layout instead, and with gathered
+        fragments has no im2col tile at all."""
+        if self.t.wgmma is None:
+            return ("A", "B")
+        return () if self.plan.gathers_fragments else ("B",)
 
     def shared_stride(self, name: str) -> int:
         """Floats per shared row of operand tile `name`, padding included."""
@@ -775,10 +864,11 @@ class _Generator:
         caller waits for the group (:meth:`step`) before the buffer or the registers change."""
         t, e, wg = self.t, self.e, self.t.wgmma
         half = wg.k // 2
-        with e.block(f"for sl in T.unroll({t.slabs}):"):
-            with e.block("for j in T.unroll(4):"):  # A[16 warp + g + 8 (j % 2)][t + 4 (j // 2)]
-                at = self.shared_at("B", buf, f"tq + j // 2 * {half}", "sl * 64 + warp * 16 + gq + j % 2 * 8")
-                e(f'af[sl * 4 + j] = T.reinterpret("uint32", {at})')
+        if not self.plan.gathers_fragments:  # (gathered ones were copied from af_pre: step)
+            with e.block(f"for sl in T.unroll({t.slabs}):"):
+                with e.block("for j in T.unroll(4):"):  # A[16 warp + g + 8 (j % 2)][t + 4 (j // 2)]
+                    at = self.shared_at("B", buf, f"tq + j // 2 * {half}", "sl * 64 + warp * 16 + gq + j % 2 * 8")
+                    e(f'af[sl * 4 + j] = T.reinterpret("uint32", {at})')
         e('T.ptx["wgmma.fence.sync.aligned"]()')
         per_slab = t.rows // 2
         for sl in range(t.slabs):
@@ -812,6 +902,9 @@ class _Generator:
              when: str | None = None) -> None:
         """One k step on buffer `buf`; with `prefetch`, the next step's loads overlap it (only
         where the condition `when` holds, if given; `at`: see :meth:`load_global`)."""
+        if self.plan.gathers_fragments:  # this step's fragments, before the next step's loads land
+            with self.e.block(f"for j in T.unroll({4 * self.t.slabs}):"):
+                self.e('af[j] = T.reinterpret("uint32", af_pre[j])')
         if prefetch:
             with self.only_if(when):
                 self.load_global(f"({kt} + 1)", at)
@@ -951,7 +1044,7 @@ class _Generator:
             for buf in (0, 1):
                 if t.wgmma is not None:  # the descriptor's layout (WgmmaShape)
                     e(f'A_sh{buf} = T.decl_buffer(({t.rows * t.k_step},), "float32", scope="shared")')
-                for name in ("A", "B")[t.wgmma is not None:]:
+                for name in self.staged_tiles:
                     shape = f"({t.k_step}, {self.shared_stride(name)})"
                     if t.pad:  # flat: see shared_at
                         shape = f"({t.k_step * self.shared_stride(name)},)"
@@ -961,6 +1054,8 @@ class _Generator:
                 e(f'acc = T.decl_buffer(({t.slabs * t.rows // 2},), "float32", scope="local")')
                 e(f'af = T.decl_buffer(({t.slabs * 4},), "uint32", scope="local")')
                 e('desc = T.decl_buffer((2,), "uint64", scope="local")')
+                if plan.gathers_fragments:  # the next step's fragments, in flight during this one's wgmma
+                    e(f'af_pre = T.decl_buffer(({t.slabs * 4},), "float32", scope="local")')
             elif t.mma is not None:
                 mt, nt = t.mma_tiles
                 reg = "float32" if t.mma.per_reg == 1 else "uint32"
@@ -976,7 +1071,8 @@ class _Generator:
             na = len(self.slots(t.k_step * t.rows // t.vec))
             nb = len(self.slots(t.k_step * t.cols // t.vec))
             e(f'a_pre = T.decl_buffer(({na * t.vec},), "float32", scope="local")')
-            e(f'b_pre = T.decl_buffer(({nb * t.vec},), "float32", scope="local")')
+            if not plan.gathers_fragments:
+                e(f'b_pre = T.decl_buffer(({nb * t.vec},), "float32", scope="local")')
             if plan.splits > 1:  # blockIdx.z: the group and the slice of the reduction
                 e(f"g: T.let = gz // {plan.splits}")
                 e(f"sp: T.let = gz % {plan.splits}")
