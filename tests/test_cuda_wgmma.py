@@ -212,8 +212,29 @@ def test_network_on_wgmma_with_weights_as_inputs():
     assert 1e-6 < rel_err(got, ref) < 1e-2
 
 
+needs_hopper = pytest.mark.skipif(not tvm.cuda(0).exist or tvm.cuda(0).compute_version != "9.0",
+                                  reason="no Hopper GPU")
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not tvm.cuda(0).exist or tvm.cuda(0).compute_version != "9.0", reason="no Hopper GPU")
+@needs_hopper
+def test_network_on_wgmma_on_the_gpu():
+    import torch
+    from test_cuda_pipeline import _net
+
+    from tvm_ext.models.torch_reference import to_torch
+
+    mod = _net(4)
+    ex = tvm_ext.build(mod, TARGET, tensor_cores="wgmma_tf32")
+    vm = relax.VirtualMachine(ex, tvm.cuda())
+    x = np.random.default_rng(1).standard_normal((4, 3, 16, 14)).astype(np.float32)
+    out = vm["main"](tvm.runtime.tensor(x, tvm.cuda())).numpy()
+    ref = to_torch(mod, torch.float64)(torch.from_numpy(x).double()).numpy()
+    assert 1e-6 < rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_wgmma_on_the_gpu():
     wl = Conv2dWorkload.make((8, 16, 12, 12), (64, 16, 3, 3), padding=1)
     plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(64, ENGINE), cc.Epilogue(bias=True, activation="relu"))
