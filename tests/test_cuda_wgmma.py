@@ -186,14 +186,15 @@ def test_wgmma_machine_code(gather):
 
 
 @needs_gxx
-def test_network_on_wgmma_with_weights_as_inputs():
+@pytest.mark.parametrize("channels", [8, 3])  # RSC (gathered fragments) and CRS order (K padded 27 -> 32)
+def test_network_on_wgmma_with_weights_as_inputs(channels):
     """tensor_cores="wgmma_tf32" through the graph strategy: constant weights packed in NumPy, a
     weight that is a function parameter packed by graph ops; the report names the engine."""
     rng = np.random.default_rng(5)
     k = (rng.standard_normal((24, 40, 1, 1)) * 0.3).astype(np.float32)
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((4, 8, 7, 6), "float32"))
-    w = relax.Var("w", relax.TensorType((40, 8, 3, 3), "float32"))
+    x = relax.Var("x", relax.TensorType((4, channels, 7, 6), "float32"))
+    w = relax.Var("w", relax.TensorType((40, channels, 3, 3), "float32"))
     with bb.function("main", [x, w]):
         with bb.dataflow():
             y = bb.emit(relax.op.nn.relu(relax.op.nn.conv2d(x, w, padding=1)))
@@ -205,8 +206,8 @@ def test_network_on_wgmma_with_weights_as_inputs():
     assert len(report) == 2 and all("wgmma_tf32 tile" in row.reason for row in report)
     lowered = lower(mod, TARGET, tensor_cores="wgmma_tf32")
     vm = relax.VirtualMachine(emulated_executable(lowered, TARGET), tvm.cpu())
-    xv = rng.standard_normal((4, 8, 7, 6)).astype(np.float32)
-    wv = rng.standard_normal((40, 8, 3, 3)).astype(np.float32)
+    xv = rng.standard_normal((4, channels, 7, 6)).astype(np.float32)
+    wv = rng.standard_normal((40, channels, 3, 3)).astype(np.float32)
     got = vm["main"](tvm.runtime.tensor(xv), tvm.runtime.tensor(wv)).numpy()
     ref = conv2d_nchw(np.maximum(conv2d_nchw(xv, wv, padding=(1, 1, 1, 1)), 0), k)
     assert 1e-6 < rel_err(got, ref) < 1e-2
