@@ -175,8 +175,13 @@ def main(argv: list[str] | None = None) -> int:
         import tvm_ext
         from tvm_ext import models
 
-        print(tvm_ext.dispatch_report(models.get(args.model, batch=args.batch)[0], args.target,
-                                      tensor_cores=args.tensor_cores or False, winograd=not args.direct))
+        try:
+            report = tvm_ext.dispatch_report(models.get(args.model, batch=args.batch)[0], args.target,
+                                             tensor_cores=args.tensor_cores or False, winograd=not args.direct)
+        except tvm_ext.UnsupportedError as err:  # e.g. wgmma for a target that is not sm_90a
+            print(f"tvm_ext report: {err}", file=sys.stderr)
+            return 2
+        print(report)
         return 0
     bench = Path(__file__).resolve().parents[2] / "bench" / "layers.py"
     layer_set = "resnet50" if args.model.startswith("resnet") else args.model
