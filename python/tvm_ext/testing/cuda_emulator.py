@@ -136,10 +136,11 @@ static void warp_sync() {
   yield_to_scheduler();
 }
 
-// Returns 0, or 1 when the threads of a block did not all reach the same barrier.
 static bool wgmma_idle();
 static bool wgmma_committed(size_t thread, long group);
 
+// Returns 0; 1 when the threads of a block did not all reach the same barrier; 2 when the kernel
+// did something the hardware would not allow (`failure` says what).
 static int run_grid(dim3 grid, dim3 block) {
   grid_dim = grid;
   failure = nullptr;

@@ -37,6 +37,14 @@ The tensor-core engines (`BlockTile(engine="mma_tf32" | "mma_bf16")`) keep all o
 replace the threads' FFMA tiles by warps issuing `mma.sync` (:class:`MmaShape`): each warp owns
 `warp_rows` rows of the block, its fragments loaded from the same shared buffers (rows padded
 so the loads do not conflict), its accumulators staged into the same output tile.
+
+Hopper's engine (`BlockTile(engine="wgmma_tf32")`, sm_90a) is one warpgroup per block issuing an
+asynchronous `wgmma.mma_async` m64nNk8 per 64-column slab and k step (:class:`WgmmaShape`): N is
+the block's rows, the weights' tile is read by the tensor cores from shared memory through a
+matrix descriptor (so the weights are packed per block and k step in that layout,
+:func:`pack_wgmma_weight`), and the A operand comes from registers, gathered by each thread
+straight from the input in RSC order (:attr:`MaxDNNPlan.gathers_fragments`). A step issues its
+wgmmas, stores the next step's tile while they run, then waits for them before the barrier.
 """
 
 from __future__ import annotations
@@ -432,7 +440,6 @@ class MaxDNNPlan:
         """The kernel's parameters in order, with their shapes: x, w[, bias][, residual], y; with
         split-K x, w, partial (each slice's sums; the epilogue is :meth:`reduce_shapes`' kernel's)."""
         wl = self.wl
-        m, _, k = self.gemm
         shapes = {"x": (wl.C, wl.H, wl.W, wl.N), "w": self.weight_shape}
         if self.splits > 1:
             shapes["partial"] = (self.splits, *self.y_shape)
