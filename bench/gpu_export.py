@@ -2,9 +2,9 @@
 
 Writes one .cu file per layer and engine (FFMA; Winograd F(4x4) on the FFMA tile, for the layers
 it can run; tf32 tensor cores through mma.sync and, for Hopper, wgmma) and manifest.json (shapes,
-and each kernel's launch and parameter order) into --out. bench/gpu_check.py compiles and runs them with nvcc and
-CuPy on a GPU machine, so that machine needs no TVM: apache-tvm's wheel is 100 MB and the GPU
-machines lent here take 64 MiB.
+and each kernel's launch and parameter order) into --out. bench/gpu_check.py compiles and runs
+them with nvcc and CuPy on a GPU machine, so that machine needs no TVM: apache-tvm's wheel is
+100 MB and the GPU machines lent here take 64 MiB.
 
     python bench/gpu_export.py --out bench/gpu_kernels            # AlexNet/OverFeat b128, ResNet-50 b32
     python bench/gpu_export.py --out /tmp/k --sets alexnet --batch 4 --layers 2
@@ -67,7 +67,7 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
             for variant in engines:
                 engine, _, warp_rows = variant.partition(":")
                 start = time.perf_counter()
-                target = {"kind": "cuda", "arch": arch + "a" if engine.startswith("wgmma") else arch}
+                target = {"kind": "cuda", "arch": "sm_90a" if engine.startswith("wgmma") else arch}
                 if engine.startswith("winograd"):  # every layer it can run, chosen by the strategy's estimate or not
                     if cw.eligible(wl):
                         continue
