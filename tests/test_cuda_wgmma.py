@@ -204,6 +204,9 @@ def test_network_on_wgmma_with_weights_as_inputs(channels):
     report = [row for row in tvm_ext.dispatch_report(mod, TARGET, tensor_cores="wgmma_tf32")
               if row.op == "nn.conv2d"]
     assert len(report) == 2 and all("wgmma_tf32 tile" in row.reason for row in report)
+    gathered = channels % 8 == 0  # RSC order: the first layer's fragments come from the input
+    assert ("A fragments gathered from the input" in report[0].reason) == gathered
+    assert ("A fragments through shared memory" in report[0].reason) == (not gathered)
     lowered = lower(mod, TARGET, tensor_cores="wgmma_tf32")
     vm = relax.VirtualMachine(emulated_executable(lowered, TARGET), tvm.cpu())
     xv = rng.standard_normal((4, channels, 7, 6)).astype(np.float32)

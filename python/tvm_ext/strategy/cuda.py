@@ -77,6 +77,8 @@ def conv2d_decision(wl: _conv.Conv2dWorkload, engine: str = "ffma", winograd: bo
     except ValueError as err:  # a tensor too large for the kernel's indices
         return None, f"{err}: stock TVM", None
     reason = f"{plan.tile.rows}x{plan.tile.cols} {engine} tile, grid {plan.grid}"
+    if plan.tile.wgmma is not None:
+        reason += ", A fragments " + ("gathered from the input" if plan.gathers_fragments else "through shared memory")
     plan = plan.with_chosen_splits()
     if plan.splits > 1:
         reason += (f" x {plan.splits} split-K slices of its {plan.split_unit[0]} (a small grid), summed by a "
