@@ -251,3 +251,21 @@ def test_wgmma_on_the_gpu():
     got = cc.output_to_nchw(args["y"].numpy())
     ref = _reference(wl, plan.epilogue, _as_read(x, "mma_tf32"), _as_read(w, "mma_tf32"), bias, None)
     assert rel_err(got, ref) < 1e-5
+
+
+@needs_nvcc
+def test_a_whole_network_builds_for_hopper():
+    """ResNet-18 at batch 8 through `tvm_ext.build(..., "nvidia/nvidia-h100", tensor_cores=
+    "wgmma_tf32")`: every convolution a wgmma tile, and all of its CUDA C compiles for sm_90a
+    with no spills."""
+    from tvm_ext import models
+
+    mod = models.get("resnet18", batch=8)[0]
+    convs = [row for row in tvm_ext.dispatch_report(mod, "nvidia/nvidia-h100", tensor_cores="wgmma_tf32")
+             if row.op == "nn.conv2d"]
+    assert convs and all("wgmma_tf32 tile" in row.reason for row in convs)
+    ex = tvm_ext.build(mod, "nvidia/nvidia-h100", tensor_cores="wgmma_tf32")
+    source = ptx.executable_cuda_source(ex)
+    assert "wgmma.mma_async.sync.aligned.m64n" in source
+    resources = ptx.ptxas_resources(source, "sm_90a")
+    assert resources["spill_stores"] == resources["spill_loads"] == resources["stack"] == 0
