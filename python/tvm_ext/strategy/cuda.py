@@ -160,11 +160,10 @@ class CudaEmitter:
     def _pack_wgmma_weight(self, crsk: relax.Expr, plan: _maxdnn.MaxDNNPlan) -> relax.Expr:
         """:func:`~tvm_ext.kernels.cuda.conv2d.pack_wgmma_weight` as graph ops, for weights that
         are not constants."""
-        t, (groups, blocks, steps, _) = plan.tile, plan.weight_shape
         m, _, k = plan.gemm
-        padded = relax.op.nn.pad(crsk, [0, 0, 0, steps * t.k_step - k, 0, blocks * t.rows - m])
-        tiles = relax.op.reshape(padded, (groups, steps, t.k_step // 4, 4, blocks, t.rows // 8, 8))
-        packed = relax.op.permute_dims(tiles, [0, 4, 1, 5, 2, 6, 3])
+        (_, padded_k, padded_m), tiles = _maxdnn.wgmma_pack_tiles(plan)
+        padded = relax.op.nn.pad(crsk, [0, 0, 0, padded_k - k, 0, padded_m - m])
+        packed = relax.op.permute_dims(relax.op.reshape(padded, tiles), list(_maxdnn.WGMMA_PACK_AXES))
         return self.bb.emit(relax.op.reshape(packed, plan.weight_shape))
 
     def conv2d(self, call: relax.Call, data: relax.Expr, bias: np.ndarray | None = None,

@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from collections.abc import Callable
 
 import numpy as np
 import tvm
@@ -519,66 +520,76 @@ class _Generator:
 
     def b_columns(self) -> None:
         """Bind, per B load slot (and lane if scalar), the k-invariant part of the gather."""
-        t, wl, e = self.t, self.wl, self.e
+        t, e = self.t, self.e
         if self.plan.gathers_fragments:
             self.fragment_columns()
             return
         per_row = t.cols // t.vec
-        sh, sw = wl.stride
-        pt, pl = wl.padding[0], wl.padding[1]
         lanes = self.lanes
         for s, _ in self.slots(t.k_step * per_row):
             e(f"bf{s}: T.let = tid + {s * t.threads}")
             for lane in lanes:
-                v = f"{s}_{lane}"
-                e(f"bc{v}: T.let = bx * {t.cols} + bf{s} % {per_row} * {t.vec} + {lane}")
-                e(f"bpq{v}: T.let = bc{v} // {wl.N}")
-                e(f"bh{v}: T.let = bpq{v} // {wl.OW} * {sh} - {pt}")
-                e(f"bw{v}: T.let = bpq{v} % {wl.OW} * {sw} - {pl}")
-                e(f"bn{v}: T.let = bc{v} % {wl.N}")
+                self.bind_column("b", f"{s}_{lane}", f"bx * {t.cols} + bf{s} % {per_row} * {t.vec} + {lane}")
         if self.plan.k_order == "rsc":
-            n = len(self.slots(t.k_step * per_row)) * len(lanes)
-            if not self.plan.tap_loop:
-                e('tap = T.decl_buffer((1,), "int32", scope="local")')
-                e('c0 = T.decl_buffer((1,), "int32", scope="local")')
-            e(f'b_off = T.decl_buffer(({n},), "int32", scope="local")')
-            e(f'b_live = T.decl_buffer(({n},), "bool", scope="local")')
+            self.declare_tap_state("b", len(self.slots(t.k_step * per_row)) * len(lanes))
+
+    def bind_column(self, prefix: str, v: str, column: str) -> None:
+        """Bind tile column `column`'s k-invariant gather: `{prefix}c{v}` the column, `{prefix}h{v}`
+        and `{prefix}w{v}` the input row and column of its pixel at filter tap (0, 0) (padding
+        subtracted), `{prefix}n{v}` its image."""
+        wl, e = self.wl, self.e
+        e(f"{prefix}c{v}: T.let = {column}")
+        e(f"{prefix}pq{v}: T.let = {prefix}c{v} // {wl.N}")
+        e(f"{prefix}h{v}: T.let = {prefix}pq{v} // {wl.OW} * {wl.stride[0]} - {wl.padding[0]}")
+        e(f"{prefix}w{v}: T.let = {prefix}pq{v} % {wl.OW} * {wl.stride[1]} - {wl.padding[1]}")
+        e(f"{prefix}n{v}: T.let = {prefix}c{v} % {wl.N}")
+
+    def declare_tap_state(self, prefix: str, count: int) -> None:
+        """RSC order: the running (tap, channel step) where there is no tap loop, and per gathered
+        column its offset in the input at the current tap and whether it reads the input."""
+        e = self.e
+        if not self.plan.tap_loop:
+            e('tap = T.decl_buffer((1,), "int32", scope="local")')
+            e('c0 = T.decl_buffer((1,), "int32", scope="local")')
+        e(f'{prefix}_off = T.decl_buffer(({count},), "int32", scope="local")')
+        e(f'{prefix}_live = T.decl_buffer(({count},), "bool", scope="local")')
+
+    def tap_position(self, prefix: str, tap: str) -> Callable[[str], tuple[str, str, str]]:
+        """Bind filter tap `tap`'s (row, column) offsets once per site; returns a function of a
+        bound column's suffix giving (whether it reads the input, its input row, its input column)."""
+        wl, e = self.wl, self.e
+        z = f"_{self.load_sites}"
+        e(f"{prefix}r{z}: T.let = {tap} // {wl.KW} * {wl.dilation[0]}")
+        e(f"{prefix}s{z}: T.let = {tap} % {wl.KW} * {wl.dilation[1]}")
+
+        def at(v: str) -> tuple[str, str, str]:
+            h, w = f"{prefix}h{v} + {prefix}r{z}", f"{prefix}w{v} + {prefix}s{z}"
+            live = f"{prefix}c{v} < {self.NCOLS} and 0 <= {h} and {h} < {wl.H} and 0 <= {w} and {w} < {wl.W}"
+            return live, h, w
+
+        return at
 
     def fragment_columns(self) -> None:
         """Gathered wgmma fragments: per slab and row half h, the tile column this thread's A
         registers h and h + 2 read (row 16 warp + g + 8h of the slab), its k-invariant gather."""
-        t, wl, e = self.t, self.wl, self.e
-        sh, sw = wl.stride
-        pt, pl = wl.padding[0], wl.padding[1]
+        t = self.t
         for sl in range(t.slabs):
             for h in range(2):
-                v = f"{sl}_{h}"
-                e(f"fc{v}: T.let = bx * {t.cols} + {sl * 64 + h * 8} + warp * 16 + gq")
-                e(f"fpq{v}: T.let = fc{v} // {wl.N}")
-                e(f"fh{v}: T.let = fpq{v} // {wl.OW} * {sh} - {pt}")
-                e(f"fw{v}: T.let = fpq{v} % {wl.OW} * {sw} - {pl}")
-                e(f"fn{v}: T.let = fc{v} % {wl.N}")
-        if not self.plan.tap_loop:
-            e('tap = T.decl_buffer((1,), "int32", scope="local")')
-            e('c0 = T.decl_buffer((1,), "int32", scope="local")')
-        e(f'f_off = T.decl_buffer(({2 * t.slabs},), "int32", scope="local")')
-        e(f'f_live = T.decl_buffer(({2 * t.slabs},), "bool", scope="local")')
+                self.bind_column("f", f"{sl}_{h}", f"bx * {t.cols} + {sl * 64 + h * 8} + warp * 16 + gq")
+        self.declare_tap_state("f", 2 * t.slabs)
 
     def enter_tap_fragments(self, tap: str) -> None:
         """Gathered wgmma fragments, for filter tap `tap`: per column, where its k row t (channel
         t of the step) is in the input, and whether it is read at all; a dead column's registers
         are zeroed here and left alone by the tap's loads."""
         t, wl, e = self.t, self.wl, self.e
-        z = f"_{self.load_sites}"
         cg = wl.C // wl.groups
-        e(f"fr{z}: T.let = {tap} // {wl.KW} * {wl.dilation[0]}")
-        e(f"fs{z}: T.let = {tap} % {wl.KW} * {wl.dilation[1]}")
+        position = self.tap_position("f", tap)
         for sl in range(t.slabs):
             for h in range(2):
                 v, i = f"{sl}_{h}", sl * 2 + h
-                row, col = f"fh{v} + fr{z}", f"fw{v} + fs{z}"
-                e(f"f_live[{i}] = fc{v} < {self.NCOLS} and 0 <= {row} and {row} < {wl.H} and 0 <= {col} "
-                  f"and {col} < {wl.W}")
+                live, row, col = position(v)
+                e(f"f_live[{i}] = {live}")
                 e(f"f_off[{i}] = (((g * {cg} + tq) * {wl.H} + {row}) * {wl.W} + {col}) * {wl.N} + fn{v}")
                 with e.block(f"if not f_live[{i}]:"):
                     for j in (h, h + 2):
@@ -612,19 +623,15 @@ class _Generator:
             self.enter_tap_fragments(tap)
             return
         t, wl, e = self.t, self.wl, self.e
-        z = f"_{self.load_sites}"
         per_row = t.cols // t.vec
-        cg, S = wl.C // wl.groups, wl.KW
-        dh, dw = wl.dilation
-        e(f"br{z}: T.let = {tap} // {S} * {dh}")
-        e(f"bs{z}: T.let = {tap} % {S} * {dw}")
+        cg = wl.C // wl.groups
+        position = self.tap_position("b", tap)
         vec = t.vec if self.plan.vector_b else 1
         for s, guarded in self.slots(t.k_step * per_row):
             for lane in self.lanes:
                 v, i = f"{s}_{lane}", s * len(self.lanes) + lane
-                h, w = f"bh{v} + br{z}", f"bw{v} + bs{z}"
-                live = (f"bc{v} < {self.NCOLS} and 0 <= {h} and {h} < {wl.H} and 0 <= {w} and {w} < {wl.W}"
-                        + (f" and bf{s} < {t.k_step * per_row}" if guarded else ""))
+                live, h, w = position(v)
+                live += f" and bf{s} < {t.k_step * per_row}" if guarded else ""
                 e(f"b_live[{i}] = {live}")
                 # in units of the load's width, so that TVM sees the float4 loads aligned
                 e(f"b_off[{i}] = (((g * {cg} + bf{s} // {per_row}) * {wl.H} + {h}) * {wl.W} + {w}) * {wl.N // vec}"
@@ -679,24 +686,12 @@ class _Generator:
         otherwise a running state moves one step per call (`first`: step 0), so calls come in k
         order."""
         t, wl, e = self.t, self.wl, self.e
-        M, K = self.M, self.K
         z = f"_{self.load_sites}"  # TVMScript lets are scoped to the function: one name per site
         self.load_sites += 1
-        per_row_a = t.rows // t.vec
         if t.wgmma is not None:
             self.load_packed_weights(kt)
-        for s, guarded in self.slots(t.k_step * per_row_a) if t.wgmma is None else ():
-            f = f"(tid + {s * t.threads})"
-            e(f"ak{s}{z}: T.let = {kt} * {t.k_step} + {f} // {per_row_a}")
-            e(f"ao{s}{z}: T.let = by * {t.rows} + {f} % {per_row_a} * {t.vec}")
-            live = f"ak{s}{z} < {K}" + (f" and {f} < {t.k_step * per_row_a}" if guarded else "")
-            base = f"(g * {K} + ak{s}{z}) * {M} + ao{s}{z}"
-            if self.plan.vector_a:
-                self.guarded_load("a_pre", s * t.vec, f"{live} and ao{s}{z} < {M}", "Wf", base, t.vec)
-            else:
-                for lane in range(t.vec):
-                    self.guarded_load("a_pre", s * t.vec + lane, f"{live} and ao{s}{z} + {lane} < {M}", "Wf",
-                                      f"{base} + {lane}", 1)
+        else:
+            self.load_weight_rows(kt, z)
         if self.plan.k_order == "rsc":
             load = self.load_fragments if self.plan.gathers_fragments else self.load_b_rsc
             if at is None:
@@ -725,6 +720,25 @@ class _Generator:
                 addr = f"((bcin{s}{z} * {wl.H} + {h}) * {wl.W} + {w}) * {wl.N} + bn{v}"
                 vec = t.vec if self.plan.vector_b else 1
                 self.guarded_load("b_pre", s * t.vec + lane, live, "Xf", addr, vec)
+
+    def load_weight_rows(self, kt: str, z: str) -> None:
+        """k step `kt`'s k_step rows of the [groups, K, M] weights, guarded at the K and M edges
+        (float4 where M allows); `z` names this load site's lets."""
+        t, e = self.t, self.e
+        M, K = self.M, self.K
+        per_row_a = t.rows // t.vec
+        for s, guarded in self.slots(t.k_step * per_row_a):
+            f = f"(tid + {s * t.threads})"
+            e(f"ak{s}{z}: T.let = {kt} * {t.k_step} + {f} // {per_row_a}")
+            e(f"ao{s}{z}: T.let = by * {t.rows} + {f} % {per_row_a} * {t.vec}")
+            live = f"ak{s}{z} < {K}" + (f" and {f} < {t.k_step * per_row_a}" if guarded else "")
+            base = f"(g * {K} + ak{s}{z}) * {M} + ao{s}{z}"
+            if self.plan.vector_a:
+                self.guarded_load("a_pre", s * t.vec, f"{live} and ao{s}{z} < {M}", "Wf", base, t.vec)
+            else:
+                for lane in range(t.vec):
+                    self.guarded_load("a_pre", s * t.vec + lane, f"{live} and ao{s}{z} + {lane} < {M}", "Wf",
+                                      f"{base} + {lane}", 1)
 
     def load_packed_weights(self, kt: str) -> None:
         """wgmma: k step `kt`'s chunk of the packed weights (:func:`pack_wgmma_weight`), contiguous
@@ -1206,21 +1220,34 @@ def weight_to_crsk(w: np.ndarray, groups: int = 1, k_order: str = "crs") -> np.n
     return np.ascontiguousarray(per_group.reshape(groups, i * kh * kw, o // groups))
 
 
+# The wgmma weights' packing, as a permutation of the zero-padded [groups, K, M] weights viewed as
+# (g, step, k-chunk of 4, k % 4, block, n-group of 8, n % 8): to (g, block, step, n-group,
+# k-chunk, n % 8, k % 4). Shared by the NumPy packing and the graph's (strategy/cuda.py).
+WGMMA_PACK_AXES = (0, 4, 1, 5, 2, 6, 3)
+
+
+def wgmma_pack_tiles(plan: MaxDNNPlan) -> tuple[tuple[int, int, int], tuple[int, ...]]:
+    """The padded [groups, K, M] shape of the weights :func:`pack_wgmma_weight` packs, and its
+    7-D view that :data:`WGMMA_PACK_AXES` permutes."""
+    t = plan.tile
+    groups, blocks, steps, _ = plan.weight_shape
+    return ((groups, steps * t.k_step, blocks * t.rows),
+            (groups, steps, t.k_step // 4, 4, blocks, t.rows // 8, 8))
+
+
 def pack_wgmma_weight(wt: np.ndarray, plan: MaxDNNPlan) -> np.ndarray:
     """[groups, K, M] weights (:func:`weight_to_crsk`) -> the wgmma kernel's: per group, block of
     rows and k step, the rows x k_step tile in the shared layout the tensor cores read (K-major
     core matrices, :class:`WgmmaShape`), zero-padded past M and K. A block's k steps are then
     contiguous chunks it copies to shared memory as they are, float4 by float4, with no guards."""
-    t = plan.tile
-    groups, blocks, steps, _ = plan.weight_shape
     k, m = plan.gemm[2], plan.gemm[0]
-    if wt.shape != (groups, k, m):
-        raise ValueError(f"pack_wgmma_weight: weights of shape {wt.shape}, the plan's GEMM needs {(groups, k, m)}")
-    padded = np.zeros((groups, steps * t.k_step, blocks * t.rows), np.float32)
+    if wt.shape != (plan.wl.groups, k, m):
+        raise ValueError(f"pack_wgmma_weight: weights of shape {wt.shape}, the plan's GEMM needs "
+                         f"{(plan.wl.groups, k, m)}")
+    padded_shape, tiles = wgmma_pack_tiles(plan)
+    padded = np.zeros(padded_shape, np.float32)
     padded[:, :k, :m] = wt
-    # (g, step, k-chunk of 4, k % 4, block, n-group of 8, n % 8) -> (g, block, step, n-group, k-chunk, n % 8, k % 4)
-    tiles = padded.reshape(groups, steps, t.k_step // 4, 4, blocks, t.rows // 8, 8)
-    packed = tiles.transpose(0, 4, 1, 5, 2, 6, 3)
+    packed = padded.reshape(tiles).transpose(*WGMMA_PACK_AXES)
     return np.ascontiguousarray(packed.reshape(plan.weight_shape))
 
 
