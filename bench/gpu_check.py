@@ -93,8 +93,10 @@ class CudaDevice:
         """One of a layer's kernels ("launches" of its manifest entry), ready to launch."""
         function = self.cp.RawModule(path=str(cubin)).get_function(launch["kernel"])
         args = tuple(self.cp.asarray(tensors[name]) for name in launch["cuda_args"])
-        grid, block = tuple(launch["grid"]), tuple(launch["block"])
-        return lambda: function(grid, block, args)
+        grid, block, shared = tuple(launch["grid"]), tuple(launch["block"]), launch.get("shared_bytes", 0)
+        if shared > 48 * 1024:  # past the default limit a kernel opts in
+            function.max_dynamic_shared_size_bytes = shared
+        return lambda: function(grid, block, args, shared_mem=shared)
 
     def median_ms(self, fn, repeat: int) -> float:
         """Median time of one call over `repeat` calls, each between two CUDA events (after warm-up)."""
@@ -137,7 +139,8 @@ class EmulatedDevice(CudaDevice):
         source = cubin.with_suffix("").with_suffix(".cu").read_text()
         names = [name for _, name in kernel_params(source, launch["kernel"])]
         arrays = {cuda: tensors[ours].numpy() for cuda, ours in zip(names, launch["cuda_args"], strict=True)}
-        return lambda: run_kernel(source, launch["kernel"], tuple(launch["grid"]), tuple(launch["block"]), arrays)
+        return lambda: run_kernel(source, launch["kernel"], tuple(launch["grid"]), tuple(launch["block"]), arrays,
+                                  launch.get("shared_bytes", 0))
 
     def median_ms(self, fn, repeat: int) -> float:
         times = []
@@ -203,8 +206,8 @@ def run_layer(torch, device: CudaDevice, entry: dict, cubin: Path, repeat: int) 
         torch.cuda.synchronize()
     got = tensors["y"].permute(3, 0, 1, 2)
     # "mma_tf32_w64": the tf32 engine, 64-row warp slabs; "wgmma_tf32_shared": wgmma, A fragments
-    # from shared memory; Winograd: fp32 on the FFMA tile
-    engine = "ffma" if "winograd" in entry else re.sub(r"_(w\d+|shared)$", "", entry.get("engine", "ffma"))
+    # from shared memory; "wgmma_tf32_static": wgmma, tiles within 48 KB; Winograd: fp32 on the FFMA tile
+    engine = "ffma" if "winograd" in entry else re.sub(r"_(w\d+|shared|static)$", "", entry.get("engine", "ffma"))
 
     tf32 = engine in ("mma_tf32", "wgmma_tf32")
 

@@ -73,8 +73,10 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
                         continue
                     plan = cw.WinogradPlan.make(wl, int(warp_rows or cw.TILE))  # "winograd:2": F(2x2)
                     source = cw.cuda_source(plan, target)
-                elif warp_rows == "shared":  # wgmma with its A fragments from a shared tile, not gathered
-                    tile = dataclasses.replace(cc.choose_tile(wl.K // wl.groups, engine), gather_fragments=False)
+                elif warp_rows in ("shared", "static"):  # wgmma: A fragments from a shared tile, not
+                    tile = cc.choose_tile(wl.K // wl.groups, engine)  # gathered; or 0.5.7's tiles, in 48 KB
+                    tile = (dataclasses.replace(tile, gather_fragments=False) if warp_rows == "shared"
+                            else dataclasses.replace(tile, cols=64 if tile.rows > 64 else 128))
                     plan = cc.MaxDNNPlan.make(wl, tile).with_chosen_splits()
                     source = cc.cuda_source(plan, target)
                 else:
@@ -84,7 +86,8 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
                         tile = dataclasses.replace(tile, rows=rows, warp_rows=int(warp_rows))
                     plan = cc.MaxDNNPlan.make(wl, tile).with_chosen_splits()  # split-K as the graph strategy
                     source = cc.cuda_source(plan, target)
-                engine = variant.replace("winograd:", "winograd_f").replace(":shared", "_shared").replace(":", "_w")
+                engine = (variant.replace("winograd:", "winograd_f").replace(":shared", "_shared")
+                          .replace(":static", "_static").replace(":", "_w"))
                 name = f"{set_name}_{layer['name']}_{engine}"
                 (out / f"{name}.cu").write_text(source)
                 entries.append(_entry(name, set_name, layer["name"], engine, wl, plan, source))
@@ -133,7 +136,8 @@ def _entry(name: str, set_name: str, layer: str, engine: str, wl, plan, source: 
     if plan.tile.wgmma is not None:  # the weights packed per block and k step (pack_wgmma_weight)
         entry["wgmma"] = {"rows": plan.tile.rows, "k_step": plan.tile.k_step}
     entry["launches"] = [{"kernel": cc.KERNEL_NAME + "_kernel", "grid": list(plan.grid),
-                          "block": [plan.tile.threads, 1, 1], "cuda_args": cc.cuda_param_order(source)}]
+                          "block": [plan.tile.threads, 1, 1], "shared_bytes": plan.dynamic_shared_bytes,
+                          "cuda_args": cc.cuda_param_order(source)}]
     if plan.splits > 1:  # split-K: a second kernel sums the slices
         kernel = cc.KERNEL_NAME + cc.REDUCE_SUFFIX + "_kernel"
         grid, block = cc.reduce_launch(plan)
@@ -152,11 +156,12 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", default="sm_90", help="the arch TVM generates for (the source is portable)")
     parser.add_argument("--engines", nargs="+", default=["ffma", "winograd", "mma_tf32", "mma_tf32:64", "wgmma_tf32"],
                         choices=["ffma", "winograd", "winograd:2", "mma_tf32", "mma_tf32:64", "mma_bf16",
-                                 "wgmma_tf32", "wgmma_tf32:shared"],
+                                 "wgmma_tf32", "wgmma_tf32:shared", "wgmma_tf32:static"],
                         help="kernel variants; ':64' = 64-row warp slabs (4 x m16 per warp); winograd: fp32 "
                              "F(4x4) on the FFMA tile, for the 3x3 and 5x5 stride-1 layers (':2': F(2x2)); "
                              "wgmma_tf32: Hopper's warpgroup tensor cores (sm_90a; ':shared': A fragments from a "
-                             "shared tile instead of gathered from the input)")
+                             "shared tile instead of gathered from the input; ':static': 128 x 64 tiles where "
+                             "the default's 128 x 128 needs dynamic shared memory, as in 0.5.7)")
     parser.add_argument("--sass", action="store_true",
                         help="also record each kernel's k-loop SASS mix for --arch (needs nvcc and nvdisasm)")
     args = parser.parse_args(argv)

@@ -434,6 +434,19 @@ def test_emulated_tensor_core_conv2d(x_shape, w_shape, options, epilogue, engine
 
 
 @needs_gxx
+def test_emulated_tensor_cores_with_dynamic_shared_memory():
+    """128 rows of bf16 k steps of 16 need 57 KB: the output tile moves to dynamic shared memory."""
+    wl = Conv2dWorkload.make((4, 16, 7, 6), (128, 16, 3, 3), padding=1)
+    plan = cc.MaxDNNPlan.make(wl, cc.BlockTile(rows=128, engine="mma_bf16", k_step=16, warp_rows=64))
+    assert plan.tile.shared_bytes() > cc.STATIC_SHARED_LIMIT and plan.dynamic_shared_bytes == 4 * 128 * 64
+    x, w, _, residual = _inputs(wl, cc.Epilogue(residual=True))
+    plan = dataclasses.replace(plan, epilogue=cc.Epilogue(residual=True))
+    got = cc.output_to_nchw(cc.emulate(plan, cc.kernel_arrays(plan, x, w, None, residual)))
+    ref = _reference(wl, plan.epilogue, _as_read(x, "mma_bf16"), _as_read(w, "mma_bf16"), None, residual)
+    assert rel_err(got, ref) < 1e-5
+
+
+@needs_gxx
 def test_emulated_tensor_cores_with_64_row_warp_slabs():
     wl = Conv2dWorkload.make((4, 10, 7, 6), (128, 10, 3, 3), padding=1)
     plan = cc.MaxDNNPlan.make(wl, cc.BlockTile(rows=128, engine="mma_tf32", warp_rows=64))
@@ -502,8 +515,8 @@ def test_tensor_core_tile_validation():
         cc.BlockTile(engine="wgmma").validate()
     with pytest.raises(ValueError, match="rows % warp_rows"):
         cc.BlockTile(rows=48, engine="mma_tf32").validate()
-    with pytest.raises(ValueError, match="shared memory"):  # 128 rows of bf16 k-steps of 16: 57 KB
-        cc.BlockTile(rows=128, engine="mma_bf16", k_step=16, warp_rows=64).validate()
+    with pytest.raises(ValueError, match="shared memory; a block has at most"):
+        cc.BlockTile(rows=256, cols=256, engine="mma_bf16", k_step=16, warp_rows=64).validate()
     with pytest.raises(ValueError, match="rows % warp_rows"):
         cc.BlockTile(rows=96, engine="mma_tf32", warp_rows=64).validate()
     with pytest.raises(ValueError, match="k_step 16"):

@@ -8,6 +8,7 @@ sm_90a (PTX, ptxas and SASS).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import subprocess
 
@@ -24,7 +25,7 @@ from tvm_ext.kernels.cuda import conv2d as cc
 from tvm_ext.kernels.cuda import ptx
 from tvm_ext.strategy.cuda import engine_for
 from tvm_ext.testing import cuda_emulator
-from tvm_ext.testing.relax_emulator import emulated_executable, lower
+from tvm_ext.testing.relax_emulator import dynamic_shared_bytes, emulated_executable, lower
 
 ENGINE = "wgmma_tf32"
 TARGET = "cuda -arch=sm_90a"
@@ -39,7 +40,7 @@ needs_gxx = pytest.mark.skipif(not cuda_emulator.have_compiler(), reason="g++ is
     ((3, 5, 9, 7), (70, 5, 3, 2), dict(padding=(1, 0, 2, 1), stride=2), cc.Epilogue(bias=True, activation="relu")),
     ((4, 6, 9, 7), (96, 3, 5, 5), dict(padding=2, dilation=2, groups=2), cc.Epilogue(residual=True)),
     ((5, 12, 5, 9), (40, 12, 1, 7), dict(padding=(0, 3)), cc.Epilogue(activation="relu6")),  # N=64 for 40
-    ((4, 24, 6, 5), (128, 24, 3, 3), dict(padding=1, stride=2), cc.Epilogue(bias=True)),  # N=128, one slab
+    ((4, 24, 6, 5), (128, 24, 3, 3), dict(padding=1, stride=2), cc.Epilogue(bias=True)),  # N=128, dynamic
     ((3, 16, 9, 7), (64, 16, 3, 3), dict(padding=(1, 0, 2, 1), dilation=2), cc.Epilogue()),  # batch 3, dilated
     ((4, 32, 6, 6), (32, 16, 3, 3), dict(padding=1, groups=2), cc.Epilogue(activation="relu")),
     ((2, 8, 5, 5), (16, 8, 3, 3), dict(padding=1), cc.Epilogue()),  # N=32, batch 2
@@ -133,15 +134,54 @@ def test_pack_wgmma_weight_is_the_descriptor_layout():
 
 def test_wgmma_tile_validation_and_choice():
     assert cc.BlockTile(rows=64, cols=128, engine=ENGINE).threads == 128  # one warpgroup
-    # the fewest wasted rows, the tallest of equals; two slabs where the output tile fits in 48 KB
+    # the fewest wasted rows, the tallest of equals; two slabs
     assert [(t.rows, t.cols) for t in (cc.choose_tile(c, ENGINE) for c in (16, 64, 70, 96, 384))] == [
-        (32, 128), (64, 128), (96, 64), (96, 64), (128, 64)]
+        (32, 128), (64, 128), (96, 128), (96, 128), (128, 128)]
     with pytest.raises(ValueError, match="multiple of 8 up to 256"):
         cc.BlockTile(rows=36, cols=64, engine=ENGINE).validate()
     with pytest.raises(ValueError, match="multiple of 8 up to 256"):
         cc.BlockTile(rows=64, cols=96, engine=ENGINE).validate()
-    with pytest.raises(ValueError, match="shared memory"):
-        cc.BlockTile(rows=128, cols=128, engine=ENGINE).validate()
+    with pytest.raises(ValueError, match="shared memory; a block has at most"):
+        cc.BlockTile(rows=256, cols=256, engine=ENGINE).validate()
+
+
+def test_wgmma_split_k_counts_threads():
+    """A wgmma block is 128 threads with a 128 x 128 tile: half the blocks of 64 threads fill a
+    GPU. AlexNet conv4 at batch 128 (338 blocks) needs no split; ResNet-50's last 3x3 at batch
+    32 (52 blocks) splits its 9 taps."""
+    conv4 = cc.MaxDNNPlan.make(Conv2dWorkload.make((128, 384, 13, 13), (256, 384, 3, 3), padding=1),
+                               cc.choose_tile(256, ENGINE))
+    assert math.prod(conv4.grid) == 338 and cc.choose_splits(conv4) == 1
+    late = cc.MaxDNNPlan.make(Conv2dWorkload.make((32, 512, 7, 7), (512, 512, 3, 3), padding=1),
+                              cc.choose_tile(512, ENGINE))
+    assert math.prod(late.grid) == 52 and cc.choose_splits(late) == 9
+
+
+@needs_gxx
+def test_dynamic_shared_memory():
+    """A tile past the 48 KB a kernel declares statically: its output tile in dynamic shared
+    memory, its operand tiles static. TVM launches it with the plan's size (what the GPU check
+    passes), and the emulator gives each block that much; a launch without it is an error."""
+    wl = Conv2dWorkload.make((4, 16, 6, 5), (128, 16, 3, 3), padding=1)
+    sizes = {rows: cc.MaxDNNPlan.make(wl, cc.choose_tile(rows, ENGINE)).dynamic_shared_bytes
+             for rows in (32, 64, 70, 128)}
+    assert sizes == {32: 0, 64: 0, 70: 4 * 96 * 128, 128: 4 * 128 * 128}  # static below 48 KB
+    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(128, ENGINE))
+    assert plan.operand_tiles == {"A": 128 * 8}  # gathered fragments: only the weights' tile, twice
+    source = cc.cuda_source(plan, TARGET)
+    assert len(re.findall(r"extern __shared__", source)) == 1
+    assert ptx.ptxas_resources(source, "sm_90a")["shared"] == 2 * 4 * 128 * 8
+    with ptx.cuda_source_only():
+        host = tvm.compile(cc.plan_module(plan), target=tvm_ext.resolve_target(TARGET)).mod.inspect_source("ll")
+    assert f"store i64 {plan.dynamic_shared_bytes}," in host  # the launch's dynamic shared memory
+    assert dynamic_shared_bytes(cc.maxdnn_conv2d_func(plan)) == plan.dynamic_shared_bytes
+    x, w, bias, residual = _inputs(wl, plan.epilogue)
+    arrays = cc.kernel_arrays(plan, x, w, bias, residual)
+    with pytest.raises(cuda_emulator.EmulationError, match="dynamic shared memory and is launched with none"):
+        cuda_emulator.run_kernel(source, cc.KERNEL_NAME + "_kernel", plan.grid, (plan.tile.threads, 1, 1),
+                                 {cc.FLAT_PARAMS[name]: arrays[name] for name in plan.shapes()})
+    got, ref = _emulated(plan, source)
+    assert rel_err(got, ref) < 1e-5
 
 
 def test_engine_needs_sm_90a():
@@ -164,7 +204,7 @@ def test_wgmma_machine_code(gather):
     tile = dataclasses.replace(cc.choose_tile(384, ENGINE), gather_fragments=gather)
     plan = cc.MaxDNNPlan.make(wl, tile)
     t = plan.tile
-    assert (t.rows, t.cols, plan.tap_loop, plan.gathers_fragments) == (128, 64, True, gather)
+    assert (t.rows, t.cols, plan.tap_loop, plan.gathers_fragments) == (128, 128, True, gather)
     source = cc.cuda_source(plan, TARGET)
     ops_count = ptx.ptx_instructions(ptx.compile_source(source, "sm_90a").decode())
     assert ops_count[t.wgmma.opcode(t.rows)] == t.slabs * plan.code_steps
@@ -179,7 +219,8 @@ def test_wgmma_machine_code(gather):
         loop = ptx.sass_loop_instructions(ptx.disassemble(ptx.compile_source(source, "sm_90a", "cubin")))
         assert loop["HGMMA"] == 2 * t.slabs and loop["BAR"] == 2
         assert loop["LDS"] == (0 if gather else 2 * 4 * t.slabs)  # per pair of k steps
-        assert loop["STS"] == 2 * (2 if gather else 3)  # the weights' 4 KB (and the data's 2 KB)
+        # float4 stores of the weights' 4 KB (and of the data's 4 KB), a pair of k steps
+        assert loop["STS"] == 2 * (t.rows + (0 if gather else t.cols)) * 8 // 4 // t.threads
     with_warnings = subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-O3", "-x", "cu", "-", "-o", "/dev/null",
                                     "-diag-suppress", "177"], input=source, capture_output=True, text=True)
     assert with_warnings.returncode == 0 and "warning" not in with_warnings.stderr.lower()

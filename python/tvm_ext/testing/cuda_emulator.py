@@ -18,7 +18,8 @@ until every thread of the warpgroup has committed that group (the hardware's one
 is no barrier for anything else). B is read from shared memory then, so a kernel that overwrites
 the tile before waiting, reads its accumulators early, or never waits, gets wrong numbers or an
 error. Shared memory is one arena per block, so the descriptors' 14-bit shared addresses
-(`__cvta_generic_to_shared`) work.
+(`__cvta_generic_to_shared`) work; the dynamic `extern __shared__` array is as large as the
+launch says.
 
 What it does not model: warps, timing, memory coalescing, out-of-bounds global accesses (they are
 plain C++ accesses), and any CUDA feature beyond what TVM's fp32 kernels use.
@@ -102,6 +103,7 @@ static const size_t SHARED_BYTES = 228 * 1024;
 alignas(1024) static unsigned char smem[SHARED_BYTES];
 static size_t smem_top = 0;
 static std::vector<size_t> arena;  // offsets of this block's shared arrays, in declaration order
+static size_t dynamic_shared_bytes = 0;  // the launch's dynamic shared memory (`extern __shared__`)
 
 static void fiber_main() {
   body();
@@ -126,6 +128,13 @@ static T* shared(size_t count) {
     std::memset(smem + at, 0xFF, count * sizeof(T));  // NaN-filled
   }
   return reinterpret_cast<T*>(smem + arena[f.shared_index++]);
+}
+
+// The `extern __shared__` array: as many bytes as the launch gives (NaN-filled like the others).
+template <typename T>
+static T* dynamic_shared() {
+  if (!dynamic_shared_bytes) fail("the kernel uses dynamic shared memory and is launched with none");
+  return shared<T>(dynamic_shared_bytes / sizeof(T));
 }
 
 static void yield_to_scheduler() { swapcontext(&fibers[current].ctx, &scheduler); }
@@ -412,6 +421,7 @@ def have_compiler() -> bool:
 
 
 _SHARED = re.compile(r"__shared__\s+(?:alignas\(\d+\)\s+)?(\w+)\s+(\w+)\[(\d+)\];")
+_DYNAMIC_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?(\w+)\s+(\w+)\[\];")
 _MMA = re.compile(r'__asm__ __volatile__\(\s*"mma\.sync\.aligned\.([\w.]+)"\s*"[^"]*"\s*:(.*?)\);', re.S)
 _SUPPORTED_MMA = {"m16n8k8.row.col.f32.tf32.tf32.f32": "mma_m16n8<8, 1>",
                   "m16n8k16.row.col.f32.bf16.bf16.f32": "mma_m16n8<16, 2>"}
@@ -488,6 +498,7 @@ def _device_code(source: str) -> str:
     if start < 0:
         raise EmulationError("the source has no __global__ kernel")
     code = _SHARED.sub(r"\1* \2 = emu::shared<\1>(\3);", source[start:])
+    code = _DYNAMIC_SHARED.sub(r"\1* \2 = emu::dynamic_shared<\1>();", code)
     code = _helpers(source, start) + _MMA.sub(_emulate_mma, code)
     if "__asm__" in code or "asm volatile" in code:
         raise EmulationError("the kernel has inline PTX the emulator does not know")
@@ -515,8 +526,9 @@ def compile_kernel(source: str, kernel: str) -> ctypes.CDLL:
     args = ", ".join(f"({ty}*)args[{i}]" for i, (ty, _) in enumerate(params))
     text = (HEADER + _device_code(source) + f"""
 extern "C" int emu_launch(void** args, unsigned gx, unsigned gy, unsigned gz,
-                          unsigned bx, unsigned by, unsigned bz) {{
+                          unsigned bx, unsigned by, unsigned bz, size_t dynamic_shared_bytes) {{
   emu::body = [args]() {{ {kernel}({args}); }};
+  emu::dynamic_shared_bytes = dynamic_shared_bytes;
   return emu::run_grid({{gx, gy, gz}}, {{bx, by, bz}});
 }}
 extern "C" const char* emu_failure() {{ return emu::failure ? emu::failure : ""; }}
@@ -536,8 +548,9 @@ extern "C" const char* emu_failure() {{ return emu::failure ? emu::failure : "";
 
 
 def run_kernel(source: str, kernel: str, grid: tuple[int, int, int], block: tuple[int, int, int],
-               arrays: Mapping[str, np.ndarray]) -> None:
-    """Run `kernel` over `grid` x `block` on the CPU, on `arrays` named as its parameters.
+               arrays: Mapping[str, np.ndarray], shared_bytes: int = 0) -> None:
+    """Run `kernel` over `grid` x `block` on the CPU, on `arrays` named as its parameters, with
+    `shared_bytes` of dynamic shared memory (its `extern __shared__` array).
 
     A parameter `X_ptr` takes `arrays["X"]` (or `arrays["X_ptr"]`); arrays must be C-contiguous
     and of the parameter's element type. Outputs are written in place.
@@ -555,7 +568,7 @@ def run_kernel(source: str, kernel: str, grid: tuple[int, int, int], block: tupl
         pointers.append(arr.ctypes.data_as(ctypes.c_void_p))
     lib = compile_kernel(source, kernel)
     argv = (ctypes.c_void_p * max(1, len(pointers)))(*pointers)
-    status = lib.emu_launch(argv, *(ctypes.c_uint(v) for v in (*grid, *block)))
+    status = lib.emu_launch(argv, *(ctypes.c_uint(v) for v in (*grid, *block)), ctypes.c_size_t(shared_bytes))
     if status == 1:
         raise EmulationError(f"{kernel}: the threads of a block did not all reach the same __syncthreads()")
     if status:

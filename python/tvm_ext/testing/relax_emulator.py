@@ -23,6 +23,8 @@ from ..kernels.cuda.ptx import generate_source, kernel_names, kernel_params
 from .cuda_emulator import run_kernel
 
 _THREAD = re.compile(r'T\.thread_binding\((\d+), thread="(blockIdx|threadIdx)\.([xyz])"\)')
+# the dynamic shared-memory arena: `smem = T.alloc_buffer((16384,), scope="shared.dyn")`
+_DYNAMIC_SHARED = re.compile(r'T\.alloc_buffer\(\(([\d, ]+)\),(?: "(\w+)",)? scope="shared\.dyn"\)')
 # a flat view of a parameter, as TVMScript prints it: `Xf = x.view(800)` or a decl_buffer on x.data
 _ALIAS = re.compile(r"(\w+) = (?:(\w+)\.view\(|T\.decl_buffer\([^\n]*data=(\w+)\.data)")
 
@@ -48,6 +50,16 @@ def launch_shape(func: tvm.tirx.PrimFunc) -> tuple[tuple[int, int, int], tuple[i
     return tuple(dims["blockIdx"]), tuple(dims["threadIdx"])
 
 
+def dynamic_shared_bytes(func: tvm.tirx.PrimFunc) -> int:
+    """The dynamic shared memory a launch of `func` needs: the sum of its `shared.dyn` buffers,
+    which TVM merges into the kernel's one `extern __shared__` array."""
+    total = 0
+    for shape, dtype in _DYNAMIC_SHARED.findall(func.script()):
+        count = int(np.prod([int(d) for d in shape.replace(" ", "").strip(",").split(",")]))
+        total += count * tvm.DataType(dtype or "float32").bits // 8
+    return total
+
+
 class _EmulatedKernel:
     """One of our CUDA PrimFuncs as a destination-passing Python function (inputs..., output)."""
 
@@ -58,6 +70,7 @@ class _EmulatedKernel:
             raise ValueError(f"{name}: expected one CUDA kernel, found {sorted(set(kernels))}")
         self.kernel = kernels[0]
         self.grid, self.block = launch_shape(func)
+        self.shared_bytes = dynamic_shared_bytes(func)
         script = func.script()
         params = [p.name for p in func.params]
         aliases = {alias: params.index(view or decl) for alias, view, decl in _ALIAS.findall(script)
@@ -72,7 +85,7 @@ class _EmulatedKernel:
         out = arrays[-1]
         out[...] = np.nan  # what the kernel does not write shows
         named = {cuda_name: arrays[index] for cuda_name, index in self.order.items()}
-        run_kernel(self.source, self.kernel, self.grid, self.block, named)
+        run_kernel(self.source, self.kernel, self.grid, self.block, named, self.shared_bytes)
         tensors[-1].copyfrom(out)
 
 

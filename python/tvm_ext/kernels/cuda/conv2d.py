@@ -159,9 +159,9 @@ class BlockTile:
     def validate(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"BlockTile: engine {self.engine!r} is not one of {ENGINES}")
-        if self.shared_bytes() > STATIC_SHARED_LIMIT:
-            raise ValueError(f"BlockTile: {self.shared_bytes()} bytes of shared memory; a kernel declares at most "
-                             f"{STATIC_SHARED_LIMIT} statically")
+        if self.shared_bytes() > DYNAMIC_SHARED_LIMIT:
+            raise ValueError(f"BlockTile: {self.shared_bytes()} bytes of shared memory; a block has at most "
+                             f"{DYNAMIC_SHARED_LIMIT} (sm_90)")
         if self.wgmma is not None:  # (its accumulators, slabs x rows / 2 a thread, fit within the 48 KB)
             if (self.rows % 8 or not 8 <= self.rows <= 256 or self.cols % 64 or not self.slabs
                     or self.k_step != self.wgmma.k or self.vec != 4):
@@ -254,9 +254,15 @@ WGMMA_SHAPES = {
 ENGINES = ("ffma", *MMA_SHAPES, *WGMMA_SHAPES)
 MAX_ELEMENTS = 2**31 - 1  # the kernels index with int32
 STATIC_SHARED_LIMIT = 48 * 1024  # per block, without opting in to dynamic shared memory
+DYNAMIC_SHARED_LIMIT = 227 * 1024  # per block, opted in (sm_90; sm_80 has 163 KB)
 TILE_ROWS = (64, 96, 128, 32)  # candidate block heights in order of preference: maxDNN's, then taller
 # wgmma: the tallest first, as its N (each wgmma then reads more of B per A fragment loaded)
 WGMMA_TILE_ROWS = (128, 96, 64, 32)
+# wgmma: two m64 slabs of pixels per block. A 128 x 128 tile moves 16 MACs per byte it loads
+# (weights' tile and fragments), 128 x 64 10.7: the tensor cores' tf32 rate (1024 MACs a clock
+# per SM) outruns what L2 delivers to an SM at either, so the taller tile is the faster bet. Its
+# staged output (64 KB) is past the 48 KB a kernel declares statically: dynamic shared memory.
+WGMMA_TILE_COLS = 128
 
 
 def choose_tile(out_channels_per_group: int, engine: str = "ffma") -> BlockTile:
@@ -272,28 +278,31 @@ def choose_tile(out_channels_per_group: int, engine: str = "ffma") -> BlockTile:
 
     order = WGMMA_TILE_ROWS if engine in WGMMA_SHAPES else TILE_ROWS
     best = min(order, key=lambda rows: (waste(rows), order.index(rows)))
-    if engine in WGMMA_SHAPES:  # one warpgroup; two m64 slabs of pixels where the output tile fits 48 KB
-        return BlockTile(rows=best, cols=128 if best <= 64 else 64, engine=engine, k_step=WGMMA_SHAPES[engine].k,
+    if engine in WGMMA_SHAPES:  # one warpgroup, two m64 slabs of pixels: see WGMMA_TILE_COLS
+        return BlockTile(rows=best, cols=WGMMA_TILE_COLS, engine=engine, k_step=WGMMA_SHAPES[engine].k,
                          gather_fragments=True)
     mma = MMA_SHAPES.get(engine)
     return BlockTile(rows=best, engine=engine, k_step=8 if mma is None else mma.k)
 
 
-# Split-K: thread blocks that fill an H100/H200 (132 SMs, 6-8 of our 64-thread blocks each; a
-# grid of fewer leaves SMs idle or short of warps to hide latency), and the k steps a slice keeps
-# at least (its prologue, epilogue and partial-sum write stay small beside its loop).
-FILL_BLOCKS = 1024
+# Split-K: the threads that fill an H100/H200 (132 SMs; 1024 of our 64-thread blocks, 6-8 an SM;
+# a grid of fewer leaves SMs idle or short of warps to hide latency), and the k steps a slice
+# keeps at least (its prologue, epilogue and partial-sum write stay small beside its loop).
+FILL_THREADS = 1024 * 64
 MIN_SPLIT_STEPS = 16
 
 
 def choose_splits(plan: MaxDNNPlan) -> int:
     """How many slices split-K cuts the reduction of `plan` into: 1 where its grid has at least
-    half of :data:`FILL_BLOCKS`, else the fewest that reach it, each keeping
-    :data:`MIN_SPLIT_STEPS` k steps (ResNet-50's 7 x 7 layers at batch 32 have 200 blocks: its
-    3x3 runs 9 slices of a tap, its 1x1 from 2048 channels 8 slices of 256)."""
+    half of the blocks that make :data:`FILL_THREADS`, else the fewest that reach them, each
+    keeping :data:`MIN_SPLIT_STEPS` k steps (ResNet-50's 7 x 7 layers at batch 32 have 200
+    64-thread blocks: its 3x3 runs 9 slices of a tap, its 1x1 from 2048 channels 8 slices of 256).
+    Counting threads, not blocks: a wgmma block is a warpgroup of 128 with a tile 4 times as
+    large, and 2-4 of them fill an SM."""
     unit = plan.split_unit
     blocks = math.prod(dataclasses.replace(plan, splits=1).grid)
-    if unit is None or 2 * blocks >= FILL_BLOCKS:
+    fill = FILL_THREADS // plan.tile.threads
+    if unit is None or 2 * blocks >= fill:
         return 1
     best = 1
     for d in range(2, unit[1] + 1):
@@ -302,7 +311,7 @@ def choose_splits(plan: MaxDNNPlan) -> int:
         if plan.k_steps // d < MIN_SPLIT_STEPS:
             break
         best = d
-        if blocks * d >= FILL_BLOCKS:
+        if blocks * d >= fill:
             break
     return best
 
@@ -422,6 +431,25 @@ class MaxDNNPlan:
         through shared memory, which then holds only the weights' tile: a third less shared
         traffic per MAC); in CRS order the tile is staged in shared memory as for mma.sync."""
         return self.tile.gather_fragments and self.k_order == "rsc"
+
+    @property
+    def operand_tiles(self) -> dict[str, int]:
+        """The operand tiles in shared memory, floats per buffer (each is double-buffered): the
+        weights' "A" (wgmma: in the descriptor's layout, unpadded) and the im2col "B", their
+        rows padded by :attr:`BlockTile.pad`; no B where the fragments are gathered."""
+        t = self.tile
+        tiles = {"A": t.k_step * (t.rows + (0 if t.wgmma is not None else t.pad))}
+        if not self.gathers_fragments:
+            tiles["B"] = t.k_step * (t.cols + t.pad)
+        return tiles
+
+    @property
+    def dynamic_shared_bytes(self) -> int:
+        """The dynamic shared memory the kernel is launched with: 0 where its tiles fit the 48 KB
+        a kernel may declare statically; else the output tile's (the operand tiles stay static)."""
+        if self.tile.shared_bytes() <= STATIC_SHARED_LIMIT:
+            return 0
+        return 4 * self.tile.rows * self.tile.cols
 
     @property
     def vector_a(self) -> bool:
@@ -794,16 +822,30 @@ class _Generator:
 
     @property
     def staged_tiles(self) -> tuple[str, ...]:
-        """The operand tiles staged in shared memory as k_step rows (the weights' "A", the im2col
-        "B"): wgmma keeps its weights in the descriptor's layout instead, and with gathered
-        fragments has no im2col tile at all."""
-        if self.t.wgmma is None:
-            return ("A", "B")
-        return () if self.plan.gathers_fragments else ("B",)
+        """The operand tiles staged as k_step rows: all but wgmma's weights, which come already
+        in the descriptor's layout."""
+        return tuple(name for name in self.plan.operand_tiles if self.t.wgmma is None or name != "A")
 
     def shared_stride(self, name: str) -> int:
         """Floats per shared row of operand tile `name`, padding included."""
         return (self.t.rows if name == "A" else self.t.cols) + self.t.pad
+
+    def declare_shared(self) -> None:
+        """The operand tiles, double-buffered (:meth:`MaxDNNPlan.operand_tiles`), as `__shared__`
+        arrays, and the output tile: one too, or where the block needs more than a kernel may
+        declare statically, the launch's dynamic shared memory (:attr:`MaxDNNPlan.dynamic_shared_bytes`).
+        Separate allocations, not views into one arena: TVM's barrier planner tells buffers apart
+        by allocation, and would put a second barrier in every k step between the compute on
+        one buffer and the stores to the other."""
+        t, e = self.t, self.e
+        for buf in (0, 1):
+            for name, floats in self.plan.operand_tiles.items():
+                # flat: the descriptor's layout (WgmmaShape), or padded rows (see shared_at)
+                flat = name not in self.staged_tiles or t.pad
+                shape = f"({floats},)" if flat else f"({t.k_step}, {self.shared_stride(name)})"
+                e(f'{name}_sh{buf} = T.decl_buffer({shape}, "float32", scope="shared")')
+        scope = "shared.dyn" if self.plan.dynamic_shared_bytes else "shared"
+        e(f'O_sh = T.decl_buffer(({t.rows}, {t.cols}), "float32", scope="{scope}")')
 
     def sync(self) -> None:
         self.e('T.evaluate(T.tvm_storage_sync("shared"))')
@@ -1062,15 +1104,7 @@ class _Generator:
             e.depth += 1
             # Declared (allocated) here, under the thread loops: block allocations would be
             # hoisted out of the kernel, and a block here would hide `tid` from blockize.
-            for buf in (0, 1):
-                if t.wgmma is not None:  # the descriptor's layout (WgmmaShape)
-                    e(f'A_sh{buf} = T.decl_buffer(({t.rows * t.k_step},), "float32", scope="shared")')
-                for name in self.staged_tiles:
-                    shape = f"({t.k_step}, {self.shared_stride(name)})"
-                    if t.pad:  # flat: see shared_at
-                        shape = f"({t.k_step * self.shared_stride(name)},)"
-                    e(f'{name}_sh{buf} = T.decl_buffer({shape}, "float32", scope="shared")')
-            e(f'O_sh = T.decl_buffer(({t.rows}, {t.cols}), "float32", scope="shared")')
+            self.declare_shared()
             if t.wgmma is not None:
                 e(f'acc = T.decl_buffer(({t.slabs * t.rows // 2},), "float32", scope="local")')
                 e(f'af = T.decl_buffer(({t.slabs * 4},), "uint32", scope="local")')
@@ -1302,7 +1336,7 @@ def emulate(plan: MaxDNNPlan, arrays: dict[str, np.ndarray], source: str | None 
 
     source = source or cuda_source(plan)
     main = {FLAT_PARAMS[name]: arrays[name] for name in plan.shapes()}
-    run_kernel(source, KERNEL_NAME + "_kernel", plan.grid, (plan.tile.threads, 1, 1), main)
+    run_kernel(source, KERNEL_NAME + "_kernel", plan.grid, (plan.tile.threads, 1, 1), main, plan.dynamic_shared_bytes)
     if plan.splits > 1:
         reduce = {("output" if name == "y" else name): arrays[name] for name in plan.reduce_shapes()}
         run_kernel(source, KERNEL_NAME + REDUCE_SUFFIX + "_kernel", *reduce_launch(plan), reduce)
