@@ -100,13 +100,36 @@ def test_emulator_catches_broken_wgmma_kernels(wl):
     assert _broken(plan, _without_first_loop_barrier(source))
     # the descriptor's strides swapped: the tensor cores would read the weights' tile transposed
     encode = re.compile(r"(ptx_wgmma_encode_matrix_descriptor\([^;]*), 8, 16, 0\);")
-    assert len(encode.findall(source)) == 2
+    assert len(encode.findall(source)) == (1 if plan.wgmma_in_flight else 2)  # the ring: one, moved per slot
     assert _broken(plan, encode.sub(r"\1, 16, 8, 0);", source))
     # accumulators read (and buffers refilled) without waiting for the tensor cores
     wait = "tvm_builtin_ptx_wgmma_wait_group_wait_group_sync_aligned_0();"
     assert wait in source
     with pytest.raises(cuda_emulator.EmulationError, match="never waited"):
         _emulated(plan, source.replace(wait, ""))
+
+
+@needs_gxx
+def test_emulator_catches_wgmma_races_in_flight(monkeypatch):
+    """One group in flight across each barrier (gathered fragments): the ring's slot is refilled
+    only after every thread has waited for the group that read it. A store before the wait, a
+    ring of two (a slot refilled while the group before last may still read it) or a missing
+    barrier are races the emulator reports: the B tile changed between a wgmma's issue and its wait."""
+    plan = cc.MaxDNNPlan.make(_WL, cc.choose_tile(64, ENGINE))
+    assert plan.wgmma_in_flight and cc.WGMMA_RING == 3
+    source = cc.cuda_source(plan)
+    got, ref = _emulated(plan, source)
+    assert rel_err(got, ref) < 1e-5
+    race = "B tile changed between its issue and its wait"
+    wait = "tvm_builtin_ptx_wgmma_wait_group_wait_group_sync_aligned_1();"
+    assert source.count(wait) == plan.code_steps
+    with pytest.raises(cuda_emulator.EmulationError, match=race):
+        _emulated(plan, source.replace(wait, ""))
+    with pytest.raises(cuda_emulator.EmulationError, match=race):
+        _emulated(plan, _without_first_loop_barrier(source))
+    monkeypatch.setattr(cc, "WGMMA_RING", 2)
+    with pytest.raises(cuda_emulator.EmulationError, match=race):
+        _emulated(plan, cc.cuda_source(plan))
 
 
 def test_pack_wgmma_weight_is_the_descriptor_layout():
@@ -167,10 +190,10 @@ def test_dynamic_shared_memory():
              for rows in (32, 64, 70, 128)}
     assert sizes == {32: 0, 64: 0, 70: 4 * 96 * 128, 128: 4 * 128 * 128}  # static below 48 KB
     plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(128, ENGINE))
-    assert plan.operand_tiles == {"A": 128 * 8}  # gathered fragments: only the weights' tile, twice
+    assert plan.operand_tiles == {"A": 128 * 8}  # gathered fragments: only the weights' tile
     source = cc.cuda_source(plan, TARGET)
     assert len(re.findall(r"extern __shared__", source)) == 1
-    assert ptx.ptxas_resources(source, "sm_90a")["shared"] == 2 * 4 * 128 * 8
+    assert ptx.ptxas_resources(source, "sm_90a")["shared"] == cc.WGMMA_RING * 4 * 128 * 8  # the weights' ring
     with ptx.cuda_source_only():
         host = tvm.compile(cc.plan_module(plan), target=tvm_ext.resolve_target(TARGET)).mod.inspect_source("ll")
     assert f"store i64 {plan.dynamic_shared_bytes}," in host  # the launch's dynamic shared memory
@@ -208,8 +231,10 @@ def test_wgmma_machine_code(gather):
     source = cc.cuda_source(plan, TARGET)
     ops_count = ptx.ptx_instructions(ptx.compile_source(source, "sm_90a").decode())
     assert ops_count[t.wgmma.opcode(t.rows)] == t.slabs * plan.code_steps
-    for op in ("wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned", "wgmma.wait_group.sync.aligned"):
+    for op in ("wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned"):
         assert ops_count[op] == plan.code_steps
+    # a group a step (waited for a step later where they stay in flight, and once more at the end)
+    assert ops_count["wgmma.wait_group.sync.aligned"] == plan.code_steps + plan.wgmma_in_flight
     assert ops_count["ld.global.nc.v4.f32"] > 0 and ops_count["st.shared.v4.f32"] > 0
     # gathered fragments: 4 scalar loads a slab and step, and no shared loads at all
     assert (ops_count["ld.global.nc.u32"] > 0) == gather and (ops_count["ld.shared.u32"] == 0) == gather

@@ -82,7 +82,8 @@ def main(small: bool = False) -> None:
         wgmma = sum(v for op, v in wg_counts.items() if op.startswith("wgmma.mma_async"))
         print(f"   wgmma tile {wg_plan.tile.rows}x{wg_plan.tile.cols}: {wgmma} "
               f"{wg_plan.tile.wgmma.opcode(wg_plan.tile.rows)} ({wgmma // wg_plan.code_steps} per k step), "
-              f"each waited for after the next tile's shared stores")
+              + ("one group left in flight across each barrier" if wg_plan.wgmma_in_flight
+                 else "each waited for after the next tile's shared stores"))
     else:
         print("\n3. nvcc is not installed: no PTX to look at")
 

@@ -282,6 +282,7 @@ struct WgmmaOp {
   uint64_t desc;
   bool scale_d;
   int scale_a, scale_b;
+  uint64_t b_at_issue;  // the B tile's bits when issued (b_digest): it may not change until the wait
 };
 struct WgmmaGroup {
   std::vector<WgmmaOp> ops[128];  // by thread of the warpgroup
@@ -315,10 +316,26 @@ static bool wgmma_committed(size_t thread, long group) {
 
 static void wgmma_fence() {}
 
+// A digest of the bits of the B tile (n x 8) that descriptor `desc` addresses. The hardware's
+// tensor cores may read it at any time between the issue and the wait, so a tile that changes in
+// between (a store before every thread has waited, a missing barrier before the issue) is a race.
+static uint64_t b_digest(int n, uint64_t desc) {
+  uint32_t start = (uint32_t)(desc & 0x3FFF) << 4, lbo = (uint32_t)(desc >> 16 & 0x3FFF) << 4,
+           sbo = (uint32_t)(desc >> 32 & 0x3FFF) << 4;
+  uint64_t h = 1469598103934665603ull;
+  for (int col = 0; col < n; ++col)
+    for (int k = 0; k < 8; ++k) {
+      uint32_t at = start + (col / 8) * sbo + (col % 8) * 16 + (k / 4) * lbo + (k % 4) * 4, u = 0;
+      if (at + 4 <= smem_top) std::memcpy(&u, smem + at, 4);
+      h = (h ^ u) * 1099511628211ull;
+    }
+  return h;
+}
+
 static void wgmma_tf32(int n, float** d, unsigned a0, unsigned a1, unsigned a2, unsigned a3, uint64_t desc,
                        bool scale_d, int scale_a, int scale_b) {
   if (block_dim.x * block_dim.y * block_dim.z % 128) fail("wgmma in a block that is not whole warpgroups");
-  WgmmaOp op{n, {}, {a0, a1, a2, a3}, desc, scale_d, scale_a, scale_b};
+  WgmmaOp op{n, {}, {a0, a1, a2, a3}, desc, scale_d, scale_a, scale_b, b_digest(n, desc)};
   for (int i = 0; i < n / 2; ++i) op.d[i] = d[i];
   thread_wgmma[current].open.push_back(op);
 }
@@ -365,6 +382,9 @@ static void wgmma_wait(int pending) {
         if (group.ops[i][q].desc != op.desc || group.ops[i][q].n != op.n)
           fail("the threads of a warpgroup gave one wgmma different descriptors or shapes");
       if (op.desc >> 62) fail("the emulator reads only unswizzled wgmma descriptors");
+      if (op.b_at_issue != b_digest(op.n, op.desc))  // (each thread checks its own issue)
+        fail("a wgmma's shared B tile changed between its issue and its wait (a race: a missing "
+             "barrier, or a store before every thread has waited)");
       if (failure) return;
       uint32_t start = (uint32_t)(op.desc & 0x3FFF) << 4, lbo = (uint32_t)(op.desc >> 16 & 0x3FFF) << 4,
                sbo = (uint32_t)(op.desc >> 32 & 0x3FFF) << 4;

@@ -44,7 +44,11 @@ the block's rows, the weights' tile is read by the tensor cores from shared memo
 matrix descriptor (so the weights are packed per block and k step in that layout,
 :func:`pack_wgmma_weight`), and the A operand comes from registers, gathered by each thread
 straight from the input in RSC order (:attr:`MaxDNNPlan.gathers_fragments`). A step issues its
-wgmmas, stores the next step's tile while they run, then waits for them before the barrier.
+wgmmas and stores the next step's tile while they run; gathered, its group stays in flight
+across the barrier (:attr:`MaxDNNPlan.wgmma_in_flight`), else it is waited for before it.
+
+A tile past the 48 KB a kernel declares statically (wgmma's 128 x 128) stages its output in
+dynamic shared memory (:attr:`MaxDNNPlan.dynamic_shared_bytes`).
 """
 
 from __future__ import annotations
@@ -285,6 +289,9 @@ def choose_tile(out_channels_per_group: int, engine: str = "ffma") -> BlockTile:
     return BlockTile(rows=best, engine=engine, k_step=8 if mma is None else mma.k)
 
 
+# wgmma in flight (MaxDNNPlan.wgmma_in_flight): the weights' tiles in a ring of this many buffers
+WGMMA_RING = 3
+
 # Split-K: the threads that fill an H100/H200 (132 SMs; 1024 of our 64-thread blocks, 6-8 an SM;
 # a grid of fewer leaves SMs idle or short of warps to hide latency), and the k steps a slice
 # keeps at least (its prologue, epilogue and partial-sum write stay small beside its loop).
@@ -431,6 +438,15 @@ class MaxDNNPlan:
         through shared memory, which then holds only the weights' tile: a third less shared
         traffic per MAC); in CRS order the tile is staged in shared memory as for mma.sync."""
         return self.tile.gather_fragments and self.k_order == "rsc"
+
+    @property
+    def wgmma_in_flight(self) -> bool:
+        """wgmma with gathered fragments keeps one group in flight across each k step's barrier:
+        the weights' tiles in a ring of :data:`WGMMA_RING` shared buffers (a step fills the one
+        the group before last read, which every thread has waited for before the last barrier;
+        a ring of two would need a second barrier per step) and the fragments in two sets of
+        registers, by step parity. Elsewhere a step waits for its group before the barrier."""
+        return self.gathers_fragments
 
     @property
     def operand_tiles(self) -> dict[str, int]:
@@ -790,13 +806,18 @@ class _Generator:
         with e.block("else:"):
             e(f"{reg}[T.ramp({at}, 1, {vec})] = {_zero(vec)}")
 
-    def store_shared(self, buf: int) -> None:
+    def store_shared(self, buf: int, kt: str) -> None:
+        """The prefetched tiles of k step `kt` into shared buffer `buf` (the ring's slot of `kt`
+        where wgmma stays in flight)."""
         t, e = self.t, self.e
         if t.wgmma is not None:  # A: the packed chunk as it is, already in the descriptor's layout
-            for s, guarded in self.slots(t.rows * t.k_step // t.vec):
+            chunk = t.rows * t.k_step
+            tile, at = (("A_ring", f"({kt}) % {WGMMA_RING} * {chunk} + ") if self.plan.wgmma_in_flight
+                        else (f"A_sh{buf}", ""))
+            for s, guarded in self.slots(chunk // t.vec):
                 f = f"(tid + {s * t.threads})"
-                with self.only_if(f"{f} < {t.rows * t.k_step // t.vec}" if guarded else None):
-                    e(f"A_sh{buf}[T.ramp({f} * {t.vec}, 1, {t.vec})] = a_pre[T.ramp({s * t.vec}, 1, {t.vec})]")
+                with self.only_if(f"{f} < {chunk // t.vec}" if guarded else None):
+                    e(f"{tile}[T.ramp({at}{f} * {t.vec}, 1, {t.vec})] = a_pre[T.ramp({s * t.vec}, 1, {t.vec})]")
         for name in self.staged_tiles:
             extent, reg = (t.rows, "a_pre") if name == "A" else (t.cols, "b_pre")
             per_row = extent // t.vec
@@ -838,8 +859,12 @@ class _Generator:
         by allocation, and would put a second barrier in every k step between the compute on
         one buffer and the stores to the other."""
         t, e = self.t, self.e
+        if self.plan.wgmma_in_flight:
+            e(f'A_ring = T.decl_buffer(({WGMMA_RING * self.plan.operand_tiles["A"]},), "float32", scope="shared")')
         for buf in (0, 1):
             for name, floats in self.plan.operand_tiles.items():
+                if self.plan.wgmma_in_flight:
+                    continue
                 # flat: the descriptor's layout (WgmmaShape), or padded rows (see shared_at)
                 flat = name not in self.staged_tiles or t.pad
                 shape = f"({floats},)" if flat else f"({t.k_step}, {self.shared_stride(name)})"
@@ -919,25 +944,30 @@ class _Generator:
                   f'"fp32", af.data, mi * 4, bf.data, ni * 2, acc.data, (mi * {nt} + ni) * 4, False, '
                   'dtype="float32"))')
 
-    def compute_wgmma(self, buf: int) -> None:
-        """One k step on Hopper's tensor cores: per 64-column slab one asynchronous wgmma of the
-        whole warpgroup, N = the block's rows. Its A operand is the slab's data (the im2col tile),
-        from registers loaded in the layout of :class:`WgmmaShape`; its B operand the weights'
-        tile, which the tensor cores read from shared memory through the buffer's descriptor. The
-        caller waits for the group (:meth:`step`) before the buffer or the registers change."""
+    def compute_wgmma(self, buf: int, parity: int, kt: str) -> None:
+        """One k step (`kt`) on Hopper's tensor cores: per 64-column slab one asynchronous wgmma of
+        the whole warpgroup, N = the block's rows. Its A operand is the slab's data (the im2col
+        tile), from registers loaded in the layout of :class:`WgmmaShape` (the set of the step's
+        `parity` where groups stay in flight); its B operand the weights' tile, which the tensor
+        cores read from shared memory through a descriptor: of buffer `buf`, or of the ring's slot
+        of `kt`. The caller waits for the group (:meth:`step`) before the tile or registers change."""
         t, e, wg = self.t, self.e, self.t.wgmma
         half = wg.k // 2
+        base = parity * 4 * t.slabs if self.plan.wgmma_in_flight else 0
+        desc = f"desc[{buf}]"
+        if self.plan.wgmma_in_flight:  # the start address (16-byte units, the low bits) moved to the slot
+            desc = f"desc[0] + T.Cast('uint64', ({kt}) % {WGMMA_RING} * {t.rows * t.k_step * 4 // 16})"
         if not self.plan.gathers_fragments:  # (gathered ones were copied from af_pre: step)
             with e.block(f"for sl in T.unroll({t.slabs}):"):
                 with e.block("for j in T.unroll(4):"):  # A[16 warp + g + 8 (j % 2)][t + 4 (j // 2)]
                     at = self.shared_at("B", buf, f"tq + j // 2 * {half}", "sl * 64 + warp * 16 + gq + j % 2 * 8")
-                    e(f'af[sl * 4 + j] = T.reinterpret("uint32", {at})')
+                    e(f'af[{base} + sl * 4 + j] = T.reinterpret("uint32", {at})')
         e('T.ptx["wgmma.fence.sync.aligned"]()')
         per_slab = t.rows // 2
         for sl in range(t.slabs):
             d = ", ".join(f"acc[{sl * per_slab + i}]" for i in range(per_slab))
-            a = ", ".join(f"af[{sl * 4 + j}]" for j in range(4))
-            e(f'T.ptx["{wg.opcode(t.rows)}"]({d}, {a}, desc[{buf}], T.bool(True), 1, 1)')
+            a = ", ".join(f"af[{base + sl * 4 + j}]" for j in range(4))
+            e(f'T.ptx["{wg.opcode(t.rows)}"]({d}, {a}, {desc}, T.bool(True), 1, 1)')
         e('T.ptx["wgmma.commit_group.sync.aligned"]()')
 
     def stage_accumulators(self) -> None:
@@ -965,15 +995,19 @@ class _Generator:
              when: str | None = None) -> None:
         """One k step on buffer `buf`; with `prefetch`, the next step's loads overlap it (only
         where the condition `when` holds, if given; `at`: see :meth:`load_global`)."""
+        in_flight = self.plan.wgmma_in_flight
         if self.plan.gathers_fragments:  # this step's fragments, before the next step's loads land
             with self.e.block(f"for j in T.unroll({4 * self.t.slabs}):"):
-                self.e('af[j] = T.reinterpret("uint32", af_pre[j])')
+                self.e(f'af[{buf * 4 * self.t.slabs if in_flight else 0} + j] = T.reinterpret("uint32", af_pre[j])')
         if prefetch:
             with self.only_if(when):
                 self.load_global(f"({kt} + 1)", at)
         source = 1 - buf if self.fault == "wrong_buffer" else buf
         if self.t.wgmma is not None:
-            self.compute_wgmma(source)
+            # (wrong_buffer in the ring: the slot being filled, not the one filled last step)
+            self.compute_wgmma(source, buf, f"({kt} + 1)" if self.fault == "wrong_buffer" else kt)
+            if in_flight:  # the group before is done, in every thread by the barrier: its slot is free
+                self.e('T.ptx["wgmma.wait_group.sync.aligned"](1)')
         elif self.t.mma is not None:
             self.compute_mma(source)
         else:
@@ -981,9 +1015,9 @@ class _Generator:
             self.updates.append(f"update{len(self.updates)}")
         if prefetch and self.fault != "no_store":
             with self.only_if(when):
-                self.store_shared(1 - buf)
-        if self.t.wgmma is not None:  # the tensor cores worked through the store; the buffer and
-            self.e('T.ptx["wgmma.wait_group.sync.aligned"](0)')  # registers are free after this
+                self.store_shared(1 - buf, f"({kt} + 1)")
+        if self.t.wgmma is not None and not in_flight:  # the tensor cores worked through the store;
+            self.e('T.ptx["wgmma.wait_group.sync.aligned"](0)')  # the buffer and registers are free now
         self.sync()
 
     def only_if(self, condition: str | None):
@@ -1039,6 +1073,9 @@ class _Generator:
         split = self.plan.splits > 1
         if split:
             ep = Epilogue()
+        if self.plan.wgmma_in_flight:  # the last step's group, in every thread before the output
+            e('T.ptx["wgmma.wait_group.sync.aligned"](0)')  # tile (TVM may lay it over the ring)
+            self.sync()
         self.stage_accumulators()
         e('T.evaluate(T.tvm_storage_sync("shared"))')
         per_row = t.cols // t.vec
@@ -1107,7 +1144,8 @@ class _Generator:
             self.declare_shared()
             if t.wgmma is not None:
                 e(f'acc = T.decl_buffer(({t.slabs * t.rows // 2},), "float32", scope="local")')
-                e(f'af = T.decl_buffer(({t.slabs * 4},), "uint32", scope="local")')
+                sets = 2 if plan.wgmma_in_flight else 1  # by step parity
+                e(f'af = T.decl_buffer(({sets * t.slabs * 4},), "uint32", scope="local")')
                 e('desc = T.decl_buffer((2,), "uint64", scope="local")')
                 if plan.gathers_fragments:  # the next step's fragments, in flight during this one's wgmma
                     e(f'af_pre = T.decl_buffer(({t.slabs * 4},), "float32", scope="local")')
@@ -1139,9 +1177,10 @@ class _Generator:
                 with e.block(f"for i in T.serial({accumulators}):"):
                     e("acc[i] = T.float32(0)")
                 if t.wgmma is not None:  # LBO and SBO in 16-byte units, no swizzle
-                    for buf in (0, 1):
+                    tiles = ["A_ring"] if plan.wgmma_in_flight else ["A_sh0", "A_sh1"]  # ring: moved per slot
+                    for buf, tile in enumerate(tiles):
                         e(f"T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[{buf}]), "
-                          f"T.address_of(A_sh{buf}[0]), {t.wgmma.lbo // 16}, {t.wgmma.sbo // 16}, 0)")
+                          f"T.address_of({tile}[0]), {t.wgmma.lbo // 16}, {t.wgmma.sbo // 16}, 0)")
             else:
                 e(f"ty: T.let = tid // {t.threads_n}")
                 e(f"tx: T.let = tid % {t.threads_n}")
@@ -1153,7 +1192,7 @@ class _Generator:
                 self.load_global(f"{first} * {plan.steps_per_tap}", (first, "0"), first=True)
             else:
                 self.load_global(first, first=True)
-            self.store_shared(0)
+            self.store_shared(0, f"{first} * {plan.steps_per_tap}" if plan.tap_loop else first)
             self.sync()
             self.k_loop()
             self.write_output()
