@@ -166,6 +166,9 @@ def test_wgmma_tile_validation_and_choice():
         cc.BlockTile(rows=64, cols=96, engine=ENGINE).validate()
     with pytest.raises(ValueError, match="shared memory; a block has at most"):
         cc.BlockTile(rows=256, cols=256, engine=ENGINE).validate()
+    cc.BlockTile(rows=256, cols=64, engine=ENGINE).validate()  # N = 256: 128 accumulators a thread
+    with pytest.raises(ValueError, match="more than 128 accumulators"):
+        cc.BlockTile(rows=256, cols=128, engine=ENGINE).validate()
 
 
 def test_wgmma_split_k_counts_threads():

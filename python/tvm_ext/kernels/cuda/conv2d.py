@@ -166,11 +166,14 @@ class BlockTile:
         if self.shared_bytes() > DYNAMIC_SHARED_LIMIT:
             raise ValueError(f"BlockTile: {self.shared_bytes()} bytes of shared memory; a block has at most "
                              f"{DYNAMIC_SHARED_LIMIT} (sm_90)")
-        if self.wgmma is not None:  # (its accumulators, slabs x rows / 2 a thread, fit within the 48 KB)
+        if self.wgmma is not None:
             if (self.rows % 8 or not 8 <= self.rows <= 256 or self.cols % 64 or not self.slabs
                     or self.k_step != self.wgmma.k or self.vec != 4):
                 raise ValueError(f"BlockTile: the {self.engine} tile needs rows a multiple of 8 up to 256 (the "
                                  f"wgmma's N), cols a multiple of 64 (its M) and k_step {self.wgmma.k}, got {self}")
+            if self.slabs * self.rows // 2 > 128:
+                raise ValueError(f"BlockTile: a {self.rows}x{self.cols} wgmma tile needs more than 128 "
+                                 "accumulators per thread")
             return
         if self.gather_fragments:
             raise ValueError("BlockTile: gather_fragments is a wgmma option")
@@ -859,16 +862,15 @@ class _Generator:
         by allocation, and would put a second barrier in every k step between the compute on
         one buffer and the stores to the other."""
         t, e = self.t, self.e
-        if self.plan.wgmma_in_flight:
+        if self.plan.wgmma_in_flight:  # (only the weights' tile: the fragments are gathered)
             e(f'A_ring = T.decl_buffer(({WGMMA_RING * self.plan.operand_tiles["A"]},), "float32", scope="shared")')
-        for buf in (0, 1):
-            for name, floats in self.plan.operand_tiles.items():
-                if self.plan.wgmma_in_flight:
-                    continue
-                # flat: the descriptor's layout (WgmmaShape), or padded rows (see shared_at)
-                flat = name not in self.staged_tiles or t.pad
-                shape = f"({floats},)" if flat else f"({t.k_step}, {self.shared_stride(name)})"
-                e(f'{name}_sh{buf} = T.decl_buffer({shape}, "float32", scope="shared")')
+        else:
+            for buf in (0, 1):
+                for name, floats in self.plan.operand_tiles.items():
+                    # flat: the descriptor's layout (WgmmaShape), or padded rows (see shared_at)
+                    flat = name not in self.staged_tiles or t.pad
+                    shape = f"({floats},)" if flat else f"({t.k_step}, {self.shared_stride(name)})"
+                    e(f'{name}_sh{buf} = T.decl_buffer({shape}, "float32", scope="shared")')
         scope = "shared.dyn" if self.plan.dynamic_shared_bytes else "shared"
         e(f'O_sh = T.decl_buffer(({t.rows}, {t.cols}), "float32", scope="{scope}")')
 
@@ -1146,7 +1148,7 @@ class _Generator:
                 e(f'acc = T.decl_buffer(({t.slabs * t.rows // 2},), "float32", scope="local")')
                 sets = 2 if plan.wgmma_in_flight else 1  # by step parity
                 e(f'af = T.decl_buffer(({sets * t.slabs * 4},), "uint32", scope="local")')
-                e('desc = T.decl_buffer((2,), "uint64", scope="local")')
+                e(f'desc = T.decl_buffer(({1 if plan.wgmma_in_flight else 2},), "uint64", scope="local")')
                 if plan.gathers_fragments:  # the next step's fragments, in flight during this one's wgmma
                     e(f'af_pre = T.decl_buffer(({t.slabs * 4},), "float32", scope="local")')
             elif t.mma is not None:
