@@ -111,13 +111,17 @@ def test_emulator_catches_broken_wgmma_kernels(wl):
 
 @needs_gxx
 def test_emulator_catches_wgmma_races_in_flight(monkeypatch):
-    """One group in flight across each barrier (gathered fragments): the ring's slot is refilled
-    only after every thread has waited for the group that read it. A store before the wait, a
-    ring of two (a slot refilled while the group before last may still read it) or a missing
-    barrier are races the emulator reports: the B tile changed between a wgmma's issue and its wait."""
+    """One group in flight across each barrier (gathered fragments, the weights loaded two steps
+    ahead): the ring's slot is refilled only after every thread has waited for the group that
+    read it. A store before the wait, a ring of two (a slot refilled while the group before last
+    may still read it) or a missing barrier are races the emulator reports: the B tile changed
+    between a wgmma's issue and its wait."""
     plan = cc.MaxDNNPlan.make(_WL, cc.choose_tile(64, ENGINE))
     assert plan.wgmma_in_flight and cc.WGMMA_RING == 3
     source = cc.cuda_source(plan)
+    # by step parity: the fragments' two register sets, and the weights' (loaded two steps ahead)
+    per_set = 64 * 8 // 128
+    assert f"uint af_ptr[{2 * 4 * plan.tile.slabs}];" in source and f"float a_pre_ptr[{2 * per_set}];" in source
     got, ref = _emulated(plan, source)
     assert rel_err(got, ref) < 1e-5
     race = "B tile changed between its issue and its wait"

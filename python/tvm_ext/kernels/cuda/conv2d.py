@@ -448,7 +448,9 @@ class MaxDNNPlan:
         the weights' tiles in a ring of :data:`WGMMA_RING` shared buffers (a step fills the one
         the group before last read, which every thread has waited for before the last barrier;
         a ring of two would need a second barrier per step) and the fragments in two sets of
-        registers, by step parity. Elsewhere a step waits for its group before the barrier."""
+        registers, by step parity. The weights are loaded two steps ahead, into two more sets:
+        the store at the end of a step then does not wait for loads issued at its start.
+        Elsewhere a step waits for its group before the barrier."""
         return self.gathers_fragments
 
     @property
@@ -735,7 +737,9 @@ class _Generator:
         t, wl, e = self.t, self.wl, self.e
         z = f"_{self.load_sites}"  # TVMScript lets are scoped to the function: one name per site
         self.load_sites += 1
-        if t.wgmma is not None:
+        if self.plan.wgmma_in_flight:  # (loaded two steps ahead: step)
+            pass
+        elif t.wgmma is not None:
             self.load_packed_weights(kt)
         else:
             self.load_weight_rows(kt, z)
@@ -787,16 +791,18 @@ class _Generator:
                     self.guarded_load("a_pre", s * t.vec + lane, f"{live} and ao{s}{z} + {lane} < {M}", "Wf",
                                       f"{base} + {lane}", 1)
 
-    def load_packed_weights(self, kt: str) -> None:
+    def load_packed_weights(self, kt: str, regs: int = 0) -> None:
         """wgmma: k step `kt`'s chunk of the packed weights (:func:`pack_wgmma_weight`), contiguous
-        and zero-padded: float4 loads with no guards."""
+        and zero-padded: float4 loads with no guards, into register set `regs` (two where the
+        weights are loaded two steps ahead, :attr:`MaxDNNPlan.wgmma_in_flight`)."""
         t, e = self.t, self.e
         chunk = t.rows * t.k_step
+        base = regs * len(self.slots(chunk // t.vec)) * t.vec
         for s, guarded in self.slots(chunk // t.vec):
             f = f"(tid + {s * t.threads})"
             addr = f"((g * {self.plan.grid[1]} + by) * {self.plan.k_steps} + {kt}) * {chunk} + {f} * {t.vec}"
             with self.only_if(f"{f} < {chunk // t.vec}" if guarded else None):
-                e(f"a_pre[T.ramp({s * t.vec}, 1, {t.vec})] = Wf[T.ramp({addr}, 1, {t.vec})]")
+                e(f"a_pre[T.ramp({base + s * t.vec}, 1, {t.vec})] = Wf[T.ramp({addr}, 1, {t.vec})]")
 
     def guarded_load(self, reg: str, at: int, live: str, src: str, addr: str, vec: int) -> None:
         """reg[at : at + vec] = src[addr : addr + vec] where `live`, else zeros (a border, a tail)."""
@@ -817,10 +823,11 @@ class _Generator:
             chunk = t.rows * t.k_step
             tile, at = (("A_ring", f"({kt}) % {WGMMA_RING} * {chunk} + ") if self.plan.wgmma_in_flight
                         else (f"A_sh{buf}", ""))
+            regs = buf * len(self.slots(chunk // t.vec)) * t.vec if self.plan.wgmma_in_flight else 0
             for s, guarded in self.slots(chunk // t.vec):
                 f = f"(tid + {s * t.threads})"
                 with self.only_if(f"{f} < {chunk // t.vec}" if guarded else None):
-                    e(f"{tile}[T.ramp({at}{f} * {t.vec}, 1, {t.vec})] = a_pre[T.ramp({s * t.vec}, 1, {t.vec})]")
+                    e(f"{tile}[T.ramp({at}{f} * {t.vec}, 1, {t.vec})] = a_pre[T.ramp({regs + s * t.vec}, 1, {t.vec})]")
         for name in self.staged_tiles:
             extent, reg = (t.rows, "a_pre") if name == "A" else (t.cols, "b_pre")
             per_row = extent // t.vec
@@ -1004,6 +1011,9 @@ class _Generator:
         if prefetch:
             with self.only_if(when):
                 self.load_global(f"({kt} + 1)", at)
+            if in_flight:  # step k + 2's weights into this step's register set (k's were stored last step)
+                with self.only_if(f"{kt} + 2 < {self.slice_end()}"):
+                    self.load_packed_weights(f"({kt} + 2)", buf)
         source = 1 - buf if self.fault == "wrong_buffer" else buf
         if self.t.wgmma is not None:
             # (wrong_buffer in the ring: the slot being filled, not the one filled last step)
@@ -1056,6 +1066,13 @@ class _Generator:
             self.step(f"{first} + {2 * pairs + 1}", 1, False)
         else:
             self.step(f"{first} + {2 * pairs}", 0, False)
+
+    def slice_end(self) -> str:
+        """The k step after this block's share of the reduction (see :meth:`first_step`)."""
+        plan = self.plan
+        if plan.tap_loop:
+            return f"({self.first_step()} + {self.wl.KH * self.wl.KW // plan.splits}) * {plan.steps_per_tap}"
+        return f"{self.first_step()} + {plan.k_steps // plan.splits}"
 
     def first_step(self) -> str:
         """Where this block's share of the reduction starts: its slice's first tap (with
@@ -1165,7 +1182,8 @@ class _Generator:
                 e(f'acc = T.decl_buffer(({tt.rows}, {tt.cols}), "float32", scope="local")')
             na = len(self.slots(t.k_step * t.rows // t.vec))
             nb = len(self.slots(t.k_step * t.cols // t.vec))
-            e(f'a_pre = T.decl_buffer(({na * t.vec},), "float32", scope="local")')
+            sets = 2 if plan.wgmma_in_flight else 1  # the weights two steps ahead: by step parity
+            e(f'a_pre = T.decl_buffer(({sets * na * t.vec},), "float32", scope="local")')
             if not plan.gathers_fragments:
                 e(f'b_pre = T.decl_buffer(({nb * t.vec},), "float32", scope="local")')
             if plan.splits > 1:  # blockIdx.z: the group and the slice of the reduction
@@ -1190,11 +1208,17 @@ class _Generator:
                     e("acc[i, j] = T.float32(0)")
             self.b_columns()
             first = self.first_step()
+            first_kt = f"{first} * {plan.steps_per_tap}" if plan.tap_loop else first
+            if plan.wgmma_in_flight:  # the weights of the first step, and of the next into set 1
+                self.load_packed_weights(first_kt, 0)
             if plan.tap_loop:
-                self.load_global(f"{first} * {plan.steps_per_tap}", (first, "0"), first=True)
+                self.load_global(first_kt, (first, "0"), first=True)
             else:
                 self.load_global(first, first=True)
-            self.store_shared(0, f"{first} * {plan.steps_per_tap}" if plan.tap_loop else first)
+            self.store_shared(0, first_kt)
+            if plan.wgmma_in_flight:
+                with self.only_if(f"{first_kt} + 1 < {self.slice_end()}"):
+                    self.load_packed_weights(f"({first_kt} + 1)", 1)
             self.sync()
             self.k_loop()
             self.write_output()
