@@ -73,8 +73,10 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
                         continue
                     plan = cw.WinogradPlan.make(wl, int(warp_rows or cw.TILE))  # "winograd:2": F(2x2)
                     source = cw.cuda_source(plan, target)
-                elif warp_rows in ("shared", "static"):  # wgmma: A fragments from a shared tile, not
-                    tile = cc.choose_tile(wl.K // wl.groups, engine)  # gathered; or 0.5.7's tiles, in 48 KB
+                elif warp_rows in ("shared", "static"):
+                    # wgmma with its A fragments from a shared tile, not gathered; or with 0.5.7's
+                    # tiles, which fit 48 KB of static shared memory (128 x 64, not 128 x 128)
+                    tile = cc.choose_tile(wl.K // wl.groups, engine)
                     tile = (dataclasses.replace(tile, gather_fragments=False) if warp_rows == "shared"
                             else dataclasses.replace(tile, cols=64 if tile.rows > 64 else 128))
                     plan = cc.MaxDNNPlan.make(wl, tile).with_chosen_splits()

@@ -17,12 +17,15 @@ carried out, for each thread, at the `wgmma.wait_group` that retires its group, 
 until every thread of the warpgroup has committed that group (the hardware's one guarantee: it
 is no barrier for anything else). B is read from shared memory then, so a kernel that overwrites
 the tile before waiting, reads its accumulators early, or never waits, gets wrong numbers or an
-error. Shared memory is one arena per block, so the descriptors' 14-bit shared addresses
-(`__cvta_generic_to_shared`) work; the dynamic `extern __shared__` array is as large as the
-launch says.
+error; the tensor cores may read B at any time in between, so a B tile that changed between a
+wgmma's issue and its wait (a digest taken at each) is reported as a race. Shared memory is
+one arena per block, so the descriptors' 14-bit shared addresses (`__cvta_generic_to_shared`)
+work; the dynamic `extern __shared__` array is as large as the launch says.
 
 What it does not model: warps, timing, memory coalescing, out-of-bounds global accesses (they are
-plain C++ accesses), and any CUDA feature beyond what TVM's fp32 kernels use.
+plain C++ accesses), a wgmma's A registers rewritten before its wait (they are taken at the issue;
+ptxas serializes such a wgmma, with a warning, which the tests check for), and any CUDA feature
+beyond what TVM's fp32 kernels use.
 """
 
 from __future__ import annotations
@@ -316,16 +319,22 @@ static bool wgmma_committed(size_t thread, long group) {
 
 static void wgmma_fence() {}
 
+// The shared-memory byte address of B[col][k] through descriptor `desc` (start, LBO and SBO in
+// 16-byte units, K-major, no swizzle).
+static uint32_t b_address(uint64_t desc, int col, int k) {
+  uint32_t start = (uint32_t)(desc & 0x3FFF) << 4, lbo = (uint32_t)(desc >> 16 & 0x3FFF) << 4,
+           sbo = (uint32_t)(desc >> 32 & 0x3FFF) << 4;
+  return start + (col / 8) * sbo + (col % 8) * 16 + (k / 4) * lbo + (k % 4) * 4;
+}
+
 // A digest of the bits of the B tile (n x 8) that descriptor `desc` addresses. The hardware's
 // tensor cores may read it at any time between the issue and the wait, so a tile that changes in
 // between (a store before every thread has waited, a missing barrier before the issue) is a race.
 static uint64_t b_digest(int n, uint64_t desc) {
-  uint32_t start = (uint32_t)(desc & 0x3FFF) << 4, lbo = (uint32_t)(desc >> 16 & 0x3FFF) << 4,
-           sbo = (uint32_t)(desc >> 32 & 0x3FFF) << 4;
   uint64_t h = 1469598103934665603ull;
   for (int col = 0; col < n; ++col)
     for (int k = 0; k < 8; ++k) {
-      uint32_t at = start + (col / 8) * sbo + (col % 8) * 16 + (k / 4) * lbo + (k % 4) * 4, u = 0;
+      uint32_t at = b_address(desc, col, k), u = 0;
       if (at + 4 <= smem_top) std::memcpy(&u, smem + at, 4);
       h = (h ^ u) * 1099511628211ull;
     }
@@ -386,13 +395,11 @@ static void wgmma_wait(int pending) {
         fail("a wgmma's shared B tile changed between its issue and its wait (a race: a missing "
              "barrier, or a store before every thread has waited)");
       if (failure) return;
-      uint32_t start = (uint32_t)(op.desc & 0x3FFF) << 4, lbo = (uint32_t)(op.desc >> 16 & 0x3FFF) << 4,
-               sbo = (uint32_t)(op.desc >> 32 & 0x3FFF) << 4;
       auto A = [&](int row, int k) {
         return operand(group.ops[(row / 16) * 32 + (row % 8) * 4 + k % 4][q].a[(row % 16 >= 8) + 2 * (k >= 4)], 1, 0);
       };
       auto B = [&](int col, int k) {
-        return shared_tf32(start + (col / 8) * sbo + (col % 8) * 16 + (k / 4) * lbo + (k % 4) * 4);
+        return shared_tf32(b_address(op.desc, col, k));
       };
       for (int r = 0; r < op.n / 2; ++r) {
         int row = 16 * w + g + 8 * (r / 2 % 2), col = 8 * (r / 4) + 2 * t + r % 2;
