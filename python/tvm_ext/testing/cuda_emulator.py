@@ -563,14 +563,17 @@ extern "C" const char* emu_failure() {{ return emu::failure ? emu::failure : "";
     digest = hashlib.sha256(text.encode()).hexdigest()[:20]
     lib = os.path.join(_cache_dir(), f"{kernel}_{digest}.so")
     if not os.path.exists(lib):
-        src = lib[:-3] + ".cc"
+        # files of this process, renamed into place: pytest-xdist's workers may build the same
+        # kernel at once, and a file replaced while another process writes it would be truncated
+        src, tmp = f"{lib[:-3]}.{os.getpid()}.cc", f"{lib}.{os.getpid()}.tmp"
         with open(src, "w") as f:
             f.write(text)
-        cmd = ["g++", "-std=c++17", "-O1", "-w", "-shared", "-fPIC", src, "-o", lib + ".tmp"]
+        cmd = ["g++", "-std=c++17", "-O1", "-w", "-shared", "-fPIC", src, "-o", tmp]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode:
             raise EmulationError(f"g++ failed on {kernel}:\n{result.stderr[-4000:]}")
-        os.replace(lib + ".tmp", lib)
+        os.replace(src, lib[:-3] + ".cc")  # kept beside the library, to read
+        os.replace(tmp, lib)
     return ctypes.CDLL(lib)
 
 
