@@ -737,12 +737,10 @@ class _Generator:
         t, wl, e = self.t, self.wl, self.e
         z = f"_{self.load_sites}"  # TVMScript lets are scoped to the function: one name per site
         self.load_sites += 1
-        if self.plan.wgmma_in_flight:  # (loaded two steps ahead: step)
-            pass
-        elif t.wgmma is not None:
-            self.load_packed_weights(kt)
-        else:
+        if t.wgmma is None:
             self.load_weight_rows(kt, z)
+        elif not self.plan.wgmma_in_flight:  # (in flight, they are loaded two steps ahead: step)
+            self.load_packed_weights(kt)
         if self.plan.k_order == "rsc":
             load = self.load_fragments if self.plan.gathers_fragments else self.load_b_rsc
             if at is None:
@@ -791,13 +789,25 @@ class _Generator:
                     self.guarded_load("a_pre", s * t.vec + lane, f"{live} and ao{s}{z} + {lane} < {M}", "Wf",
                                       f"{base} + {lane}", 1)
 
+    @property
+    def weight_regs(self) -> int:
+        """Floats of one set of the weights' prefetch registers (`a_pre`): the thread's float4
+        slots of a k step's rows x k_step tile."""
+        t = self.t
+        return len(self.slots(t.k_step * t.rows // t.vec)) * t.vec
+
+    def fragment_base(self, parity: int) -> int:
+        """Where the fragment registers (`af`) of a step of `parity` start: two sets where wgmma
+        groups stay in flight (:attr:`MaxDNNPlan.wgmma_in_flight`), else one."""
+        return parity * 4 * self.t.slabs if self.plan.wgmma_in_flight else 0
+
     def load_packed_weights(self, kt: str, regs: int = 0) -> None:
         """wgmma: k step `kt`'s chunk of the packed weights (:func:`pack_wgmma_weight`), contiguous
         and zero-padded: float4 loads with no guards, into register set `regs` (two where the
         weights are loaded two steps ahead, :attr:`MaxDNNPlan.wgmma_in_flight`)."""
         t, e = self.t, self.e
         chunk = t.rows * t.k_step
-        base = regs * len(self.slots(chunk // t.vec)) * t.vec
+        base = regs * self.weight_regs
         for s, guarded in self.slots(chunk // t.vec):
             f = f"(tid + {s * t.threads})"
             addr = f"((g * {self.plan.grid[1]} + by) * {self.plan.k_steps} + {kt}) * {chunk} + {f} * {t.vec}"
@@ -821,9 +831,9 @@ class _Generator:
         t, e = self.t, self.e
         if t.wgmma is not None:  # A: the packed chunk as it is, already in the descriptor's layout
             chunk = t.rows * t.k_step
-            tile, at = (("A_ring", f"({kt}) % {WGMMA_RING} * {chunk} + ") if self.plan.wgmma_in_flight
+            tile, at = (("A_ring", f"{self.ring_slot(kt)} * {chunk} + ") if self.plan.wgmma_in_flight
                         else (f"A_sh{buf}", ""))
-            regs = buf * len(self.slots(chunk // t.vec)) * t.vec if self.plan.wgmma_in_flight else 0
+            regs = buf * self.weight_regs if self.plan.wgmma_in_flight else 0
             for s, guarded in self.slots(chunk // t.vec):
                 f = f"(tid + {s * t.threads})"
                 with self.only_if(f"{f} < {chunk // t.vec}" if guarded else None):
@@ -962,10 +972,10 @@ class _Generator:
         of `kt`. The caller waits for the group (:meth:`step`) before the tile or registers change."""
         t, e, wg = self.t, self.e, self.t.wgmma
         half = wg.k // 2
-        base = parity * 4 * t.slabs if self.plan.wgmma_in_flight else 0
+        base = self.fragment_base(parity)
         desc = f"desc[{buf}]"
         if self.plan.wgmma_in_flight:  # the start address (16-byte units, the low bits) moved to the slot
-            desc = f"desc[0] + T.Cast('uint64', ({kt}) % {WGMMA_RING} * {t.rows * t.k_step * 4 // 16})"
+            desc = f"desc[0] + T.Cast('uint64', {self.ring_slot(kt)} * {t.rows * t.k_step * 4 // 16})"
         if not self.plan.gathers_fragments:  # (gathered ones were copied from af_pre: step)
             with e.block(f"for sl in T.unroll({t.slabs}):"):
                 with e.block("for j in T.unroll(4):"):  # A[16 warp + g + 8 (j % 2)][t + 4 (j // 2)]
@@ -1007,7 +1017,7 @@ class _Generator:
         in_flight = self.plan.wgmma_in_flight
         if self.plan.gathers_fragments:  # this step's fragments, before the next step's loads land
             with self.e.block(f"for j in T.unroll({4 * self.t.slabs}):"):
-                self.e(f'af[{buf * 4 * self.t.slabs if in_flight else 0} + j] = T.reinterpret("uint32", af_pre[j])')
+                self.e(f'af[{self.fragment_base(buf)} + j] = T.reinterpret("uint32", af_pre[j])')
         if prefetch:
             with self.only_if(when):
                 self.load_global(f"({kt} + 1)", at)
@@ -1066,6 +1076,11 @@ class _Generator:
             self.step(f"{first} + {2 * pairs + 1}", 1, False)
         else:
             self.step(f"{first} + {2 * pairs}", 0, False)
+
+    @staticmethod
+    def ring_slot(kt: str) -> str:
+        """The slot of the weights' ring that k step `kt` uses (:data:`WGMMA_RING`)."""
+        return f"({kt}) % {WGMMA_RING}"
 
     def slice_end(self) -> str:
         """The k step after this block's share of the reduction (see :meth:`first_step`)."""
@@ -1180,10 +1195,9 @@ class _Generator:
                     e(f'b_val = T.decl_buffer(({2 * t.mma.per_reg * nt},), "float32", scope="local")')
             else:
                 e(f'acc = T.decl_buffer(({tt.rows}, {tt.cols}), "float32", scope="local")')
-            na = len(self.slots(t.k_step * t.rows // t.vec))
             nb = len(self.slots(t.k_step * t.cols // t.vec))
             sets = 2 if plan.wgmma_in_flight else 1  # the weights two steps ahead: by step parity
-            e(f'a_pre = T.decl_buffer(({sets * na * t.vec},), "float32", scope="local")')
+            e(f'a_pre = T.decl_buffer(({sets * self.weight_regs},), "float32", scope="local")')
             if not plan.gathers_fragments:
                 e(f'b_pre = T.decl_buffer(({nb * t.vec},), "float32", scope="local")')
             if plan.splits > 1:  # blockIdx.z: the group and the slice of the reduction
