@@ -73,7 +73,8 @@ def conv2d_decision(wl: _conv.Conv2dWorkload, engine: str = "ffma", winograd: bo
                 f"{gemm.tile.cols} ffma tile, grid {gemm.grid}, between an input and an output transform "
                 f"(estimated {direct_ms / winograd_ms:.1f}x faster than direct)"), fast
     try:
-        plan = _maxdnn.MaxDNNPlan.make(wl, _maxdnn.choose_tile(wl.K // wl.groups, engine))
+        plan = _maxdnn.MaxDNNPlan.make(
+            wl, _maxdnn.choose_tile(wl.K // wl.groups, engine, columns=wl.N * wl.OH * wl.OW))
     except ValueError as err:  # a tensor too large for the kernel's indices
         return None, f"{err}: stock TVM", None
     reason = f"{plan.tile.rows}x{plan.tile.cols} {engine} tile, grid {plan.grid}"

@@ -1,4 +1,4 @@
-"""maxDNN-style direct convolution for CUDA: implicit GEMM, 64x64 block tile, 8x8 per thread.
+"""maxDNN-style direct convolution for CUDA: implicit GEMM, 64x64 block tile, 8x8 per thread (or larger).
 
 The convolution is the GEMM  Y[o, col] = sum_k Wt[k, o] * im2col(X)[k, col]  with o the output
 channel, col = (p, q, n) the output pixel and image, k = (c, r, s) the filter tap. The im2col
@@ -12,9 +12,11 @@ memory. Layouts (those of maxDNN/cuda-convnet, chosen so that every global acces
   are a multiple of 8, see :attr:`MaxDNNPlan.k_order`): a k step's row of the A tile is
   contiguous in output channels.
 
-One thread block computes a `rows x cols` tile of Y (64x64 by default; 32 or 96 rows where the
-output channels fit those better) with rows/8 x cols/8 threads, each holding an 8x8 register tile
-updated by the :class:`~tvm_ext.intrin.cuda.ThreadTile` tensor intrinsic. The k loop runs in steps
+One thread block computes a `rows x cols` tile of Y with rows/8 x cols/8 threads, each holding an
+8x8 register tile (maxDNN's 64x64) updated by the :class:`~tvm_ext.intrin.cuda.ThreadTile` tensor
+intrinsic; :func:`choose_tile` picks from :data:`FFMA_TILES`, mostly 16x8 thread tiles on 128x128,
+64x128 or 96x128 blocks, which spend fewer of a scheduler's issue slots on shared loads per FFMA
+(94% of the k loop's SASS is FFMA, against 91% for 8x8). The k loop runs in steps
 of 8 through two shared buffers: while the block computes on one, each thread has the next step's
 global loads in flight in registers and stores them to the other buffer afterwards, so one barrier
 per k step suffices. The loop is unrolled by two so the two buffers are distinct allocations,
@@ -23,7 +25,7 @@ buffer indexed by k % 2 it inserts a second barrier). In RSC order (:attr:`MaxDN
 the k loop is a loop over filter taps around a loop over channel steps: where each load slot
 reads and whether it falls in the padding is worked out once per tap, and the channel loop issues
 nothing but its loads, stores, shared loads, FFMAs and one barrier per step (91% of its SASS is
-FFMA on sm_80 and sm_90, against a floor of 92.6% for an 8x8 thread tile). The finished tile is
+FFMA on sm_80 and sm_90 with 8x8 thread tiles, against a floor of 92.6%). The finished tile is
 staged through shared memory so the global stores are coalesced float4 rows, with the epilogue
 (bias, residual add, activation) applied on the way out. A grid too small to fill a GPU splits
 its reduction (split-K, :func:`choose_splits`): each slice of taps or channel steps is a set of
@@ -87,7 +89,7 @@ class BlockTile:
     thread_cols: int = 8
     k_step: int = 8
     vec: int = 4
-    engine: str = "ffma"  # "ffma": 8x8 FFMA per thread; tensor cores: MMA_SHAPES, WGMMA_SHAPES
+    engine: str = "ffma"  # "ffma": thread_rows x thread_cols FFMA per thread; tensor cores: MMA_SHAPES, WGMMA_SHAPES
     warp_rows: int = 32  # mma.sync: rows of the block one warp computes (32: 2 x m16; 64: 4 x m16)
     # wgmma in RSC order: each thread gathers its A fragments straight from the input, no shared tile
     gather_fragments: bool = False
@@ -197,6 +199,16 @@ class BlockTile:
         """The double-buffered operand tiles and the output tile (at most; TVM may overlap them)."""
         return 4 * (2 * self.k_step * (self.rows + self.cols + 2 * self.pad) + self.rows * self.cols)
 
+    def ffma_issue_share(self) -> float:
+        """FFMA tile: the share of FFMA in a thread's instructions per k step, counting its FFMAs,
+        shared float4 loads, its share of the next step's global loads and shared stores (float4)
+        and the barrier: the most of the FFMA peak the tile can reach at one warp instruction per
+        clock (92.6% for 8 x 8, 94.7% for 128 x 128 with 16 x 8; the SASS adds a few more)."""
+        ffma = self.thread_rows * self.thread_cols * self.k_step
+        shared_loads = self.k_step * (self.thread_rows + self.thread_cols) / self.vec
+        moves = 2 * self.k_step * (self.rows + self.cols) / (self.threads * self.vec)
+        return ffma / (ffma + shared_loads + moves + 1)
+
 
 @dataclasses.dataclass(frozen=True)
 class MmaShape:
@@ -262,7 +274,7 @@ ENGINES = ("ffma", *MMA_SHAPES, *WGMMA_SHAPES)
 MAX_ELEMENTS = 2**31 - 1  # the kernels index with int32
 STATIC_SHARED_LIMIT = 48 * 1024  # per block, without opting in to dynamic shared memory
 DYNAMIC_SHARED_LIMIT = 227 * 1024  # per block, opted in (sm_90; sm_80 has 163 KB)
-TILE_ROWS = (64, 96, 128, 32)  # candidate block heights in order of preference: maxDNN's, then taller
+MMA_TILE_ROWS = (64, 96, 128, 32)  # mma.sync block heights in order of preference: maxDNN's, then taller
 # wgmma: the tallest first, as its N (each wgmma then reads more of B per A fragment loaded)
 WGMMA_TILE_ROWS = (128, 96, 64, 32)
 # wgmma: two m64 slabs of pixels per block. A 128 x 128 tile moves 16 MACs per byte it loads
@@ -270,21 +282,45 @@ WGMMA_TILE_ROWS = (128, 96, 64, 32)
 # per SM) outruns what L2 delivers to an SM at either, so the taller tile is the faster bet. Its
 # staged output (64 KB) is past the 48 KB a kernel declares statically: dynamic shared memory.
 WGMMA_TILE_COLS = 128
+# The FFMA tiles choose_tile picks from, in order of preference at equal cost. A scheduler issues
+# one warp instruction a clock, so the FFMA peak needs the k loop to be all FFMA: a thread's k
+# issues rows x cols FFMAs on (rows + cols) / 4 shared float4 loads, 64 on 4 for maxDNN's 8 x 8,
+# 128 on 6 for 16 x 8 (:meth:`BlockTile.ffma_issue_share`). In the k loop's SASS (sm_90, RSC
+# layers): 94.3% FFMA for 128 x 128 with 16 x 8 threads, 93% for 64 x 128 and 92.6% for 96 x 128
+# (12 x 8), against 91.3% for maxDNN's 64 x 64; 214-231 registers, no spills, 8 warps an SM.
+# The 64-column tiles are for small images at small batch, where 128 columns would waste most.
+FFMA_TILES = (
+    BlockTile(128, 128, 16, 8),
+    BlockTile(64, 128, 16, 8),
+    BlockTile(96, 128, 12, 8),
+    BlockTile(128, 64, 16, 8),
+    BlockTile(96, 64, 12, 8),
+    BlockTile(64, 64),  # maxDNN's
+    BlockTile(32, 64),
+)
 
 
-def choose_tile(out_channels_per_group: int, engine: str = "ffma") -> BlockTile:
-    """The block height that wastes the fewest rows on `out_channels_per_group`.
+def choose_tile(out_channels_per_group: int, engine: str = "ffma", columns: int | None = None) -> BlockTile:
+    """The block tile for a GEMM of `out_channels_per_group` rows and `columns` (output pixels x
+    images; None: many) on `engine`.
 
-    Ties go to 64 (maxDNN's tile), then to taller tiles (more FMAs per byte loaded), then 32.
+    FFMA: the tile of :data:`FFMA_TILES` that issues the fewest instructions on the padded GEMM
+    (its padded area over :meth:`BlockTile.ffma_issue_share`). Tensor cores: the block height
+    that wastes the fewest rows (ties to 64, maxDNN's, then taller, then 32; wgmma: tallest first).
 
-    maxDNN's fixed 64 lost a quarter of its speed on OverFeat layer 1 (96 filters = 1.5 tiles);
-    a 96- or 32-row tile covers 96 exactly.
+    maxDNN's fixed 64 x 64 lost a quarter of its speed on OverFeat layer 1 (96 filters = 1.5
+    tiles); a 96-row tile covers 96 exactly.
     """
-    def waste(rows: int) -> int:
-        return -(-out_channels_per_group // rows) * rows - out_channels_per_group
+    def padded(extent: int, tile: int) -> int:
+        return -(-extent // tile) * tile
 
-    order = WGMMA_TILE_ROWS if engine in WGMMA_SHAPES else TILE_ROWS
-    best = min(order, key=lambda rows: (waste(rows), order.index(rows)))
+    if engine == "ffma":
+        def cost(tile: BlockTile) -> float:
+            cols = padded(columns, tile.cols) if columns else 1
+            return padded(out_channels_per_group, tile.rows) * cols / tile.ffma_issue_share()
+        return min(FFMA_TILES, key=lambda tile: (cost(tile), FFMA_TILES.index(tile)))
+    order = WGMMA_TILE_ROWS if engine in WGMMA_SHAPES else MMA_TILE_ROWS
+    best = min(order, key=lambda rows: (padded(out_channels_per_group, rows), order.index(rows)))
     if engine in WGMMA_SHAPES:  # one warpgroup, two m64 slabs of pixels: see WGMMA_TILE_COLS
         return BlockTile(rows=best, cols=WGMMA_TILE_COLS, engine=engine, k_step=WGMMA_SHAPES[engine].k,
                          gather_fragments=True)
@@ -353,7 +389,7 @@ class MaxDNNPlan:
              splits: int = 1) -> MaxDNNPlan:
         if wl.dtype != "float32":
             raise ValueError(f"maxdnn_conv2d: dtype {wl.dtype} is not supported (float32 only)")
-        tile = tile or choose_tile(wl.K // wl.groups)
+        tile = tile or choose_tile(wl.K // wl.groups, columns=wl.N * wl.OH * wl.OW)
         tile.validate()
         plan = MaxDNNPlan(wl, tile, epilogue or Epilogue(), splits)
         if splits != 1:

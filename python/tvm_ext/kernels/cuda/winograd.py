@@ -111,7 +111,7 @@ class WinogradPlan:
         wl, a2 = self.wl, self.a * self.a
         th, tw = self.tiles
         gemm_wl = Conv2dWorkload.make((wl.N, a2 * wl.C, th, tw), (a2 * wl.K, wl.C, 1, 1), 1, 0, 1, a2)
-        return _maxdnn.MaxDNNPlan.make(gemm_wl, _maxdnn.choose_tile(wl.K))
+        return _maxdnn.MaxDNNPlan.make(gemm_wl, _maxdnn.choose_tile(wl.K, columns=wl.N * th * tw))
 
     @property
     def y_shape(self) -> tuple[int, int, int, int]:
