@@ -159,6 +159,16 @@ def set_tf32(torch, on: bool) -> None:
     torch.backends.cuda.matmul.allow_tf32 = on
 
 
+def base_engine(entry: dict) -> str:
+    """The arithmetic of an entry's kernel: "mma_tf32_w64" is the tf32 engine with 64-row warp
+    slabs, "wgmma_tf32_shared" wgmma with A fragments from shared memory, "wgmma_tf32_static"
+    wgmma on tiles within 48 KB, "ffma_maxdnn" maxDNN's 64x64 tile of 8x8 threads; Winograd
+    is fp32 on the FFMA tile."""
+    if "winograd" in entry:
+        return "ffma"
+    return re.sub(r"_(w\d+|shared|static|maxdnn)$", "", entry.get("engine", "ffma"))
+
+
 def run_layer(torch, device: CudaDevice, entry: dict, cubin: Path, repeat: int) -> dict:
     """Check and time one layer's kernel against the baseline at the same precision."""
     F = torch.nn.functional
@@ -205,10 +215,7 @@ def run_layer(torch, device: CudaDevice, entry: dict, cubin: Path, repeat: int) 
     if device.torch_device == "cuda":
         torch.cuda.synchronize()
     got = tensors["y"].permute(3, 0, 1, 2)
-    # "mma_tf32_w64": the tf32 engine, 64-row warp slabs; "wgmma_tf32_shared": wgmma, A fragments
-    # from shared memory; "wgmma_tf32_static": wgmma, tiles within 48 KB; Winograd: fp32 on the FFMA tile
-    engine = "ffma" if "winograd" in entry else re.sub(r"_(w\d+|shared|static)$", "", entry.get("engine", "ffma"))
-
+    engine = base_engine(entry)
     tf32 = engine in ("mma_tf32", "wgmma_tf32")
 
     def as_read(t):  # what the kernel's arithmetic sees of an fp32 input
@@ -304,13 +311,15 @@ def main(argv=None) -> int:
             # the FFMA peak is no tensor peak; Winograd's GFLOP/s are effective (a direct conv's FLOPs)
             winograd = "winograd" in entry
             pct = "-"
-            if engine == "ffma" or winograd:
+            if base_engine(entry) == "ffma":
                 pct = f"{result['peak_pct']:.1f}%" + (" eff." if winograd else "")
             loop = entry.get("sass_loop")
-            ffma_loop = loop and (engine == "ffma" or winograd)
+            ffma_loop = loop and base_engine(entry) == "ffma"
             bound = f"{100 * loop['ffma'] / loop['instructions']:.1f}%" if ffma_loop else "-"
-            tile = f"{entry['tile'][0]}x{entry['tile'][1]}" + (f", K/{entry['splits']}" if entry.get("splits", 1) > 1
-                                                                else "")
+            tile = f"{entry['tile'][0]}x{entry['tile'][1]}"
+            if base_engine(entry) == "ffma" and "thread_tile" in entry:  # a thread's FFMA tile
+                tile += " ({}x{})".format(*entry["thread_tile"])
+            tile += f", K/{entry['splits']}" if entry.get("splits", 1) > 1 else ""
             if winograd:  # with the strategy's estimate of its speed-up over the direct tile
                 m, (direct_ms, winograd_ms) = entry["winograd"]["m"], entry["estimate_ms"]
                 tile = f"F({m}x{m}), {tile}, est. {direct_ms / winograd_ms:.1f}x"

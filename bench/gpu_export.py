@@ -49,8 +49,10 @@ def wgmma_arch(source: str, arch: str) -> str:
     return arch + "a" if "wgmma" in source and arch == "sm_90" else arch
 
 
-def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
-           engines: tuple[str, ...] = ("ffma", "winograd", "mma_tf32", "mma_tf32:64", "wgmma_tf32"),
+ENGINES = ("ffma", "ffma:maxdnn", "winograd", "mma_tf32", "mma_tf32:64", "wgmma_tf32")  # the default variants
+
+
+def export(out: Path, sets: dict[str, int], layers: int | None, arch: str, engines: tuple[str, ...] = ENGINES,
            sass: bool = False) -> list[dict]:
     from tvm_ext.kernels.conv2d import Conv2dWorkload
     from tvm_ext.kernels.cuda import conv2d as cc
@@ -73,6 +75,9 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
                         continue
                     plan = cw.WinogradPlan.make(wl, int(warp_rows or cw.TILE))  # "winograd:2": F(2x2)
                     source = cw.cuda_source(plan, target)
+                elif warp_rows == "maxdnn":  # maxDNN's 64 x 64 tile of 8 x 8 threads, against choose_tile's
+                    plan = cc.MaxDNNPlan.make(wl, cc.BlockTile()).with_chosen_splits()
+                    source = cc.cuda_source(plan, target)
                 elif warp_rows in ("shared", "static"):
                     # wgmma with its A fragments from a shared tile, not gathered; or with 0.5.7's
                     # tiles, which fit 48 KB of static shared memory (128 x 64, not 128 x 128)
@@ -89,7 +94,7 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
                     plan = cc.MaxDNNPlan.make(wl, tile).with_chosen_splits()  # split-K as the graph strategy
                     source = cc.cuda_source(plan, target)
                 engine = (variant.replace("winograd:", "winograd_f").replace(":shared", "_shared")
-                          .replace(":static", "_static").replace(":", "_w"))
+                          .replace(":static", "_static").replace(":maxdnn", "_maxdnn").replace(":", "_w"))
                 name = f"{set_name}_{layer['name']}_{engine}"
                 (out / f"{name}.cu").write_text(source)
                 entries.append(_entry(name, set_name, layer["name"], engine, wl, plan, source))
@@ -105,6 +110,8 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str,
                              f"{plan.gemm.grid}, estimated {direct_ms / winograd_ms:.2f}x direct")
                 else:
                     shape = f"tile {plan.tile.rows}x{plan.tile.cols} grid {plan.grid}"
+                    if plan.tile.engine == "ffma":
+                        shape += f" threads {plan.tile.thread_rows}x{plan.tile.thread_cols}"
                     shape += f" split-K {plan.splits}" if plan.splits > 1 else ""
                 print(f"{name:36s} {shape}{mix} ({time.perf_counter() - start:.1f} s)", flush=True)
     (out / "manifest.json").write_text(json.dumps({"arch": arch, "layers": entries}, indent=1))
@@ -125,7 +132,8 @@ def _entry(name: str, set_name: str, layer: str, engine: str, wl, plan, source: 
     }
     if isinstance(plan, cw.WinogradPlan):  # input transform, the a² GEMMs, output transform
         _, g, _ = plan.matrices
-        entry.update(tile=[plan.gemm.tile.rows, plan.gemm.tile.cols], splits=1, k_order="winograd",
+        entry.update(tile=[plan.gemm.tile.rows, plan.gemm.tile.cols],
+                     thread_tile=[plan.gemm.tile.thread_rows, plan.gemm.tile.thread_cols], splits=1, k_order="winograd",
                      winograd={"m": plan.m, "G": g.tolist()}, estimate_ms=list(cw.estimate(plan)),
                      params={k: list(v) for k, v in plan.shapes().items()})
         entry["launches"] = [
@@ -133,7 +141,8 @@ def _entry(name: str, set_name: str, layer: str, engine: str, wl, plan, source: 
              "cuda_args": cw.cuda_param_order(plan, source, stage)}
             for stage, (grid, block) in plan.launches().items()]
         return entry
-    entry.update(tile=[plan.tile.rows, plan.tile.cols], splits=plan.splits, k_order=plan.k_order,
+    entry.update(tile=[plan.tile.rows, plan.tile.cols], thread_tile=[plan.tile.thread_rows, plan.tile.thread_cols],
+                 splits=plan.splits, k_order=plan.k_order,
                  params={k: list(v) for k, v in {**plan.shapes(), **plan.reduce_shapes()}.items()})
     if plan.tile.wgmma is not None:  # the weights packed per block and k step (pack_wgmma_weight)
         entry["wgmma"] = {"rows": plan.tile.rows, "k_step": plan.tile.k_step}
@@ -156,10 +165,13 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=None, help="one batch for every set (default: per set)")
     parser.add_argument("--layers", type=int, default=None, help="first N layers of each set")
     parser.add_argument("--arch", default="sm_90", help="the arch TVM generates for (the source is portable)")
-    parser.add_argument("--engines", nargs="+", default=["ffma", "winograd", "mma_tf32", "mma_tf32:64", "wgmma_tf32"],
-                        choices=["ffma", "winograd", "winograd:2", "mma_tf32", "mma_tf32:64", "mma_bf16",
-                                 "wgmma_tf32", "wgmma_tf32:shared", "wgmma_tf32:static"],
-                        help="kernel variants; ':64' = 64-row warp slabs (4 x m16 per warp); winograd: fp32 "
+    parser.add_argument("--engines", nargs="+",
+                        default=list(ENGINES),
+                        choices=["ffma", "ffma:maxdnn", "winograd", "winograd:2", "mma_tf32", "mma_tf32:64",
+                                 "mma_bf16", "wgmma_tf32", "wgmma_tf32:shared", "wgmma_tf32:static"],
+                        help="kernel variants; 'ffma:maxdnn': maxDNN's 64 x 64 tile of 8 x 8 threads (the "
+                             "'ffma' tile is choose_tile's, mostly 16 x 8 threads); ':64' = 64-row warp slabs "
+                             "(4 x m16 per warp); winograd: fp32 "
                              "F(4x4) on the FFMA tile, for the 3x3 and 5x5 stride-1 layers (':2': F(2x2)); "
                              "wgmma_tf32: Hopper's warpgroup tensor cores (sm_90a; ':shared': A fragments from a "
                              "shared tile instead of gathered from the input; ':static': 128 x 64 tiles where "
