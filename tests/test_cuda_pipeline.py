@@ -13,7 +13,7 @@ import tvm_ext
 from tvm_ext.kernels.cuda.ptx import executable_cuda_source
 from tvm_ext.models.torch_reference import to_torch
 from tvm_ext.testing import cuda_emulator
-from tvm_ext.testing.relax_emulator import emulated_executable, launch_shape, lower
+from tvm_ext.testing.relax_emulator import dynamic_shared_bytes, emulated_executable, launch_shape, lower
 
 TARGET = "cuda -arch=sm_90"
 needs_gxx = pytest.mark.skipif(not cuda_emulator.have_compiler(), reason="g++ is not installed")
@@ -202,3 +202,33 @@ def test_small_grids_split_the_reduction():
     out = vm["main"](tvm.runtime.tensor(xv)).numpy()
     ref = to_torch(mod, torch.float64)(torch.from_numpy(xv).double()).numpy()
     assert np.isfinite(out).all() and rel_err(out, ref) < 1e-4
+
+
+@needs_gxx
+def test_wide_ffma_tiles_through_the_graph():
+    """256 filters on 512 columns get the 128 x 128 tile of 16 x 8 threads, its 64 KB output tile
+    in dynamic shared memory (launched with it); 192 filters the 64 x 128 one. Numbers on the
+    emulator against float64 PyTorch."""
+    rng = np.random.default_rng(11)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((8, 16, 8, 8), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.relu(relax.op.add(
+                relax.op.nn.conv2d(x, random_const(rng, 256, 16, 3, 3), padding=1), random_const(rng, 1, 256, 1, 1))))
+            y = bb.emit(relax.op.nn.conv2d(y, random_const(rng, 192, 256, 1, 1)))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    mod = bb.get()
+    report = [row.reason for row in tvm_ext.dispatch_report(mod, TARGET, winograd=False) if row.op == "nn.conv2d"]
+    assert report[0].startswith("128x128 ffma tile") and report[1].startswith("64x128 ffma tile"), report
+    lowered = lower(mod, TARGET, winograd=False)
+    convs = {gv.name_hint: f for gv, f in lowered.functions_items()
+             if gv.name_hint.startswith("tvm_ext_maxdnn") and not gv.name_hint.endswith("_reduce")}
+    assert sorted(dynamic_shared_bytes(f) for f in convs.values()) == [0, 4 * 128 * 128]
+    assert sorted(launch_shape(f)[1][0] for f in convs.values()) == [64, 128]
+    vm = relax.VirtualMachine(emulated_executable(lowered, TARGET), tvm.cpu())
+    xv = rng.standard_normal((8, 16, 8, 8)).astype(np.float32)
+    got = vm["main"](tvm.runtime.tensor(xv)).numpy()
+    ref = to_torch(mod, torch.float64)(torch.from_numpy(xv).double()).numpy()
+    assert np.isfinite(got).all() and rel_err(got, ref) < 1e-4
