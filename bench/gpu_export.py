@@ -81,13 +81,13 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str, engin
                 elif warp_rows in ("shared", "static"):
                     # wgmma with its A fragments from a shared tile, not gathered; or with 0.5.7's
                     # tiles, which fit 48 KB of static shared memory (128 x 64, not 128 x 128)
-                    tile = cc.choose_tile(wl.K // wl.groups, engine)
+                    tile = cc.choose_tile(wl.K // wl.groups, engine, columns=wl.N * wl.OH * wl.OW)
                     tile = (dataclasses.replace(tile, gather_fragments=False) if warp_rows == "shared"
                             else dataclasses.replace(tile, cols=64 if tile.rows > 64 else 128))
                     plan = cc.MaxDNNPlan.make(wl, tile).with_chosen_splits()
                     source = cc.cuda_source(plan, target)
                 else:
-                    tile = cc.choose_tile(wl.K // wl.groups, engine)
+                    tile = cc.choose_tile(wl.K // wl.groups, engine, columns=wl.N * wl.OH * wl.OW)
                     if warp_rows:  # a taller warp slab: rows in whole slabs
                         rows = 128 if (wl.K // wl.groups) % 128 == 0 else 64
                         tile = dataclasses.replace(tile, rows=rows, warp_rows=int(warp_rows))
