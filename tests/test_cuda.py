@@ -157,8 +157,8 @@ _WL_FAULT = Conv2dWorkload.make((8, 16, 6, 6), (64, 16, 3, 3), padding=1)  # 18 
 
 
 def _without_first_loop_barrier(source: str) -> str:
-    """The CUDA C with the k loop's first barrier deleted (the loop is flat, or over taps)."""
-    loop = re.search(r"for \(int (kt2|rs) ", source).start()
+    """The CUDA C with the k loop's first barrier deleted (the loop is flat, over taps, or over the ring)."""
+    loop = re.search(r"for \(int (kt2|rs|kr) ", source).start()
     barrier = source.index("__syncthreads();", loop)
     return source[:barrier] + source[barrier + len("__syncthreads();"):]
 

@@ -58,6 +58,20 @@ def test_emulated_wgmma_conv2d(x_shape, w_shape, options, epilogue, gather):
 
 
 @needs_gxx
+@pytest.mark.parametrize("channels", [8, 16, 32, 40])  # 1, 2, 4 and 5 k steps
+def test_emulated_wgmma_in_flight_on_short_reductions(channels):
+    """Groups in flight, the loop WGMMA_RING steps at a time: slices shorter than the ring (no
+    loop), and loops with a remainder of one and two steps."""
+    wl = Conv2dWorkload.make((4, channels, 5, 6), (64, channels, 1, 1))
+    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(64, ENGINE), cc.Epilogue(bias=True))
+    assert plan.wgmma_in_flight and plan.code_steps == (3 if channels >= 24 else 0) + channels // 8 % 3
+    x, w, bias, residual = _inputs(wl, plan.epilogue)
+    got = cc.output_to_nchw(cc.emulate(plan, cc.kernel_arrays(plan, x, w, bias, residual)))
+    ref = _reference(wl, plan.epilogue, _as_read(x, "mma_tf32"), _as_read(w, "mma_tf32"), bias, residual)
+    assert rel_err(got, ref) < 1e-5
+
+
+@needs_gxx
 def test_emulated_wgmma_split_k():
     wl = Conv2dWorkload.make((4, 16, 6, 6), (64, 16, 3, 3), padding=1)
     plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(64, ENGINE), cc.Epilogue(bias=True, activation="relu"), splits=3)
@@ -111,7 +125,7 @@ def test_emulator_catches_broken_wgmma_kernels(wl):
 
 @needs_gxx
 def test_emulator_catches_wgmma_races_in_flight(monkeypatch):
-    """One group in flight across each barrier (gathered fragments, the weights loaded two steps
+    """One group in flight across each barrier (gathered fragments and weights loaded two steps
     ahead): the ring's slot is refilled only after every thread has waited for the group that
     read it. A store before the wait, a ring of two (a slot refilled while the group before last
     may still read it) or a missing barrier are races the emulator reports: the B tile changed
@@ -119,9 +133,10 @@ def test_emulator_catches_wgmma_races_in_flight(monkeypatch):
     plan = cc.MaxDNNPlan.make(_WL, cc.choose_tile(64, ENGINE))
     assert plan.wgmma_in_flight and cc.WGMMA_RING == 3
     source = cc.cuda_source(plan)
-    # by step parity: the fragments' two register sets, and the weights' (loaded two steps ahead)
+    # per ring slot: the fragments' register set, and the weights' (loaded two steps ahead)
     per_set = 64 * 8 // 128
-    assert f"uint af_ptr[{2 * 4 * plan.tile.slabs}];" in source and f"float a_pre_ptr[{2 * per_set}];" in source
+    assert f"uint af_ptr[{3 * 4 * plan.tile.slabs}];" in source and f"float a_pre_ptr[{3 * per_set}];" in source
+    assert "af_pre" not in source  # gathered straight into the registers the wgmma reads: no copies
     got, ref = _emulated(plan, source)
     assert rel_err(got, ref) < 1e-5
     race = "B tile changed between its issue and its wait"
@@ -228,8 +243,10 @@ def test_engine_needs_sm_90a():
 @pytest.mark.parametrize("gather", [True, False])
 def test_wgmma_machine_code(gather):
     """sm_90a: one wgmma per slab and k step in PTX, HGMMA in the SASS k loop between the fence
-    and the wait, the weights' tile stored while it runs; no spills and no ptxas warning (ptxas
-    warns when it must serialize wgmma, e.g. for registers it cannot keep)."""
+    and the wait, the weights' tile stored while it runs; no spills, no ptxas warning, and no
+    serialized wgmma: ptxas says so only in an info line (C7513 and kin), and then waits for
+    every group right after issuing it (0.5.8's gathered kernel: a copy into the registers of
+    the next step's wgmma while a group was in flight)."""
     wl = Conv2dWorkload.make((128, 256, 13, 13), (384, 256, 3, 3), padding=1)  # AlexNet conv3, b128
     tile = dataclasses.replace(cc.choose_tile(384, ENGINE), gather_fragments=gather)
     plan = cc.MaxDNNPlan.make(wl, tile)
@@ -247,12 +264,17 @@ def test_wgmma_machine_code(gather):
     assert (ops_count["ld.global.nc.u32"] > 0) == gather and (ops_count["ld.shared.u32"] == 0) == gather
     resources = ptx.ptxas_resources(source, "sm_90a")
     assert resources["spill_stores"] == resources["spill_loads"] == resources["stack"] == 0
+    assert resources["serialized_wgmma"] == 0
     if ptx.find_nvdisasm() is not None:
-        loop = ptx.sass_loop_instructions(ptx.disassemble(ptx.compile_source(source, "sm_90a", "cubin")))
-        assert loop["HGMMA"] == 2 * t.slabs and loop["BAR"] == 2
-        assert loop["LDS"] == (0 if gather else 2 * 4 * t.slabs)  # per pair of k steps
-        # float4 stores of the weights' 4 KB (and of the data's 4 KB), a pair of k steps
-        assert loop["STS"] == 2 * (t.rows + (0 if gather else t.cols)) * 8 // 4 // t.threads
+        sass = ptx.disassemble(ptx.compile_source(source, "sm_90a", "cubin"))
+        loop = ptx.sass_loop_instructions(sass)
+        steps = cc.WGMMA_RING if plan.wgmma_in_flight else 2  # a loop iteration: the ring's slots, or a pair
+        assert loop["HGMMA"] == steps * t.slabs and loop["BAR"] == steps
+        assert loop["LDS"] == (0 if gather else steps * 4 * t.slabs)
+        # float4 stores of the weights' 4 KB (and of the data's 4 KB) a step
+        assert loop["STS"] == steps * (t.rows + (0 if gather else t.cols)) * 8 // 4 // t.threads
+        # in flight: each step waits for the group before its own, not for its own
+        assert sass.count("DEPBAR.LE gsb0, 0x1") == (plan.code_steps if plan.wgmma_in_flight else 0)
     with_warnings = subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-O3", "-x", "cu", "-", "-o", "/dev/null",
                                     "-diag-suppress", "177"], input=source, capture_output=True, text=True)
     assert with_warnings.returncode == 0 and "warning" not in with_warnings.stderr.lower()

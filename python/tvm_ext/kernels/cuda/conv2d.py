@@ -328,7 +328,8 @@ def choose_tile(out_channels_per_group: int, engine: str = "ffma", columns: int 
     return BlockTile(rows=best, engine=engine, k_step=8 if mma is None else mma.k)
 
 
-# wgmma in flight (MaxDNNPlan.wgmma_in_flight): the weights' tiles in a ring of this many buffers
+# wgmma in flight (MaxDNNPlan.wgmma_in_flight): the weights' tiles in a ring of this many buffers,
+# a register set per slot for the fragments and the weights, the k loop this many steps at a time
 WGMMA_RING = 3
 
 # Split-K: the threads that fill an H100/H200 (132 SMs; 1024 of our 64-thread blocks, 6-8 an SM;
@@ -442,7 +443,11 @@ class MaxDNNPlan:
     def code_steps(self) -> int:
         """k steps written out in the kernel's code: with :attr:`tap_loop`, the channel loop's
         unrolled pair (where a tap has more than one pair) and the tap's last pair; otherwise the
-        loop's unrolled pair plus the tail."""
+        loop's unrolled pair plus the tail; with wgmma in flight, the loop's :data:`WGMMA_RING`
+        steps and the rest."""
+        if self.wgmma_in_flight:
+            steps = self.k_steps // self.splits
+            return (WGMMA_RING if steps // WGMMA_RING else 0) + steps % WGMMA_RING
         if self.tap_loop:
             return 4 if self.steps_per_tap > 2 else 2
         pairs = (self.k_steps - 1) // 2
@@ -484,9 +489,9 @@ class MaxDNNPlan:
         the weights' tiles in a ring of :data:`WGMMA_RING` shared buffers (a step fills the one
         the group before last read, which every thread has waited for before the last barrier;
         a ring of two would need a second barrier per step) and the fragments in two sets of
-        registers, by step parity. The weights are loaded two steps ahead, into two more sets:
-        the store at the end of a step then does not wait for loads issued at its start.
-        Elsewhere a step waits for its group before the barrier."""
+        registers, by step parity. The weights and the fragments are loaded two steps ahead, into
+        two more sets: neither the store at the end of a step nor the next step's wgmma waits
+        for loads issued at its start. Elsewhere a step waits for its group before the barrier."""
         return self.gathers_fragments
 
     @property
@@ -630,10 +635,11 @@ class _Generator:
         e(f"{prefix}n{v}: T.let = {prefix}c{v} % {wl.N}")
 
     def declare_tap_state(self, prefix: str, count: int) -> None:
-        """RSC order: the running (tap, channel step) where there is no tap loop, and per gathered
-        column its offset in the input at the current tap and whether it reads the input."""
+        """RSC order: the running (tap, channel step) where there is no tap loop or the fragments
+        are gathered, and per gathered column its offset in the input at the current tap and
+        whether it reads the input."""
         e = self.e
-        if not self.plan.tap_loop:
+        if not self.plan.tap_loop or self.plan.gathers_fragments:
             e('tap = T.decl_buffer((1,), "int32", scope="local")')
             e('c0 = T.decl_buffer((1,), "int32", scope="local")')
         e(f'{prefix}_off = T.decl_buffer(({count},), "int32", scope="local")')
@@ -665,8 +671,8 @@ class _Generator:
 
     def enter_tap_fragments(self, tap: str) -> None:
         """Gathered wgmma fragments, for filter tap `tap`: per column, where its k row t (channel
-        t of the step) is in the input, and whether it is read at all; a dead column's registers
-        are zeroed here and left alone by the tap's loads."""
+        t of the step) is in the input, and whether it is read at all (a dead column's loads
+        give zeros: with two register sets, zeroing them once here would miss one)."""
         t, wl, e = self.t, self.wl, self.e
         cg = wl.C // wl.groups
         position = self.tap_position("f", tap)
@@ -676,22 +682,22 @@ class _Generator:
                 live, row, col = position(v)
                 e(f"f_live[{i}] = {live}")
                 e(f"f_off[{i}] = (((g * {cg} + tq) * {wl.H} + {row}) * {wl.W} + {col}) * {wl.N} + fn{v}")
-                with e.block(f"if not f_live[{i}]:"):
-                    for j in (h, h + 2):
-                        e(f"af_pre[{sl * 4 + j}] = T.float32(0)")
 
-    def load_fragments(self, chan: str) -> None:
-        """Gathered wgmma fragments of channel step `chan` of the current tap: register h + 2j of
-        a slab is k row t + 4j (a channel) of the column of row half h; scalar loads, 8 lanes of
-        a warp reading 8 consecutive images or pixels."""
+    def load_fragments(self, chan: str, regs: int = 0) -> None:
+        """Gathered wgmma fragments of channel step `chan` of the current tap, straight into the
+        registers the wgmma reads (set `regs` of `af`): register h + 2j of a slab is k row t + 4j
+        (a channel) of the column of row half h; scalar loads, 8 lanes of a warp reading 8
+        consecutive images or pixels, zeros for a dead column."""
         t, wl, e = self.t, self.wl, self.e
         plane = wl.H * wl.W * wl.N
+        base = self.fragment_base(regs)
         for sl in range(t.slabs):
             for h in range(2):
                 i = sl * 2 + h
-                with e.block(f"if f_live[{i}]:"):
-                    for j in range(2):
-                        e(f"af_pre[{sl * 4 + h + 2 * j}] = Xf[f_off[{i}] + ({chan} * {t.k_step} + {4 * j}) * {plane}]")
+                for j in range(2):
+                    load = f"Xf[f_off[{i}] + ({chan} * {t.k_step} + {4 * j}) * {plane}]"
+                    e(f"af[{base + sl * 4 + h + 2 * j}] = "
+                      f'T.reinterpret("uint32", T.if_then_else(f_live[{i}], {load}, T.float32(0)))')
 
     @property
     def lanes(self) -> list[int]:
@@ -726,13 +732,14 @@ class _Generator:
                     e(f"b_pre[T.ramp({at}, 1, {vec})] = {_zero(vec)}" if vec > 1 else f"b_pre[{at}] = T.float32(0)")
 
     def advance_running_tap(self, first: bool) -> str:
-        """Without :attr:`MaxDNNPlan.tap_loop`: move the running (tap, channel step) to the next
-        k step, entering a new tap only when the channels run out (a runtime check; a 1x1
-        filter has one tap). Returns the channel step's expression."""
+        """Without :attr:`MaxDNNPlan.tap_loop` (or for gathered fragments, loaded two steps
+        ahead of the loop's tap): move the running (tap, channel step) to the next k step,
+        entering a new tap only when the channels run out (a runtime check; a 1x1 filter has one
+        tap). Returns the channel step's expression."""
         wl, e = self.wl, self.e
-        if first:  # a 1x1 filter's slice of split-K starts at its first channel step
-            e("tap[0] = 0")
-            e(f"c0[0] = {self.first_step()}")
+        if first:  # a slice of split-K starts at its first tap, or a 1x1 filter's at its first channel step
+            e(f"tap[0] = {self.first_step() if self.plan.tap_loop else 0}")
+            e(f"c0[0] = {0 if self.plan.tap_loop else self.first_step()}")
             self.enter_tap("tap[0]")
         elif wl.KH * wl.KW == 1:
             e("c0[0] = c0[0] + 1")
@@ -763,13 +770,16 @@ class _Generator:
                         e(f"b_pre[{at}] = Xf[{addr}]")
 
     # -- global -> registers -> shared -----------------------------------------------------
-    def load_global(self, kt: str, at: tuple[str | None, str] | None = None, first: bool = False) -> None:
-        """Issue the global loads of k step `kt` into the prefetch registers.
+    def load_global(self, kt: str, at: tuple[str | None, str] | None = None, first: bool = False,
+                    regs: int = 0) -> None:
+        """Issue the global loads of k step `kt` into the prefetch registers (gathered fragments:
+        into set `regs`).
 
         In RSC order the B loads come from the per-tap state: `at` = (the tap to enter first, or
         None to stay; the channel step) where the k loop knows them (:attr:`MaxDNNPlan.tap_loop`);
         otherwise a running state moves one step per call (`first`: step 0), so calls come in k
-        order."""
+        order. Gathered fragments always take the running state: they are loaded two steps
+        ahead of the loop's tap."""
         t, wl, e = self.t, self.wl, self.e
         z = f"_{self.load_sites}"  # TVMScript lets are scoped to the function: one name per site
         self.load_sites += 1
@@ -777,8 +787,11 @@ class _Generator:
             self.load_weight_rows(kt, z)
         elif not self.plan.wgmma_in_flight:  # (in flight, they are loaded two steps ahead: step)
             self.load_packed_weights(kt)
+        if self.plan.gathers_fragments:
+            self.load_fragments(self.advance_running_tap(first), regs)
+            return
         if self.plan.k_order == "rsc":
-            load = self.load_fragments if self.plan.gathers_fragments else self.load_b_rsc
+            load = self.load_b_rsc
             if at is None:
                 load(self.advance_running_tap(first))
                 return
@@ -832,15 +845,15 @@ class _Generator:
         t = self.t
         return len(self.slots(t.k_step * t.rows // t.vec)) * t.vec
 
-    def fragment_base(self, parity: int) -> int:
-        """Where the fragment registers (`af`) of a step of `parity` start: two sets where wgmma
-        groups stay in flight (:attr:`MaxDNNPlan.wgmma_in_flight`), else one."""
-        return parity * 4 * self.t.slabs if self.plan.wgmma_in_flight else 0
+    def fragment_base(self, slot: int) -> int:
+        """Where the fragment registers (`af`) of a step in ring slot `slot` start: one set per
+        slot where wgmma groups stay in flight (:attr:`MaxDNNPlan.wgmma_in_flight`), else one."""
+        return slot * 4 * self.t.slabs if self.plan.wgmma_in_flight else 0
 
     def load_packed_weights(self, kt: str, regs: int = 0) -> None:
         """wgmma: k step `kt`'s chunk of the packed weights (:func:`pack_wgmma_weight`), contiguous
-        and zero-padded: float4 loads with no guards, into register set `regs` (two where the
-        weights are loaded two steps ahead, :attr:`MaxDNNPlan.wgmma_in_flight`)."""
+        and zero-padded: float4 loads with no guards, into register set `regs` (one per ring slot
+        where the weights are loaded two steps ahead, :attr:`MaxDNNPlan.wgmma_in_flight`)."""
         t, e = self.t, self.e
         chunk = t.rows * t.k_step
         base = regs * self.weight_regs
@@ -862,13 +875,12 @@ class _Generator:
             e(f"{reg}[T.ramp({at}, 1, {vec})] = {_zero(vec)}")
 
     def store_shared(self, buf: int, kt: str) -> None:
-        """The prefetched tiles of k step `kt` into shared buffer `buf` (the ring's slot of `kt`
-        where wgmma stays in flight)."""
+        """The prefetched tiles of k step `kt` into shared buffer `buf` (where wgmma stays in
+        flight: the ring's slot `buf`, from the weights' register set of that slot)."""
         t, e = self.t, self.e
         if t.wgmma is not None:  # A: the packed chunk as it is, already in the descriptor's layout
             chunk = t.rows * t.k_step
-            tile, at = (("A_ring", f"{self.ring_slot(kt)} * {chunk} + ") if self.plan.wgmma_in_flight
-                        else (f"A_sh{buf}", ""))
+            tile, at = (("A_ring", f"{buf * chunk} + ") if self.plan.wgmma_in_flight else (f"A_sh{buf}", ""))
             regs = buf * self.weight_regs if self.plan.wgmma_in_flight else 0
             for s, guarded in self.slots(chunk // t.vec):
                 f = f"(tid + {s * t.threads})"
@@ -999,20 +1011,21 @@ class _Generator:
                   f'"fp32", af.data, mi * 4, bf.data, ni * 2, acc.data, (mi * {nt} + ni) * 4, False, '
                   'dtype="float32"))')
 
-    def compute_wgmma(self, buf: int, parity: int, kt: str) -> None:
-        """One k step (`kt`) on Hopper's tensor cores: per 64-column slab one asynchronous wgmma of
-        the whole warpgroup, N = the block's rows. Its A operand is the slab's data (the im2col
-        tile), from registers loaded in the layout of :class:`WgmmaShape` (the set of the step's
-        `parity` where groups stay in flight); its B operand the weights' tile, which the tensor
-        cores read from shared memory through a descriptor: of buffer `buf`, or of the ring's slot
-        of `kt`. The caller waits for the group (:meth:`step`) before the tile or registers change."""
+    def compute_wgmma(self, buf: int, slot: int = 0) -> None:
+        """One k step on Hopper's tensor cores: per 64-column slab one asynchronous wgmma of the
+        whole warpgroup, N = the block's rows. Its A operand is the slab's data (the im2col tile),
+        from registers in the layout of :class:`WgmmaShape` (where groups stay in flight, the set
+        of ring slot `slot`, gathered there two steps before); its B operand the weights' tile,
+        which the tensor cores read from shared memory through a descriptor: of buffer `buf` (in
+        flight: of the ring's slot `buf`). The caller waits for the group before the tile or
+        registers change."""
         t, e, wg = self.t, self.e, self.t.wgmma
         half = wg.k // 2
-        base = self.fragment_base(parity)
+        base = self.fragment_base(slot)
         desc = f"desc[{buf}]"
         if self.plan.wgmma_in_flight:  # the start address (16-byte units, the low bits) moved to the slot
-            desc = f"desc[0] + T.Cast('uint64', {self.ring_slot(kt)} * {t.rows * t.k_step * 4 // 16})"
-        if not self.plan.gathers_fragments:  # (gathered ones were copied from af_pre: step)
+            desc = f"desc[0] + T.uint64({buf * t.rows * t.k_step * 4 // 16})"
+        if not self.plan.gathers_fragments:
             with e.block(f"for sl in T.unroll({t.slabs}):"):
                 with e.block("for j in T.unroll(4):"):  # A[16 warp + g + 8 (j % 2)][t + 4 (j // 2)]
                     at = self.shared_at("B", buf, f"tq + j // 2 * {half}", "sl * 64 + warp * 16 + gq + j % 2 * 8")
@@ -1050,22 +1063,12 @@ class _Generator:
              when: str | None = None) -> None:
         """One k step on buffer `buf`; with `prefetch`, the next step's loads overlap it (only
         where the condition `when` holds, if given; `at`: see :meth:`load_global`)."""
-        in_flight = self.plan.wgmma_in_flight
-        if self.plan.gathers_fragments:  # this step's fragments, before the next step's loads land
-            with self.e.block(f"for j in T.unroll({4 * self.t.slabs}):"):
-                self.e(f'af[{self.fragment_base(buf)} + j] = T.reinterpret("uint32", af_pre[j])')
         if prefetch:
             with self.only_if(when):
                 self.load_global(f"({kt} + 1)", at)
-            if in_flight:  # step k + 2's weights into this step's register set (k's were stored last step)
-                with self.only_if(f"{kt} + 2 < {self.slice_end()}"):
-                    self.load_packed_weights(f"({kt} + 2)", buf)
         source = 1 - buf if self.fault == "wrong_buffer" else buf
         if self.t.wgmma is not None:
-            # (wrong_buffer in the ring: the slot being filled, not the one filled last step)
-            self.compute_wgmma(source, buf, f"({kt} + 1)" if self.fault == "wrong_buffer" else kt)
-            if in_flight:  # the group before is done, in every thread by the barrier: its slot is free
-                self.e('T.ptx["wgmma.wait_group.sync.aligned"](1)')
+            self.compute_wgmma(source)
         elif self.t.mma is not None:
             self.compute_mma(source)
         else:
@@ -1074,8 +1077,31 @@ class _Generator:
         if prefetch and self.fault != "no_store":
             with self.only_if(when):
                 self.store_shared(1 - buf, f"({kt} + 1)")
-        if self.t.wgmma is not None and not in_flight:  # the tensor cores worked through the store;
+        if self.t.wgmma is not None:  # the tensor cores worked through the store;
             self.e('T.ptx["wgmma.wait_group.sync.aligned"](0)')  # the buffer and registers are free now
+        self.sync()
+
+    def step_in_flight(self, kt: str, slot: int) -> None:
+        """One k step (`kt`, in ring slot `slot` = its index in the slice modulo
+        :data:`WGMMA_RING`) with wgmma groups in flight (:attr:`MaxDNNPlan.wgmma_in_flight`):
+        issue its group on the slot's fragments and weights' tile; wait for the group before
+        (whose registers and slot are then free in this thread, and by the barrier in all);
+        gather step k + 2's fragments into the registers that group read and load its weights;
+        store step k + 1's weights (loaded a step ago) into its slot, which the group before
+        last read; barrier. Every register a wgmma reads is written only after the group that
+        read it last is waited for, with no copies: ptxas serializes every wgmma (C7513) when a
+        register of one is defined while a group is in flight between the copy and the issue."""
+        e, ring = self.e, WGMMA_RING
+        end = self.slice_end()
+        # wrong_buffer: the weights of the slot being filled, not of the one filled last step
+        self.compute_wgmma((slot + 1) % ring if self.fault == "wrong_buffer" else slot, slot)
+        e('T.ptx["wgmma.wait_group.sync.aligned"](1)')
+        with self.only_if(f"{kt} + 2 < {end}"):
+            self.load_global(f"({kt} + 2)", regs=(slot + 2) % ring)
+            self.load_packed_weights(f"({kt} + 2)", (slot + 2) % ring)
+        if self.fault != "no_store":
+            with self.only_if(f"{kt} + 1 < {end}"):
+                self.store_shared((slot + 1) % ring, f"({kt} + 1)")
         self.sync()
 
     def only_if(self, condition: str | None):
@@ -1087,6 +1113,9 @@ class _Generator:
         loads fill the other."""
         plan, e = self.plan, self.e
         first = self.first_step()
+        if plan.wgmma_in_flight:
+            self.k_loop_in_flight()
+            return
         if plan.tap_loop:
             taps, per_tap = self.wl.KH * self.wl.KW // plan.splits, plan.steps_per_tap
             tap = f"({first} + rs)"
@@ -1113,10 +1142,28 @@ class _Generator:
         else:
             self.step(f"{first} + {2 * pairs}", 0, False)
 
-    @staticmethod
-    def ring_slot(kt: str) -> str:
-        """The slot of the weights' ring that k step `kt` uses (:data:`WGMMA_RING`)."""
-        return f"({kt}) % {WGMMA_RING}"
+    def k_loop_in_flight(self) -> None:
+        """The slice's k steps, :data:`WGMMA_RING` at a time so each step's ring slot and
+        register sets are constants (registers cannot be indexed at run time), then the rest.
+        The fragments' gather keeps a running tap of its own, two steps ahead of the steps."""
+        e, ring = self.e, WGMMA_RING
+        first, steps = self.first_kt(), self.slice_steps()
+        if steps // ring:
+            # kept a loop: nvcc would unroll a short one, spilling the tensor-core tiles
+            with e.block(f"for kr in T.serial(0, {steps // ring}, unroll=False):"):
+                for slot in range(ring):
+                    self.step_in_flight(f"{first} + kr * {ring} + {slot}", slot)
+        for slot in range(steps % ring):
+            self.step_in_flight(f"{first} + {steps // ring * ring + slot}", slot)
+
+    def first_kt(self) -> str:
+        """This block's first k step (see :meth:`first_step`)."""
+        plan = self.plan
+        return f"{self.first_step()} * {plan.steps_per_tap}" if plan.tap_loop else self.first_step()
+
+    def slice_steps(self) -> int:
+        """The k steps of this block's share of the reduction."""
+        return self.plan.k_steps // self.plan.splits
 
     def slice_end(self) -> str:
         """The k step after this block's share of the reduction (see :meth:`first_step`)."""
@@ -1214,11 +1261,9 @@ class _Generator:
             self.declare_shared()
             if t.wgmma is not None:
                 e(f'acc = T.decl_buffer(({t.slabs * t.rows // 2},), "float32", scope="local")')
-                sets = 2 if plan.wgmma_in_flight else 1  # by step parity
+                sets = WGMMA_RING if plan.wgmma_in_flight else 1  # one per ring slot
                 e(f'af = T.decl_buffer(({sets * t.slabs * 4},), "uint32", scope="local")')
                 e(f'desc = T.decl_buffer(({1 if plan.wgmma_in_flight else 2},), "uint64", scope="local")')
-                if plan.gathers_fragments:  # the next step's fragments, in flight during this one's wgmma
-                    e(f'af_pre = T.decl_buffer(({t.slabs * 4},), "float32", scope="local")')
             elif t.mma is not None:
                 mt, nt = t.mma_tiles
                 reg = "float32" if t.mma.per_reg == 1 else "uint32"
@@ -1232,7 +1277,7 @@ class _Generator:
             else:
                 e(f'acc = T.decl_buffer(({tt.rows}, {tt.cols}), "float32", scope="local")')
             nb = len(self.slots(t.k_step * t.cols // t.vec))
-            sets = 2 if plan.wgmma_in_flight else 1  # the weights two steps ahead: by step parity
+            sets = WGMMA_RING if plan.wgmma_in_flight else 1  # the weights two steps ahead: per ring slot
             e(f'a_pre = T.decl_buffer(({sets * self.weight_regs},), "float32", scope="local")')
             if not plan.gathers_fragments:
                 e(f'b_pre = T.decl_buffer(({nb * t.vec},), "float32", scope="local")')
@@ -1258,17 +1303,18 @@ class _Generator:
                     e("acc[i, j] = T.float32(0)")
             self.b_columns()
             first = self.first_step()
-            first_kt = f"{first} * {plan.steps_per_tap}" if plan.tap_loop else first
+            first_kt = self.first_kt()
             if plan.wgmma_in_flight:  # the weights of the first step, and of the next into set 1
                 self.load_packed_weights(first_kt, 0)
-            if plan.tap_loop:
+            if plan.tap_loop and not plan.gathers_fragments:
                 self.load_global(first_kt, (first, "0"), first=True)
             else:
                 self.load_global(first, first=True)
             self.store_shared(0, first_kt)
-            if plan.wgmma_in_flight:
+            if plan.wgmma_in_flight:  # and the next step's weights and fragments into set 1
                 with self.only_if(f"{first_kt} + 1 < {self.slice_end()}"):
                     self.load_packed_weights(f"({first_kt} + 1)", 1)
+                    self.load_global(f"({first_kt} + 1)", regs=1)
             self.sync()
             self.k_loop()
             self.write_output()

@@ -203,7 +203,10 @@ def sass_loop_instructions(sass: str) -> collections.Counter:
 
 
 def ptxas_resources(source: str, arch: str) -> dict[str, int]:
-    """`ptxas -v` for each kernel of `source`, summed: registers (max), spill bytes, shared bytes."""
+    """`ptxas -v` for each kernel of `source`, summed: registers (max), spill bytes, shared bytes,
+    and `serialized_wgmma`: the kernels where ptxas waits for every wgmma right after issuing it
+    (its "Potential Performance Loss" infos C7510-C7520, which `-w` does not silence: say, a
+    register a wgmma reads defined while a group is in flight)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cu")
         with open(path, "w") as f:
@@ -225,4 +228,5 @@ def ptxas_resources(source: str, arch: str) -> dict[str, int]:
         raise RuntimeError(f"no ptxas resource lines in nvcc's output:\n{info[-2000:]}")
     return {"registers": max(numbers["registers"]), "spill_stores": sum(numbers["spill_stores"]),
             "spill_loads": sum(numbers["spill_loads"]), "stack": sum(numbers["stack"]),
-            "shared": max(numbers["shared"], default=0)}
+            "shared": max(numbers["shared"], default=0),
+            "serialized_wgmma": len(re.findall(r"wgmma\.mma_async instructions are serialized", info))}
