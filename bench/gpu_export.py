@@ -40,8 +40,11 @@ def sass_loop(source: str, arch: str) -> dict:
 
     arch = wgmma_arch(source, arch)
     loop = ptx.sass_loop_instructions(ptx.disassemble(ptx.compile_source(source, arch, "cubin")))
-    return {"arch": arch, "instructions": sum(loop.values()), "ffma": loop["FFMA"], "hmma": loop["HMMA"],
-            "hgmma": loop["HGMMA"], "lds": loop["LDS"]}
+    mix = {"arch": arch, "instructions": sum(loop.values()), "ffma": loop["FFMA"], "hmma": loop["HMMA"],
+           "hgmma": loop["HGMMA"], "lds": loop["LDS"]}
+    if loop["HGMMA"]:  # whether ptxas waits for every wgmma right after issuing it (C7513 and kin)
+        mix["serialized_wgmma"] = ptx.ptxas_resources(source, arch)["serialized_wgmma"]
+    return mix
 
 
 def wgmma_arch(source: str, arch: str) -> str:
@@ -103,7 +106,8 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str, engin
                     loop = entries[-1]["sass_loop"] = sass_loop(source, arch)
                     mix = (f" k loop: {loop['instructions']} instructions, "
                            f"{100 * (loop['ffma'] or loop['hmma'] or loop['hgmma']) / loop['instructions']:.1f}% "
-                           f"{'FFMA' if loop['ffma'] else 'HMMA' if loop['hmma'] else 'HGMMA'}")
+                           f"{'FFMA' if loop['ffma'] else 'HMMA' if loop['hmma'] else 'HGMMA'}"
+                           + (", wgmma serialized by ptxas" if loop.get("serialized_wgmma") else ""))
                 if engine.startswith("winograd"):
                     direct_ms, winograd_ms = entries[-1]["estimate_ms"]
                     shape = (f"F({plan.m}x{plan.m}) GEMM tile {plan.gemm.tile.rows}x{plan.gemm.tile.cols} grid "
