@@ -280,6 +280,24 @@ def test_wgmma_machine_code(gather):
     assert with_warnings.returncode == 0 and "warning" not in with_warnings.stderr.lower()
 
 
+@needs_nvcc
+@pytest.mark.parametrize("x_shape, w_shape, splits", [
+    ((32, 128, 28, 28), (512, 128, 1, 1), 1),  # ResNet-50 stage 3 at batch 32: no tap entry in the loop
+    ((32, 512, 28, 28), (128, 512, 1, 1), 4),  # split-K by channel steps
+    ((32, 256, 14, 14), (256, 256, 3, 3), 9),  # a tap a slice
+])
+def test_wgmma_in_flight_is_not_serialized(x_shape, w_shape, splits):
+    """ptxas keeps one group in flight on 1x1 layers too: nvcc 13.0 serialized them while a
+    gathered load was conditional (a zeroing move and a predicated load after the wait) and the
+    gather had no tap entry to keep it apart from the wait; the loads are now unconditional
+    (dead columns read a safe address) and masked."""
+    wl = Conv2dWorkload.make(x_shape, w_shape, padding=w_shape[2] // 2)
+    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(wl.K, ENGINE), splits=splits)
+    assert plan.wgmma_in_flight
+    resources = ptx.ptxas_resources(cc.cuda_source(plan, TARGET), "sm_90a")
+    assert resources["serialized_wgmma"] == 0 and resources["spill_stores"] == 0, resources
+
+
 @needs_gxx
 @pytest.mark.parametrize("channels", [8, 3])  # RSC (gathered fragments) and CRS order (K padded 27 -> 32)
 def test_network_on_wgmma_with_weights_as_inputs(channels):

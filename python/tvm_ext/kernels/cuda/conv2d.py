@@ -643,7 +643,10 @@ class _Generator:
             e('tap = T.decl_buffer((1,), "int32", scope="local")')
             e('c0 = T.decl_buffer((1,), "int32", scope="local")')
         e(f'{prefix}_off = T.decl_buffer(({count},), "int32", scope="local")')
-        e(f'{prefix}_live = T.decl_buffer(({count},), "bool", scope="local")')
+        if self.plan.gathers_fragments:  # as a mask: all ones where the column reads the input
+            e(f'{prefix}_mask = T.decl_buffer(({count},), "uint32", scope="local")')
+        else:
+            e(f'{prefix}_live = T.decl_buffer(({count},), "bool", scope="local")')
 
     def tap_position(self, prefix: str, tap: str) -> Callable[[str], tuple[str, str, str]]:
         """Bind filter tap `tap`'s (row, column) offsets once per site; returns a function of a
@@ -671,8 +674,9 @@ class _Generator:
 
     def enter_tap_fragments(self, tap: str) -> None:
         """Gathered wgmma fragments, for filter tap `tap`: per column, where its k row t (channel
-        t of the step) is in the input, and whether it is read at all (a dead column's loads
-        give zeros: with two register sets, zeroing them once here would miss one)."""
+        t of the step) is in the input, and whether it is read at all (`f_mask`: all ones, or
+        zeros). A dead column (padding, past the end) reads its channel's first element instead,
+        and its loads are masked to zeros."""
         t, wl, e = self.t, self.wl, self.e
         cg = wl.C // wl.groups
         position = self.tap_position("f", tap)
@@ -680,14 +684,19 @@ class _Generator:
             for h in range(2):
                 v, i = f"{sl}_{h}", sl * 2 + h
                 live, row, col = position(v)
-                e(f"f_live[{i}] = {live}")
-                e(f"f_off[{i}] = (((g * {cg} + tq) * {wl.H} + {row}) * {wl.W} + {col}) * {wl.N} + fn{v}")
+                e(f"f_mask[{i}] = T.Select({live}, T.uint32({2**32 - 1}), T.uint32(0))")
+                e(f"f_off[{i}] = T.Select(f_mask[{i}] > T.uint32(0), (((g * {cg} + tq) * {wl.H} + {row}) * {wl.W} + "
+                  f"{col}) * {wl.N} + fn{v}, (g * {cg} + tq) * {wl.H * wl.W * wl.N})")
 
     def load_fragments(self, chan: str, regs: int = 0) -> None:
         """Gathered wgmma fragments of channel step `chan` of the current tap, straight into the
         registers the wgmma reads (set `regs` of `af`): register h + 2j of a slab is k row t + 4j
         (a channel) of the column of row half h; scalar loads, 8 lanes of a warp reading 8
-        consecutive images or pixels, zeros for a dead column."""
+        consecutive images or pixels, zeros for a dead column. Each load is unconditional (a
+        dead column's offset is a safe one) and then masked: a load under a condition becomes
+        a zeroing move and a predicated load, and a select a branch, after either of which
+        ptxas (nvcc 13.0) serializes the wgmma (C7513) where the gather has no tap entry to
+        keep it apart from the wait (1x1 filters)."""
         t, wl, e = self.t, self.wl, self.e
         plane = wl.H * wl.W * wl.N
         base = self.fragment_base(regs)
@@ -695,9 +704,9 @@ class _Generator:
             for h in range(2):
                 i = sl * 2 + h
                 for j in range(2):
-                    load = f"Xf[f_off[{i}] + ({chan} * {t.k_step} + {4 * j}) * {plane}]"
-                    e(f"af[{base + sl * 4 + h + 2 * j}] = "
-                      f'T.reinterpret("uint32", T.if_then_else(f_live[{i}], {load}, T.float32(0)))')
+                    r = sl * 4 + h + 2 * j
+                    e(f"fv[{r}] = Xf[f_off[{i}] + ({chan} * {t.k_step} + {4 * j}) * {plane}]")
+                    e(f'af[{base + r}] = T.reinterpret("uint32", fv[{r}]) & f_mask[{i}]')
 
     @property
     def lanes(self) -> list[int]:
@@ -1263,6 +1272,8 @@ class _Generator:
                 e(f'acc = T.decl_buffer(({t.slabs * t.rows // 2},), "float32", scope="local")')
                 sets = WGMMA_RING if plan.wgmma_in_flight else 1  # one per ring slot
                 e(f'af = T.decl_buffer(({sets * t.slabs * 4},), "uint32", scope="local")')
+                if plan.gathers_fragments:  # a step's gathered values, before the dead columns' zeros
+                    e(f'fv = T.decl_buffer(({t.slabs * 4},), "float32", scope="local")')
                 e(f'desc = T.decl_buffer(({1 if plan.wgmma_in_flight else 2},), "uint64", scope="local")')
             elif t.mma is not None:
                 mt, nt = t.mma_tiles
