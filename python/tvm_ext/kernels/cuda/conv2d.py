@@ -488,10 +488,11 @@ class MaxDNNPlan:
         """wgmma with gathered fragments keeps one group in flight across each k step's barrier:
         the weights' tiles in a ring of :data:`WGMMA_RING` shared buffers (a step fills the one
         the group before last read, which every thread has waited for before the last barrier;
-        a ring of two would need a second barrier per step) and the fragments in two sets of
-        registers, by step parity. The weights and the fragments are loaded two steps ahead, into
-        two more sets: neither the store at the end of a step nor the next step's wgmma waits
-        for loads issued at its start. Elsewhere a step waits for its group before the barrier."""
+        a ring of two would need a second barrier per step). The fragments and the weights are
+        loaded two steps ahead, into a register set per ring slot (the k loop runs a ring at a
+        time, :meth:`_Generator.step_in_flight`): neither the store at the end of a step nor the
+        next step's wgmma waits for loads issued at its start. Elsewhere a step waits for its
+        group before the barrier."""
         return self.gathers_fragments
 
     @property
