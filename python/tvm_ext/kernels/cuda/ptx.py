@@ -205,8 +205,9 @@ def sass_loop_instructions(sass: str) -> collections.Counter:
 def ptxas_resources(source: str, arch: str) -> dict[str, int]:
     """`ptxas -v` for each kernel of `source`, summed: registers (max), spill bytes, shared bytes,
     and `serialized_wgmma`: the kernels where ptxas waits for every wgmma right after issuing it
-    (its "Potential Performance Loss" infos C7510-C7520, which `-w` does not silence: say, a
-    register a wgmma reads defined while a group is in flight)."""
+    (its "Potential Performance Loss: wgmma.mma_async instructions are serialized ..." infos,
+    C7513 and kin, which `-w` does not silence: say, a register a wgmma reads defined while a
+    group is in flight)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cu")
         with open(path, "w") as f:
