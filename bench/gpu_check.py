@@ -309,15 +309,15 @@ def main(argv=None) -> int:
                           tile=entry["tile"])
             rows.append(result)
             # the FFMA peak is no tensor peak; Winograd's GFLOP/s are effective (a direct conv's FLOPs)
-            winograd = "winograd" in entry
+            winograd, ffma = "winograd" in entry, base_engine(entry) == "ffma"
             pct = "-"
-            if base_engine(entry) == "ffma":
+            if ffma:
                 pct = f"{result['peak_pct']:.1f}%" + (" eff." if winograd else "")
             loop = entry.get("sass_loop")
-            ffma_loop = loop and base_engine(entry) == "ffma"
+            ffma_loop = loop and ffma
             bound = f"{100 * loop['ffma'] / loop['instructions']:.1f}%" if ffma_loop else "-"
             tile = f"{entry['tile'][0]}x{entry['tile'][1]}"
-            if base_engine(entry) == "ffma" and "thread_tile" in entry:  # a thread's FFMA tile
+            if ffma and "thread_tile" in entry:  # a thread's FFMA tile
                 tile += " ({}x{})".format(*entry["thread_tile"])
             tile += f", K/{entry['splits']}" if entry.get("splits", 1) > 1 else ""
             if winograd:  # with the strategy's estimate of its speed-up over the direct tile

@@ -65,9 +65,7 @@ def test_emulated_wgmma_in_flight_on_short_reductions(channels):
     wl = Conv2dWorkload.make((4, channels, 5, 6), (64, channels, 1, 1))
     plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(64, ENGINE), cc.Epilogue(bias=True))
     assert plan.wgmma_in_flight and plan.code_steps == (3 if channels >= 24 else 0) + channels // 8 % 3
-    x, w, bias, residual = _inputs(wl, plan.epilogue)
-    got = cc.output_to_nchw(cc.emulate(plan, cc.kernel_arrays(plan, x, w, bias, residual)))
-    ref = _reference(wl, plan.epilogue, _as_read(x, "mma_tf32"), _as_read(w, "mma_tf32"), bias, residual)
+    got, ref = _emulated(plan)
     assert rel_err(got, ref) < 1e-5
 
 
@@ -75,9 +73,7 @@ def test_emulated_wgmma_in_flight_on_short_reductions(channels):
 def test_emulated_wgmma_split_k():
     wl = Conv2dWorkload.make((4, 16, 6, 6), (64, 16, 3, 3), padding=1)
     plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(64, ENGINE), cc.Epilogue(bias=True, activation="relu"), splits=3)
-    x, w, bias, _ = _inputs(wl, plan.epilogue)
-    got = cc.output_to_nchw(cc.emulate(plan, cc.kernel_arrays(plan, x, w, bias)))
-    ref = _reference(wl, plan.epilogue, _as_read(x, "mma_tf32"), _as_read(w, "mma_tf32"), bias, None)
+    got, ref = _emulated(plan)
     assert rel_err(got, ref) < 1e-5
 
 
@@ -85,7 +81,7 @@ _WL = Conv2dWorkload.make((4, 16, 7, 7), (64, 16, 3, 3), padding=1)
 _WL_CRS = Conv2dWorkload.make((4, 4, 7, 7), (64, 4, 3, 3), padding=1)  # 4 channels: the shared A tile
 
 
-def _emulated(plan: cc.MaxDNNPlan, source: str):
+def _emulated(plan: cc.MaxDNNPlan, source: str | None = None):
     """The emulated output and the float64 reference on the inputs as the tensor cores read them."""
     x, w, bias, residual = _inputs(plan.wl, plan.epilogue)
     got = cc.output_to_nchw(cc.emulate(plan, cc.kernel_arrays(plan, x, w, bias, residual), source))

@@ -1139,7 +1139,7 @@ class _Generator:
                 self.step(f"{tap} * {per_tap} + {per_tap - 1}", 1, True, (f"({tap} + 1)", "0"),
                           when=f"rs < {taps - 1}")
             return
-        steps = plan.k_steps // plan.splits
+        steps = self.slice_steps()
         pairs = (steps - 1) // 2  # pairs of steps that both prefetch
         if pairs:
             with e.block(f"for kt2 in range({pairs}):"):
@@ -1177,10 +1177,7 @@ class _Generator:
 
     def slice_end(self) -> str:
         """The k step after this block's share of the reduction (see :meth:`first_step`)."""
-        plan = self.plan
-        if plan.tap_loop:
-            return f"({self.first_step()} + {self.wl.KH * self.wl.KW // plan.splits}) * {plan.steps_per_tap}"
-        return f"{self.first_step()} + {plan.k_steps // plan.splits}"
+        return f"{self.first_kt()} + {self.slice_steps()}"
 
     def first_step(self) -> str:
         """Where this block's share of the reduction starts: its slice's first tap (with
