@@ -7,8 +7,8 @@ engine), compiles it with nvcc for this GPU, and for every kernel:
   as the tensor cores read them (tf32: low 13 mantissa bits dropped; bf16: rounded);
 - times it (CUDA events, median) against cuDNN through PyTorch: the FFMA kernel against cuDNN fp32
   (TF32 off), the tf32 tensor-core kernels (mma.sync; wgmma, compiled for sm_90a on a Hopper GPU)
-  against cuDNN with TF32 on, the bf16 one (exported with `--engines ... mma_bf16`) against cuDNN
-  on bf16 tensors;
+  against cuDNN with TF32 on, the bf16 ones (exported with `--engines ... mma_bf16 wgmma_bf16`)
+  against cuDNN on bf16 tensors;
 - prints GFLOP/s and, for FFMA, % of the fp32 FFMA peak it measures itself with an FFMA-chain kernel.
 A layer exported with split-K (a grid too small to fill the GPU; "K/n" in the tile column) runs
 its two kernels, the slices and their sum, and both are timed together. A Winograd entry (engine
@@ -196,10 +196,14 @@ def run_layer(torch, device: CudaDevice, entry: dict, cubin: Path, repeat: int) 
         weights = w.reshape(groups, k // groups, cg, r, s).permute(*axes).reshape(groups, cg * r * s, k // groups)
     if "wgmma" in entry:  # each (group, block of rows, k step) tile in the layout the tensor cores read
         rows, step = entry["wgmma"]["rows"], entry["wgmma"]["k_step"]
+        per = entry["wgmma"].get("per_reg", 1)  # values in 4 bytes: bf16 comes rounded, in pairs
         _, blocks, steps, _ = entry["params"]["w"]
         weights = F.pad(weights, (0, blocks * rows - k // groups, 0, steps * step - cg * r * s))
-        weights = weights.reshape(groups, steps, step // 4, 4, blocks, rows // 8, 8).permute(0, 4, 1, 5, 2, 6, 3)
+        core = 4 * per  # k values in a core matrix's 16-byte row
+        weights = weights.reshape(groups, steps, step // core, core, blocks, rows // 8, 8).permute(0, 4, 1, 5, 2, 6, 3)
         weights = weights.reshape(groups, blocks, steps, rows * step)
+        if per == 2:
+            weights = weights.bfloat16().contiguous().view(torch.float32)
     tensors = {"x": x.permute(1, 2, 3, 0).contiguous(), "w": weights.contiguous()}
     for name, shape in entry["params"].items():  # what the kernels write: "y", and split-K's
         if name not in tensors:                  # slices or Winograd's transformed tiles
@@ -217,22 +221,23 @@ def run_layer(torch, device: CudaDevice, entry: dict, cubin: Path, repeat: int) 
     got = tensors["y"].permute(3, 0, 1, 2)
     engine = base_engine(entry)
     tf32 = engine in ("mma_tf32", "wgmma_tf32")
+    bf16 = engine in ("mma_bf16", "wgmma_bf16")
 
     def as_read(t):  # what the kernel's arithmetic sees of an fp32 input
         if tf32:
             return (t.view(torch.int32) & -8192).view(torch.float32)
-        return t.bfloat16().float() if engine == "mma_bf16" else t
+        return t.bfloat16().float() if bf16 else t
 
     ref = F.conv2d(pad(as_read(x).double()), as_read(w).double(), **options)
     scale = ref.abs().max().item()
     err = (got.double() - ref).abs().max().item() / scale
     # the baseline at the same precision: fp32, TF32 allowed, bf16 tensors
-    xp, wb = (pad(x).bfloat16(), w.bfloat16()) if engine == "mma_bf16" else (pad(x), w)
+    xp, wb = (pad(x).bfloat16(), w.bfloat16()) if bf16 else (pad(x), w)
     set_tf32(torch, tf32)
     t_ours = device.median_ms(ours, repeat)
     t_base = device.median_ms(lambda: F.conv2d(xp, wb, **options), repeat)
     set_tf32(torch, False)
-    precision = {"ffma": "fp32", "mma_tf32": "TF32", "wgmma_tf32": "TF32", "mma_bf16": "bf16"}[engine]
+    precision = "TF32" if tf32 else "bf16" if bf16 else "fp32"
     return {"err": err, "ok": err < (1e-4 if engine == "ffma" else 1e-5), "ours_ms": t_ours, "cudnn_ms": t_base,
             "cudnn": f"{device.baseline} {precision}"}
 

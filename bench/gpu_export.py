@@ -149,7 +149,7 @@ def _entry(name: str, set_name: str, layer: str, engine: str, wl, plan, source: 
                  splits=plan.splits, k_order=plan.k_order,
                  params={k: list(v) for k, v in {**plan.shapes(), **plan.reduce_shapes()}.items()})
     if plan.tile.wgmma is not None:  # the weights packed per block and k step (pack_wgmma_weight)
-        entry["wgmma"] = {"rows": plan.tile.rows, "k_step": plan.tile.k_step}
+        entry["wgmma"] = {"rows": plan.tile.rows, "k_step": plan.tile.k_step, "per_reg": plan.tile.wgmma.per_reg}
     entry["launches"] = [{"kernel": cc.KERNEL_NAME + "_kernel", "grid": list(plan.grid),
                           "block": [plan.tile.threads, 1, 1], "shared_bytes": plan.dynamic_shared_bytes,
                           "cuda_args": cc.cuda_param_order(source)}]
@@ -172,14 +172,16 @@ def main(argv=None) -> int:
     parser.add_argument("--engines", nargs="+",
                         default=list(ENGINES),
                         choices=["ffma", "ffma:maxdnn", "winograd", "winograd:2", "mma_tf32", "mma_tf32:64",
-                                 "mma_bf16", "wgmma_tf32", "wgmma_tf32:shared", "wgmma_tf32:static"],
+                                 "mma_bf16", "wgmma_tf32", "wgmma_tf32:shared", "wgmma_tf32:static",
+                                 "wgmma_bf16"],
                         help="kernel variants; 'ffma:maxdnn': maxDNN's 64 x 64 tile of 8 x 8 threads (the "
                              "'ffma' tile is choose_tile's, mostly 16 x 8 threads); ':64' = 64-row warp slabs "
                              "(4 x m16 per warp); winograd: fp32 "
                              "F(4x4) on the FFMA tile, for the 3x3 and 5x5 stride-1 layers (':2': F(2x2)); "
                              "wgmma_tf32: Hopper's warpgroup tensor cores (sm_90a; ':shared': A fragments from a "
                              "shared tile instead of gathered from the input; ':static': 128 x 64 tiles where "
-                             "the default's 128 x 128 needs dynamic shared memory, as in 0.5.7)")
+                             "the default's 128 x 128 needs dynamic shared memory, as in 0.5.7); wgmma_bf16: "
+                             "the same on bf16 (weights packed as bf16 pairs)")
     parser.add_argument("--sass", action="store_true",
                         help="also record each kernel's k-loop SASS mix for --arch (needs nvcc and nvdisasm)")
     args = parser.parse_args(argv)

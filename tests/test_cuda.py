@@ -441,7 +441,7 @@ def _as_read(a: np.ndarray, engine: str) -> np.ndarray:
     """What the tensor cores compute with: tf32 drops the low 13 mantissa bits of the fp32
     register; bf16 is rounded to nearest even when the fragment is packed."""
     bits = np.ascontiguousarray(a, np.float32).view(np.uint32)
-    if engine == "mma_tf32":
+    if engine.endswith("tf32"):
         return (bits & np.uint32(0xFFFFE000)).view(np.float32)
     rounded = (bits.astype(np.uint64) + 0x7FFF + ((bits >> 16) & 1)).astype(np.uint32)
     return (rounded & np.uint32(0xFFFF0000)).view(np.float32)
@@ -537,6 +537,43 @@ def test_padded_shared_rows_survive_lowering(engine, operands):
         assert stride % 32 in (4, 8)  # k-row t at bank 4t or 8t
         for buf in (0, 1):  # (a buffer may be shared with the output tile, and larger)
             assert floats[f"{name}_sh{buf}"] >= (tile.k_step - 1) * stride + stride - tile.pad
+
+
+@pytest.mark.parametrize("engine", ["ffma", "mma_tf32", "mma_bf16", "wgmma_tf32", "wgmma_bf16"])
+@pytest.mark.parametrize("channels", [1, 16])  # 9 and 16 reduction rows: one or two k steps
+def test_short_reductions_keep_their_tiles_apart(engine, channels):
+    """A reduction of one or two k steps has no k loop to join its buffers' lifetimes, and TVM's
+    StorageRewrite laid one operand tile over another whose last access it saw earlier: a
+    second barrier a step for FFMA and mma.sync, and for wgmma (whose tensor cores read the
+    weights through a descriptor TVM does not see) a tile overwritten while a wgmma read it.
+    The generator marks the tiles live after the k loop: each keeps its own array, and a step
+    has one barrier (the prologue and the staged output one more each). (The network test
+    with weights as inputs covers three k steps, a loop of one iteration, on wgmma bf16.)"""
+    filt = 3 if channels == 1 else 1
+    wl = Conv2dWorkload.make((4, channels, 6, 6), (64, channels, filt, filt), padding=filt // 2)
+    tile = cc.choose_tile(64, engine, columns=144)
+    if tile.wgmma is not None:  # the shared-tile path (gathered fragments keep a ring, always live)
+        tile = dataclasses.replace(tile, gather_fragments=False)
+    plan = cc.MaxDNNPlan.make(wl, tile)
+    source = cc.cuda_source(plan)
+    declared = re.findall(r"__shared__ alignas\(\d+\) float4? (\w_sh\d)_ptr\[", source)
+    buffers = range(min(plan.k_steps, 2))
+    assert sorted(declared) == sorted(f"{name}_sh{buf}" for name in plan.operand_tiles for buf in buffers)
+    assert source.count("__syncthreads();") == plan.k_steps + 2
+
+
+@needs_gxx
+def test_short_wgmma_reduction_is_not_overwritten():
+    """The two-step wgmma tf32 kernel of a 1-channel 3x3 convolution: before its tiles were
+    marked live, the emulator caught its second weights' tile stored over the first while the
+    tensor cores read it."""
+    wl = Conv2dWorkload.make((4, 1, 6, 6), (64, 1, 3, 3), padding=1)
+    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(64, "wgmma_tf32"))
+    assert plan.k_steps == 2 and not plan.gathers_fragments
+    x, w, _, _ = _inputs(wl, plan.epilogue)
+    got = cc.output_to_nchw(cc.emulate(plan, cc.kernel_arrays(plan, x, w)))
+    assert rel_err(got, _reference(wl, plan.epilogue, _as_read(x, "wgmma_tf32"), _as_read(w, "wgmma_tf32"),
+                                   None, None)) < 1e-5
 
 
 def test_tensor_core_tile_validation():

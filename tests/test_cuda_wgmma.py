@@ -1,4 +1,4 @@
-"""CUDA: the maxDNN tile on Hopper's asynchronous warpgroup tensor cores (wgmma, tf32), without a GPU.
+"""CUDA: the maxDNN tile on Hopper's asynchronous warpgroup tensor cores (wgmma, tf32 and bf16), without a GPU.
 
 Numbers come from the CPU emulator, which carries out each wgmma when its group is waited for,
 reading B from shared memory through the kernel's own descriptor; machine code from nvcc for
@@ -28,6 +28,7 @@ from tvm_ext.testing import cuda_emulator
 from tvm_ext.testing.relax_emulator import dynamic_shared_bytes, emulated_executable, lower
 
 ENGINE = "wgmma_tf32"
+BF16 = "wgmma_bf16"
 TARGET = "cuda -arch=sm_90a"
 needs_nvcc = pytest.mark.skipif(not ptx.have_nvcc(), reason="nvcc is not installed")
 needs_gxx = pytest.mark.skipif(not cuda_emulator.have_compiler(), reason="g++ is not installed")
@@ -58,21 +59,47 @@ def test_emulated_wgmma_conv2d(x_shape, w_shape, options, epilogue, gather):
 
 
 @needs_gxx
-@pytest.mark.parametrize("channels", [8, 16, 32, 40])  # 1, 2, 4 and 5 k steps
-def test_emulated_wgmma_in_flight_on_short_reductions(channels):
+@pytest.mark.parametrize("gather", [True, False])
+@pytest.mark.parametrize("x_shape, w_shape, options, epilogue", [
+    ((8, 32, 12, 12), (64, 32, 3, 3), dict(padding=1), cc.Epilogue()),  # tap loop, 2 channel steps a tap
+    # CRS order (K = 30, padded to 32: 2 k steps of 16)
+    ((3, 5, 9, 7), (70, 5, 3, 2), dict(padding=(1, 0, 2, 1), stride=2), cc.Epilogue(bias=True, activation="relu")),
+    # 24 channels (not a multiple of 16: CRS), N = 128 with dynamic shared memory
+    ((4, 24, 6, 5), (128, 24, 3, 3), dict(padding=1, stride=2), cc.Epilogue(residual=True)),
+    ((4, 64, 6, 6), (48, 32, 3, 3), dict(padding=2, dilation=2, groups=2), cc.Epilogue(activation="relu6")),
+])
+def test_emulated_wgmma_bf16_conv2d(x_shape, w_shape, options, epilogue, gather):
+    """bf16 wgmma (m64nNk16): the gathered fragments rounded and packed two to a register, the
+    shared tile's likewise, the weights packed as bf16 pairs (:func:`cc.bf16_pairs`)."""
+    wl = Conv2dWorkload.make(x_shape, w_shape, **options)
+    tile = dataclasses.replace(cc.choose_tile(wl.K // wl.groups, BF16), gather_fragments=gather)
+    plan = cc.MaxDNNPlan.make(wl, tile, epilogue)
+    assert tile.k_step == 16 and plan.gathers_fragments == (gather and wl.C // wl.groups % 16 == 0)
+    got, ref = _emulated(plan)
+    assert rel_err(got, ref) < 1e-5
+    x, w, bias, residual = _inputs(wl, epilogue)
+    assert rel_err(got, _reference(wl, epilogue, x, w, bias, residual)) > 1e-4  # it really is bf16
+
+
+@needs_gxx
+@pytest.mark.parametrize("engine, channels", [(ENGINE, 8), (ENGINE, 16), (ENGINE, 32), (ENGINE, 40),
+                                              (BF16, 16), (BF16, 80)])  # 1, 2, 4 and 5 k steps
+def test_emulated_wgmma_in_flight_on_short_reductions(engine, channels):
     """Groups in flight, the loop WGMMA_RING steps at a time: slices shorter than the ring (no
     loop), and loops with a remainder of one and two steps."""
     wl = Conv2dWorkload.make((4, channels, 5, 6), (64, channels, 1, 1))
-    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(64, ENGINE), cc.Epilogue(bias=True))
-    assert plan.wgmma_in_flight and plan.code_steps == (3 if channels >= 24 else 0) + channels // 8 % 3
+    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(64, engine), cc.Epilogue(bias=True))
+    steps = channels // plan.tile.k_step
+    assert plan.wgmma_in_flight and plan.code_steps == (3 if steps >= 3 else 0) + steps % 3
     got, ref = _emulated(plan)
     assert rel_err(got, ref) < 1e-5
 
 
 @needs_gxx
-def test_emulated_wgmma_split_k():
-    wl = Conv2dWorkload.make((4, 16, 6, 6), (64, 16, 3, 3), padding=1)
-    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(64, ENGINE), cc.Epilogue(bias=True, activation="relu"), splits=3)
+@pytest.mark.parametrize("engine, channels", [(ENGINE, 16), (BF16, 32)])
+def test_emulated_wgmma_split_k(engine, channels):
+    wl = Conv2dWorkload.make((4, channels, 6, 6), (64, channels, 3, 3), padding=1)
+    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(64, engine), cc.Epilogue(bias=True, activation="relu"), splits=3)
     got, ref = _emulated(plan)
     assert rel_err(got, ref) < 1e-5
 
@@ -85,7 +112,8 @@ def _emulated(plan: cc.MaxDNNPlan, source: str | None = None):
     """The emulated output and the float64 reference on the inputs as the tensor cores read them."""
     x, w, bias, residual = _inputs(plan.wl, plan.epilogue)
     got = cc.output_to_nchw(cc.emulate(plan, cc.kernel_arrays(plan, x, w, bias, residual), source))
-    return got, _reference(plan.wl, plan.epilogue, _as_read(x, "mma_tf32"), _as_read(w, "mma_tf32"), bias, residual)
+    engine = plan.tile.engine
+    return got, _reference(plan.wl, plan.epilogue, _as_read(x, engine), _as_read(w, engine), bias, residual)
 
 
 def _broken(plan: cc.MaxDNNPlan, source: str) -> bool:
@@ -98,9 +126,9 @@ def _broken(plan: cc.MaxDNNPlan, source: str) -> bool:
 
 
 @needs_gxx
-@pytest.mark.parametrize("wl", [_WL, _WL_CRS])
-def test_emulator_catches_broken_wgmma_kernels(wl):
-    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(64, ENGINE))
+@pytest.mark.parametrize("engine, wl", [(ENGINE, _WL), (ENGINE, _WL_CRS), (BF16, _WL)])
+def test_emulator_catches_broken_wgmma_kernels(engine, wl):
+    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(64, engine))
     assert plan.gathers_fragments == (wl is _WL)
     source = cc.cuda_source(plan)
     got, ref = _emulated(plan, source)
@@ -120,17 +148,20 @@ def test_emulator_catches_broken_wgmma_kernels(wl):
 
 
 @needs_gxx
-def test_emulator_catches_wgmma_races_in_flight(monkeypatch):
+@pytest.mark.parametrize("engine", [ENGINE, BF16])
+def test_emulator_catches_wgmma_races_in_flight(monkeypatch, engine):
     """One group in flight across each barrier (gathered fragments and weights loaded two steps
     ahead): the ring's slot is refilled only after every thread has waited for the group that
     read it. A store before the wait, a ring of two (a slot refilled while the group before last
     may still read it) or a missing barrier are races the emulator reports: the B tile changed
     between a wgmma's issue and its wait."""
-    plan = cc.MaxDNNPlan.make(_WL, cc.choose_tile(64, ENGINE))
+    plan = cc.MaxDNNPlan.make(_WL, cc.choose_tile(64, engine))
     assert plan.wgmma_in_flight and cc.WGMMA_RING == 3
     source = cc.cuda_source(plan)
-    # per ring slot: the fragments' register set, and the weights' (loaded two steps ahead)
-    per_set = 64 * 8 // 128
+    # per ring slot: the fragments' register set, and the weights' (loaded two steps ahead): a
+    # k step's 64 x 8 tf32 or 64 x 16 bf16 (in pairs) is 512 words, 4 a thread
+    per_set = plan.tile.weight_words // 128
+    assert per_set == 4
     assert f"uint af_ptr[{3 * 4 * plan.tile.slabs}];" in source and f"float a_pre_ptr[{3 * per_set}];" in source
     assert "af_pre" not in source  # gathered straight into the registers the wgmma reads: no copies
     got, ref = _emulated(plan, source)
@@ -168,6 +199,28 @@ def test_pack_wgmma_weight_is_the_descriptor_layout():
                     assert packed[0, block, step, at] == want
     with pytest.raises(ValueError, match="GEMM needs"):
         cc.pack_wgmma_weight(wt[:, :-1], plan)
+
+
+def test_pack_wgmma_weight_bf16_pairs():
+    """bf16: each chunk holds B[n][k] rounded to bf16 (nearest even) at 16-bit word (n // 8) 128 +
+    (k // 8) 64 + (n % 8) 8 + k % 8: the same bytes as tf32's layout, 8 values of k in a core
+    matrix's row instead of 4, two to a float32 word, the lower k in the low half."""
+    wl = Conv2dWorkload.make((2, 5, 6, 6), (70, 5, 3, 2), padding=1)
+    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(70, BF16))
+    rows, m, k = plan.tile.rows, plan.gemm[0], plan.gemm[2]
+    wt = np.random.default_rng(0).standard_normal((1, k, m)).astype(np.float32)
+    packed = cc.pack_wgmma_weight(wt, plan)
+    assert packed.dtype == np.float32 and packed.shape == plan.weight_shape == (1, 1, 2, rows * 16 // 2)
+    halves = packed.view(np.uint16)
+    want_bits = (_as_read(wt, "mma_bf16").view(np.uint32) >> 16).astype(np.uint16)
+    for step in range(2):
+        for n in range(rows):
+            for kk in range(16):
+                at = (n // 8) * 128 + (kk // 8) * 64 + (n % 8) * 8 + kk % 8
+                row, col = step * 16 + kk, n
+                assert halves[0, 0, step, at] == (want_bits[0, row, col] if row < k and col < m else 0)
+    with pytest.raises(ValueError, match="not pairs"):
+        cc.bf16_pairs(np.ones((3, 5), np.float32))
 
 
 def test_wgmma_tile_validation_and_choice():
@@ -226,25 +279,30 @@ def test_dynamic_shared_memory():
 
 
 def test_engine_needs_sm_90a():
-    assert engine_for("wgmma_tf32", tvm_ext.resolve_target(TARGET)) == ENGINE
-    assert engine_for("wgmma_tf32", tvm_ext.resolve_target("nvidia/nvidia-h100")) == ENGINE
-    for target in ("cuda -arch=sm_90", "cuda -arch=sm_80"):
-        with pytest.raises(tvm_ext.UnsupportedError, match="sm_90a only"):
-            engine_for("wgmma_tf32", tvm_ext.resolve_target(target))
+    for engine in (ENGINE, BF16):
+        assert engine_for(engine, tvm_ext.resolve_target(TARGET)) == engine
+        assert engine_for(engine, tvm_ext.resolve_target("nvidia/nvidia-h100")) == engine
+        for target in ("cuda -arch=sm_90", "cuda -arch=sm_80"):
+            with pytest.raises(tvm_ext.UnsupportedError, match="sm_90a only"):
+                engine_for(engine, tvm_ext.resolve_target(target))
+    with pytest.raises(ValueError, match="'wgmma_bf16'"):
+        engine_for("wgmma_fp16")
     with pytest.raises(tvm_ext.UnsupportedError, match="sm_90a only"):
         tvm_ext.pipeline("cuda -arch=sm_80", tensor_cores="wgmma_tf32")
 
 
 @needs_nvcc
+@pytest.mark.parametrize("engine", [ENGINE, BF16])
 @pytest.mark.parametrize("gather", [True, False])
-def test_wgmma_machine_code(gather):
+def test_wgmma_machine_code(gather, engine):
     """sm_90a: one wgmma per slab and k step in PTX, HGMMA in the SASS k loop between the fence
     and the wait, the weights' tile stored while it runs; no spills, no ptxas warning, and no
     serialized wgmma: ptxas says so only in an info line (C7513 and kin), and then waits for
     every group right after issuing it (0.5.8's gathered kernel: a copy into the registers of
-    the next step's wgmma while a group was in flight)."""
+    the next step's wgmma while a group was in flight). bf16 packs its fragments with one F2FP a
+    register."""
     wl = Conv2dWorkload.make((128, 256, 13, 13), (384, 256, 3, 3), padding=1)  # AlexNet conv3, b128
-    tile = dataclasses.replace(cc.choose_tile(384, ENGINE), gather_fragments=gather)
+    tile = dataclasses.replace(cc.choose_tile(384, engine), gather_fragments=gather)
     plan = cc.MaxDNNPlan.make(wl, tile)
     t = plan.tile
     assert (t.rows, t.cols, plan.tap_loop, plan.gathers_fragments) == (128, 128, True, gather)
@@ -256,8 +314,12 @@ def test_wgmma_machine_code(gather):
     # a group a step (waited for a step later where they stay in flight, and once more at the end)
     assert ops_count["wgmma.wait_group.sync.aligned"] == plan.code_steps + plan.wgmma_in_flight
     assert ops_count["ld.global.nc.v4.f32"] > 0 and ops_count["st.shared.v4.f32"] > 0
-    # gathered fragments: 4 scalar loads a slab and step, and no shared loads at all
-    assert (ops_count["ld.global.nc.u32"] > 0) == gather and (ops_count["ld.shared.u32"] == 0) == gather
+    # gathered fragments: 4 scalar loads a slab and step (bf16: 8, rounded and packed), and no
+    # shared loads at all
+    per = t.wgmma.per_reg
+    scalar = "ld.global.nc.u32" if per == 1 else "ld.global.nc.f32"
+    assert (ops_count[scalar] > 0) == gather
+    assert (ops_count["ld.shared.u32" if per == 1 else "ld.shared.f32"] == 0) == gather
     resources = ptx.ptxas_resources(source, "sm_90a")
     assert resources["spill_stores"] == resources["spill_loads"] == resources["stack"] == 0
     assert resources["serialized_wgmma"] == 0
@@ -266,9 +328,11 @@ def test_wgmma_machine_code(gather):
         loop = ptx.sass_loop_instructions(sass)
         steps = cc.WGMMA_RING if plan.wgmma_in_flight else 2  # a loop iteration: the ring's slots, or a pair
         assert loop["HGMMA"] == steps * t.slabs and loop["BAR"] == steps
-        assert loop["LDS"] == (0 if gather else steps * 4 * t.slabs)
-        # float4 stores of the weights' 4 KB (and of the data's 4 KB) a step
-        assert loop["STS"] == steps * (t.rows + (0 if gather else t.cols)) * 8 // 4 // t.threads
+        assert loop["LDS"] == (0 if gather else steps * 4 * t.slabs * per)
+        assert loop["F2FP"] == (0 if per == 1 else steps * 4 * t.slabs)  # bf16: a pack a register
+        # float4 stores of the weights' 4 KB (and of the data's 4 KB, bf16 8 KB: fp32 values) a step
+        stores = t.weight_words + (0 if gather else t.k_step * t.cols)
+        assert loop["STS"] == steps * stores // 4 // t.threads
         # in flight: each step waits for the group before its own, not for its own
         assert sass.count("DEPBAR.LE gsb0, 0x1") == (plan.code_steps if plan.wgmma_in_flight else 0)
     with_warnings = subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-O3", "-x", "cu", "-", "-o", "/dev/null",
@@ -277,28 +341,30 @@ def test_wgmma_machine_code(gather):
 
 
 @needs_nvcc
+@pytest.mark.parametrize("engine", [ENGINE, BF16])
 @pytest.mark.parametrize("x_shape, w_shape, splits", [
     ((32, 128, 28, 28), (512, 128, 1, 1), 1),  # ResNet-50 stage 3 at batch 32: no tap entry in the loop
     ((32, 512, 28, 28), (128, 512, 1, 1), 4),  # split-K by channel steps
     ((32, 256, 14, 14), (256, 256, 3, 3), 9),  # a tap a slice
 ])
-def test_wgmma_in_flight_is_not_serialized(x_shape, w_shape, splits):
+def test_wgmma_in_flight_is_not_serialized(x_shape, w_shape, splits, engine):
     """ptxas keeps one group in flight on 1x1 layers too: nvcc 13.0 serialized them while a
     gathered load was conditional (a zeroing move and a predicated load after the wait) and the
     gather had no tap entry to keep it apart from the wait; the loads are now unconditional
     (dead columns read a safe address) and masked."""
     wl = Conv2dWorkload.make(x_shape, w_shape, padding=w_shape[2] // 2)
-    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(wl.K, ENGINE), splits=splits)
+    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(wl.K, engine), splits=splits)
     assert plan.wgmma_in_flight
     resources = ptx.ptxas_resources(cc.cuda_source(plan, TARGET), "sm_90a")
     assert resources["serialized_wgmma"] == 0 and resources["spill_stores"] == 0, resources
 
 
 @needs_gxx
-@pytest.mark.parametrize("channels", [8, 3])  # RSC (gathered fragments) and CRS order (K padded 27 -> 32)
-def test_network_on_wgmma_with_weights_as_inputs(channels):
-    """tensor_cores="wgmma_tf32" through the graph strategy: constant weights packed in NumPy, a
-    weight that is a function parameter packed by graph ops; the report names the engine."""
+@pytest.mark.parametrize("engine, channels", [(ENGINE, 8), (ENGINE, 3), (BF16, 16)])  # RSC (gathered), CRS
+def test_network_on_wgmma_with_weights_as_inputs(engine, channels):
+    """tensor_cores="wgmma_tf32" or "wgmma_bf16" through the graph strategy: constant weights
+    packed in NumPy, a weight that is a function parameter packed by graph ops (for bf16, its
+    pairs by a kernel of their own); the report names the engine."""
     rng = np.random.default_rng(5)
     k = (rng.standard_normal((24, 40, 1, 1)) * 0.3).astype(np.float32)
     bb = relax.BlockBuilder()
@@ -310,13 +376,13 @@ def test_network_on_wgmma_with_weights_as_inputs(channels):
             out = bb.emit_output(bb.emit(relax.op.nn.conv2d(y, relax.const(k))))
         bb.emit_func_output(out)
     mod = bb.get()
-    report = [row for row in tvm_ext.dispatch_report(mod, TARGET, tensor_cores="wgmma_tf32")
+    report = [row for row in tvm_ext.dispatch_report(mod, TARGET, tensor_cores=engine)
               if row.op == "nn.conv2d"]
-    assert len(report) == 2 and all("wgmma_tf32 tile" in row.reason for row in report)
-    gathered = channels % 8 == 0  # RSC order: the first layer's fragments come from the input
+    assert len(report) == 2 and all(f"{engine} tile" in row.reason for row in report)
+    gathered = channels % cc.WGMMA_SHAPES[engine].k == 0  # RSC order: the first layer's fragments come from the input
     assert ("A fragments gathered from the input" in report[0].reason) == gathered
     assert ("A fragments through shared memory" in report[0].reason) == (not gathered)
-    lowered = lower(mod, TARGET, tensor_cores="wgmma_tf32")
+    lowered = lower(mod, TARGET, tensor_cores=engine)
     vm = relax.VirtualMachine(emulated_executable(lowered, TARGET), tvm.cpu())
     xv = rng.standard_normal((4, channels, 7, 6)).astype(np.float32)
     wv = rng.standard_normal((40, channels, 3, 3)).astype(np.float32)

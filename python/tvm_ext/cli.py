@@ -38,7 +38,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-stock", action="store_true", help="skip stock TVM (it takes seconds per run)")
     ap.add_argument("--direct", action="store_true",
                     help="demo, report: every convolution direct (no Winograd for 3x3 and 5x5 layers)")
-    ap.add_argument("--tensor-cores", choices=("tf32", "bf16", "wgmma_tf32"), default=None,
+    ap.add_argument("--tensor-cores", choices=("tf32", "bf16", "wgmma_tf32", "wgmma_bf16"), default=None,
                     help="report, CUDA targets: convolutions on the tensor-core tile (tvm_ext.build's tensor_cores)")
     return ap.parse_args(argv)
 

@@ -72,9 +72,9 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
 
     `tensor_cores` (CUDA): convolutions run a tensor-core tile instead of the fp32 FFMA one: True
     or "tf32" (inputs read as tf32, as cuDNN does with TF32 allowed), "bf16" (inputs rounded to
-    bf16; fp32 accumulation and outputs), both with mma.sync (sm_80+); "wgmma_tf32": tf32 with
-    Hopper's asynchronous warpgroup wgmma (sm_90a targets only; checked on the emulator and in
-    SASS, not yet timed on a GPU).
+    bf16; fp32 accumulation and outputs), both with mma.sync (sm_80+); "wgmma_tf32" and
+    "wgmma_bf16": the same with Hopper's asynchronous warpgroup wgmma (sm_90a targets only;
+    checked on the emulator and in SASS, not yet timed on a GPU).
 
     `winograd`: stride-1 3x3 and 5x5 convolutions with constant weights run as Winograd
     F(4x4, rxr) or F(2x2, rxr): 2.25-6x fewer multiplies, and a float32 error of about 1e-5 of

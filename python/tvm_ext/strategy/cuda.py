@@ -43,12 +43,13 @@ FUSED_ACTIVATIONS = tuple(a for a in _maxdnn.ACTIVATIONS if a is not None)
 
 def engine_for(tensor_cores, target: tvm.target.Target | None = None) -> str:
     """The convolution engine a `tensor_cores` option asks for: False -> fp32 FFMA, True or
-    "tf32" -> tf32 mma.sync, "bf16" -> bf16 mma.sync, "wgmma_tf32" -> tf32 Hopper wgmma (a
-    `target` given must then be compiled for sm_90a, as the nvidia/nvidia-h100 tag is)."""
+    "tf32" -> tf32 mma.sync, "bf16" -> bf16 mma.sync, "wgmma_tf32" and "wgmma_bf16" -> Hopper's
+    wgmma (a `target` given must then be compiled for sm_90a, as the nvidia/nvidia-h100 tag is)."""
     engines = {False: "ffma", True: "mma_tf32", "tf32": "mma_tf32", "bf16": "mma_bf16",
-               "wgmma_tf32": "wgmma_tf32"}
+               "wgmma_tf32": "wgmma_tf32", "wgmma_bf16": "wgmma_bf16"}
     if tensor_cores not in engines:
-        raise ValueError(f"tensor_cores must be False, True, 'tf32', 'bf16' or 'wgmma_tf32', got {tensor_cores!r}")
+        raise ValueError("tensor_cores must be False, True, 'tf32', 'bf16', 'wgmma_tf32' or 'wgmma_bf16', got "
+                         f"{tensor_cores!r}")
     engine = engines[tensor_cores]
     if engine in _maxdnn.WGMMA_SHAPES and target is not None and target.attrs.get("arch") != "sm_90a":
         raise UnsupportedError(f"tensor_cores={tensor_cores!r}: wgmma exists on sm_90a only (Hopper: a target "
@@ -165,7 +166,12 @@ class CudaEmitter:
         (_, padded_k, padded_m), tiles = _maxdnn.wgmma_pack_tiles(plan)
         padded = relax.op.nn.pad(crsk, [0, 0, 0, padded_k - k, 0, padded_m - m])
         packed = relax.op.permute_dims(relax.op.reshape(padded, tiles), list(_maxdnn.WGMMA_PACK_AXES))
-        return self.bb.emit(relax.op.reshape(packed, plan.weight_shape))
+        per = plan.tile.wgmma.per_reg
+        if per == 1:
+            return self.bb.emit(relax.op.reshape(packed, plan.weight_shape))
+        values = self.bb.emit(relax.op.reshape(packed, (*plan.weight_shape[:-1], plan.weight_shape[-1] * per)))
+        func = _simple.bf16_pairs_func(_shape(values))
+        return self._call(func, _name("bf16_pairs", _shape(values)), [values], plan.weight_shape)
 
     def conv2d(self, call: relax.Call, data: relax.Expr, bias: np.ndarray | None = None,
                residual: relax.Expr | None = None, activation: relax.Call | None = None,

@@ -11,9 +11,10 @@ nobody wrote poisons the output instead of passing silently with a previous bloc
 Warp-collective tensor-core instructions (`mma.sync` m16n8k8 tf32 and m16n8k16 bf16, as TVM's
 inline PTX) become a rendezvous of the calling warp's lanes (only theirs: a missing
 `__syncthreads` still shows) and the PTX ISA's fragment layouts, with tf32 operands truncated as
-the hardware reads them. Hopper's asynchronous `wgmma.mma_async` (m64nNk8 tf32, A from registers,
-B through a shared-memory matrix descriptor, K-major without swizzle) is recorded when issued and
-carried out, for each thread, at the `wgmma.wait_group` that retires its group, which blocks only
+the hardware reads them. Hopper's asynchronous `wgmma.mma_async` (m64nNk8 tf32 and m64nNk16
+bf16, A from registers, B through a shared-memory matrix descriptor, K-major without swizzle) is
+recorded when issued and carried out, for each thread, at the `wgmma.wait_group` that retires
+its group, which blocks only
 until every thread of the warpgroup has committed that group (the hardware's one guarantee: it
 is no barrier for anything else). B is read from shared memory then, so a kernel that overwrites
 the tile before waiting, reads its accumulators early, or never waits, gets wrong numbers or an
@@ -270,16 +271,18 @@ static void mma_m16n8(float* d0, float* d1, float* d2, float* d3, unsigned a0, u
   for (int i = 0; i < 4; ++i) *d[i] = out[i];
 }
 
-// wgmma.mma_async.sync.aligned.m64nNk8.f32.tf32.tf32 with A in registers, over the calling
-// warpgroup (PTX ISA 9.7.15.5.1): warp w, lane (g, t); A register j holds A[16w + g + 8 (j % 2)]
-// [t + 4 (j / 2)]; D register 4c + 2h + b is D[16w + g + 8h][8c + 2t + b]; B[n][k] is read from
-// shared memory through the descriptor (start, LBO, SBO in 16-byte units; bits 62-63 the swizzle,
-// only 0 = none here), K-major: byte (n / 8) SBO + (n % 8) 16 + (k / 4) LBO + (k % 4) 4.
+// wgmma.mma_async.sync.aligned.m64nNkK.f32.{tf32,bf16} with A in registers, over the calling
+// warpgroup (PTX ISA 9.7.15.5.1): warp w, lane (g, t); A register j, element e holds
+// A[16w + g + 8 (j % 2)][t * PER + e + K/2 (j / 2)] (PER values a register, as for mma.sync);
+// D register 4c + 2h + b is D[16w + g + 8h][8c + 2t + b]; B[n][k] is read from shared memory
+// through the descriptor (start, LBO, SBO in 16-byte units; bits 62-63 the swizzle, only 0 = none
+// here), K-major, C = 4 PER values in 16 bytes: byte (n / 8) SBO + (n % 8) 16 + (k / C) LBO +
+// (k % C) 4 / PER. tf32 is K = 8, PER = 1; bf16 K = 16, PER = 2.
 // An mma is recorded when issued and its group closed by commit_group; each thread carries out
 // its share (its accumulators) at the wait_group that retires the group, once every thread of
 // the warpgroup has committed it: the accumulators change then, and B is read then.
 struct WgmmaOp {
-  int n;
+  int n, k, per;
   float* d[128];
   unsigned a[4];
   uint64_t desc;
@@ -320,31 +323,32 @@ static bool wgmma_committed(size_t thread, long group) {
 static void wgmma_fence() {}
 
 // The shared-memory byte address of B[col][k] through descriptor `desc` (start, LBO and SBO in
-// 16-byte units, K-major, no swizzle).
-static uint32_t b_address(uint64_t desc, int col, int k) {
+// 16-byte units, K-major, no swizzle), PER values of k in 4 bytes.
+static uint32_t b_address(uint64_t desc, int col, int k, int per) {
   uint32_t start = (uint32_t)(desc & 0x3FFF) << 4, lbo = (uint32_t)(desc >> 16 & 0x3FFF) << 4,
            sbo = (uint32_t)(desc >> 32 & 0x3FFF) << 4;
-  return start + (col / 8) * sbo + (col % 8) * 16 + (k / 4) * lbo + (k % 4) * 4;
+  int c = 4 * per;
+  return start + (col / 8) * sbo + (col % 8) * 16 + (k / c) * lbo + (k % c) * 4 / per;
 }
 
-// A digest of the bits of the B tile (n x 8) that descriptor `desc` addresses. The hardware's
+// A digest of the bits of the B tile (n x K) that descriptor `desc` addresses. The hardware's
 // tensor cores may read it at any time between the issue and the wait, so a tile that changes in
 // between (a store before every thread has waited, a missing barrier before the issue) is a race.
-static uint64_t b_digest(int n, uint64_t desc) {
+static uint64_t b_digest(int n, int k_extent, int per, uint64_t desc) {
   uint64_t h = 1469598103934665603ull;
   for (int col = 0; col < n; ++col)
-    for (int k = 0; k < 8; ++k) {
-      uint32_t at = b_address(desc, col, k), u = 0;
+    for (int k = 0; k < k_extent; k += per) {  // 4 bytes: PER values
+      uint32_t at = b_address(desc, col, k, per), u = 0;
       if (at + 4 <= smem_top) std::memcpy(&u, smem + at, 4);
       h = (h ^ u) * 1099511628211ull;
     }
   return h;
 }
 
-static void wgmma_tf32(int n, float** d, unsigned a0, unsigned a1, unsigned a2, unsigned a3, uint64_t desc,
-                       bool scale_d, int scale_a, int scale_b) {
+static void wgmma_mma(int n, int k, int per, float** d, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                      uint64_t desc, bool scale_d, int scale_a, int scale_b) {
   if (block_dim.x * block_dim.y * block_dim.z % 128) fail("wgmma in a block that is not whole warpgroups");
-  WgmmaOp op{n, {}, {a0, a1, a2, a3}, desc, scale_d, scale_a, scale_b, b_digest(n, desc)};
+  WgmmaOp op{n, k, per, {}, {a0, a1, a2, a3}, desc, scale_d, scale_a, scale_b, b_digest(n, k, per, desc)};
   for (int i = 0; i < n / 2; ++i) op.d[i] = d[i];
   thread_wgmma[current].open.push_back(op);
 }
@@ -360,14 +364,16 @@ static void wgmma_commit() {
   me.committed++;
 }
 
-static float shared_tf32(uint32_t address) {
-  if (address + 4 > smem_top) {
+// A B value from shared memory as the tensor cores read it: a tf32 (4 bytes, truncated) or a
+// bf16 (2 bytes).
+static float shared_operand(uint32_t address, int per) {
+  if (address + 4 / per > smem_top) {
     fail("a wgmma descriptor reads past the block's shared memory");
     return 0.0f;
   }
-  unsigned u;
-  std::memcpy(&u, smem + address, 4);
-  return operand(u, 1, 0);
+  unsigned u = 0;
+  std::memcpy(&u, smem + address, 4 / per);
+  return operand(u, per, 0);
 }
 
 static void wgmma_wait(int pending) {
@@ -388,23 +394,26 @@ static void wgmma_wait(int pending) {
     for (size_t q = 0; q < mine.size(); ++q) {
       const WgmmaOp& op = mine[q];
       for (int i = 0; i < 128; ++i)
-        if (group.ops[i][q].desc != op.desc || group.ops[i][q].n != op.n)
+        if (group.ops[i][q].desc != op.desc || group.ops[i][q].n != op.n || group.ops[i][q].k != op.k)
           fail("the threads of a warpgroup gave one wgmma different descriptors or shapes");
       if (op.desc >> 62) fail("the emulator reads only unswizzled wgmma descriptors");
-      if (op.b_at_issue != b_digest(op.n, op.desc))  // (each thread checks its own issue)
+      if (op.b_at_issue != b_digest(op.n, op.k, op.per, op.desc))  // (each thread checks its own issue)
         fail("a wgmma's shared B tile changed between its issue and its wait (a race: a missing "
              "barrier, or a store before every thread has waited)");
       if (failure) return;
+      int half = op.k / 2, per = op.per;
       auto A = [&](int row, int k) {
-        return operand(group.ops[(row / 16) * 32 + (row % 8) * 4 + k % 4][q].a[(row % 16 >= 8) + 2 * (k >= 4)], 1, 0);
+        int kk = k % half;
+        unsigned bits = group.ops[(row / 16) * 32 + (row % 8) * 4 + kk / per][q].a[(row % 16 >= 8) + 2 * (k >= half)];
+        return operand(bits, per, kk % per);
       };
       auto B = [&](int col, int k) {
-        return shared_tf32(b_address(op.desc, col, k));
+        return shared_operand(b_address(op.desc, col, k, per), per);
       };
       for (int r = 0; r < op.n / 2; ++r) {
         int row = 16 * w + g + 8 * (r / 2 % 2), col = 8 * (r / 4) + 2 * t + r % 2;
         double sum = 0.0;
-        for (int k = 0; k < 8; ++k) sum += (double)A(row, k) * (double)B(col, k);
+        for (int k = 0; k < op.k; ++k) sum += (double)A(row, k) * (double)B(col, k);
         sum *= op.scale_a * op.scale_b;
         *op.d[r] = (float)(op.scale_d ? sum + (double)*op.d[r] : sum);
       }
@@ -454,8 +463,10 @@ _SUPPORTED_MMA = {"m16n8k8.row.col.f32.tf32.tf32.f32": "mma_m16n8<8, 1>",
                   "m16n8k16.row.col.f32.bf16.bf16.f32": "mma_m16n8<16, 2>"}
 # TVM's wgmma helpers (`T.ptx["wgmma..."]`): one inline-PTX statement each, in the preamble
 _WGMMA_ASM = re.compile(r'asm volatile\("((?:[^"\\]|\\.)*)"\s*:(.*?)\);', re.S)
-_WGMMA_TF32 = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k8\.f32\.tf32\.tf32 \{[^}]*\}, "
-                         r"\{[^}]*\}, %\d+, ps0, (-?1), (-?1);")
+# (A from registers; the 16-bit types' B-transpose immediate last, only 0 = K-major emulated)
+_WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k(\d+)\.f32\.(tf32|bf16)\.\3 \{[^}]*\}, "
+                    r"\{[^}]*\}, %\d+, ps0, (-?1), (-?1)(?:, (\d))?;")
+_WGMMA_TYPES = {("tf32", 8): 1, ("bf16", 16): 2}  # (type, K): values a register
 
 
 def _operands(text: str) -> list[str]:
@@ -493,17 +504,21 @@ def _emulate_wgmma(match: re.Match) -> str:
         return "emu::wgmma_commit();"
     if text.startswith("wgmma.wait_group.sync.aligned"):
         return f"emu::wgmma_wait({int(text.split()[1].rstrip(';'))});"
-    mma = _WGMMA_TF32.search(text)
-    if mma is None:
+    mma = _WGMMA.search(text)
+    if mma is None or (mma.group(3), int(mma.group(2))) not in _WGMMA_TYPES:
         raise EmulationError(f"the emulator has no {text.split(';')[-2].strip().split()[0]!r}")
-    n, scale_a, scale_b = int(mma.group(1)), mma.group(2), mma.group(3)
+    if (mma.group(6) or "0") != "0":
+        raise EmulationError("the emulator reads a wgmma's B tile K-major only (its transpose immediate 0)")
+    n, k, scale_a, scale_b = int(mma.group(1)), int(mma.group(2)), mma.group(4), mma.group(5)
+    per = _WGMMA_TYPES[mma.group(3), k]
     outputs, _, inputs = operands.partition(":")
     d, rest = _operands(outputs), _operands(inputs)
     if len(d) != n // 2 or len(rest) != 6:
-        raise EmulationError(f"wgmma m64n{n}k8: {len(d)} accumulators and {len(rest)} inputs, expected {n // 2} and 6")
+        raise EmulationError(f"wgmma m64n{n}k{k}: {len(d)} accumulators and {len(rest)} inputs, expected "
+                             f"{n // 2} and 6")
     a, desc, scale_d = rest[:4], rest[4], rest[5]
     return (f"{{ float* d_[] = {{{', '.join(f'&({e})' for e in d)}}}; "
-            f"emu::wgmma_tf32({n}, d_, {', '.join(a)}, {desc}, ({scale_d}) != 0, {scale_a}, {scale_b}); }}")
+            f"emu::wgmma_mma({n}, {k}, {per}, d_, {', '.join(a)}, {desc}, ({scale_d}) != 0, {scale_a}, {scale_b}); }}")
 
 
 def _helpers(source: str, start: int) -> str:

@@ -195,9 +195,16 @@ class BlockTile:
             raise ValueError(f"BlockTile: {self.threads} threads per block (32..1024 allowed)")
         self.thread_tile().validate()
 
+    @property
+    def weight_words(self) -> int:
+        """32-bit words of a k step's weights tile (rows x k_step values): wgmma's come packed
+        :attr:`WgmmaShape.per_reg` to a word (bf16: two), the others are floats."""
+        return self.rows * self.k_step // (self.wgmma.per_reg if self.wgmma is not None else 1)
+
     def shared_bytes(self) -> int:
         """The double-buffered operand tiles and the output tile (at most; TVM may overlap them)."""
-        return 4 * (2 * self.k_step * (self.rows + self.cols + 2 * self.pad) + self.rows * self.cols)
+        weights = self.weight_words + self.k_step * self.pad
+        return 4 * (2 * (weights + self.k_step * (self.cols + self.pad)) + self.rows * self.cols)
 
     def ffma_issue_share(self) -> float:
         """FFMA tile: the share of FFMA in a thread's instructions per k step, counting its FFMAs,
@@ -246,29 +253,48 @@ class WgmmaShape:
     """One Hopper `wgmma.mma_async` flavour (sm_90a), as data: what the generator and the checks read.
 
     A warpgroup (128 threads, warps w = 0..3, lane (g, t) = (lane // 4, lane % 4)) computes
-    D[64, n] += A[64, k] B[k, n] asynchronously. Here A comes from registers, register j holding
-    A[16w + g + 8 (j % 2)][t + 4 (j // 2)] (tf32: the fp32 bits); B is read by the tensor cores
-    from shared memory through a 64-bit matrix descriptor, K-major without swizzle (tf32 allows no
-    other major-ness): 8 x 16-byte core matrices, B[n][k] at byte (n // 8) SBO + (n % 8) 16 +
-    (k // 4) LBO + (k % 4) 4; accumulator register 4c + 2h + b holds D[16w + g + 8h][8c + 2t + b].
-    (PTX ISA 9.7.15.5.1, "Register Fragments and Shared Memory Matrix Layouts", and CUTLASS's
-    SM90 GMMA layouts agree on all of these.)
+    D[64, n] += A[64, k] B[k, n] asynchronously. Here A comes from registers, register j, element
+    e holding A[16w + g + 8 (j % 2)][t * per_reg + e + k/2 (j // 2)] (tf32: the fp32 bits; bf16:
+    two values, the lower k in the low half); B is read by the tensor cores from shared memory
+    through a 64-bit matrix descriptor, K-major without swizzle (tf32 allows no other
+    major-ness): 8 rows x 16 bytes core matrices, B[n][k] at byte (n // 8) SBO + (n % 8) 16 +
+    (k // c) LBO + (k % c) 4 / per_reg with c = 4 per_reg values in 16 bytes; accumulator
+    register 4c + 2h + b holds D[16w + g + 8h][8c + 2t + b]. (PTX ISA 9.7.15.5.1, "Register
+    Fragments and Shared Memory Matrix Layouts", and CUTLASS's SM90 GMMA layouts agree on all
+    of these.) In bytes, a k step's B tile is the same for both: 32 bytes of k per row of n.
     """
 
-    ptx_type: str  # "tf32"
+    ptx_type: str  # "tf32", "bf16"
     k: int  # reduction per instruction = the block's k step
     pad: int  # floats added to each shared row of the register operand's tile (bank spread)
+    per_reg: int = 1  # operand values per 32-bit register (and per 4 bytes of shared memory)
+    transposes: bool = False  # the instruction takes a transpose immediate for B (16-bit types)
     lbo: int = 128  # bytes between the two core matrices of a row's k (the leading dimension)
     sbo: int = 256  # bytes between 8-row groups of n (the stride dimension)
 
     def opcode(self, n: int) -> str:
         return f"wgmma.mma_async.sync.aligned.m64n{n}k{self.k}.f32.{self.ptx_type}.{self.ptx_type}"
 
+    @property
+    def core_k(self) -> int:
+        """Values of k in one 16-byte row of a core matrix."""
+        return 4 * self.per_reg
+
+    @property
+    def immediates(self) -> str:
+        """The instruction's immediate operands after scale-d: scale-a, scale-b (1: no negation)
+        and, for 16-bit types, B's transpose (0: K-major, as packed)."""
+        return "1, 1, 0" if self.transposes else "1, 1"
+
 
 WGMMA_SHAPES = {
     # tf32 from fp32 registers as they are; the data tile's rows of cols + 8 floats put k-row t at
     # bank 8t, so a warp's A-fragment loads (banks 8t + g) are conflict-free
     "wgmma_tf32": WgmmaShape("tf32", 8, 8),
+    # bf16: fp32 values rounded and packed two to a register (the weights once, when packed); rows
+    # of cols + 4 floats put k-row 2t at bank 8t: a warp's loads of the fragments' k rows 2t + e
+    # (banks 8t + 4e + g) are conflict-free
+    "wgmma_bf16": WgmmaShape("bf16", 16, 4, per_reg=2, transposes=True),
 }
 ENGINES = ("ffma", *MMA_SHAPES, *WGMMA_SHAPES)
 MAX_ELEMENTS = 2**31 - 1  # the kernels index with int32
@@ -501,7 +527,7 @@ class MaxDNNPlan:
         weights' "A" (wgmma: in the descriptor's layout, unpadded) and the im2col "B", their
         rows padded by :attr:`BlockTile.pad`; no B where the fragments are gathered."""
         t = self.tile
-        tiles = {"A": t.k_step * (t.rows + (0 if t.wgmma is not None else t.pad))}
+        tiles = {"A": t.weight_words if t.wgmma is not None else t.k_step * (t.rows + t.pad)}
         if not self.gathers_fragments:
             tiles["B"] = t.k_step * (t.cols + t.pad)
         return tiles
@@ -545,7 +571,7 @@ class MaxDNNPlan:
         m, _, k = self.gemm
         if self.tile.wgmma is None:
             return (self.wl.groups, k, m)
-        return (self.wl.groups, self.grid[1], self.k_steps, self.tile.rows * self.tile.k_step)
+        return (self.wl.groups, self.grid[1], self.k_steps, self.tile.weight_words)
 
     def reduce_shapes(self) -> dict[str, tuple[int, ...]]:
         """With split-K, the parameters of the kernel that sums the slices and applies the
@@ -589,6 +615,13 @@ class _Emitter:
 
 def _zero(vec: int) -> str:
     return f"T.Broadcast(T.float32(0), {vec})"
+
+
+def _bf16_pair(low: str, high: str) -> str:
+    """Two float32 expressions rounded to bf16 (nearest even) and packed into a uint32, `low` in
+    the low half: one register of a bf16 tensor-core operand."""
+    low, high = (f'T.Cast("uint32", T.reinterpret("uint16", T.Cast("bfloat16", {v})))' for v in (low, high))
+    return f"{low} | ({high} << T.uint32(16))"
 
 
 class _Generator:
@@ -686,14 +719,17 @@ class _Generator:
                 v, i = f"{sl}_{h}", sl * 2 + h
                 live, row, col = position(v)
                 e(f"f_mask[{i}] = T.Select({live}, T.uint32({2**32 - 1}), T.uint32(0))")
-                e(f"f_off[{i}] = T.Select(f_mask[{i}] > T.uint32(0), (((g * {cg} + tq) * {wl.H} + {row}) * {wl.W} + "
-                  f"{col}) * {wl.N} + fn{v}, (g * {cg} + tq) * {wl.H * wl.W * wl.N})")
+                per = t.wgmma.per_reg
+                chan = f"(g * {cg} + tq{f' * {per}' if per > 1 else ''})"
+                e(f"f_off[{i}] = T.Select(f_mask[{i}] > T.uint32(0), (({chan} * {wl.H} + {row}) * {wl.W} + "
+                  f"{col}) * {wl.N} + fn{v}, {chan} * {wl.H * wl.W * wl.N})")
 
     def load_fragments(self, chan: str, regs: int = 0) -> None:
         """Gathered wgmma fragments of channel step `chan` of the current tap, straight into the
-        registers the wgmma reads (set `regs` of `af`): register h + 2j of a slab is k row t + 4j
-        (a channel) of the column of row half h; scalar loads, 8 lanes of a warp reading 8
-        consecutive images or pixels, zeros for a dead column. Each load is unconditional (a
+        registers the wgmma reads (set `regs` of `af`): register h + 2j of a slab holds k rows
+        t per_reg + e + k/2 j (channels) of the column of row half h (bf16: two, rounded and
+        packed); scalar loads, 8 lanes of a warp reading 8 consecutive images or pixels, zeros
+        for a dead column. Each load is unconditional (a
         dead column's offset is a safe one) and then masked: a load under a condition becomes
         a zeroing move and a predicated load, and a select a branch, after either of which
         ptxas (nvcc 13.0) serializes the wgmma (C7513) where the gather has no tap entry to
@@ -701,13 +737,18 @@ class _Generator:
         t, wl, e = self.t, self.wl, self.e
         plane = wl.H * wl.W * wl.N
         base = self.fragment_base(regs)
+        per = t.wgmma.per_reg
         for sl in range(t.slabs):
             for h in range(2):
                 i = sl * 2 + h
                 for j in range(2):
                     r = sl * 4 + h + 2 * j
-                    e(f"fv[{r}] = Xf[f_off[{i}] + ({chan} * {t.k_step} + {4 * j}) * {plane}]")
-                    e(f'af[{base + r}] = T.reinterpret("uint32", fv[{r}]) & f_mask[{i}]')
+                    for el in range(per):
+                        e(f"fv[{r * per + el}] = Xf[f_off[{i}] + ({chan} * {t.k_step} + {j * t.k_step // 2 + el}) * "
+                          f"{plane}]")
+                    bits = (f'T.reinterpret("uint32", fv[{r}])' if per == 1
+                            else f'({_bf16_pair(f"fv[{r * per}]", f"fv[{r * per + 1}]")})')
+                    e(f"af[{base + r}] = {bits} & f_mask[{i}]")
 
     @property
     def lanes(self) -> list[int]:
@@ -850,10 +891,10 @@ class _Generator:
 
     @property
     def weight_regs(self) -> int:
-        """Floats of one set of the weights' prefetch registers (`a_pre`): the thread's float4
-        slots of a k step's rows x k_step tile."""
+        """Words of one set of the weights' prefetch registers (`a_pre`): the thread's float4
+        slots of a k step's rows x k_step tile (:attr:`BlockTile.weight_words`)."""
         t = self.t
-        return len(self.slots(t.k_step * t.rows // t.vec)) * t.vec
+        return len(self.slots(t.weight_words // t.vec)) * t.vec
 
     def fragment_base(self, slot: int) -> int:
         """Where the fragment registers (`af`) of a step in ring slot `slot` start: one set per
@@ -862,10 +903,11 @@ class _Generator:
 
     def load_packed_weights(self, kt: str, regs: int = 0) -> None:
         """wgmma: k step `kt`'s chunk of the packed weights (:func:`pack_wgmma_weight`), contiguous
-        and zero-padded: float4 loads with no guards, into register set `regs` (one per ring slot
-        where the weights are loaded two steps ahead, :attr:`MaxDNNPlan.wgmma_in_flight`)."""
+        and zero-padded: float4 loads with no guards (of bf16 pairs' bits for bf16), into register
+        set `regs` (one per ring slot where the weights are loaded two steps ahead,
+        :attr:`MaxDNNPlan.wgmma_in_flight`)."""
         t, e = self.t, self.e
-        chunk = t.rows * t.k_step
+        chunk = t.weight_words
         base = regs * self.weight_regs
         for s, guarded in self.slots(chunk // t.vec):
             f = f"(tid + {s * t.threads})"
@@ -889,7 +931,7 @@ class _Generator:
         flight: the ring's slot `buf`, from the weights' register set of that slot)."""
         t, e = self.t, self.e
         if t.wgmma is not None:  # A: the packed chunk as it is, already in the descriptor's layout
-            chunk = t.rows * t.k_step
+            chunk = t.weight_words
             tile, at = (("A_ring", f"{buf * chunk} + ") if self.plan.wgmma_in_flight else (f"A_sh{buf}", ""))
             regs = buf * self.weight_regs if self.plan.wgmma_in_flight else 0
             for s, guarded in self.slots(chunk // t.vec):
@@ -1005,9 +1047,7 @@ class _Generator:
                               f"{self.shared_at(operand.upper(), buf, f'tq * {per} + {el + kh * half}', col, chunk)}")
 
             def packed(operand: str, count: int, kh: int, v: int) -> str:
-                bits = [f'T.Cast("uint32", T.reinterpret("uint16", T.Cast("bfloat16", '
-                        f'{operand}_val[{(kh * per + el) * count + v}])))' for el in range(per)]
-                return f"{bits[0]} | ({bits[1]} << T.uint32(16))"
+                return _bf16_pair(*(f"{operand}_val[{(kh * per + el) * count + v}]" for el in range(per)))
 
             for mi in range(mt):
                 for j in range(4):  # A register j: rows g + 8 (j % 2), k-half j // 2
@@ -1034,18 +1074,22 @@ class _Generator:
         base = self.fragment_base(slot)
         desc = f"desc[{buf}]"
         if self.plan.wgmma_in_flight:  # the start address (16-byte units, the low bits) moved to the slot
-            desc = f"desc[0] + T.uint64({buf * t.rows * t.k_step * 4 // 16})"
+            desc = f"desc[0] + T.uint64({buf * t.weight_words * 4 // 16})"
         if not self.plan.gathers_fragments:
+            per = wg.per_reg
             with e.block(f"for sl in T.unroll({t.slabs}):"):
-                with e.block("for j in T.unroll(4):"):  # A[16 warp + g + 8 (j % 2)][t + 4 (j // 2)]
-                    at = self.shared_at("B", buf, f"tq + j // 2 * {half}", "sl * 64 + warp * 16 + gq + j % 2 * 8")
-                    e(f'af[{base} + sl * 4 + j] = T.reinterpret("uint32", {at})')
+                # A[16 warp + g + 8 (j % 2)][t per + e + k/2 (j // 2)]
+                with e.block("for j in T.unroll(4):"):
+                    at = [self.shared_at("B", buf, f"tq{f' * {per} + {el}' if per > 1 else ''} + j // 2 * {half}",
+                                         "sl * 64 + warp * 16 + gq + j % 2 * 8") for el in range(per)]
+                    bits = f'T.reinterpret("uint32", {at[0]})' if per == 1 else _bf16_pair(*at)
+                    e(f"af[{base} + sl * 4 + j] = {bits}")
         e('T.ptx["wgmma.fence.sync.aligned"]()')
         per_slab = t.rows // 2
         for sl in range(t.slabs):
             d = ", ".join(f"acc[{sl * per_slab + i}]" for i in range(per_slab))
             a = ", ".join(f"af[{base + sl * 4 + j}]" for j in range(4))
-            e(f'T.ptx["{wg.opcode(t.rows)}"]({d}, {a}, {desc}, T.bool(True), 1, 1)')
+            e(f'T.ptx["{wg.opcode(t.rows)}"]({d}, {a}, {desc}, T.bool(True), {wg.immediates})')
         e('T.ptx["wgmma.commit_group.sync.aligned"]()')
 
     def stage_accumulators(self) -> None:
@@ -1188,6 +1232,23 @@ class _Generator:
         _, count = plan.split_unit
         return f"(sp * {count // plan.splits})"
 
+    def keep_tiles_live(self) -> None:
+        """Mark the operand tiles used after the k loop, so that TVM keeps each allocated
+        through all of it. TVM's StorageRewrite lays a buffer over another whose last access it
+        sees before the first of its own, and only a loop joins the double buffers' lifetimes;
+        a slice of a few k steps has none (or one of a single iteration, which TVM unrolls), and
+        there it merged them: for mma.sync and FFMA a second barrier a step, for wgmma, whose
+        tensor cores read the weights' tile through a descriptor TVM does not see, a tile
+        stored over the one a wgmma was reading. (wgmma in flight has one ring, always live.)
+        The mark is a pure call, which RemoveNoOp drops after StorageRewrite: it emits no code
+        (the k loops' SASS is unchanged where there was a loop)."""
+        if self.plan.wgmma_in_flight:
+            return
+        for buf in range(min(self.slice_steps(), 2)):
+            for name in self.plan.operand_tiles:
+                at = self.shared_at(name, buf, "0", "0", self.t.vec)
+                self.e(f'T.evaluate(T.call_pure_extern("void", "(void)", {at}))')
+
     # -- output ----------------------------------------------------------------------------
     def write_output(self) -> None:
         """The block's tile through shared memory to the output with the epilogue; with split-K,
@@ -1271,7 +1332,7 @@ class _Generator:
                 sets = WGMMA_RING if plan.wgmma_in_flight else 1  # one per ring slot
                 e(f'af = T.decl_buffer(({sets * t.slabs * 4},), "uint32", scope="local")')
                 if plan.gathers_fragments:  # a step's gathered values, before the dead columns' zeros
-                    e(f'fv = T.decl_buffer(({t.slabs * 4},), "float32", scope="local")')
+                    e(f'fv = T.decl_buffer(({t.slabs * 4 * t.wgmma.per_reg},), "float32", scope="local")')
                 e(f'desc = T.decl_buffer(({1 if plan.wgmma_in_flight else 2},), "uint64", scope="local")')
             elif t.mma is not None:
                 mt, nt = t.mma_tiles
@@ -1301,7 +1362,8 @@ class _Generator:
                 with e.block(f"for i in T.serial({accumulators}):"):
                     e("acc[i] = T.float32(0)")
                 if t.wgmma is not None:  # LBO and SBO in 16-byte units, no swizzle
-                    tiles = ["A_ring"] if plan.wgmma_in_flight else ["A_sh0", "A_sh1"]  # ring: moved per slot
+                    # the ring's, moved per slot; else each buffer's (a single step uses one)
+                    tiles = ["A_ring"] if plan.wgmma_in_flight else ["A_sh0", "A_sh1"][:self.slice_steps()]
                     for buf, tile in enumerate(tiles):
                         e(f"T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[{buf}]), "
                           f"T.address_of({tile}[0]), {t.wgmma.lbo // 16}, {t.wgmma.sbo // 16}, 0)")
@@ -1326,6 +1388,7 @@ class _Generator:
                     self.load_global(f"({first_kt} + 1)", regs=1)
             self.sync()
             self.k_loop()
+            self.keep_tiles_live()
             self.write_output()
         return "\n".join(e.lines) + "\n"
 
@@ -1425,8 +1488,8 @@ def weight_to_crsk(w: np.ndarray, groups: int = 1, k_order: str = "crs") -> np.n
 
 
 # The wgmma weights' packing, as a permutation of the zero-padded [groups, K, M] weights viewed as
-# (g, step, k-chunk of 4, k % 4, block, n-group of 8, n % 8): to (g, block, step, n-group,
-# k-chunk, n % 8, k % 4). Shared by the NumPy packing and the graph's (strategy/cuda.py).
+# (g, step, k-chunk, k % c, block, n-group of 8, n % 8) with c = WgmmaShape.core_k: to (g, block,
+# step, n-group, k-chunk, n % 8, k % c). Shared by the NumPy packing and the graph's (strategy/cuda.py).
 WGMMA_PACK_AXES = (0, 4, 1, 5, 2, 6, 3)
 
 
@@ -1435,15 +1498,28 @@ def wgmma_pack_tiles(plan: MaxDNNPlan) -> tuple[tuple[int, int, int], tuple[int,
     7-D view that :data:`WGMMA_PACK_AXES` permutes."""
     t = plan.tile
     groups, blocks, steps, _ = plan.weight_shape
+    c = t.wgmma.core_k
     return ((groups, steps * t.k_step, blocks * t.rows),
-            (groups, steps, t.k_step // 4, 4, blocks, t.rows // 8, 8))
+            (groups, steps, t.k_step // c, c, blocks, t.rows // 8, 8))
+
+
+def bf16_pairs(a: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bf16 (nearest even) and packed in pairs along the last axis,
+    the first of each pair in the low half, as float32 words (their bits): what a 32-bit load
+    of two consecutive bf16 gives."""
+    bits = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    if rounded.shape[-1] % 2:
+        raise ValueError(f"bf16_pairs: the last axis has {rounded.shape[-1]} values, not pairs")
+    return rounded.view(np.uint32).view(np.float32)
 
 
 def pack_wgmma_weight(wt: np.ndarray, plan: MaxDNNPlan) -> np.ndarray:
     """[groups, K, M] weights (:func:`weight_to_crsk`) -> the wgmma kernel's: per group, block of
     rows and k step, the rows x k_step tile in the shared layout the tensor cores read (K-major
-    core matrices, :class:`WgmmaShape`), zero-padded past M and K. A block's k steps are then
-    contiguous chunks it copies to shared memory as they are, float4 by float4, with no guards."""
+    core matrices, :class:`WgmmaShape`; bf16: rounded and packed in pairs, :func:`bf16_pairs`),
+    zero-padded past M and K. A block's k steps are then contiguous chunks it copies to shared
+    memory as they are, float4 by float4, with no guards."""
     k, m = plan.gemm[2], plan.gemm[0]
     if wt.shape != (plan.wl.groups, k, m):
         raise ValueError(f"pack_wgmma_weight: weights of shape {wt.shape}, the plan's GEMM needs "
@@ -1452,6 +1528,8 @@ def pack_wgmma_weight(wt: np.ndarray, plan: MaxDNNPlan) -> np.ndarray:
     padded = np.zeros(padded_shape, np.float32)
     padded[:, :k, :m] = wt
     packed = padded.reshape(tiles).transpose(*WGMMA_PACK_AXES)
+    if plan.tile.wgmma.per_reg == 2:
+        packed = bf16_pairs(packed)
     return np.ascontiguousarray(packed.reshape(plan.weight_shape))
 
 

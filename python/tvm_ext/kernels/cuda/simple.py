@@ -99,6 +99,28 @@ def global_avg_pool2d_chwn_func(shape) -> tirx.PrimFunc:
     return bind_threads(te.create_prim_func([x, y]), "global_avg_pool2d", reducer="window_sum")
 
 
+def bf16_pairs_func(shape) -> tirx.PrimFunc:
+    """float32 values (`shape`, its last axis even) rounded to bf16 (nearest even) and packed in
+    pairs along the last axis, the first of each pair in the low half, as float32 words: the
+    wgmma bf16 kernel's weights where they are graph inputs (NumPy's
+    :func:`~tvm_ext.kernels.cuda.conv2d.bf16_pairs` for constants)."""
+    shape = tuple(int(v) for v in shape)
+    if shape[-1] % 2:
+        raise ValueError(f"bf16_pairs_func: the last axis has {shape[-1]} values, not pairs")
+    x = te.placeholder(shape, "float32", name="data")
+
+    def bits(value):
+        return tirx.Cast("uint32", tirx.reinterpret("uint16", tirx.Cast("bfloat16", value)))
+
+    def pair(*idx):
+        *lead, i = idx
+        low, high = bits(x[(*lead, 2 * i)]), bits(x[(*lead, 2 * i + 1)])
+        return tirx.reinterpret("float32", low | (high << tirx.const(16, "uint32")))
+
+    y = te.compute((*shape[:-1], shape[-1] // 2), pair, name="output")
+    return bind_threads(te.create_prim_func([x, y]), "bf16_pairs")
+
+
 def activation_func(name: str, shape, alpha: float = 0.01) -> tirx.PrimFunc:
     """Activation `name` over a float32 tensor of any shape (layout does not matter)."""
     return flat_activation_func(name, shape, alpha, THREADS, 'T.thread_binding({}, thread="blockIdx.x")',
