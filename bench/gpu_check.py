@@ -143,8 +143,11 @@ class EmulatedDevice(CudaDevice):
                                   launch.get("shared_bytes", 0))
 
     def median_ms(self, fn, repeat: int) -> float:
+        """Wall-clock median of `repeat` calls; NaN for 0 (a dry run that only checks)."""
+        if repeat == 0:
+            return float("nan")
         times = []
-        for _ in range(max(1, repeat)):
+        for _ in range(repeat):
             start = time.perf_counter()
             fn()
             times.append((time.perf_counter() - start) * 1e3)
@@ -245,12 +248,14 @@ def run_layer(torch, device: CudaDevice, entry: dict, cubin: Path, repeat: int) 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernels", type=Path, default=HERE / "gpu_kernels", help="bench/gpu_export.py's --out")
-    parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--repeat", type=int, default=30, help="timed calls a kernel (--emulate: 0 times nothing)")
     parser.add_argument("--report", type=Path, default=None, help="folder for gpu_check.json and gpu_check.md")
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting layers after this long")
     parser.add_argument("--emulate", action="store_true",
                         help="no GPU: run the kernels on tvm_ext's CPU emulator (a dry run of this script)")
     args = parser.parse_args(argv)
+    if args.repeat < (0 if args.emulate else 1):
+        parser.error("--repeat must be at least 1 (0 only with --emulate)")
     start = time.perf_counter()
 
     import torch

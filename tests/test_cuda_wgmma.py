@@ -223,6 +223,26 @@ def test_pack_wgmma_weight_bf16_pairs():
         cc.bf16_pairs(np.ones((3, 5), np.float32))
 
 
+@needs_gxx
+def test_bf16_pairs_kernel_packs_as_numpy():
+    """The graph's packing of bf16 weight pairs (weights that are inputs) gives NumPy's bits
+    (constant weights), ties to even included: the same weights whichever way they arrive."""
+    from tvm_ext.kernels.cuda import simple
+    from tvm_ext.kernels.cuda.ptx import generate_source
+
+    x = np.random.default_rng(3).standard_normal((3, 10)).astype(np.float32)
+    # halfway cases: bit 16 even (rounds down), odd (up), negative, and one that rounds to inf
+    x.view(np.uint32)[0, :4] = [0x3F808000, 0x3F818000, 0xBF818000, 0x7F7F8000]
+    source = generate_source(tvm.IRModule({"main": simple.bf16_pairs_func(x.shape)}), tvm_ext.resolve_target(TARGET))
+    out = np.full((3, 5), np.nan, np.float32)
+    cuda_emulator.run_kernel(source, "main_kernel", (1, 1, 1), (simple.THREADS, 1, 1), {"data": x, "output": out})
+    want = cc.bf16_pairs(x)
+    assert want.view(np.uint32)[0, :2].tolist() == [0x3F823F80, 0x7F80BF82]  # (0x7F80: inf)
+    np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="not pairs"):
+        simple.bf16_pairs_func((3, 5))
+
+
 def test_wgmma_tile_validation_and_choice():
     assert cc.BlockTile(rows=64, cols=128, engine=ENGINE).threads == 128  # one warpgroup
     # the fewest wasted rows, the tallest of equals; two slabs

@@ -87,6 +87,9 @@ def test_cli_cuda_target(capsys):
     assert cli.main(["report", "--model", "resnet18", "--target", "cuda -arch=sm_80", "--tensor-cores",
                      "wgmma_tf32"]) == 2  # wgmma is Hopper's (sm_90a)
     assert "wgmma exists on sm_90a only" in capsys.readouterr().err
+    assert cli.main(["report", "--model", "resnet18", "--target", "nvidia/nvidia-h100", "--tensor-cores",
+                     "wgmma_bf16"]) == 0
+    assert "wgmma_bf16 tile" in capsys.readouterr().out
     assert cli.main(["demo", "--model", "resnet18", "--target", "nvidia/nvidia-h100"]) == 2  # CPU-only commands
     assert "runs on the CPU" in capsys.readouterr().err
 

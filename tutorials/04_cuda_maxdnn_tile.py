@@ -113,13 +113,14 @@ def main(small: bool = False) -> None:
     err = np.abs(got - ref).max() / np.abs(ref).max()
     print(f"\n4. conv {small_wl.C}x{small_wl.H}x{small_wl.W}x{small_wl.N} -> {small_wl.K} {where}: "
           f"relative error against float64 NumPy {err:.1e}")
-    if not tvm.cuda(0).exist:  # the wgmma tile on the emulator: tf32, so about 1e-3 of fp32's answer
-        wg_plan = maxdnn.MaxDNNPlan.make(small_wl, maxdnn.choose_tile(small_wl.K, "wgmma_tf32"),
-                                         maxdnn.Epilogue(bias=True))
-        wg_got = maxdnn.output_to_nchw(maxdnn.emulate(wg_plan, maxdnn.kernel_arrays(wg_plan, x, w, bias),
-                                                      maxdnn.cuda_source(wg_plan, "cuda -arch=sm_90a")))
-        wg_err = np.abs(wg_got - ref).max() / np.abs(ref).max()
-        print(f"   the wgmma (tf32) tile on the emulator: relative error {wg_err:.1e}")
+    if not tvm.cuda(0).exist:  # the wgmma tiles on the emulator: tf32 and bf16 (10 and 7 mantissa bits
+        for engine in ("wgmma_tf32", "wgmma_bf16"):  # read), so about 1e-3 of fp32's answer
+            wg_plan = maxdnn.MaxDNNPlan.make(small_wl, maxdnn.choose_tile(small_wl.K, engine),
+                                             maxdnn.Epilogue(bias=True))
+            wg_got = maxdnn.output_to_nchw(maxdnn.emulate(wg_plan, maxdnn.kernel_arrays(wg_plan, x, w, bias),
+                                                          maxdnn.cuda_source(wg_plan, "cuda -arch=sm_90a")))
+            wg_err = np.abs(wg_got - ref).max() / np.abs(ref).max()
+            print(f"   the {engine} tile on the emulator: relative error {wg_err:.1e}")
 
     # 5. A network for CUDA: our kernels where they apply, stock TVM (with a reason) elsewhere.
     mod, _ = tvm_ext.models.get("resnet18", batch=8)

@@ -290,8 +290,14 @@ struct WgmmaOp {
   int scale_a, scale_b;
   uint64_t b_at_issue;  // the B tile's bits when issued (b_digest): it may not change until the wait
 };
+struct WgmmaOperands {  // one wgmma's A (64 x K) and B (n x K) as read, shared by the warpgroup's threads
+  bool ready = false;
+  uint64_t b_digest = 0;  // the B tile they were read from
+  std::vector<float> a, b;
+};
 struct WgmmaGroup {
   std::vector<WgmmaOp> ops[128];  // by thread of the warpgroup
+  std::vector<WgmmaOperands> operands;  // by wgmma of the group, read by the first thread to retire it
   int committed = 0, retired = 0;
 };
 struct Warpgroup {
@@ -337,10 +343,12 @@ static uint32_t b_address(uint64_t desc, int col, int k, int per) {
 static uint64_t b_digest(int n, int k_extent, int per, uint64_t desc) {
   uint64_t h = 1469598103934665603ull;
   for (int col = 0; col < n; ++col)
-    for (int k = 0; k < k_extent; k += per) {  // 4 bytes: PER values
-      uint32_t at = b_address(desc, col, k, per), u = 0;
-      if (at + 4 <= smem_top) std::memcpy(&u, smem + at, 4);
-      h = (h ^ u) * 1099511628211ull;
+    for (int k = 0; k < k_extent; k += 4 * per) {  // a core matrix's row: 16 bytes, 4 PER values
+      uint32_t at = b_address(desc, col, k, per);
+      uint64_t u[2] = {0, 0};
+      if (at + 16 <= smem_top) std::memcpy(u, smem + at, 16);
+      h = (h ^ u[0]) * 1099511628211ull;
+      h = (h ^ u[1]) * 1099511628211ull;
     }
   return h;
 }
@@ -388,32 +396,44 @@ static void wgmma_wait(int pending) {
     }
     WgmmaGroup& group = wg.groups[me.retired - wg.first];
     const std::vector<WgmmaOp>& mine = group.ops[lane];
-    for (int i = 0; i < 128; ++i)
-      if (group.ops[i].size() != mine.size()) fail("the threads of a warpgroup issued different wgmma groups");
-    if (failure) return;
+    if (group.operands.empty()) {  // the first thread to retire the group: every thread issued the same
+      for (int i = 0; i < 128; ++i)
+        if (group.ops[i].size() != mine.size()) fail("the threads of a warpgroup issued different wgmma groups");
+      for (size_t q = 0; q < mine.size(); ++q)
+        for (int i = 0; i < 128; ++i)
+          if (group.ops[i][q].desc != mine[q].desc || group.ops[i][q].n != mine[q].n || group.ops[i][q].k != mine[q].k)
+            fail("the threads of a warpgroup gave one wgmma different descriptors or shapes");
+      if (failure) return;
+      group.operands.resize(mine.size());
+    }
     for (size_t q = 0; q < mine.size(); ++q) {
       const WgmmaOp& op = mine[q];
-      for (int i = 0; i < 128; ++i)
-        if (group.ops[i][q].desc != op.desc || group.ops[i][q].n != op.n || group.ops[i][q].k != op.k)
-          fail("the threads of a warpgroup gave one wgmma different descriptors or shapes");
       if (op.desc >> 62) fail("the emulator reads only unswizzled wgmma descriptors");
-      if (op.b_at_issue != b_digest(op.n, op.k, op.per, op.desc))  // (each thread checks its own issue)
+      uint64_t digest = b_digest(op.n, op.k, op.per, op.desc);
+      if (op.b_at_issue != digest)  // (each thread checks its own issue)
         fail("a wgmma's shared B tile changed between its issue and its wait (a race: a missing "
              "barrier, or a store before every thread has waited)");
       if (failure) return;
-      int half = op.k / 2, per = op.per;
-      auto A = [&](int row, int k) {
-        int kk = k % half;
-        unsigned bits = group.ops[(row / 16) * 32 + (row % 8) * 4 + kk / per][q].a[(row % 16 >= 8) + 2 * (k >= half)];
-        return operand(bits, per, kk % per);
-      };
-      auto B = [&](int col, int k) {
-        return shared_operand(b_address(op.desc, col, k, per), per);
-      };
+      int half = op.k / 2, per = op.per, K = op.k;
+      WgmmaOperands& in = group.operands[q];
+      if (!in.ready || in.b_digest != digest) {  // read once for the warpgroup (again if B differs)
+        in.a.resize(64 * K);
+        in.b.resize(op.n * K);
+        for (int row = 0; row < 64; ++row)
+          for (int k = 0; k < K; ++k) {
+            int kk = k % half;
+            unsigned bits = group.ops[(row / 16) * 32 + (row % 8) * 4 + kk / per][q].a[(row % 16 >= 8) + 2 * (k >= half)];
+            in.a[row * K + k] = operand(bits, per, kk % per);
+          }
+        for (int col = 0; col < op.n; ++col)
+          for (int k = 0; k < K; ++k) in.b[col * K + k] = shared_operand(b_address(op.desc, col, k, per), per);
+        in.ready = !failure;
+        in.b_digest = digest;
+      }
       for (int r = 0; r < op.n / 2; ++r) {
         int row = 16 * w + g + 8 * (r / 2 % 2), col = 8 * (r / 4) + 2 * t + r % 2;
         double sum = 0.0;
-        for (int k = 0; k < op.k; ++k) sum += (double)A(row, k) * (double)B(col, k);
+        for (int k = 0; k < K; ++k) sum += (double)in.a[row * K + k] * (double)in.b[col * K + k];
         sum *= op.scale_a * op.scale_b;
         *op.d[r] = (float)(op.scale_d ? sum + (double)*op.d[r] : sum);
       }

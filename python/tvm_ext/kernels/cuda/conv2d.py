@@ -40,8 +40,9 @@ replace the threads' FFMA tiles by warps issuing `mma.sync` (:class:`MmaShape`):
 `warp_rows` rows of the block, its fragments loaded from the same shared buffers (rows padded
 so the loads do not conflict), its accumulators staged into the same output tile.
 
-Hopper's engine (`BlockTile(engine="wgmma_tf32")`, sm_90a) is one warpgroup per block issuing an
-asynchronous `wgmma.mma_async` m64nNk8 per 64-column slab and k step (:class:`WgmmaShape`): N is
+Hopper's engines (`BlockTile(engine="wgmma_tf32" | "wgmma_bf16")`, sm_90a) are one warpgroup per
+block issuing an asynchronous `wgmma.mma_async` m64nNk8 (bf16: m64nNk16, its operands rounded and
+packed two to a register) per 64-column slab and k step (:class:`WgmmaShape`): N is
 the block's rows, the weights' tile is read by the tensor cores from shared memory through a
 matrix descriptor (so the weights are packed per block and k step in that layout,
 :func:`pack_wgmma_weight`), and the A operand comes from registers, gathered by each thread
