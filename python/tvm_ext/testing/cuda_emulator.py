@@ -422,8 +422,8 @@ static void wgmma_wait(int pending) {
         for (int row = 0; row < 64; ++row)
           for (int k = 0; k < K; ++k) {
             int kk = k % half;
-            unsigned bits = group.ops[(row / 16) * 32 + (row % 8) * 4 + kk / per][q].a[(row % 16 >= 8) + 2 * (k >= half)];
-            in.a[row * K + k] = operand(bits, per, kk % per);
+            const WgmmaOp& holder = group.ops[(row / 16) * 32 + (row % 8) * 4 + kk / per][q];
+            in.a[row * K + k] = operand(holder.a[(row % 16 >= 8) + 2 * (k >= half)], per, kk % per);
           }
         for (int col = 0; col < op.n; ++col)
           for (int k = 0; k < K; ++k) in.b[col * K + k] = shared_operand(b_address(op.desc, col, k, per), per);
