@@ -9,7 +9,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import os
 import re
+import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -238,9 +241,10 @@ _WL_STATIC = Conv2dWorkload.make((128, 96, 13, 13), (256, 96, 3, 3), padding=1) 
 
 
 @needs_nvcc
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("tile", [cc.BlockTile(rows=64), cc.BlockTile(rows=96), cc.FFMA_TILES[0]],
-                         ids=["64x64", "96x64", "128x128_16x8"])
+# every tile on sm_90; sm_80 on the tile with the most registers a thread (16 x 8)
+@pytest.mark.parametrize("arch, tile", [("sm_90", cc.BlockTile(rows=64)), ("sm_90", cc.BlockTile(rows=96)),
+                                        ("sm_90", cc.FFMA_TILES[0]), ("sm_80", cc.FFMA_TILES[0])],
+                         ids=["64x64-sm_90", "96x64-sm_90", "128x128_16x8-sm_90", "128x128_16x8-sm_80"])
 def test_machine_code(arch, tile):
     plan = cc.MaxDNNPlan.make(_WL_STATIC, tile)
     source = cc.cuda_source(plan, {"kind": "cuda", "arch": arch})
@@ -288,6 +292,24 @@ def test_k_loop_machine_code_is_ffma_bound(arch, tile, share):
     assert loop["LDS"] == 2 * (tt.rows + tt.cols) // t.vec * t.k_step and loop["BAR"] == 2
     assert loop["LDG"] == loop["STS"] == moves
     assert loop["FFMA"] >= share * sum(loop.values()), loop.most_common(12)
+
+
+@needs_nvcc
+def test_nvcc_outputs_are_cached_by_content(tmp_path, monkeypatch):
+    """compile_source and ptxas_resources cache nvcc's outputs by content (the checks compile the
+    same kernels many times); a source that does not compile raises every time."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    source = 'extern "C" __global__ void k(float* y) { y[threadIdx.x] = 1.0f; }\n'
+    first = ptx.compile_source(source, "sm_80")
+    assert b".entry k" in first and len(list((tmp_path / f"tvm_ext_nvcc_{os.getuid()}").iterdir())) == 1
+    start = time.perf_counter()
+    assert ptx.compile_source(source, "sm_80") == first and time.perf_counter() - start < 0.5
+    assert ptx.compile_source(source, "sm_90") != first  # another arch, another entry
+    assert ptx.ptxas_resources(source, "sm_80")["registers"] > 0
+    for _ in range(2):
+        with pytest.raises(Exception, match="error"):
+            ptx.compile_source(source.replace("1.0f", "undeclared"), "sm_80")
+    assert len(list((tmp_path / f"tvm_ext_nvcc_{os.getuid()}").iterdir())) == 3
 
 
 def test_k_loop_is_found_in_listings():

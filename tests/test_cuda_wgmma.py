@@ -233,11 +233,13 @@ def test_bf16_pairs_kernel_packs_as_numpy():
     x = np.random.default_rng(3).standard_normal((3, 10)).astype(np.float32)
     # halfway cases: bit 16 even (rounds down), odd (up), negative, and one that rounds to inf
     x.view(np.uint32)[0, :4] = [0x3F808000, 0x3F818000, 0xBF818000, 0x7F7F8000]
+    x.view(np.uint32)[1, :2] = [0x7F800001, 0xFFC00000]  # NaNs (one that rounding would make inf)
     source = generate_source(tvm.IRModule({"main": simple.bf16_pairs_func(x.shape)}), tvm_ext.resolve_target(TARGET))
     out = np.full((3, 5), np.nan, np.float32)
     cuda_emulator.run_kernel(source, "main_kernel", (1, 1, 1), (simple.THREADS, 1, 1), {"data": x, "output": out})
     want = cc.bf16_pairs(x)
     assert want.view(np.uint32)[0, :2].tolist() == [0x3F823F80, 0x7F80BF82]  # (0x7F80: inf)
+    assert want.view(np.uint32)[1, 0] == 0x7FFF7FFF  # CUDA's NaN
     np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
     with pytest.raises(ValueError, match="not pairs"):
         simple.bf16_pairs_func((3, 5))

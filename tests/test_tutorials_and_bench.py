@@ -43,6 +43,18 @@ def test_tutorial_04_cuda_maxdnn_tile():
         assert share >= 93.5  # 16 x 8 threads (8 x 8: 91%)
 
 
+def test_gpu_check_base_engine():
+    """The arithmetic (and so the reference's rounding and the baseline's precision) behind each
+    exported variant's engine name."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_check
+
+    names = {"ffma": "ffma", "ffma_maxdnn": "ffma", "mma_tf32_w64": "mma_tf32", "mma_bf16": "mma_bf16",
+             "wgmma_tf32_shared": "wgmma_tf32", "wgmma_tf32_static": "wgmma_tf32", "wgmma_bf16": "wgmma_bf16"}
+    assert {name: gpu_check.base_engine({"engine": name}) for name in names} == names
+    assert gpu_check.base_engine({"engine": "winograd", "winograd": {}}) == "ffma"
+
+
 def test_peak_quick(tmp_path):
     sys.path.insert(0, str(ROOT / "bench"))
     import peak
@@ -157,22 +169,22 @@ def test_gpu_check_pipeline_without_gpu(tmp_path):
     env = {**os.environ, "KERNELS": str(tmp_path), "PYTHON": sys.executable, "OUT": str(tmp_path / "report"),
            # CRS order, and RSC with split-K (AlexNet conv2 at batch 2: 69 blocks, 5 slices of taps),
            # and conv2 (5x5) as Winograd F(4x4, 5x5): three kernels; both on wgmma (conv2's A fragments
-           # gathered from the input, or from a shared tile), tf32 and bf16 (weights packed in pairs)
-           "EXPORT_ARGS": "--sets alexnet --batch 2 --layers 2 --engines ffma ffma:maxdnn winograd mma_tf32:64 "
+           # gathered from the input, or from a shared tile), tf32 and bf16 (weights packed in pairs).
+           # (mma.sync, whose emulation is the slowest, goes through the same code: base_engine below)
+           "EXPORT_ARGS": "--sets alexnet --batch 2 --layers 2 --engines ffma ffma:maxdnn winograd "
                           "wgmma_tf32 wgmma_tf32:shared wgmma_bf16"}
     result = subprocess.run(["bash", "bench/gpu_check.sh", "--emulate", "--repeat", "0"], cwd=ROOT,
                             capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "13/13 layers correct" in result.stdout
+    assert "11/11 layers correct" in result.stdout
     report = json.loads((tmp_path / "report" / "gpu_check.json").read_text())
     wgmma = ["wgmma_tf32", "wgmma_tf32_shared", "wgmma_bf16"]
     ffma = ["ffma", "ffma_maxdnn"]  # choose_tile's (16 x 8 threads) and maxDNN's 64 x 64
-    assert [row["engine"] for row in report["layers"]] == [*ffma, "mma_tf32_w64", *wgmma, *ffma, "winograd",
-                                                           "mma_tf32_w64", *wgmma]
+    assert [row["engine"] for row in report["layers"]] == [*ffma, *wgmma, *ffma, "winograd", *wgmma]
     assert all(row["ok"] for row in report["layers"])
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert [e.get("splits") for e in manifest["layers"]] == [1, 1, 1, 1, 1, 1, 5, 5, 1, 5, 5, 5, 5]
-    assert [len(e["launches"]) for e in manifest["layers"]] == [1, 1, 1, 1, 1, 1, 2, 2, 3, 2, 2, 2, 2]
+    assert [e.get("splits") for e in manifest["layers"]] == [1, 1, 1, 1, 1, 5, 5, 1, 5, 5, 5]
+    assert [len(e["launches"]) for e in manifest["layers"]] == [1, 1, 1, 1, 1, 2, 2, 3, 2, 2, 2]
     assert "| alexnet conv2 | ffma | 96x64 (12x8), K/5 |" in result.stdout  # 1458 columns: 64 wide
     # wgmma: conv1's 64 x 128 tile fits 48 KB in tf32 (bf16's k steps of 16 double the data tile);
     # conv2's 96 x 128 (192 filters) has its output tile in dynamic shared memory, which the check

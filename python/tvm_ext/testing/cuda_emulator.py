@@ -66,13 +66,15 @@ HEADER = r"""
 struct dim3 { unsigned int x, y, z; };
 struct float4 { float x, y, z, w; };
 struct float2 { float x, y; };
-struct nv_bfloat16 {  // what TVM's casts need: construction from float (round to nearest even), the bits
+// what TVM's casts need: construction from float as __float2bfloat16 does it (round to nearest
+// even; a NaN becomes 0x7fff), the bits
+struct nv_bfloat16 {
   unsigned short bits;
   nv_bfloat16() = default;
   nv_bfloat16(float f) {
     unsigned u;
     std::memcpy(&u, &f, 4);
-    bits = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    bits = std::isnan(f) ? (unsigned short)0x7fffu : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
   }
 };
 static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }

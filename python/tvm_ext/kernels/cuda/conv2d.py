@@ -730,11 +730,10 @@ class _Generator:
         registers the wgmma reads (set `regs` of `af`): register h + 2j of a slab holds k rows
         t per_reg + e + k/2 j (channels) of the column of row half h (bf16: two, rounded and
         packed); scalar loads, 8 lanes of a warp reading 8 consecutive images or pixels, zeros
-        for a dead column. Each load is unconditional (a
-        dead column's offset is a safe one) and then masked: a load under a condition becomes
-        a zeroing move and a predicated load, and a select a branch, after either of which
-        ptxas (nvcc 13.0) serializes the wgmma (C7513) where the gather has no tap entry to
-        keep it apart from the wait (1x1 filters)."""
+        for a dead column. Each load is unconditional (a dead column's offset is a safe one)
+        and then masked: a load under a condition becomes a zeroing move and a predicated load,
+        and a select a branch, after either of which ptxas (nvcc 13.0) serializes the wgmma
+        (C7513) where the gather has no tap entry to keep it apart from the wait (1x1 filters)."""
         t, wl, e = self.t, self.wl, self.e
         plane = wl.H * wl.W * wl.N
         base = self.fragment_base(regs)
@@ -1505,11 +1504,12 @@ def wgmma_pack_tiles(plan: MaxDNNPlan) -> tuple[tuple[int, int, int], tuple[int,
 
 
 def bf16_pairs(a: np.ndarray) -> np.ndarray:
-    """float32 values rounded to bf16 (nearest even) and packed in pairs along the last axis,
-    the first of each pair in the low half, as float32 words (their bits): what a 32-bit load
-    of two consecutive bf16 gives."""
-    bits = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    """float32 values rounded to bf16 as CUDA's `__float2bfloat16` does (nearest even; a NaN
+    becomes 0x7FFF) and packed in pairs along the last axis, the first of each pair in the low
+    half, as float32 words (their bits): what a 32-bit load of two consecutive bf16 gives."""
+    a = np.ascontiguousarray(a, np.float32)
+    bits = a.view(np.uint32).astype(np.uint64)
+    rounded = np.where(np.isnan(a), 0x7FFF, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
     if rounded.shape[-1] % 2:
         raise ValueError(f"bf16_pairs: the last axis has {rounded.shape[-1]} values, not pairs")
     return rounded.view(np.uint32).view(np.float32)

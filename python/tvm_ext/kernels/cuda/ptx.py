@@ -4,7 +4,8 @@
   :func:`kernel_names`, :func:`kernel_params`: the kernels in it and their arguments.
 - :func:`compile_source`, :func:`ptx_instructions`, :func:`ptxas_resources`: what it compiles to
   (TVM's own nvcc driver for PTX and cubin; register use and spills from `ptxas -v`, which only
-  nvcc's command line reports).
+  nvcc's command line reports). nvcc's outputs are cached on disk by content (source, arch,
+  format, nvcc's version): the checks compile the same kernels again and again.
 - :func:`build_for_device`: a runnable module for a machine that has a GPU.
 
 TVM 0.27 hazard: once `tvm.support.nvcc` is imported, its `tvm_callback_cuda_compile` is
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import glob
+import hashlib
 import importlib.util
 import os
 import re
@@ -129,12 +132,39 @@ def build_for_device(func: tvm.tirx.PrimFunc | tvm.IRModule, target: tvm.target.
     return tvm.compile(mod, target=target)
 
 
+@functools.cache
+def _nvcc_version() -> str:
+    result = subprocess.run(["nvcc", "--version"], capture_output=True, text=True)
+    return result.stdout if result.returncode == 0 else ""
+
+
+def _cached(kind: str, source: str, arch: str, make) -> bytes:
+    """`make()` (nvcc's output of `kind` for `source` and `arch`), cached on disk by content and
+    nvcc's version; failures are not cached. Files are renamed into place: pytest-xdist's
+    workers may compile the same kernel at once."""
+    key = hashlib.sha256("\0".join((kind, arch, _nvcc_version(), source)).encode()).hexdigest()[:32]
+    folder = os.path.join(tempfile.gettempdir(), f"tvm_ext_nvcc_{os.getuid()}")
+    path = os.path.join(folder, f"{key}.{kind}")
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        return f.read()
+    data = make()
+    os.makedirs(folder, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+    return data
+
+
 def compile_source(source: str, arch: str, target_format: str = "ptx") -> bytes:
-    """Compile CUDA C for `arch` ("sm_80", "sm_90", ...) to "ptx" or "cubin" with nvcc."""
+    """Compile CUDA C for `arch` ("sm_80", "sm_90", ...) to "ptx" or "cubin" with nvcc (cached)."""
     from tvm.support import nvcc
 
-    with tvm.target.Target({"kind": "cuda", "arch": arch}):
-        return bytes(nvcc.compile_cuda(source, target_format, arch=arch, compiler="nvcc"))
+    def make() -> bytes:
+        with tvm.target.Target({"kind": "cuda", "arch": arch}):
+            return bytes(nvcc.compile_cuda(source, target_format, arch=arch, compiler="nvcc"))
+
+    return _cached(target_format, source, arch, make)
 
 
 def ptx_instructions(ptx: str) -> collections.Counter:
@@ -208,16 +238,19 @@ def ptxas_resources(source: str, arch: str) -> dict[str, int]:
     (its "Potential Performance Loss: wgmma.mma_async instructions are serialized ..." infos,
     C7513 and kin, which `-w` does not silence: say, a register a wgmma reads defined while a
     group is in flight)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.cu")
-        with open(path, "w") as f:
-            f.write(source)
-        cmd = ["nvcc", "-cubin", f"-arch={arch}", "-O3", "-Xptxas", "-v", "-w", path, "-o",
-               os.path.join(tmp, "kernel.cubin")]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode:
-        raise RuntimeError(f"nvcc failed for {arch}:\n{result.stderr[-3000:]}")
-    info = result.stderr
+    def make() -> bytes:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "kernel.cu")
+            with open(path, "w") as f:
+                f.write(source)
+            cmd = ["nvcc", "-cubin", f"-arch={arch}", "-O3", "-Xptxas", "-v", "-w", path, "-o",
+                   os.path.join(tmp, "kernel.cubin")]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode:
+            raise RuntimeError(f"nvcc failed for {arch}:\n{result.stderr[-3000:]}")
+        return result.stderr.encode()
+
+    info = _cached("ptxas-v", source, arch, make).decode()
     numbers = {
         "registers": [int(v) for v in re.findall(r"Used (\d+) registers", info)],
         "spill_stores": [int(v) for v in re.findall(r"(\d+) bytes spill stores", info)],
