@@ -12,9 +12,9 @@ patterns, batch-norm folding, `lower_to_kernels`); this module supplies what dif
   kernels produced is bound to `chwn_to_nchw(y)`, the view the rest of the graph reads, and our
   kernels look through that binding, so layouts change only at the graph's edges and around
   fallbacks (DeadCodeElimination drops the views nobody reads);
-- constant weights are re-laid out (OIHW -> CRSK; for wgmma also packed per block and k step)
-  or transformed (Winograd's U) here, at build time, in NumPy; weights that are inputs are
-  re-laid out by graph ops;
+- constant weights are re-laid out (OIHW -> CRSK; for wgmma also packed per block and k step,
+  for bf16 wgmma rounded and packed in pairs) or transformed (Winograd's U) here, at build time,
+  in NumPy; weights that are inputs are re-laid out by graph ops (and a pairing kernel);
 - pooling, global pooling and activations run the memory-bound kernels of
   :mod:`tvm_ext.kernels.cuda.simple`, in CHWN where their input is.
 
