@@ -219,6 +219,41 @@ extern "C" __global__ void __launch_bounds__(2) k(float* __restrict__ y_ptr) {
     assert (y[:2] == 5).all() and np.isnan(y[2:]).all()
 
 
+@needs_gxx
+def test_emulator_runtime_is_shared_and_a_failed_launch_leaves_nothing_behind():
+    """A source's kernels are compiled once, into one library that links against the emulator's
+    runtime (not compiled in); the runtime's threads and state are reused from launch to launch,
+    also after a launch that failed midway."""
+    source = """
+extern "C" __global__ void __launch_bounds__(4) divergent(float* __restrict__ y_ptr) {
+  if (threadIdx.x > 0) { __syncthreads(); }
+  y_ptr[threadIdx.x] = 1.0f;
+}
+
+extern "C" __global__ void __launch_bounds__(1024) reverse(float* __restrict__ y_ptr) {
+  __shared__ alignas(64) float s_ptr[1024];
+  s_ptr[threadIdx.x] = (float)(blockIdx.x * blockDim.x + threadIdx.x);
+  __syncthreads();
+  y_ptr[blockIdx.x * blockDim.x + threadIdx.x] = s_ptr[blockDim.x - 1 - threadIdx.x];
+  __syncthreads();
+}
+"""
+    for threads in (64, 1024, 32):  # the pool of threads grows, then serves a smaller block
+        with pytest.raises(cuda_emulator.EmulationError, match="same __syncthreads"):
+            cuda_emulator.run_kernel(source, "divergent", (1, 1, 1), (4, 1, 1), {"y": np.zeros(4, np.float32)})
+        y = np.zeros(3 * threads, np.float32)
+        cuda_emulator.run_kernel(source, "reverse", (3, 1, 1), (threads, 1, 1), {"y": y})
+        expect = np.arange(3 * threads).reshape(3, threads)[:, ::-1].ravel()
+        np.testing.assert_array_equal(y, expect)
+    library = cuda_emulator.compile_source(source)._name
+    assert os.path.basename(library).startswith("divergent_")  # one library, named after the first kernel
+    with open(library[:-3] + ".cc") as f:
+        text = f.read()
+    assert "makecontext" not in text and "_setjmp" not in text  # the runtime is not compiled in
+    runtime = text.splitlines()[0].removeprefix("// links against ")
+    assert os.path.exists(os.path.join(os.path.dirname(library), runtime))
+
+
 def test_emulator_argument_errors():
     source = 'extern "C" __global__ void k(float* __restrict__ y_ptr, int n) {}'
     with pytest.raises(ValueError, match="not a pointer"):

@@ -169,22 +169,23 @@ def test_gpu_check_pipeline_without_gpu(tmp_path):
     env = {**os.environ, "KERNELS": str(tmp_path), "PYTHON": sys.executable, "OUT": str(tmp_path / "report"),
            # CRS order, and RSC with split-K (AlexNet conv2 at batch 2: 69 blocks, 5 slices of taps),
            # and conv2 (5x5) as Winograd F(4x4, 5x5): three kernels; both on wgmma (conv2's A fragments
-           # gathered from the input, or from a shared tile), tf32 and bf16 (weights packed in pairs).
-           # (mma.sync, whose emulation is the slowest, goes through the same code: base_engine below)
+           # gathered from the input, or from a shared tile), tf32 and bf16 (weights packed in pairs);
+           # and mma.sync tf32.
            "EXPORT_ARGS": "--sets alexnet --batch 2 --layers 2 --engines ffma ffma:maxdnn winograd "
-                          "wgmma_tf32 wgmma_tf32:shared wgmma_bf16"}
+                          "mma_tf32 wgmma_tf32 wgmma_tf32:shared wgmma_bf16"}
     result = subprocess.run(["bash", "bench/gpu_check.sh", "--emulate", "--repeat", "0"], cwd=ROOT,
                             capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "11/11 layers correct" in result.stdout
+    assert "13/13 layers correct" in result.stdout
     report = json.loads((tmp_path / "report" / "gpu_check.json").read_text())
     wgmma = ["wgmma_tf32", "wgmma_tf32_shared", "wgmma_bf16"]
     ffma = ["ffma", "ffma_maxdnn"]  # choose_tile's (16 x 8 threads) and maxDNN's 64 x 64
-    assert [row["engine"] for row in report["layers"]] == [*ffma, *wgmma, *ffma, "winograd", *wgmma]
+    assert [row["engine"] for row in report["layers"]] == [*ffma, "mma_tf32", *wgmma, *ffma, "winograd", "mma_tf32",
+                                                            *wgmma]
     assert all(row["ok"] for row in report["layers"])
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert [e.get("splits") for e in manifest["layers"]] == [1, 1, 1, 1, 1, 5, 5, 1, 5, 5, 5]
-    assert [len(e["launches"]) for e in manifest["layers"]] == [1, 1, 1, 1, 1, 2, 2, 3, 2, 2, 2]
+    assert [e.get("splits") for e in manifest["layers"]] == [*[1] * 6, 5, 5, 1, 5, 5, 5, 5]
+    assert [len(e["launches"]) for e in manifest["layers"]] == [*[1] * 6, 2, 2, 3, 2, 2, 2, 2]
     assert "| alexnet conv2 | ffma | 96x64 (12x8), K/5 |" in result.stdout  # 1458 columns: 64 wide
     # wgmma: conv1's 64 x 128 tile fits 48 KB in tf32 (bf16's k steps of 16 double the data tile);
     # conv2's 96 x 128 (192 filters) has its output tile in dynamic shared memory, which the check
