@@ -245,6 +245,8 @@ extern "C" __global__ void __launch_bounds__(1024) reverse(float* __restrict__ y
         cuda_emulator.run_kernel(source, "reverse", (3, 1, 1), (threads, 1, 1), {"y": y})
         expect = np.arange(3 * threads).reshape(3, threads)[:, ::-1].ravel()
         np.testing.assert_array_equal(y, expect)
+    with pytest.raises(cuda_emulator.EmulationError, match="more than 1024"):
+        cuda_emulator.run_kernel(source, "reverse", (1, 1, 1), (1025, 1, 1), {"y": np.zeros(1025, np.float32)})
     library = cuda_emulator.compile_source(source)._name
     assert os.path.basename(library).startswith("divergent_")  # one library, named after the first kernel
     with open(library[:-3] + ".cc") as f:

@@ -124,6 +124,10 @@ int launch(void (*kernel)(void**), void** args, dim3 grid, dim3 block, size_t dy
   wgmma_idle();  // nothing left of a launch that failed
   block_dim = block;
   size_t n = (size_t)block.x * block.y * block.z;
+  if (n == 0 || n > 1024) {
+    fail("a block of no threads or of more than 1024");
+    return 2;
+  }
   if (fibers.size() < n) fibers.resize(n);
   for (size_t i = 0; i < n; ++i) {
     Fiber& f = fibers[i];
