@@ -4,7 +4,7 @@
 //
 // A fiber starts on its own stack (ucontext) once per launch and then runs every block of the
 // grid in turn; it switches with _setjmp/_longjmp, which save no signal mask: a switch costs no
-// system call (swapcontext makes two), and switches are most of an emulated kernel's time.
+// system call (swapcontext makes one at every switch: 1.3 us a round trip here, against 0.05).
 #undef _FORTIFY_SOURCE  // its longjmp check rejects a jump to another stack
 #include "cuda_emulator.h"
 
