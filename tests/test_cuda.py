@@ -266,6 +266,8 @@ def test_emulator_argument_errors():
     assert ptx.kernel_params(source, "k") == [("float", "y_ptr")] and ptx.kernel_names(source) == ["k"]
     with pytest.raises(ValueError, match="no kernel named"):
         ptx.kernel_params(source, "other")
+    with pytest.raises(cuda_emulator.EmulationError, match="no __global__ kernel"):
+        cuda_emulator.compile_source("__device__ float f(float x) { return x; }")
     with pytest.raises(cuda_emulator.EmulationError, match="no array"):
         cuda_emulator.run_kernel(source, "k", (1, 1, 1), (1, 1, 1), {})
     with pytest.raises(cuda_emulator.EmulationError, match="C-contiguous float"):

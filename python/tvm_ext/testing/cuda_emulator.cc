@@ -112,7 +112,8 @@ static void warp_sync() {
   yield_to_scheduler();
 }
 
-static bool wgmma_idle();
+static bool wgmma_idle(size_t threads);
+static void wgmma_reset(size_t threads);
 static bool wgmma_committed(size_t thread, long group);
 
 int launch(void (*kernel)(void**), void** args, dim3 grid, dim3 block, size_t dynamic_shared) {
@@ -121,7 +122,7 @@ int launch(void (*kernel)(void**), void** args, dim3 grid, dim3 block, size_t dy
   dynamic_shared_bytes = dynamic_shared;
   grid_dim = grid;
   failure = nullptr;
-  wgmma_idle();  // nothing left of a launch that failed
+  wgmma_reset(fibers.size());  // nothing left of a launch that failed
   block_dim = block;
   size_t n = (size_t)block.x * block.y * block.z;
   if (n == 0 || n > 1024) {
@@ -188,7 +189,9 @@ int launch(void (*kernel)(void**), void** args, dim3 grid, dim3 block, size_t dy
       if (done || waiting != n) return 1;  // some threads ended or wait elsewhere: divergent barriers
       for (size_t i = 0; i < n; ++i) fibers[i].at_barrier = false;
     }
-    if (!wgmma_idle()) fail("wgmma.mma_async issued and never waited for (wgmma.wait_group)");
+    bool idle = wgmma_idle(n);
+    wgmma_reset(n);
+    if (!idle) fail("wgmma.mma_async issued and never waited for (wgmma.wait_group)");
     if (failure) return 2;
   }
   return 0;
@@ -285,14 +288,17 @@ struct ThreadWgmma {
 static Warpgroup warpgroups[8];
 static ThreadWgmma thread_wgmma[1024];
 
-static bool wgmma_idle() {
+// Whether threads 0..threads-1 have waited for every wgmma they issued.
+static bool wgmma_idle(size_t threads) {
   bool idle = true;
-  for (size_t i = 0; i < fibers.size(); ++i) {
+  for (size_t i = 0; i < threads; ++i)
     idle &= thread_wgmma[i].open.empty() && thread_wgmma[i].committed == thread_wgmma[i].retired;
-    thread_wgmma[i] = ThreadWgmma();
-  }
-  for (auto& w : warpgroups) w = Warpgroup();
   return idle;
+}
+
+static void wgmma_reset(size_t threads) {
+  for (size_t i = 0; i < threads; ++i) thread_wgmma[i] = ThreadWgmma();
+  for (auto& w : warpgroups) w = Warpgroup();
 }
 
 static bool wgmma_committed(size_t thread, long group) {

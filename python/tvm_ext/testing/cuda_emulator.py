@@ -178,22 +178,20 @@ _KERNEL_OPT = "-O0"
 _RUNTIME_OPT = "-O2"
 
 
-def _compile(text: str, prefix: str, libraries: tuple[str, ...] = ()) -> str:
-    """`text` compiled into a shared library of the cache directory, `<prefix>_<digest>.so`, by
-    content and flags (once: the file is reused when there); `libraries` are shared libraries of
-    that directory it links against. Returns the library's path."""
-    opt = _KERNEL_OPT if libraries else _RUNTIME_OPT
+def _compile(text: str, prefix: str, opt: str, libraries: tuple[str, ...] = ()) -> str:
+    """`text` compiled with g++ `opt` into a shared library of the cache directory,
+    `<prefix>_<digest>.so`, by content and flags (once: the file is reused when there);
+    `libraries` are shared libraries of that directory it links against. Returns its path."""
+    folder = _cache_dir()
     digest = hashlib.sha256(f"{opt}\n{text}".encode()).hexdigest()[:20]
-    lib = os.path.join(_cache_dir(), f"{prefix}_{digest}.so")
+    lib = os.path.join(folder, f"{prefix}_{digest}.so")
     if not os.path.exists(lib):
         # files of this process, renamed into place: pytest-xdist's workers may build the same
         # kernel at once, and a file replaced while another process writes it would be truncated
         src, tmp = f"{lib[:-3]}.{os.getpid()}.cc", f"{lib}.{os.getpid()}.tmp"
         with open(src, "w") as f:
             f.write(text)
-        links = [f"-l:{library}" for library in libraries]
-        if libraries:
-            links = [f"-L{_cache_dir()}", *links, f"-Wl,-rpath,{_cache_dir()}"]
+        links = [f"-L{folder}", *(f"-l:{library}" for library in libraries), f"-Wl,-rpath,{folder}"]
         cmd = ["g++", "-std=c++17", opt, "-w", "-shared", "-fPIC", src, "-o", tmp, *links]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode:
@@ -207,7 +205,7 @@ def _compile(text: str, prefix: str, libraries: tuple[str, ...] = ()) -> str:
 def _runtime() -> str:
     """The emulator's runtime library (cuda_emulator.cc with the header in it), by content."""
     text = _read("cuda_emulator.cc").replace('#include "cuda_emulator.h"', HEADER, 1)
-    return os.path.basename(_compile(text, "libtvm_ext_cuda_emu"))
+    return os.path.basename(_compile(text, "libtvm_ext_cuda_emu", _RUNTIME_OPT))
 
 
 @functools.cache
@@ -218,8 +216,10 @@ def compile_source(source: str) -> ctypes.CDLL:
     Kernel `k` is launched by the library's `emu_launch_k`; kernels with parameters that are not
     pointers (which `run_kernel` refuses) get none.
     """
-    launchers = []
-    for kernel in kernel_names(source):
+    kernels, launchers = kernel_names(source), []
+    if not kernels:
+        raise EmulationError("the source has no __global__ kernel")
+    for kernel in kernels:
         try:
             params = kernel_params(source, kernel)
         except ValueError:
@@ -235,7 +235,7 @@ extern "C" int emu_launch_{kernel}(void** args, unsigned gx, unsigned gy, unsign
     text = (f"// links against {runtime}\n" + HEADER + _device_code(source) + "".join(launchers) + """
 extern "C" const char* emu_failure() { return emu::failure_message(); }
 """)
-    return ctypes.CDLL(_compile(text, kernel_names(source)[0][:80], (runtime,)))
+    return ctypes.CDLL(_compile(text, kernels[0][:80], _KERNEL_OPT, (runtime,)))
 
 
 def run_kernel(source: str, kernel: str, grid: tuple[int, int, int], block: tuple[int, int, int],
