@@ -48,7 +48,7 @@ from tvm.s_tir import meta_schedule as ms  # noqa: E402
 
 import tvm_ext  # noqa: E402
 from tvm_ext.kernels import conv2d as K  # noqa: E402
-from tvm_ext.tuning import tuner  # noqa: E402
+from tvm_ext.tuning import records, tuner  # noqa: E402
 from tvm_ext.tuning.progress import TuningProgress  # noqa: E402
 from tvm_ext.tuning.space import conv2d_workload, default_kernel  # noqa: E402
 
@@ -118,7 +118,7 @@ def main() -> int:
         database = tvm_ext.tune(None, target, work / "tvm_ext", ARGS.trials, tasks=[task], num_trials_per_iter=16,
                                 measure_callbacks=[progress])
         tune_s = time.perf_counter() - start
-        tuned_func = tuner.tuned_kernel(database, task.workload, target)
+        tuned_func = records.tuned_kernel(database, task.workload, target)
         tuned = _time_ms(tuned_func, shapes, target) if tuned_func is not None else float("nan")
         curve = progress.curves[0]
 

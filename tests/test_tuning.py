@@ -13,6 +13,7 @@ import tvm_ext
 from tvm_ext.kernels.conv2d import Conv2dWorkload, Epilogue, plan_conv2d
 from tvm_ext.target import AVX2
 from tvm_ext.tuning import extract_tasks, open_database, tuned_kernel
+from tvm_ext.tuning.records import compact_database
 from tvm_ext.tuning.space import (
     conv2d_space,
     conv2d_workload,
@@ -21,7 +22,6 @@ from tvm_ext.tuning.space import (
     flat_decisions,
     tensorize_segments,
 )
-from tvm_ext.tuning.tuner import compact_database
 
 TARGET = tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})  # AVX2: the CI machine's ISA
 
@@ -181,7 +181,7 @@ def test_every_candidate_of_the_pool_space_computes_the_pooling(mode, shape, blo
 
 def test_a_network_with_pooling_tunes_and_uses_its_pooling_record(tmp_path):
     """The max pooling is a task of its own; after tuning, the build runs its tuned kernel."""
-    from tvm_ext.tuning.tuner import TUNED_ATTR
+    from tvm_ext.tuning.records import TUNED_ATTR
 
     rng = np.random.default_rng(5)
     bb = relax.BlockBuilder()
@@ -350,10 +350,10 @@ def test_sigkill_loses_no_finished_trial_and_the_rerun_continues(tmp_path):
 
 def test_corrupt_database_names_the_file_and_line(tmp_path):
     (tmp_path / "database_workload.json").write_text("")
-    (tmp_path / "database_tuning_record.json").write_text('[0, [[], [1.0]]]\n[0, [[], [1.0\n')
+    (tmp_path / "database_tuning_record.json").write_text('\n[0, [[], [1.0\n')
     with pytest.raises(ValueError, match=r"database_tuning_record.json:2: corrupt"):
         open_database(tmp_path)
-    assert (tmp_path / "database_tuning_record.json").read_text().startswith("[0, [[], [1.0]]]")
+    assert (tmp_path / "database_tuning_record.json").read_text() == '\n[0, [[], [1.0\n'  # left as it was
     with pytest.raises(FileNotFoundError, match="run tvm_ext.tune"):
         tvm_ext.build(_net(repeated=0), TARGET, database=tmp_path / "missing")
 
@@ -373,7 +373,7 @@ def test_tune_rejects_what_it_cannot_tune(tmp_path):
 
 def test_shipped_records_apply_only_to_their_target(tmp_path, monkeypatch):
     from tvm_ext.strategy import cpu as cpu_strategy
-    from tvm_ext.tuning.tuner import TUNED_ATTR, shipped_database, shipped_records_dir, target_key
+    from tvm_ext.tuning.records import TUNED_ATTR, shipped_database, shipped_records_dir, target_key
 
     mod = _net(repeated=0)
     tvm_ext.tune(mod, TARGET, tmp_path / target_key(TARGET), max_trials=8, num_trials_per_iter=8)
@@ -405,7 +405,8 @@ def test_shipped_records_cover_every_task_of_their_networks(model, batch):
     on 2 threads) must still find one. They were tuned before Winograd: they cover the direct
     build, and the Winograd GEMMs of the default build run their analytic schedule."""
     from tvm_ext import models
-    from tvm_ext.tuning.tuner import extract_tasks, shipped_database
+    from tvm_ext.tuning.records import shipped_database
+    from tvm_ext.tuning.tuner import extract_tasks
 
     target = tvm.target.Target({"kind": "llvm", "mcpu": "znver4"})
     database = shipped_database(target)

@@ -70,7 +70,7 @@ def demo(args: argparse.Namespace) -> int:
     print("dispatch: " + ", ".join(f"{n} x {k}" for k, n in counts.most_common()))
     start = time.perf_counter()
     ex = tvm_ext.build(mod, target, winograd=not args.direct)
-    from tvm_ext.tuning.tuner import shipped_records_dir, target_key
+    from tvm_ext.tuning.records import shipped_records_dir, target_key
 
     shipped = shipped_records_dir(target)
     print(f"built with tvm_ext in {time.perf_counter() - start:.1f} s; tuning records for {target_key(target)}: "
@@ -126,7 +126,7 @@ def tune(args: argparse.Namespace) -> int:
         name = args.model
     target = tvm_ext.resolve_target(args.target)
     if args.ship:
-        from tvm_ext.tuning.tuner import schedules_root, target_key
+        from tvm_ext.tuning.records import schedules_root, target_key
 
         args.work_dir = str(schedules_root() / target_key(target))
     tasks = extract_tasks(mod, target)
@@ -138,7 +138,7 @@ def tune(args: argparse.Namespace) -> int:
                  measure_callbacks=[progress], rpc=args.rpc or None)
     print(f"\ntuned in {time.perf_counter() - start:.0f} s\n{progress.summary()}")
     if args.ship:
-        from tvm_ext.tuning.tuner import compact_database
+        from tvm_ext.tuning.records import compact_database
 
         print(f"shipped: the best record of each workload, {compact_database(args.work_dir)} records")
     plot = progress.plot(Path(args.work_dir) / "tuning_curve.png")

@@ -82,7 +82,7 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
     channels; on CUDA (:mod:`tvm_ext.kernels.cuda.winograd`, FFMA engine only) where its
     estimate beats the direct tile's. False keeps every convolution direct.
     """
-    from .tuning.tuner import open_database, shipped_database
+    from .tuning.records import open_database, shipped_database
 
     target = resolve_target(target)
     if target.kind.name == "cuda":

@@ -318,7 +318,7 @@ class _Emitter:
     def conv_kernel(self, plan: _conv.Conv2dPlan, epilogue: Epilogue) -> tvm.tirx.PrimFunc:
         """The tuned schedule of this convolution if the database has one, else the analytic one."""
         if self.database is not None and _space.tunable(plan, epilogue):
-            from ..tuning.tuner import tuned_kernel
+            from ..tuning.records import tuned_kernel
 
             tuned = tuned_kernel(self.database, _space.conv2d_workload(plan, epilogue, self.isa), self.target)
             if tuned is not None:
@@ -328,7 +328,7 @@ class _Emitter:
     def pool_kernel(self, wl: _pool.Pool2dWorkload, block: int | None) -> tvm.tirx.PrimFunc:
         """The tuned schedule of this pooling if the database has one, else the analytic one."""
         if self.database is not None:
-            from ..tuning.tuner import tuned_kernel
+            from ..tuning.records import tuned_kernel
 
             tuned = tuned_kernel(self.database, _pool_space.pool2d_workload(wl, block), self.target)
             if tuned is not None:

@@ -17,20 +17,18 @@ builder gets a build function of ours and contexts are made without that import.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import shutil
-from pathlib import Path
 
 import tvm
 from tvm.s_tir import Schedule
 from tvm.s_tir import meta_schedule as ms
 
 from ..errors import UnsupportedError
-from ..intrin.cpu import register_named
 from ..target import TargetLike, resolve_target, usable_cores, vector_isa
 from .kinds import TaskKind, kind_of
+from .records import open_database
 
 logger = logging.getLogger("tvm_ext")
 
@@ -120,80 +118,6 @@ def _search_strategy() -> ms.search_strategy.SearchStrategy:
     most of a round; 128 is enough for such a space.
     """
     return ms.search_strategy.EvolutionarySearch(population_size=128, init_min_unmeasured=16)
-
-
-def open_database(database: str | os.PathLike | ms.Database, create: bool = False) -> ms.Database:
-    """A Database as given, or the JSON database in a work_dir (which must exist unless `create`)."""
-    if isinstance(database, ms.Database):
-        return database
-    path = Path(database)
-    if create:
-        path.mkdir(parents=True, exist_ok=True)
-    elif not (path / _RECORDS).is_file():
-        raise FileNotFoundError(f"tuning database: {path} has no {_RECORDS} (run tvm_ext.tune)")
-    _check_json_lines(path / _WORKLOADS)
-    # Records name the microkernels their traces tensorize with, registered on demand by the
-    # process that tuned; JSONDatabase replays every trace when it loads, so register them first.
-    register_named(_check_json_lines(path / _RECORDS))
-    return ms.database.JSONDatabase(work_dir=str(path))
-
-
-_WORKLOADS, _RECORDS = "database_workload.json", "database_tuning_record.json"
-
-
-def compact_database(work_dir: str | os.PathLike) -> int:
-    """Rewrite a JSON database to what builds use: each workload's best record, without its
-    postprocessing (the tensorize steps). Returns the number of records kept.
-
-    For shipped records. Loading a JSON database replays every trace, and a trace that
-    tensorizes needs its microkernels registered first (about 0.1 s each, a TVMScript parse):
-    the 991 records first shipped for ResNet-50 and VGG-16 named 542 of them and took 39 s to load.
-    Builds replay records without postprocessing and tensorize again, so they lose nothing; a
-    later tuning run starts from these records.
-    """
-    path = Path(work_dir)
-    database = open_database(path)
-    workloads: list = []
-    for record in database.get_all_tuning_records():
-        if not any(record.workload.same_as(w) for w in workloads):
-            workloads.append(record.workload)
-    staging = path / ".compact"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    compacted = ms.database.JSONDatabase(work_dir=str(staging))
-    for workload in workloads:
-        best = database.get_top_k(workload, 1)
-        if not best:
-            continue
-        record = best[0]
-        compacted.commit_tuning_record(ms.database.TuningRecord(
-            record.trace.simplified(remove_postproc=True), compacted.commit_workload(workload.mod),
-            record.run_secs, record.target, record.args_info))
-    for name in (_WORKLOADS, _RECORDS):
-        os.replace(staging / name, path / name)
-    shutil.rmtree(staging, ignore_errors=True)
-    return len(compacted.get_all_tuning_records())
-
-
-def _check_json_lines(path: Path) -> str:
-    """Name the file and line of a corrupt record (MetaSchedule's own reader aborts without it).
-
-    Returns the file's text ("" when there is none). Nothing is rewritten: the valid records
-    stay as they are for the user to keep.
-    """
-    if not path.is_file():
-        return ""
-    text = path.read_text()
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            json.loads(line)
-        except ValueError as err:
-            raise ValueError(f"{path}:{number}: corrupt tuning record ({err}); the other lines are intact: "
-                             "delete or repair this one (a run interrupted while writing leaves a "
-                             "truncated last line)") from None
-    return text
 
 
 def tune(mod: tvm.IRModule, target: TargetLike, work_dir: str | os.PathLike, max_trials: int = 64,
@@ -302,51 +226,3 @@ def _runner(rpc: str | None) -> ms.runner.Runner:
     return ms.runner.RPCRunner(rpc_config=config, evaluator_config=_EVALUATOR, max_workers=usable_cores())
 
 
-def tuned_kernel(database: ms.Database, workload: tvm.tirx.PrimFunc,
-                 target: tvm.target.Target) -> tvm.tirx.PrimFunc | None:
-    """The best record's schedule of `workload` in `database`, or None when it has none."""
-    mod = tvm.IRModule({"main": workload})
-    record = database.query_tuning_record(mod, target, "main")
-    if record is None:
-        return None
-    sch = Schedule(mod)
-    # Replay the sampled decisions; the tensorize step runs again here, registering the
-    # microkernels it names (a fresh process has none).
-    record.trace.apply_to_schedule(sch, remove_postproc=True)
-    kind = kind_of(workload)
-    kernel = kind.finish(sch)
-    if kernel is None:
-        logger.warning("tvm_ext: a tuning record of %s does not apply; using the analytic schedule",
-                       workload.attrs[kind.attr])
-        return None
-    return kernel.with_attr(TUNED_ATTR, True)
-
-
-TUNED_ATTR = "tvm_ext.tuned"  # on kernels whose schedule came from a tuning record
-
-
-def target_key(target: TargetLike) -> str:
-    """The folder name of a target's shipped records: kind and CPU (e.g. llvm-znver4)."""
-    target = resolve_target(target)
-    cpu = str(target.attrs.get("mcpu", "")) or "generic"
-    return f"{target.kind.name}-{cpu}"
-
-
-def schedules_root() -> Path:
-    """Where shipped records live: $TVM_EXT_SCHEDULES, else the repository's schedules/."""
-    return Path(os.environ.get("TVM_EXT_SCHEDULES") or Path(__file__).resolve().parents[3] / "schedules")
-
-
-def shipped_records_dir(target: TargetLike) -> Path | None:
-    """schedules/<target key>/ when records are shipped for `target`, else None."""
-    path = schedules_root() / target_key(target)
-    return path if (path / _RECORDS).is_file() else None
-
-
-def shipped_database(target: TargetLike) -> ms.Database | None:
-    """The records shipped for `target` (schedules/<target key>/), or None when there are none."""
-    path = shipped_records_dir(target)
-    if path is None:
-        return None
-    logger.info("tvm_ext: using the tuning records shipped in %s", path)
-    return open_database(path)
