@@ -415,6 +415,33 @@ def _is_relu6(clip: relax.Call) -> bool:
     return (_prim_value(clip.args[1]), _prim_value(clip.args[2])) == (0.0, 6.0)
 
 
+def _is_channel_bias(bias: relax.Expr, channels: int) -> bool:
+    """Whether constant `bias`, added to an NCHW output of `channels` channels, is one value per
+    channel (or one for all): shapes (1, K, 1, 1), (K, 1, 1), (1, 1, 1, 1), (1,), () and the like.
+    A shape (K,) broadcasts along W, not along the channels."""
+    shape = _static_shape(bias)
+    if shape is None or len(shape) > 4 or _dtype(bias) != "float32":
+        return False
+    aligned = (1,) * (4 - len(shape)) + shape
+    return aligned[0] == aligned[2] == aligned[3] == 1 and aligned[1] in (1, channels)
+
+
+def _reads_inside_or_leaks(ctx) -> bool:
+    """Whether a match cannot become one kernel call: a value computed inside it is read outside
+    it (EfficientNet's (conv + b) * sigmoid(conv + b)), or its shortcut is a value computed
+    inside it (y + y). TVM's `has_leaking_intermediate_variables` refuses every match outside a
+    dataflow block; reading the uses serves those too."""
+    inside = set(ctx.matched_bindings.keys())
+    output = ctx.value_to_bound_var.get(ctx.matched_expr)
+    for var in inside:
+        if not var.same_as(output) and any(user not in inside for user in ctx.var_usages.get(var, [])):
+            return True
+    residual = ctx.annotated_expr.get("residual")
+    if residual is None:
+        return False
+    return residual in inside or any(residual.same_as(value) for value in ctx.matched_bindings.values())
+
+
 def fusion_patterns(target: tvm.target.Target) -> list:
     """FuseOpsByPattern patterns grouping a conv2d with the epilogue our kernel applies itself.
 
@@ -424,13 +451,15 @@ def fusion_patterns(target: tvm.target.Target) -> list:
     from tvm.relax.dpl import is_const, is_op, wildcard
 
     def check(ctx) -> bool:
+        if _reads_inside_or_leaks(ctx):
+            return False
         conv = ctx.annotated_expr["conv"]
         decision = decide(conv, target)
         if decision.kernel is None:
             return False
         out_shape = decision.plan.wl.out_shape
         bias = ctx.annotated_expr.get("bias")
-        if bias is not None and _static_shape(bias) not in ((1, out_shape[1], 1, 1), (out_shape[1], 1, 1)):
+        if bias is not None and not _is_channel_bias(bias, out_shape[1]):
             return False
         residual = ctx.annotated_expr.get("residual")
         if residual is not None and (_static_shape(residual) != out_shape or _dtype(residual) != "float32"
@@ -471,28 +500,42 @@ def fusion_patterns(target: tvm.target.Target) -> list:
 
 
 def _epilogue_of(func: relax.Function) -> tuple[relax.Call, tvm.ir.expr.GenericConst | None, int | None, str | None]:
-    """Read a fused composite function: its conv call, bias constant, residual param, activation call."""
-    conv, bias, residual, activation = None, None, None, None
+    """Read a fused composite function: its conv call, bias constant, residual param, activation call.
+
+    Walked from the output, so an add's operands may come in either order (TVM matches add as
+    commutative: RegNet's `x + f(x)` puts the shortcut first). Anything else is an error, never
+    a dropped operand."""
+    values = relax.analysis.get_var2val(func)
     params = list(func.params)
 
-    def visit(expr) -> None:
-        nonlocal conv, bias, residual, activation
-        if not isinstance(expr, relax.Call) or not isinstance(expr.op, tvm.ir.Op):
-            return
-        name = expr.op.name
-        if name == "relax.nn.conv2d":
-            conv = expr
-        elif name == "relax.add":
-            other = expr.args[1]
-            if isinstance(other, tvm.ir.expr.GenericConst):
-                bias = other
-            elif other in params:
-                residual = params.index(other)
-        elif name in _ACTIVATION_OPS:
-            activation = expr
+    def value_of(expr: relax.Expr) -> relax.Expr:
+        while isinstance(expr, relax.Var) and expr in values:
+            expr = values[expr]
+        return expr
 
-    relax.analysis.post_order_visit(func.body, visit)
-    return conv, bias, residual, activation
+    def is_op(expr: relax.Expr, *names: str) -> bool:
+        return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name in names
+
+    body = func.body.body if isinstance(func.body, relax.SeqExpr) else func.body
+    expr, bias, residual, activation = value_of(body), None, None, None
+    if is_op(expr, *_ACTIVATION_OPS):
+        activation, expr = expr, value_of(expr.args[0])
+    while is_op(expr, "relax.add"):
+        chain = [arg for arg in expr.args if is_op(value_of(arg), "relax.add", "relax.nn.conv2d")
+                 and not isinstance(arg, tvm.ir.expr.GenericConst) and arg not in params]
+        if len(chain) != 1:
+            raise ValueError(f"tvm_ext: a fused epilogue add has {len(chain)} operands computed inside it: {expr}")
+        other = expr.args[1] if expr.args[0].same_as(chain[0]) else expr.args[0]
+        if isinstance(other, tvm.ir.expr.GenericConst) and bias is None:
+            bias = other
+        elif other in params and residual is None:
+            residual = params.index(other)
+        else:
+            raise ValueError(f"tvm_ext: a fused epilogue adds an operand it cannot read: {other}")
+        expr = value_of(chain[0])
+    if not is_op(expr, "relax.nn.conv2d"):
+        raise ValueError(f"tvm_ext: a fused epilogue does not start at a convolution: {expr}")
+    return expr, bias, residual, activation
 
 
 def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
@@ -538,8 +581,10 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores=Fals
             params = list(func.params)
             conv = relax.Call(conv.op, [call.args[params.index(conv.args[0])], conv.args[1]], conv.attrs)
             suffix = "_" + str(func.attrs["Composite"]).split(".")[-1]
+            if bias is not None:  # one value per output channel, from one per channel or one for all
+                bias = np.broadcast_to(bias.value.numpy().reshape(-1), _static_shape(conv.args[1])[:1]).copy()
             return self.emitter.conv2d(
-                conv, conv.args[0], bias=None if bias is None else bias.value.numpy(),
+                conv, conv.args[0], bias=bias,
                 residual=None if residual is None else call.args[residual], activation=activation,
                 suffix=suffix)
 
