@@ -33,17 +33,39 @@ def _check_array(name: str, arr, ndim: int | None = None) -> np.ndarray:
 
 
 _CACHE: dict[tuple, tvm.runtime.Module] = {}
+_KEY_LOCKS: dict[tuple, threading.Lock] = {}
+_KEY_LOCKS_LOCK = threading.Lock()
+
+
+def _once(cache: dict, key: tuple, make: Callable[[], object]):
+    """cache[key], made by `make()` the first time: once, when threads ask together (each key
+    has a lock of its own, so different signatures still compile side by side)."""
+    value = cache.get(key)
+    if value is not None:
+        return value
+    with _KEY_LOCKS_LOCK:
+        lock = _KEY_LOCKS.setdefault((id(cache), key), threading.Lock())
+    try:
+        with lock:
+            value = cache.get(key)
+            if value is None:
+                value = cache[key] = make()
+    finally:
+        with _KEY_LOCKS_LOCK:  # made (or failed): later callers find the cache or start over
+            _KEY_LOCKS.pop((id(cache), key), None)
+    return value
 
 
 def _compiled(key: tuple, make: Callable[[], tvm.tirx.PrimFunc], target: tvm.target.Target):
     """Compile `make()` for `target` once per key; returns the callable function."""
-    full_key = (key, str(target))
-    if full_key not in _CACHE:
+
+    def compile_() -> tvm.runtime.Module:
         func = make()
         name = "tvm_ext_" + str(func.attrs[_conv.KERNEL_ATTR])  # te.create_prim_func says "main"
         mod = tvm.IRModule({name: func.with_attr("global_symbol", name)})
-        _CACHE[full_key] = tvm.compile(mod, target)[name]
-    return _CACHE[full_key]
+        return tvm.compile(mod, target)[name]
+
+    return _once(_CACHE, (key, str(target)), compile_)
 
 
 def cache_size() -> int:
@@ -170,17 +192,17 @@ def conv2d(x, w, bias=None, *, stride=1, padding=0, dilation=1, groups: int = 1,
 
 def _conv_kernel(x_shape, w_shape, bias: bool, stride, padding, dilation, groups, target) -> _Conv2dKernel:
     key = (x_shape, w_shape, bias, str(stride), str(padding), str(dilation), groups, _target_key(target))
-    kernel = _CONV_KERNELS.get(key)
-    if kernel is None:
+
+    def make() -> _Conv2dKernel:
         resolved = resolve_target(target)
         if resolved.kind.name == "cuda":
             wl = _conv.Conv2dWorkload.make(x_shape, w_shape, stride, padding, dilation, groups)
-            kernel = _CONV_KERNELS[key] = _CudaConv2dKernel(wl, resolved, bias)
-            return kernel
+            return _CudaConv2dKernel(wl, resolved, bias)
         plan = conv2d_plan(x_shape, w_shape, stride=stride, padding=padding, dilation=dilation,
                            groups=groups, target=resolved)
-        kernel = _CONV_KERNELS[key] = _Conv2dKernel(plan, resolved, bias)
-    return kernel
+        return _Conv2dKernel(plan, resolved, bias)
+
+    return _once(_CONV_KERNELS, key, make)
 
 
 class _CudaConv2dKernel:

@@ -22,11 +22,11 @@ import functools
 import re
 
 from tvm import tirx
-from tvm.s_tir import TensorIntrin
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
 from ..target import VectorISA
+from .registry import register_once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,7 +323,4 @@ def _family(spec: BRGEMM) -> tuple[tirx.PrimFunc, tirx.PrimFunc]:
 def get_brgemm_intrin(spec: BRGEMM) -> str:
     """Register (once) the tensor intrinsic for `spec` and return its name."""
     spec.validate()
-    if TensorIntrin.get(spec.name, allow_missing=True) is None:
-        desc, impl = _desc_impl(spec)
-        TensorIntrin.register(spec.name, desc, impl)
-    return spec.name
+    return register_once(spec.name, lambda: _desc_impl(spec))

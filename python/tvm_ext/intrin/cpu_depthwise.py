@@ -22,12 +22,12 @@ import dataclasses
 import functools
 
 from tvm import tirx
-from tvm.s_tir import TensorIntrin
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
 from ..target import VectorISA
 from .cpu import operand_buffer
+from .registry import register_once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +141,4 @@ def _implementation(tile: DepthwiseTile) -> tirx.PrimFunc:
 def get_depthwise_intrin(tile: DepthwiseTile) -> str:
     """Register (once) the tensor intrinsic for `tile` and return its name."""
     tile.validate()
-    if TensorIntrin.get(tile.name, allow_missing=True) is None:
-        TensorIntrin.register(tile.name, _description(tile), _implementation(tile))
-    return tile.name
+    return register_once(tile.name, lambda: (_description(tile), _implementation(tile)))

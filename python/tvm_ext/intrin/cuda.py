@@ -27,7 +27,8 @@ import functools
 
 import tvm
 import tvm.script
-from tvm.s_tir import TensorIntrin
+
+from .registry import register_once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,8 +139,6 @@ def _fields(spec: ThreadTile) -> dict:
 def get_outer_product_intrin(spec: ThreadTile) -> str:
     """Register (once) the tensor intrinsic for `spec` and return its name."""
     spec.validate()
-    if TensorIntrin.get(spec.name, allow_missing=True) is None:
-        fields = _fields(spec)
-        desc, impl = (tvm.script.from_source(text.format(**fields)) for text in (_DESC, _IMPL))
-        TensorIntrin.register(spec.name, desc, impl)
-    return spec.name
+    fields = _fields(spec)
+    return register_once(spec.name, lambda: tuple(tvm.script.from_source(text.format(**fields))
+                                                   for text in (_DESC, _IMPL)))
