@@ -255,6 +255,28 @@ def test_symbolic_batch_falls_back_and_runs():
     assert rel_err(_run(tvm_ext.build(mod, "llvm"), xv), _run(tvm.compile(mod, TARGET), xv)) <= 1e-4
 
 
+_SYMBOLIC_BODIES = {
+    "relu": lambda rng: lambda bb, x: bb.emit(relax.op.nn.relu(x)),
+    "add": lambda rng: lambda bb, x: bb.emit(relax.op.add(x, _const(rng, 1, 8, 1, 1))),
+    "max_pool2d": lambda rng: lambda bb, x: bb.emit(relax.op.nn.max_pool2d(x, (3, 3), (2, 2), (1, 1))),
+    "conv2d": lambda rng: lambda bb, x: bb.emit(relax.op.nn.conv2d(x, _const(rng, 16, 8, 3, 3), padding=(1, 1))),
+}
+
+
+@pytest.mark.parametrize("dim", ["batch", "height"])
+@pytest.mark.parametrize("op", list(_SYMBOLIC_BODIES))
+def test_a_symbolic_dimension_builds_and_runs(op, dim):
+    """The usual dynamic_axes export: one op alone on a symbolic batch or height builds (the
+    default CPU schedule called int() on symbolic loop extents) and matches stock TVM."""
+    rng = np.random.default_rng(8)
+    sym = tvm.tirx.Var(dim[0], "int64")
+    mod = _graph((sym, 8, 10, 10) if dim == "batch" else (1, 8, sym, 10), _SYMBOLIC_BODIES[op](rng))
+    ex = tvm_ext.build(mod, "llvm")
+    for size in (1, 3):
+        xv = rng.standard_normal((size, 8, 10, 10) if dim == "batch" else (1, 8, size + 6, 10)).astype("float32")
+        assert rel_err(_run(ex, xv), _run(tvm.compile(mod, TARGET), xv)) <= 1e-5
+
+
 def test_pools_and_activations_use_tvm_ext_kernels():
     """Every pool and activation that is not fused into a convolution gets a kernel of ours."""
     def body(bb, x):

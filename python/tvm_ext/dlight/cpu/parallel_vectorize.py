@@ -32,6 +32,12 @@ def _leading_spatial_loops(sch: s_tir.Schedule, block) -> list:
     return spatial
 
 
+def _extent(sch: s_tir.Schedule, loop) -> int | None:
+    """A loop's extent, None when it is symbolic (a dynamic batch, say)."""
+    extent = sch.get(loop).extent
+    return int(extent) if isinstance(extent, tirx.IntImm) else None
+
+
 class ParallelVectorize(ScheduleRule):
     """Parallelize the fused outer spatial loops and vectorize the innermost spatial loop."""
 
@@ -56,9 +62,11 @@ class ParallelVectorize(ScheduleRule):
         reduction = len(spatial) < len(sch.get_loops(block))
         if not spatial:
             return
-        if not reduction and len(spatial) >= 2 and int(sch.get(spatial[-1]).extent) <= _MAX_VECTOR:
+        innermost = _extent(sch, spatial[-1])
+        if not reduction and len(spatial) >= 2 and innermost is not None and innermost <= _MAX_VECTOR:
             sch.vectorize(spatial[-1])
             spatial = spatial[:-1]
         fused = sch.fuse(*spatial) if len(spatial) > 1 else spatial[0]
-        if int(sch.get(fused).extent) >= _MIN_PARALLEL:
+        extent = _extent(sch, fused)
+        if extent is None or extent >= _MIN_PARALLEL:  # a symbolic extent: threads split what there is
             sch.parallel(fused)
