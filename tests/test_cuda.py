@@ -102,6 +102,24 @@ def test_emulated_epilogue(epilogue, batch):
 
 
 @needs_gxx
+@pytest.mark.parametrize("activation", ["relu", "relu6"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_emulated_epilogue_keeps_nan(activation, splits):
+    """relu and relu6 of a NaN are NaN, as in PyTorch (fmaxf(NaN, 0) is 0), vector and split-K."""
+    wl = Conv2dWorkload.make((4, 16, 6, 6), (64, 16, 3, 3), padding=1)
+    plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(wl.K, "ffma"), cc.Epilogue(bias=True, activation=activation),
+                              splits=splits)
+    x, w, bias, _ = _inputs(wl, plan.epilogue)
+    x[1, :, 2, 3] = np.nan
+    got = cc.output_to_nchw(cc.emulate(plan, cc.kernel_arrays(plan, x, w, bias, None)))
+    ref = _reference(wl, plan.epilogue, np.where(np.isnan(x), 0, x), w, bias, None)
+    poisoned = np.zeros(wl.out_shape, bool)
+    poisoned[1, :, 1:4, 2:5] = True  # every output whose 3x3 window holds the NaN
+    assert np.isnan(got[poisoned]).all() and not np.isnan(got[~poisoned]).any()
+    assert rel_err(got[~poisoned], ref[~poisoned]) < 1e-4
+
+
+@needs_gxx
 @pytest.mark.parametrize("tile", [*cc.FFMA_TILES, cc.BlockTile(rows=128)],
                          ids=lambda t: f"{t.rows}x{t.cols}_{t.thread_rows}x{t.thread_cols}")
 @pytest.mark.parametrize("x_shape, w_shape, padding", [

@@ -177,3 +177,34 @@ def test_tuning_into_a_work_dir_it_cannot_write_fails_before_measuring(tmp_path)
         return  # root writes anywhere: the permission check cannot be seen failing here
     with pytest.raises(ValueError, match="not writable"):
         open_database(read_only, create=True)
+
+
+def test_refresh_moves_records_to_the_workloads_this_version_generates(tmp_path, monkeypatch):
+    """A change of what a kernel computes (relu keeping NaN) changes its workload: refresh moves
+    the records tuned for the old one, so builds still find them."""
+    import tvm_ffi
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvm_ext.kernels import conv2d as _conv
+    from tvm_ext.target import AVX2
+    from tvm_ext.tuning import space
+    from tvm_ext.tuning.records import refresh_database, tuned_kernel
+
+    plan = _conv.plan_conv2d(_conv.Conv2dWorkload.make((1, 16, 14, 14), (32, 16, 3, 3), 1, 1, 1, 1), AVX2)
+    epilogue = _conv.Epilogue(bias=True, activation="relu")
+    monkeypatch.setitem(_conv.ACTIVATIONS, "relu", "T.max({v}, T.float32(0))")  # 0.5.11's relu
+    _conv.conv2d_blocked_func.cache_clear()
+    old = space.conv2d_workload(plan, epilogue, AVX2)
+    monkeypatch.undo()
+    _conv.conv2d_blocked_func.cache_clear()
+    current = space.conv2d_workload(plan, epilogue, AVX2)
+    assert not tvm_ffi.structural_equal(old, current)
+    target = tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})
+    database = ms.database.JSONDatabase(work_dir=str(tmp_path))
+    database.commit_tuning_record(ms.database.TuningRecord(
+        space.default_trace(old), database.commit_workload(tvm.IRModule({"main": old})), [1e-3], target,
+        ms.arg_info.ArgInfo.from_prim_func(old)))
+    assert tuned_kernel(open_database(tmp_path), current, target) is None  # orphaned
+    assert refresh_database(tmp_path) == (1, 0)
+    assert tuned_kernel(open_database(tmp_path), current, target) is not None
+    assert refresh_database(tmp_path) == (1, 0)  # current already: kept as it is

@@ -291,14 +291,15 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
 
 
 # Activations as TVMScript expressions of the value {v} (and {alpha}, leaky_relu's slope): the
-# one definition behind convolution epilogues and the elementwise kernels.
+# one definition behind convolution epilogues and the elementwise kernels. Comparisons select,
+# so a NaN stays a NaN as in PyTorch (LLVM's max/min of a NaN and 0 give 0).
 ACTIVATIONS = {
-    "relu": "T.max({v}, T.float32(0))",
-    "relu6": "T.min(T.max({v}, T.float32(0)), T.float32(6))",
+    "relu": "T.Select({v} < T.float32(0), T.float32(0), {v})",
+    "relu6": "T.Select({v} < T.float32(0), T.float32(0), T.Select({v} > T.float32(6), T.float32(6), {v}))",
     "sigmoid": "T.sigmoid({v})",
     "silu": "{v} * T.sigmoid({v})",
     "gelu": "{v} * (T.float32(0.5) + T.erf({v} * T.float32(0.7071067811865476)) * T.float32(0.5))",
-    "leaky_relu": "T.max({v}, T.float32(0)) + T.float32({alpha!r}) * T.min({v}, T.float32(0))",
+    "leaky_relu": "T.Select({v} < T.float32(0), T.float32({alpha!r}) * {v}, {v})",
 }
 
 

@@ -8,11 +8,28 @@ for average, as PyTorch does), so no padded copy of the input exists.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from tvm import s_tir, te, tirx
 
 from .conv2d import KERNEL_ATTR, _pair, normalize_padding
+
+
+def nan_max(a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The larger of a and b, NaN if either is (PyTorch's max pooling; LLVM's maxnum and a
+    plain compare-select drop a NaN in some window positions)."""
+    return tirx.Select(tirx.Or(a > b, tirx.isnan(a)), a, b)
+
+
+def max_identity(dtype: str) -> tirx.PrimExpr:
+    """What a window position outside the input counts as: -inf, so that a window of -inf is
+    -inf (the lowest finite value would make it -3.4e38)."""
+    return tirx.const(float("-inf"), dtype)
+
+
+# te's reducer of max pooling windows (one reduction per output; see nan_max)
+nan_max_reducer = te.comm_reducer(nan_max, max_identity, name="nan_max")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,15 +131,16 @@ def pool2d_compute(wl: Pool2dWorkload, dtype: str = "float32", block: int | None
         terms = [tirx.if_then_else(*index(*idx, r=r), empty) for r in window]
         if block is None:
             return combine(terms[0], axis=list(window[0]))
-        value = terms[0]
-        for term in terms[1:]:
-            value = combine(value, term)
-        return value
+        if combine is nan_max:  # a chain of nan_max would read each partial result thrice: the
+            # expression would grow as 3^taps. A chain of max, NaN if any term is, grows linearly.
+            any_nan = functools.reduce(tirx.Or, [tirx.isnan(term) for term in terms])
+            return tirx.Select(any_nan, tirx.const(float("nan"), dtype), functools.reduce(tirx.max, terms))
+        return functools.reduce(combine, terms)
 
     shape = (*lead, wl.OH, wl.OW, *tail)
     if wl.mode == "max":
-        y = te.compute(shape, lambda *idx: reduce(idx, te.max if block is None else tirx.max,
-                                                  tirx.min_value(dtype)), name="output")
+        y = te.compute(shape, lambda *idx: reduce(idx, nan_max_reducer if block is None else nan_max,
+                                                  max_identity(dtype)), name="output")
     else:
         s = te.compute(shape, lambda *idx: reduce(idx, te.sum if block is None else (lambda a, b: a + b),
                                                   tirx.const(0.0, dtype)), name="window_sum")

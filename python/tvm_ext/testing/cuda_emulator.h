@@ -18,6 +18,8 @@
 struct dim3 { unsigned int x, y, z; };
 struct float4 { float x, y, z, w; };
 struct float2 { float x, y; };
+struct ushort4 { unsigned short x, y, z, w; };  // a vector compare's lanes (selects)
+struct ushort2 { unsigned short x, y; };
 // what TVM's casts need: construction from float as __float2bfloat16 does it (round to nearest
 // even; a NaN becomes 0x7fff), the bits
 struct nv_bfloat16 {

@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 import tvm
+import tvm_ffi
 from tvm.s_tir import Schedule
 from tvm.s_tir import meta_schedule as ms
 
@@ -190,6 +191,66 @@ def compact_database(work_dir: str | os.PathLike) -> int:
     return len(compacted.get_all_tuning_records())
 
 
+def refresh_database(work_dir: str | os.PathLike) -> tuple[int, int]:
+    """Rewrite each record of a JSON database against its workload as this version generates it.
+
+    A workload is the kernel's unscheduled TensorIR, so a change of what a kernel computes (say,
+    an epilogue that keeps NaN) changes its structural hash and orphans the records tuned for the
+    old one: the build then silently falls back to the analytic schedule. A workload describes
+    its plan (:data:`~tvm_ext.tuning.space.PLAN_ATTR`), so it is generated again here; a record
+    whose trace still replays on the new workload moves to it, one that does not is dropped.
+    Returns (records kept, records dropped).
+    """
+    path = Path(work_dir)
+    _, records = read_database(path)
+    staging = path / ".refresh"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    refreshed = ms.database.JSONDatabase(work_dir=str(staging))
+    kept = dropped = 0
+    for record in records:
+        workload = _current_workload(record.workload.mod["main"])
+        if workload is None or (not tvm_ffi.structural_equal(workload, record.workload.mod["main"])
+                                and _replayed(record.trace, workload) is None):
+            dropped += 1
+            continue
+        refreshed.commit_tuning_record(ms.database.TuningRecord(
+            record.trace, refreshed.commit_workload(tvm.IRModule({"main": workload})), record.run_secs,
+            record.target, record.args_info))
+        kept += 1
+    for name in (_WORKLOADS, _RECORDS):
+        os.replace(staging / name, path / name)
+    shutil.rmtree(staging, ignore_errors=True)
+    return kept, dropped
+
+
+def _current_workload(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc | None:
+    """The workload this version generates for the plan `func` describes (None: no kind)."""
+    import types
+
+    from .space import describe_kernel
+
+    kind = kind_of(func)
+    if kind is None:
+        return None
+    described = describe_kernel(func)
+    isa = None if described is None else types.SimpleNamespace(lanes=described[2], registers=described[3])
+    return kind.task_of(func, isa)
+
+
+def _replayed(trace: tvm.s_tir.Trace, workload: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc | None:
+    """The kernel of `trace` replayed on `workload` (postprocessed), or None if it does not apply."""
+    sch = Schedule(tvm.IRModule({"main": workload}))
+    try:
+        # The sampled decisions replay; the tensorize step runs again here, registering the
+        # microkernels it names (a fresh process has none).
+        trace.apply_to_schedule(sch, remove_postproc=True)
+        return kind_of(workload).finish(sch)
+    except RuntimeError as err:  # (TVM errors) decisions that no longer fit the workload
+        logger.info("tvm_ext: a tuning record does not replay: %s", str(err).strip().splitlines()[-1:])
+        return None
+
+
 def tuned_kernel(database: ms.Database, workload: tvm.tirx.PrimFunc,
                  target: tvm.target.Target) -> tvm.tirx.PrimFunc | None:
     """The best record's schedule of `workload` in `database`, or None when it has none."""
@@ -197,20 +258,10 @@ def tuned_kernel(database: ms.Database, workload: tvm.tirx.PrimFunc,
     record = database.query_tuning_record(mod, target, "main")
     if record is None:
         return None
-    sch = Schedule(mod)
-    kind = kind_of(workload)
-    try:
-        # Replay the sampled decisions; the tensorize step runs again here, registering the
-        # microkernels it names (a fresh process has none).
-        record.trace.apply_to_schedule(sch, remove_postproc=True)
-        kernel = kind.finish(sch)
-    except RuntimeError as err:  # (TVM errors) a record whose decisions no longer fit its workload
-        logger.warning("tvm_ext: a tuning record of %s does not replay (%s); using the analytic schedule",
-                       workload.attrs[kind.attr], str(err).splitlines()[-1])
-        return None
+    kernel = _replayed(record.trace, workload)
     if kernel is None:
         logger.warning("tvm_ext: a tuning record of %s does not apply; using the analytic schedule",
-                       workload.attrs[kind.attr])
+                       workload.attrs[kind_of(workload).attr])
         return None
     return kernel.with_attr(TUNED_ATTR, True)
 

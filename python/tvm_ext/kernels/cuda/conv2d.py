@@ -614,6 +614,16 @@ class _Emitter:
         return _Scope()
 
 
+def _clamp_text(value: str, vec: int, upper: float | None) -> str:
+    """relu (`upper` None) or relu6 of the TVMScript value `value` (a name: it is read twice), as
+    selects that keep a NaN, as PyTorch does."""
+    def const(c: float) -> str:
+        return f"T.Broadcast(T.float32({c}), {vec})" if vec > 1 else f"T.float32({c})"
+
+    clamped = value if upper is None else f"T.Select({value} > {const(upper)}, {const(upper)}, {value})"
+    return f"T.Select({value} < {const(0)}, {const(0)}, {clamped})"
+
+
 def _zero(vec: int) -> str:
     return f"T.Broadcast(T.float32(0), {vec})"
 
@@ -1281,13 +1291,10 @@ class _Generator:
                     value = f"{value} + " + (f"T.Broadcast({b}, {vec})" if vec > 1 else b)
                 if ep.residual:
                     value = f"{value} + Rf[{yidx}]"
-                zero = _zero(vec) if vec > 1 else "T.float32(0)"
-                if ep.activation in ("relu", "relu6"):
-                    value = f"T.max({value}, {zero})"
-                if ep.activation == "relu6":
-                    six = f"T.Broadcast(T.float32(6), {vec})" if vec > 1 else "T.float32(6)"
-                    value = f"T.min({value}, {six})"
                 with e.block(f"if oo{s} < {M} and oc{s} + {lane} < {NC}:"):
+                    if ep.activation in ("relu", "relu6"):  # selects: a NaN stays NaN (fmaxf drops it)
+                        e(f"v{s}_{lane}: T.let = {value}")
+                        value = _clamp_text(f"v{s}_{lane}", vec, 6.0 if ep.activation == "relu6" else None)
                     e(f"{'Pf' if split else 'Yf'}[{yidx}] = {value}")
 
     # -- the whole function ----------------------------------------------------------------
@@ -1445,10 +1452,10 @@ def split_reduce_func(plan: MaxDNNPlan, symbol: str = KERNEL_NAME + REDUCE_SUFFI
             v = v + bias[i[0]]
         if residual is not None:
             v = v + residual[i]
-        if ep.activation in ("relu", "relu6"):
-            v = tirx.max(v, tirx.const(0.0, "float32"))
-        if ep.activation == "relu6":
-            v = tirx.min(v, tirx.const(6.0, "float32"))
+        if ep.activation in ("relu", "relu6"):  # selects: a NaN stays NaN
+            zero, six = tirx.const(0.0, "float32"), tirx.const(6.0, "float32")
+            clamped = tirx.Select(v > six, six, v) if ep.activation == "relu6" else v
+            v = tirx.Select(v < zero, zero, clamped)
         return v
 
     y = te.compute(plan.y_shape, value, name="output")

@@ -13,7 +13,7 @@ from tvm import s_tir, te, tirx
 
 from ..conv2d import KERNEL_ATTR
 from ..elementwise import flat_activation_func
-from ..pool2d import Pool2dWorkload
+from ..pool2d import Pool2dWorkload, max_identity, nan_max_reducer
 
 THREADS = 256  # per block: enough warps to hide memory latency, small enough for full occupancy
 
@@ -69,8 +69,8 @@ def pool2d_chwn_func(wl: Pool2dWorkload) -> tirx.PrimFunc:
 
     shape = (wl.C, wl.OH, wl.OW, wl.N)
     if wl.mode == "max":
-        y = te.compute(shape, lambda c, oh, ow, n: te.max(term(c, oh, ow, n, tirx.min_value("float32")),
-                                                          axis=[rh, rw]), name="output")
+        y = te.compute(shape, lambda c, oh, ow, n: nan_max_reducer(term(c, oh, ow, n, max_identity("float32")),
+                                                                   axis=[rh, rw]), name="output")
         return bind_threads(te.create_prim_func([x, y]), "max_pool2d")
     s = te.compute(shape, lambda c, oh, ow, n: te.sum(term(c, oh, ow, n, tirx.const(0.0, "float32")),
                                                       axis=[rh, rw]), name="window_sum")
