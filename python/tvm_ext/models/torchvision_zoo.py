@@ -1,0 +1,89 @@
+"""torchvision's classification models as Relax modules: networks nobody here wrote.
+
+Random weights (no downloads), batch-norm statistics calibrated on random images so activations
+keep a realistic scale, exported with `torch.export` and imported with
+`relax.frontend.torch.from_exported_program`, as a new user would. torchvision's compiled ops do
+not load with the CPU torch wheel; the classification models use none of them, so its two
+modules that register them are stubbed before the import. Needs torch and torchvision (a test
+and bench extra).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import tvm
+
+__all__ = ["FAMILIES", "import_torchvision", "load", "export"]
+
+# One model of each torchvision classification family (the zoo the tests and bench/zoo.py run).
+FAMILIES = (
+    "resnet18", "resnext50_32x4d", "wide_resnet50_2", "densenet121", "googlenet", "inception_v3",
+    "squeezenet1_1", "shufflenet_v2_x1_0", "mobilenet_v2", "mobilenet_v3_large", "efficientnet_b0",
+    "efficientnet_v2_s", "regnet_x_400mf", "regnet_y_400mf", "mnasnet1_0", "convnext_tiny", "vgg11_bn",
+    "alexnet",
+)
+
+# the smallest input each family takes (its own pooling shrinks it to nothing below)
+MIN_SIZE = {"inception_v3": 75}
+
+_STUBBED = ("torchvision._meta_registrations", "torchvision._autograd_registrations")
+
+
+def import_torchvision() -> types.ModuleType:
+    """torchvision, imported without the modules that register its compiled (detection) ops."""
+    if "torchvision" not in sys.modules:
+        for name in _STUBBED:
+            sys.modules.setdefault(name, types.ModuleType(name))
+    import torchvision
+
+    return torchvision
+
+
+def load(name: str, size: int = 64, seed: int = 0):
+    """torchvision model `name` in eval mode: random weights, batch norms calibrated on a few
+    random `size` x `size` images (in float64 sums by torch; then frozen)."""
+    import torch
+
+    torchvision = import_torchvision()
+    torch.manual_seed(seed)
+    options = {"aux_logits": False, "init_weights": True} if name in ("googlenet", "inception_v3") else {}
+    model = torchvision.models.get_model(name, weights=None, **options)
+    model.train()
+    with torch.no_grad():
+        for _ in range(2):
+            model(torch.randn(4, 3, size, size))
+    return model.eval()
+
+
+def export(model, size: int = 64, batch: int = 1, seed: int = 1, dynamic_batch: bool = False) -> tuple:
+    """(Relax module, NCHW input as NumPy) of `model` exported at `batch` x 3 x `size` x `size`;
+    `dynamic_batch`: the batch dimension symbolic (torch.export.Dim)."""
+    import torch
+    from tvm.relax.frontend.torch import from_exported_program
+
+    x = torch.from_numpy(np.random.default_rng(seed).standard_normal((batch, 3, size, size)).astype(np.float32))
+    shapes = ({"x": {0: torch.export.Dim("batch", min=1, max=64)}},) if dynamic_batch else None
+    with torch.no_grad():
+        program = torch.export.export(_Named(model), (x,), dynamic_shapes=shapes[0] if shapes else None)
+    mod: tvm.IRModule = from_exported_program(program, keep_params_as_input=False)
+    return mod, x.numpy()
+
+
+class _Named:
+    """A module whose forward's argument is called x (what dynamic_shapes names)."""
+
+    def __new__(cls, model):
+        import torch
+
+        class Named(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+
+            def forward(self, x):
+                return self.model(x)
+
+        return Named()

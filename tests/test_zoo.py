@@ -1,0 +1,60 @@
+"""torchvision's classification models, one of each family, through tvm_ext.build against
+PyTorch eager: networks nobody here wrote (RegNet's x + f(x) was silently wrong, EfficientNet's
+x * sigmoid(x) and ConvNeXt crashed the build). Small images keep the suite short."""
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from reference import rel_err
+from tvm import relax
+
+import tvm_ext
+from tvm_ext.models import torchvision_zoo as zoo
+
+SIZE = 64
+
+
+def _run(ex, x: np.ndarray) -> np.ndarray:
+    out = relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x))
+    return (out if hasattr(out, "numpy") else out[0]).numpy()
+
+
+def _top5(logits: np.ndarray) -> list[set]:
+    return [set(np.argsort(-row)[:5]) for row in logits]
+
+
+@pytest.mark.parametrize("name", zoo.FAMILIES)
+def test_zoo_model_matches_pytorch(name):
+    size = max(SIZE, zoo.MIN_SIZE.get(name, 0))
+    model = zoo.load(name, size)
+    mod, x = zoo.export(model, size)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(x)).numpy()
+    got = _run(tvm_ext.build(mod, "llvm", winograd=False), x)
+    assert rel_err(got, ref) <= 1e-4 and _top5(got) == _top5(ref), rel_err(got, ref)
+    convs = [r for r in tvm_ext.dispatch_report(mod, "llvm", winograd=False) if r.op == "nn.conv2d"]
+    assert convs and all(r.kernel != "fallback" for r in convs), [r for r in convs if r.kernel == "fallback"]
+
+
+@pytest.mark.parametrize("name", ["resnet18", "wide_resnet50_2", "vgg11_bn"])
+def test_zoo_model_with_winograd(name):
+    model = zoo.load(name, SIZE)
+    mod, x = zoo.export(model, SIZE)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(x)).numpy()
+    got = _run(tvm_ext.build(mod, "llvm"), x)
+    assert rel_err(got, ref) <= 5e-4 and _top5(got) == _top5(ref), rel_err(got, ref)
+    assert any(r.kernel == "winograd_conv2d" for r in tvm_ext.dispatch_report(mod, "llvm"))
+
+
+def test_zoo_model_with_a_dynamic_batch():
+    """The serving export (torch.export.Dim batch): builds, and is right at several batch sizes."""
+    model = zoo.load("resnet18", SIZE)
+    mod, _ = zoo.export(model, SIZE, batch=2, dynamic_batch=True)
+    ex = tvm_ext.build(mod, "llvm")
+    for batch in (1, 3):
+        x = np.random.default_rng(batch).standard_normal((batch, 3, SIZE, SIZE)).astype(np.float32)
+        with torch.no_grad():
+            ref = model(torch.from_numpy(x)).numpy()
+        assert rel_err(_run(ex, x), ref) <= 5e-4
