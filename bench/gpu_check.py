@@ -55,13 +55,39 @@ extern "C" __global__ void ffma_peak(float* __restrict__ out, int iters, float b
 """
 
 
+def _source_arch(source: Path, arch: str) -> str:
+    """The arch a source compiles for: a kernel that issues wgmma, sm_90a (Hopper's arch-specific target)."""
+    return "sm_90a" if arch == "sm_90" and "wgmma" in source.read_text() else arch
+
+
+def cubin_path(source: Path, arch: str) -> Path:
+    """Where nvcc_cubin puts the cubin of `source` for `arch`."""
+    return source.with_suffix(f".{_source_arch(source, arch)}.cubin")
+
+
+def _arch() -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(0)
+    return f"sm_{major}{minor}"
+
+
+def _is_hopper() -> bool:
+    return _arch() == "sm_90"
+
+
+def _selected(manifest: dict, args, arch: str) -> list[dict]:
+    """The manifest's layers this run checks: --only's, and wgmma ones on Hopper only."""
+    return [e for e in manifest["layers"] if (arch == "sm_90" or not e.get("engine", "").startswith("wgmma"))
+            and (args.only is None or any(o in e["name"] for o in args.only))]
+
+
 def nvcc_cubin(source: Path, arch: str) -> Path:
     """Compile one .cu file to a cubin next to it (nvcc -O3); returns the cubin's path. A kernel
     that issues wgmma compiles for sm_90a, Hopper's arch-specific target (nowhere else)."""
-    if arch == "sm_90" and "wgmma" in source.read_text():
-        arch = "sm_90a"
-    cubin = source.with_suffix(f".{arch}.cubin")
-    cmd = ["nvcc", "-cubin", f"-arch={arch}", "-O3", "-w", str(source), "-o", str(cubin)]
+    cubin, arch = cubin_path(source, arch), _source_arch(source, arch)
+    # -lineinfo: compute-sanitizer names the CUDA C line of a bad access (no cost in speed)
+    cmd = ["nvcc", "-cubin", f"-arch={arch}", "-O3", "-lineinfo", "-w", str(source), "-o", str(cubin)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode:
         raise RuntimeError(f"nvcc failed on {source.name}:\n{result.stderr[-2000:]}")
@@ -94,7 +120,7 @@ class CudaDevice:
         function = self.cp.RawModule(path=str(cubin)).get_function(launch["kernel"])
         args = tuple(self.cp.asarray(tensors[name]) for name in launch["cuda_args"])
         grid, block, shared = tuple(launch["grid"]), tuple(launch["block"]), launch.get("shared_bytes", 0)
-        if shared > 48 * 1024:  # past the default limit a kernel opts in
+        if shared:  # opt in: past 48 KB of static and dynamic shared memory together, a launch fails
             function.max_dynamic_shared_size_bytes = shared
         return lambda: function(grid, block, args, shared_mem=shared)
 
@@ -245,6 +271,64 @@ def run_layer(torch, device: CudaDevice, entry: dict, cubin: Path, repeat: int) 
             "cudnn": f"{device.baseline} {precision}"}
 
 
+# CUDA errors after which the process's context is lost: every later call fails with them
+_STICKY = ("illegal memory access", "illegal address", "unspecified launch failure", "misaligned address",
+           "illegal instruction", "hardware stack error", "launch timed out")
+_RESULT = "@@gpu_check "  # the prefix of a worker's result lines
+
+
+def _layer_result(torch, device, entry: dict, cubin, repeat: int) -> dict:
+    """run_layer's result, or {"error": ...} (a broken layer must not hide the others)."""
+    try:
+        if isinstance(cubin, Exception):
+            raise cubin
+        return run_layer(torch, device, entry, cubin, repeat)
+    except Exception as err:
+        return {"error": str(err)}
+
+
+def _worker(args, layers: list, cubins: dict) -> int:
+    """Run layers from args.worker_from, one result line each; exit 3 after a sticky CUDA error
+    (the parent starts a new process for the layers after it)."""
+    import cupy as cp
+    import torch
+
+    torch.backends.cudnn.benchmark = True
+    device = CudaDevice(torch, cp)
+    for index in range(args.worker_from, len(layers)):
+        if time.time() > args.deadline:
+            return 0
+        entry = layers[index]
+        result = _layer_result(torch, device, entry, cubins[args.kernels / entry["file"]], args.repeat)
+        print(_RESULT + json.dumps({"index": index, "result": result}), flush=True)
+        if any(text in result.get("error", "").lower() for text in _STICKY):
+            return 3
+    return 0
+
+
+def _isolated_results(args, argv: list, count: int, deadline: float):
+    """(index, result) of every layer run in worker processes: a kernel that corrupts its CUDA
+    context (an illegal address) fails alone instead of every layer after it."""
+    index = 0
+    while index < count and time.time() < deadline:
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker-from", str(index),
+               "--deadline", str(deadline)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        for line in proc.stdout:
+            if line.startswith(_RESULT):
+                message = json.loads(line[len(_RESULT):])
+                index = message["index"] + 1
+                yield message["index"], message["result"]
+            else:
+                print(line, end="", flush=True)
+        code = proc.wait()
+        if code not in (0, 3) and index < count:  # died inside a layer without reporting it
+            yield index, {"error": f"the worker process died (exit {code}) in this layer"}
+            index += 1
+        elif code == 0:
+            return
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernels", type=Path, default=HERE / "gpu_kernels", help="bench/gpu_export.py's --out")
@@ -253,10 +337,23 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting layers after this long")
     parser.add_argument("--emulate", action="store_true",
                         help="no GPU: run the kernels on tvm_ext's CPU emulator (a dry run of this script)")
+    parser.add_argument("--only", nargs="+", default=None, help="the layers whose names contain one of these")
+    parser.add_argument("--in-process", action="store_true",
+                        help="every layer in this process (e.g. under compute-sanitizer): a kernel that corrupts "
+                             "the CUDA context then fails every layer after it")
+    parser.add_argument("--worker-from", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if args.repeat < (0 if args.emulate else 1):
         parser.error("--repeat must be at least 1 (0 only with --emulate)")
     start = time.perf_counter()
+    if args.worker_from is not None:
+        manifest = json.loads((args.kernels / "manifest.json").read_text())
+        layers = _selected(manifest, args, "sm_90" if _is_hopper() else "other")
+        arch = _arch()
+        return _worker(args, layers, {args.kernels / e["file"]: cubin_path(args.kernels / e["file"], arch)
+                                      for e in layers})
 
     import torch
 
@@ -280,9 +377,9 @@ def main(argv=None) -> int:
     ffma_src = args.kernels / "ffma_peak.cu"
     ffma_src.write_text(FFMA_SOURCE)
     # wgmma exists on Hopper only (sm_90a): elsewhere those layers are listed as skipped, not failed
-    layers = [e for e in manifest["layers"] if arch == "sm_90" or not e.get("engine", "").startswith("wgmma")]
+    layers = _selected(manifest, args, arch)
     for entry in manifest["layers"]:
-        if entry not in layers:
+        if entry not in layers and (args.only is None or any(o in entry["name"] for o in args.only)):
             print(f"| {entry['name']} | skipped: wgmma needs a Hopper GPU (sm_90a), this one is {arch} |")
     sources = [ffma_src] + [args.kernels / e["file"] for e in layers]
     if args.emulate:  # the emulator compiles the CUDA C itself (nvcc's cubins are for a GPU)
@@ -303,18 +400,24 @@ def main(argv=None) -> int:
     lines = [header, "|" + "---|" * 11]
     print(header, flush=True)
     rows = []
-    for entry in layers:
-        if time.perf_counter() - start > args.budget_s:
-            print(f"| {entry['name']} | budget of {args.budget_s:.0f} s spent: not run |")
-            continue
-        cubin = cubins[args.kernels / entry["file"]]
-        try:
+    deadline = time.time() + args.budget_s - (time.perf_counter() - start)
+    if args.emulate or args.in_process:
+        results = ((i, _layer_result(torch, device, entry, cubins[args.kernels / entry["file"]], args.repeat))
+                   for i, entry in enumerate(layers) if time.time() < deadline)
+    else:
+        for path, cubin in cubins.items():  # a worker reports these as the layer's error
             if isinstance(cubin, Exception):
-                raise cubin
-            result = run_layer(torch, device, entry, cubin, args.repeat)
-        except Exception as err:  # one broken layer must not hide the others
-            line = f"| {entry['name']} | error: {str(err).splitlines()[0][:120]} |"
-            rows.append({"name": entry["name"], "error": str(err)})
+                cubin_path(path, arch).unlink(missing_ok=True)
+        results = _isolated_results(args, argv, len(layers), deadline)
+    done = set()
+    for index, result in results:
+        entry = layers[index]
+        done.add(index)
+        if isinstance(cubins[args.kernels / entry["file"]], Exception):
+            result = {"error": str(cubins[args.kernels / entry["file"]])}
+        if "error" in result:  # one broken layer must not hide the others
+            line = f"| {entry['name']} | error: {result['error'].strip().splitlines()[0][:120]} |"
+            rows.append({"name": entry["name"], "error": result["error"]})
         else:
             gflops = entry["flops"] / result["ours_ms"] / 1e6
             engine = entry.get("engine", "ffma")
@@ -342,8 +445,12 @@ def main(argv=None) -> int:
                     f"{result['cudnn_ms'] / result['ours_ms']:.2f}x |")
         lines.append(line)
         print(line, flush=True)
+    for index, entry in enumerate(layers):
+        if index not in done:
+            print(f"| {entry['name']} | budget of {args.budget_s:.0f} s spent: not run |")
     failed = [r["name"] for r in rows if not r.get("ok")]
-    skipped = len(manifest["layers"]) - len(layers)
+    skipped = sum(e.get("engine", "").startswith("wgmma") and e not in layers
+                  and (args.only is None or any(o in e["name"] for o in args.only)) for e in manifest["layers"])
     print(f"{len(rows) - len(failed)}/{len(layers)} layers correct; "
           f"total {time.perf_counter() - start:.0f} s" + (f"; failed: {failed}" if failed else "")
           + (f"; {skipped} wgmma layers skipped (not a Hopper GPU)" if skipped else ""))
