@@ -142,7 +142,7 @@ def _entry(name: str, set_name: str, layer: str, engine: str, wl, plan, source: 
                      params={k: list(v) for k, v in plan.shapes().items()})
         entry["launches"] = [
             {"kernel": f"{cw.KERNEL_NAME}_{stage}_kernel", "grid": list(grid), "block": list(block),
-             "cuda_args": cw.cuda_param_order(plan, source, stage)}
+             "shared_bytes": plan.shared_bytes(stage), "cuda_args": cw.cuda_param_order(plan, source, stage)}
             for stage, (grid, block) in plan.launches().items()]
         return entry
     entry.update(tile=[plan.tile.rows, plan.tile.cols], thread_tile=[plan.tile.thread_rows, plan.tile.thread_cols],

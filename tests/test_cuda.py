@@ -222,6 +222,28 @@ extern "C" __global__ void __launch_bounds__(4) k(float* __restrict__ y_ptr) {
 
 
 @needs_gxx
+def test_emulator_refuses_dynamic_shared_memory_the_launch_does_not_give():
+    """The Winograd GEMM's launches gave no dynamic shared memory for its staged output tile: on
+    an H200 its writes went out of bounds; the emulator ran them. Now it says so."""
+    source = """
+extern "C" __global__ void __launch_bounds__(2) k(float* __restrict__ y_ptr);
+extern "C" __global__ void __launch_bounds__(2) j(float* __restrict__ y_ptr) { y_ptr[threadIdx.x] = 2.0f; }
+extern "C" __global__ void __launch_bounds__(2) k(float* __restrict__ y_ptr) {
+  extern __shared__ __align__(64) float4 o_ptr[];
+  ((float*)o_ptr)[threadIdx.x] = 3.0f;
+  __syncthreads();
+  y_ptr[threadIdx.x] = ((float*)o_ptr)[1 - threadIdx.x];
+}
+"""
+    y = np.zeros(2, np.float32)
+    with pytest.raises(cuda_emulator.EmulationError, match="dynamic shared memory"):
+        cuda_emulator.run_kernel(source, "k", (1, 1, 1), (2, 1, 1), {"y": y})
+    cuda_emulator.run_kernel(source, "j", (1, 1, 1), (2, 1, 1), {"y": y})  # the other kernel needs none
+    cuda_emulator.run_kernel(source, "k", (1, 1, 1), (2, 1, 1), {"y": y}, shared_bytes=32)
+    assert (y == 3).all()
+
+
+@needs_gxx
 def test_emulator_shared_memory_is_per_block_and_poisoned():
     """A block that reads shared memory it never wrote sees NaN, not the last block's data."""
     source = """

@@ -238,6 +238,15 @@ extern "C" const char* emu_failure() { return emu::failure_message(); }
     return ctypes.CDLL(_compile(text, kernels[0][:80], _KERNEL_OPT, (runtime,)))
 
 
+def _body(source: str, kernel: str) -> str:
+    """The text of `kernel`'s definition in `source` (up to the next kernel's)."""
+    for chunk in source.split('extern "C" __global__')[1:]:
+        head = chunk.split("{", 1)[0]
+        if f" {kernel}(" in head and not head.rstrip().endswith(";"):
+            return chunk
+    return ""
+
+
 def run_kernel(source: str, kernel: str, grid: tuple[int, int, int], block: tuple[int, int, int],
                arrays: Mapping[str, np.ndarray], shared_bytes: int = 0) -> None:
     """Run `kernel` over `grid` x `block` on the CPU, on `arrays` named as its parameters, with
@@ -247,6 +256,9 @@ def run_kernel(source: str, kernel: str, grid: tuple[int, int, int], block: tupl
     and of the parameter's element type. Outputs are written in place.
     """
     params = _params(source, kernel)
+    if not shared_bytes and "extern __shared__" in _body(source, kernel):
+        raise EmulationError(f"{kernel}: declares dynamic shared memory (extern __shared__) but the launch gives "
+                             "none (shared_bytes=0): on a GPU its writes would go out of bounds")
     ctype = {"float": np.float32, "double": np.float64, "int": np.int32, "float4": np.float32}
     pointers = []
     for ty, name in params:

@@ -138,6 +138,10 @@ class WinogradPlan:
         return {"input": {"X": "x", "V": "v"}, "gemm": {flat["x"]: "v", flat["w"]: "w", flat["y"]: "mm"},
                 "output": {name.upper(): name for name in ["mm", *epilogue, "y"]}}
 
+    def shared_bytes(self, stage: str) -> int:
+        """The dynamic shared memory a stage's launch gives (the GEMM's staged output tile)."""
+        return self.gemm.dynamic_shared_bytes if stage == "gemm" else 0
+
     def launches(self) -> dict[str, tuple[tuple[int, int, int], tuple[int, int, int]]]:
         """(grid, block) of each kernel, in launch order."""
         wl = self.wl
@@ -347,7 +351,7 @@ def emulate(plan: WinogradPlan, arrays: dict[str, np.ndarray], source: str | Non
     params = plan.stage_params()
     for stage, (grid, block) in plan.launches().items():
         bound = {stem: arrays[name] for stem, name in params[stage].items()}
-        run_kernel(source, f"{KERNEL_NAME}_{stage}_kernel", grid, block, bound)
+        run_kernel(source, f"{KERNEL_NAME}_{stage}_kernel", grid, block, bound, plan.shared_bytes(stage))
     return arrays["y"]
 
 
