@@ -14,6 +14,9 @@
 #define uint unsigned int
 #define uchar unsigned char
 #define ushort unsigned short
+// math_constants.h, which TVM includes for infinities and NaNs (max pooling starts at -inf)
+#define CUDART_INF_F __builtin_huge_valf()
+#define CUDART_NAN_F __builtin_nanf("")
 
 struct dim3 { unsigned int x, y, z; };
 struct float4 { float x, y, z, w; };
