@@ -257,8 +257,8 @@ def run_kernel(source: str, kernel: str, grid: tuple[int, int, int], block: tupl
     """
     params = _params(source, kernel)
     if not shared_bytes and "extern __shared__" in _body(source, kernel):
-        raise EmulationError(f"{kernel}: declares dynamic shared memory (extern __shared__) but the launch gives "
-                             "none (shared_bytes=0): on a GPU its writes would go out of bounds")
+        raise EmulationError(f"{kernel}: declares dynamic shared memory and is launched with none (extern "
+                             "__shared__, shared_bytes=0): on a GPU its accesses go out of bounds")
     ctype = {"float": np.float32, "double": np.float64, "int": np.int32, "float4": np.float32}
     pointers = []
     for ty, name in params:
