@@ -72,14 +72,18 @@ def _arch() -> str:
     return f"sm_{major}{minor}"
 
 
-def _is_hopper() -> bool:
-    return _arch() == "sm_90"
+def _wanted(args, entry: dict) -> bool:
+    """Whether --only names the layer (every layer without it)."""
+    return args.only is None or any(o in entry["name"] for o in args.only)
+
+
+def _is_wgmma(entry: dict) -> bool:
+    return entry.get("engine", "").startswith("wgmma")
 
 
 def _selected(manifest: dict, args, arch: str) -> list[dict]:
     """The manifest's layers this run checks: --only's, and wgmma ones on Hopper only."""
-    return [e for e in manifest["layers"] if (arch == "sm_90" or not e.get("engine", "").startswith("wgmma"))
-            and (args.only is None or any(o in e["name"] for o in args.only))]
+    return [e for e in manifest["layers"] if (arch == "sm_90" or not _is_wgmma(e)) and _wanted(args, e)]
 
 
 def nvcc_cubin(source: Path, arch: str) -> Path:
@@ -350,8 +354,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     if args.worker_from is not None:
         manifest = json.loads((args.kernels / "manifest.json").read_text())
-        layers = _selected(manifest, args, "sm_90" if _is_hopper() else "other")
         arch = _arch()
+        layers = _selected(manifest, args, arch)
         return _worker(args, layers, {args.kernels / e["file"]: cubin_path(args.kernels / e["file"], arch)
                                       for e in layers})
 
@@ -379,7 +383,7 @@ def main(argv=None) -> int:
     # wgmma exists on Hopper only (sm_90a): elsewhere those layers are listed as skipped, not failed
     layers = _selected(manifest, args, arch)
     for entry in manifest["layers"]:
-        if entry not in layers and (args.only is None or any(o in entry["name"] for o in args.only)):
+        if entry not in layers and _wanted(args, entry):
             print(f"| {entry['name']} | skipped: wgmma needs a Hopper GPU (sm_90a), this one is {arch} |")
     sources = [ffma_src] + [args.kernels / e["file"] for e in layers]
     if args.emulate:  # the emulator compiles the CUDA C itself (nvcc's cubins are for a GPU)
@@ -449,8 +453,7 @@ def main(argv=None) -> int:
         if index not in done:
             print(f"| {entry['name']} | budget of {args.budget_s:.0f} s spent: not run |")
     failed = [r["name"] for r in rows if not r.get("ok")]
-    skipped = sum(e.get("engine", "").startswith("wgmma") and e not in layers
-                  and (args.only is None or any(o in e["name"] for o in args.only)) for e in manifest["layers"])
+    skipped = sum(_is_wgmma(e) and e not in layers and _wanted(args, e) for e in manifest["layers"])
     print(f"{len(rows) - len(failed)}/{len(layers)} layers correct; "
           f"total {time.perf_counter() - start:.0f} s" + (f"; failed: {failed}" if failed else "")
           + (f"; {skipped} wgmma layers skipped (not a Hopper GPU)" if skipped else ""))

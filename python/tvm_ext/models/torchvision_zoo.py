@@ -43,8 +43,8 @@ def import_torchvision() -> types.ModuleType:
 
 
 def load(name: str, size: int = 64, seed: int = 0):
-    """torchvision model `name` in eval mode: random weights, batch norms calibrated on a few
-    random `size` x `size` images (in float64 sums by torch; then frozen)."""
+    """torchvision model `name` in eval mode: random weights, its batch norms' statistics taken
+    from two batches of random `size` x `size` images in training mode, then frozen."""
     import torch
 
     torchvision = import_torchvision()
@@ -65,25 +65,23 @@ def export(model, size: int = 64, batch: int = 1, seed: int = 1, dynamic_batch: 
     from tvm.relax.frontend.torch import from_exported_program
 
     x = torch.from_numpy(np.random.default_rng(seed).standard_normal((batch, 3, size, size)).astype(np.float32))
-    shapes = ({"x": {0: torch.export.Dim("batch", min=1, max=64)}},) if dynamic_batch else None
+    shapes = {"x": {0: torch.export.Dim("batch", min=1, max=64)}} if dynamic_batch else None
     with torch.no_grad():
-        program = torch.export.export(_Named(model), (x,), dynamic_shapes=shapes[0] if shapes else None)
+        program = torch.export.export(_taking_x(model), (x,), dynamic_shapes=shapes)
     mod: tvm.IRModule = from_exported_program(program, keep_params_as_input=False)
     return mod, x.numpy()
 
 
-class _Named:
-    """A module whose forward's argument is called x (what dynamic_shapes names)."""
+def _taking_x(model):
+    """`model` behind a forward whose argument is called x (the name dynamic_shapes uses)."""
+    import torch
 
-    def __new__(cls, model):
-        import torch
+    class TakingX(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
 
-        class Named(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.model = model
+        def forward(self, x):
+            return self.model(x)
 
-            def forward(self, x):
-                return self.model(x)
-
-        return Named()
+    return TakingX()

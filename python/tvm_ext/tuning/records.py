@@ -173,22 +173,25 @@ def compact_database(work_dir: str | os.PathLike) -> int:
     for record in database.get_all_tuning_records():
         if not any(record.workload.same_as(w) for w in workloads):
             workloads.append(record.workload)
-    staging = path / ".compact"
+    best = [records[0] for records in (database.get_top_k(w, 1) for w in workloads) if records]
+    return _rewrite(path, [(r.trace.simplified(remove_postproc=True), r.workload.mod, r) for r in best])
+
+
+def _rewrite(path: Path, records: list[tuple[tvm.s_tir.Trace, tvm.IRModule, ms.database.TuningRecord]]) -> int:
+    """Replace the JSON database in `path` by `records`, each a (trace, workload module, record
+    whose run_secs, target and args_info it keeps); written aside, then moved into place.
+    Returns the number of records written."""
+    staging = path / ".rewrite"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
-    compacted = ms.database.JSONDatabase(work_dir=str(staging))
-    for workload in workloads:
-        best = database.get_top_k(workload, 1)
-        if not best:
-            continue
-        record = best[0]
-        compacted.commit_tuning_record(ms.database.TuningRecord(
-            record.trace.simplified(remove_postproc=True), compacted.commit_workload(workload.mod),
-            record.run_secs, record.target, record.args_info))
+    rewritten = ms.database.JSONDatabase(work_dir=str(staging))
+    for trace, mod, record in records:
+        rewritten.commit_tuning_record(ms.database.TuningRecord(
+            trace, rewritten.commit_workload(mod), record.run_secs, record.target, record.args_info))
     for name in (_WORKLOADS, _RECORDS):
         os.replace(staging / name, path / name)
     shutil.rmtree(staging, ignore_errors=True)
-    return len(compacted.get_all_tuning_records())
+    return len(records)
 
 
 def refresh_database(work_dir: str | os.PathLike) -> tuple[int, int]:
@@ -203,25 +206,14 @@ def refresh_database(work_dir: str | os.PathLike) -> tuple[int, int]:
     """
     path = Path(work_dir)
     _, records = read_database(path)
-    staging = path / ".refresh"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    refreshed = ms.database.JSONDatabase(work_dir=str(staging))
-    kept = dropped = 0
+    kept = []
     for record in records:
         workload = _current_workload(record.workload.mod["main"])
-        if workload is None or (not tvm_ffi.structural_equal(workload, record.workload.mod["main"])
-                                and _replayed(record.trace, workload) is None):
-            dropped += 1
-            continue
-        refreshed.commit_tuning_record(ms.database.TuningRecord(
-            record.trace, refreshed.commit_workload(tvm.IRModule({"main": workload})), record.run_secs,
-            record.target, record.args_info))
-        kept += 1
-    for name in (_WORKLOADS, _RECORDS):
-        os.replace(staging / name, path / name)
-    shutil.rmtree(staging, ignore_errors=True)
-    return kept, dropped
+        if workload is not None and (tvm_ffi.structural_equal(workload, record.workload.mod["main"])
+                                     or _replayed(record.trace, workload) is not None):
+            kept.append((record.trace, tvm.IRModule({"main": workload}), record))
+    _rewrite(path, kept)
+    return len(kept), len(records) - len(kept)
 
 
 def _current_workload(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc | None:

@@ -68,7 +68,7 @@ from tvm import s_tir
 from ...intrin.cuda import ThreadTile, get_outer_product_intrin
 from ...target import resolve_target
 from .. import script
-from ..conv2d import KERNEL_ATTR, Conv2dWorkload
+from ..conv2d import KERNEL_ATTR, Conv2dWorkload, activation_expr
 from .ptx import generate_source, kernel_params
 
 KERNEL_NAME = "maxdnn_conv2d"
@@ -1427,7 +1427,7 @@ def split_reduce_func(plan: MaxDNNPlan, symbol: str = KERNEL_NAME + REDUCE_SUFFI
     """Split-K's second kernel: y = act(sum of the slices' partial sums + bias + residual), one
     thread per output element (the slices summed in registers, in order: deterministic).
     Parameters as :meth:`MaxDNNPlan.reduce_shapes`."""
-    from tvm import te, tirx
+    from tvm import te
 
     from .simple import bind_threads
 
@@ -1452,11 +1452,7 @@ def split_reduce_func(plan: MaxDNNPlan, symbol: str = KERNEL_NAME + REDUCE_SUFFI
             v = v + bias[i[0]]
         if residual is not None:
             v = v + residual[i]
-        if ep.activation in ("relu", "relu6"):  # selects: a NaN stays NaN
-            zero, six = tirx.const(0.0, "float32"), tirx.const(6.0, "float32")
-            clamped = tirx.Select(v > six, six, v) if ep.activation == "relu6" else v
-            v = tirx.Select(v < zero, zero, clamped)
-        return v
+        return activation_expr(ep.activation, v) if ep.activation else v  # the CPU epilogue's definition
 
     y = te.compute(plan.y_shape, value, name="output")
     func = bind_threads(te.create_prim_func([*inputs, y]), KERNEL_NAME + REDUCE_SUFFIX, reducer="slices")
