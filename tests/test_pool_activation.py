@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from tvm_ext import ops
 from tvm_ext.kernels.conv2d import KERNEL_ATTR
-from tvm_ext.kernels.pool2d import Pool2dWorkload, pool2d_func
+from tvm_ext.kernels.pool2d import Pool2dWorkload, global_avg_pool2d_func, pool2d_func
 
 CASES = [
     # shape, kernel, stride, padding, ceil_mode
@@ -46,6 +46,18 @@ def test_global_avg_pool2d():
     x = np.random.default_rng(3).standard_normal((2, 32, 7, 7), dtype=np.float32)
     np.testing.assert_allclose(ops.global_avg_pool2d(x), x.astype(np.float64).mean((2, 3), keepdims=True),
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 5, 1, 5, 2), (1, 3, 4, 1, 8), (2, 2, 1, 1, 16)])
+def test_global_avg_pool2d_of_a_single_row_or_column(shape):
+    """Blocked data one pixel high or wide: compute_at dropped the unit loop and the schedule
+    failed (found by the random graphs, seed 53)."""
+    import tvm
+
+    x = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
+    y = tvm.runtime.empty((*shape[:2], 1, 1, *shape[4:]), "float32", tvm.cpu())
+    tvm.compile(global_avg_pool2d_func(shape), "llvm")(tvm.runtime.tensor(x), y)
+    np.testing.assert_allclose(y.numpy(), x.astype(np.float64).mean((2, 3), keepdims=True), rtol=1e-5, atol=1e-6)
 
 
 def test_pool_bad_input():

@@ -205,7 +205,7 @@ def global_avg_pool2d_func(shape, dtype: str = "float32") -> tirx.PrimFunc:
     n, c, *_ = sch.get_loops(sch.get_sblock("output"))
     fused = sch.fuse(n, c)
     reducer = sch.get_sblock("window_sum")
-    sch.compute_at(reducer, fused)
+    sch.compute_at(reducer, fused, preserve_unit_loops=True)  # a 1-pixel row keeps its rh loop
     sch.parallel(fused)
     if tail:
         *_, v, r_h, r_w = sch.get_loops(reducer)
