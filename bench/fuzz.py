@@ -1,0 +1,57 @@
+"""Long runs of the random-graph property test (tvm_ext.testing.random_graphs).
+
+Builds graphs FIRST .. FIRST+N-1 with tvm_ext, compares each with its float64 PyTorch reference,
+and prints every failure as a reproducer: the seed, the grammar steps, whether stock TVM gets the
+same graph right (whose bug it is), and with --show the Relax script. A failure found here becomes
+a fixed test. Exit status 1 when any graph failed.
+
+Usage: python bench/fuzz.py [--graphs 1000] [--first 0] [--max-steps 7] [--show] [--stock]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import tvm
+
+import tvm_ext
+from tvm_ext.testing.random_graphs import check_graph, random_graph
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--graphs", type=int, default=1000, help="how many graphs")
+    parser.add_argument("--first", type=int, default=0, help="the first graph's seed")
+    parser.add_argument("--max-steps", type=int, default=7, help="grammar steps per graph (at most)")
+    parser.add_argument("--show", action="store_true", help="print each failing graph's Relax script")
+    parser.add_argument("--stock", action="store_true", help="also build every graph with stock TVM")
+    args = parser.parse_args(argv)
+    if args.graphs < 1 or args.max_steps < 2:
+        parser.error("--graphs must be >= 1 and --max-steps >= 2")
+    target = tvm_ext.resolve_target("llvm")
+    ours = lambda mod, winograd: tvm_ext.build(mod, target, winograd=winograd)  # noqa: E731
+    stock = lambda mod, _winograd: tvm.compile(mod, target)  # noqa: E731
+    failed, stock_failed, start = [], 0, time.time()
+    for seed in range(args.first, args.first + args.graphs):
+        graph = random_graph(seed, args.max_steps)
+        problem = check_graph(graph, ours)
+        stock_problem = check_graph(graph, stock) if (problem or args.stock) else None
+        stock_failed += stock_problem is not None
+        if problem:
+            failed.append(seed)
+            print(f"FAIL {problem}\n  stock TVM: {stock_problem or 'right'}\n  {graph.describe()}", flush=True)
+            if args.show:
+                print(graph.module.script())
+        done = seed - args.first + 1
+        if done % 50 == 0:
+            print(f"{done}/{args.graphs} graphs, {len(failed)} failed, {time.time() - start:.0f} s", flush=True)
+    print(f"{args.graphs} graphs (seeds {args.first}..{args.first + args.graphs - 1}): {len(failed)} failed "
+          f"{failed[:20]}; stock TVM failed {stock_failed}{'' if args.stock else ' of those'}; "
+          f"{time.time() - start:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

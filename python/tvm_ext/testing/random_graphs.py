@@ -1,0 +1,381 @@
+"""Seeded random Relax graphs with float64 PyTorch references: the property test of the pipeline.
+
+Each graph is drawn from a small grammar of what CNNs do: convolutions of every shape family
+(strides, paddings incl. asymmetric, dilations, groups, depthwise) with biases of every
+broadcastable shape in either operand order, batch norms, every activation tvm_ext fuses and
+the decompositions importers emit (hardswish, x * sigmoid(x)), pooling, adds and products with
+operands in both orders and values used two or three times, concat, split, squeeze-excitation,
+layer norm over channels, residual blocks, a flatten + dense head, sometimes a symbolic batch.
+While the Relax graph is emitted, the same computation runs in PyTorch in float64 on the same
+float32 weights and input, so the reference owes nothing to TVM. `tests/test_random_graphs.py`
+builds a few hundred; `bench/fuzz.py` runs as many as asked and prints a reproducer for each
+failure. PyTorch is a test extra: importing this module needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tvm
+from tvm import relax
+
+__all__ = ["RandomGraph", "random_graph", "check_graph"]
+
+
+@dataclasses.dataclass
+class _Value:
+    var: relax.Expr
+    ref: torch.Tensor  # float64, at the concrete batch
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.ref.shape)
+
+
+@dataclasses.dataclass
+class RandomGraph:
+    """One drawn graph: the module, its float32 input, float64 reference outputs, and the steps
+    of the grammar that made it (a readable reproducer with the seed)."""
+
+    seed: int
+    module: tvm.IRModule
+    inputs: list[np.ndarray]
+    expected: list[np.ndarray]
+    steps: list[str]
+    winograd: bool
+
+    def describe(self) -> str:
+        return f"seed {self.seed} (winograd={self.winograd}):\n  " + "\n  ".join(self.steps)
+
+
+class _Builder:
+    """Emits Relax bindings and evaluates the same op in torch float64, step by step."""
+
+    def __init__(self, rng: np.random.Generator, bb: relax.BlockBuilder, batch):
+        self.rng, self.bb, self.batch = rng, bb, batch
+        self.values: list[_Value] = []
+        self.steps: list[str] = []
+
+    # --- helpers ------------------------------------------------------------------------------
+    def const(self, *shape: int, scale: float = 1.0, positive: bool = False) -> tuple[relax.Expr, torch.Tensor]:
+        data = np.asarray(self.rng.standard_normal(shape) * scale)
+        if positive:
+            data = np.abs(data) + 0.5
+        data = np.asarray(data, np.float32)
+        return relax.const(data), torch.from_numpy(data.astype(np.float64))
+
+    def emit(self, expr: relax.Expr, ref: torch.Tensor) -> _Value:
+        value = _Value(self.bb.emit(expr), ref)
+        self.values.append(value)
+        return value
+
+    def pick(self, spatial: bool = True, exclude: _Value | None = None) -> _Value:
+        """Mostly the newest value (a chain), sometimes an older one (a value read again)."""
+        pool = [v for v in self.values if (len(v.shape) == 4 or not spatial) and v is not exclude]
+        if not pool:
+            pool = [v for v in self.values if len(v.shape) == 4]
+        if self.rng.random() < 0.6:
+            return pool[-1]
+        return pool[int(self.rng.integers(len(pool)))]
+
+    def coin(self, p: float = 0.5) -> bool:
+        return bool(self.rng.random() < p)
+
+    def choice(self, options):
+        return options[int(self.rng.integers(len(options)))]
+
+    # --- rules --------------------------------------------------------------------------------
+    def conv(self, v: _Value | None = None, out_channels: int | None = None, same: bool = False) -> _Value:
+        v = v or self.pick()
+        _, c, h, w = v.shape
+        groups = 1
+        if not same and c > 1 and self.coin(0.3):
+            groups = c if self.coin(0.6) else self.choice([g for g in (2, 3, 4) if c % g == 0] or [1])
+        k = out_channels or (groups * int(self.rng.integers(1, 3)) if groups == c and groups > 1
+                             else int(self.rng.integers(2, 25)))
+        if groups > 1 and k % groups:
+            k = groups * max(1, k // groups)
+        r, s = self.choice([(1, 1), (3, 3), (3, 3), (5, 5), (7, 7), (1, 3), (3, 1), (2, 2)])
+        stride = (1, 1) if same else self.choice([(1, 1), (1, 1), (2, 2), (2, 1), (3, 3)])
+        dilation = (2, 2) if not same and self.coin(0.15) else (1, 1)
+        er, es = dilation[0] * (r - 1) + 1, dilation[1] * (s - 1) + 1
+        if same:
+            padding = ((er - 1) // 2, (es - 1) // 2, er - 1 - (er - 1) // 2, es - 1 - (es - 1) // 2)
+        elif self.coin(0.2):
+            padding = tuple(int(p) for p in self.rng.integers(0, 3, 4))
+        else:
+            ph, pw = int(self.rng.integers(0, er // 2 + 1)), int(self.rng.integers(0, es // 2 + 1))
+            padding = (ph, pw, ph, pw)
+        if h + padding[0] + padding[2] < er or w + padding[1] + padding[3] < es:
+            padding = ((er - 1) // 2, (es - 1) // 2, er - 1 - (er - 1) // 2, es - 1 - (es - 1) // 2)
+        weight, wref = self.const(k, c // groups, r, s, scale=1.0 / np.sqrt(c // groups * r * s))
+        ref = F.conv2d(F.pad(v.ref, (padding[1], padding[3], padding[0], padding[2])), wref, None,
+                       stride, 0, dilation, groups)
+        out = self.emit(relax.op.nn.conv2d(v.var, weight, stride, padding, dilation, groups), ref)
+        self.steps.append(f"conv2d {v.shape} -> {out.shape}: kernel {r}x{s} stride {stride} padding {padding} "
+                          f"dilation {dilation} groups {groups}")
+        return out
+
+    def bias(self, v: _Value) -> _Value:
+        k = v.shape[1]
+        shape = self.choice([(1, k, 1, 1), (1, k, 1, 1), (k, 1, 1), (1, 1, 1, 1), (1,), (), (v.shape[3],)])
+        b, bref = self.const(*shape, scale=0.5)
+        first = self.coin(0.3)
+        out = self.emit(relax.op.add(b, v.var) if first else relax.op.add(v.var, b), bref + v.ref)
+        self.steps.append(f"add bias of shape {shape}" + (" (bias first)" if first else ""))
+        return out
+
+    def batch_norm(self, v: _Value) -> _Value:
+        c = v.shape[1]
+        (gamma, g), (beta, b) = self.const(c), self.const(c, scale=0.5)
+        (mean, m), (var, s2) = self.const(c, scale=0.5), self.const(c, scale=0.5, positive=True)
+        bn = self.bb.emit(relax.op.nn.batch_norm(v.var, gamma, beta, mean, var, axis=1, epsilon=1e-5,
+                                                 training=False))
+        ref = F.batch_norm(v.ref, m, s2, g, b, training=False, eps=1e-5)
+        self.steps.append("batch_norm (inference)")
+        return self.emit(relax.TupleGetItem(bn, 0), ref)
+
+    def activation(self, v: _Value | None = None) -> _Value:
+        v = v or self.pick()
+        x, ref = v.var, v.ref
+        name = self.choice(["relu", "relu", "relu6", "sigmoid", "silu", "x*sigmoid(x)", "gelu", "gelu_tanh",
+                            "leaky_relu", "tanh", "hardswish", "hardsigmoid"])
+        f32 = "float32"
+        if name == "relu":
+            out = self.emit(relax.op.nn.relu(x), F.relu(ref))
+        elif name == "relu6":
+            out = self.emit(relax.op.clip(x, 0, 6), F.relu6(ref))
+        elif name == "sigmoid":
+            out = self.emit(relax.op.sigmoid(x), torch.sigmoid(ref))
+        elif name == "silu":
+            out = self.emit(relax.op.nn.silu(x), F.silu(ref))
+        elif name == "x*sigmoid(x)":
+            s = self.emit(relax.op.sigmoid(x), torch.sigmoid(ref))
+            out = self.emit(relax.op.multiply(x, s.var) if self.coin() else relax.op.multiply(s.var, x), F.silu(ref))
+        elif name == "gelu":
+            out = self.emit(relax.op.nn.gelu(x), F.gelu(ref))
+        elif name == "gelu_tanh":
+            out = self.emit(relax.op.nn.gelu_tanh(x), F.gelu(ref, approximate="tanh"))
+        elif name == "leaky_relu":
+            alpha = float(self.choice([0.01, 0.1, 0.2]))
+            out = self.emit(relax.op.nn.leakyrelu(x, alpha), F.leaky_relu(ref, alpha))
+        elif name == "tanh":
+            out = self.emit(relax.op.tanh(x), torch.tanh(ref))
+        else:  # the torch importer's decompositions
+            clipped = relax.op.clip(relax.op.add(x, relax.const(3.0, f32)), 0, 6)
+            hsig = relax.op.divide(clipped, relax.const(6.0, f32))
+            if name == "hardsigmoid":
+                out = self.emit(hsig, F.hardsigmoid(ref))
+            else:
+                out = self.emit(relax.op.multiply(x, self.bb.emit(hsig)), F.hardswish(ref))
+        self.steps.append(name)
+        return out
+
+    def conv_block(self) -> _Value:
+        """conv [+ bias] [-> batch norm] [-> activation]: what networks are made of."""
+        out = self.conv()
+        if self.coin(0.6):
+            out = self.bias(out)
+        if self.coin(0.3):
+            out = self.batch_norm(out)
+        if self.coin(0.6):
+            out = self.activation(out)
+        return out
+
+    def residual(self) -> _Value:
+        """v + conv(v) [+ conv of a shape-keeping conv], shortcut in either operand order."""
+        v = self.pick()
+        y = self.conv(v, out_channels=v.shape[1], same=True)
+        if self.coin(0.5):
+            y = self.bias(y)
+        if self.coin(0.3):
+            y = self.batch_norm(y)
+        first = self.coin()
+        out = self.emit(relax.op.add(v.var, y.var) if first else relax.op.add(y.var, v.var), v.ref + y.ref)
+        self.steps.append("residual add" + (" (shortcut first)" if first else ""))
+        return self.activation(out) if self.coin(0.6) else out
+
+    def pool(self) -> _Value:
+        v = self.pick()
+        _, c, h, w = v.shape
+        kind = self.choice(["max", "max", "avg", "global", "mean"])
+        if kind in ("global", "mean"):
+            if kind == "global":
+                out = self.emit(relax.op.nn.adaptive_avg_pool2d(v.var, (1, 1)), v.ref.mean(dim=(2, 3), keepdim=True))
+            else:
+                out = self.emit(relax.op.mean(v.var, axis=[2, 3], keepdims=True), v.ref.mean(dim=(2, 3), keepdim=True))
+            self.steps.append(f"{kind} pool {v.shape}")
+            return out
+        k = int(self.choice([2, 3, 3])) if min(h, w) >= 3 else min(h, w)
+        stride = int(self.choice([1, 2, 2]))
+        pad = int(self.rng.integers(0, k // 2 + 1))
+        ceil = self.coin(0.3)
+        if kind == "max":
+            ref = F.max_pool2d(v.ref, k, stride, pad, 1, ceil)
+            expr = relax.op.nn.max_pool2d(v.var, (k, k), (stride, stride), (pad, pad), ceil_mode=ceil)
+        else:
+            include = self.coin()
+            ref = F.avg_pool2d(v.ref, k, stride, pad, ceil, include)
+            expr = relax.op.nn.avg_pool2d(v.var, (k, k), (stride, stride), (pad, pad), ceil_mode=ceil,
+                                          count_include_pad=include)
+        self.steps.append(f"{kind} pool {v.shape}: kernel {k} stride {stride} padding {pad} ceil_mode {ceil}")
+        return self.emit(expr, ref)
+
+    def binary(self) -> _Value:
+        """add or multiply of two values of one shape (maybe one value twice), or with a
+        broadcast constant, operands in either order."""
+        a = self.pick()
+        same = [v for v in self.values if v.shape == a.shape]
+        op, fn = self.choice([(relax.op.add, torch.add), (relax.op.add, torch.add), (relax.op.multiply, torch.mul)])
+        if self.coin(0.7):
+            b = self.choice(same)
+            bvar, bref = b.var, b.ref
+            what = "itself" if b is a else "another value"
+        else:
+            shape = self.choice([(1, a.shape[1], 1, 1), (a.shape[1], 1, 1), ()])
+            bvar, bref = self.const(*shape, scale=0.5)
+            what = f"a constant of shape {shape}"
+        first = self.coin()
+        expr = op(bvar, a.var) if first else op(a.var, bvar)
+        self.steps.append(f"{fn.__name__} {a.shape} with {what}" + (" (it first)" if first else ""))
+        return self.emit(expr, fn(bref, a.ref) if first else fn(a.ref, bref))
+
+    def concat(self) -> _Value:
+        a = self.pick()
+        partners = [v for v in self.values if len(v.shape) == 4 and v.shape[2:] == a.shape[2:]]
+        b = self.choice(partners)
+        self.steps.append(f"concat {a.shape} and {b.shape}")
+        out = self.emit(relax.op.concat([a.var, b.var], axis=1), torch.cat([a.ref, b.ref], dim=1))
+        return self.batch_norm(out) if self.coin(0.4) else out  # DenseNet: a batch norm after a concat
+
+    def split(self) -> _Value:
+        v = self.pick()
+        c = v.shape[1]
+        if c < 2:
+            return self.activation(v)
+        at = int(self.rng.integers(1, c))
+        parts = self.bb.emit(relax.op.split(v.var, [at], axis=1))
+        self.steps.append(f"split {v.shape} at channel {at}")
+        self.emit(relax.TupleGetItem(parts, 0), v.ref[:, :at])
+        return self.emit(relax.TupleGetItem(parts, 1), v.ref[:, at:])
+
+    def squeeze_excitation(self) -> _Value:
+        v = self.pick()
+        c = v.shape[1]
+        squeezed = self.emit(relax.op.mean(v.var, axis=[2, 3], keepdims=True), v.ref.mean(dim=(2, 3), keepdim=True))
+        self.steps.append(f"squeeze-excitation of {v.shape}:")
+        hidden = self.conv(squeezed, out_channels=max(1, c // 4), same=True)
+        hidden = self.activation(self.bias(hidden))
+        gate = self.bias(self.conv(hidden, out_channels=c, same=True))
+        gate = self.emit(relax.op.sigmoid(gate.var), torch.sigmoid(gate.ref))
+        first = self.coin()
+        expr = relax.op.multiply(gate.var, v.var) if first else relax.op.multiply(v.var, gate.var)
+        self.steps.append("  sigmoid, scale" + (" (gate first)" if first else ""))
+        return self.emit(expr, gate.ref * v.ref)
+
+    def layer_norm(self) -> _Value:
+        """ConvNeXt's layer norm over channels: to NHWC, normalise the last axis, back."""
+        v = self.pick()
+        c = v.shape[1]
+        (gamma, g), (beta, b) = self.const(c), self.const(c, scale=0.5)
+        nhwc = self.bb.emit(relax.op.permute_dims(v.var, [0, 2, 3, 1]))
+        normed = self.bb.emit(relax.op.nn.layer_norm(nhwc, gamma, beta, axes=[-1], epsilon=1e-6))
+        ref = F.layer_norm(v.ref.permute(0, 2, 3, 1), (c,), g, b, 1e-6).permute(0, 3, 1, 2)
+        self.steps.append(f"layer norm over the channels of {v.shape}")
+        return self.emit(relax.op.permute_dims(normed, [0, 3, 1, 2]), ref)
+
+    def dense_head(self) -> _Value:
+        v = self.pick()
+        _, c, h, w = v.shape
+        pooled = self.emit(relax.op.nn.adaptive_avg_pool2d(v.var, (1, 1)), v.ref.mean(dim=(2, 3), keepdim=True))
+        flat = self.emit(relax.op.reshape(pooled.var, (self.batch, c)), pooled.ref.reshape(-1, c))
+        m = int(self.rng.integers(2, 20))
+        weight, wref = self.const(c, m, scale=1.0 / np.sqrt(c))
+        out = self.emit(relax.op.matmul(flat.var, weight), flat.ref @ wref)
+        if self.coin(0.7):
+            b, bref = self.const(m, scale=0.5)
+            out = self.emit(relax.op.add(out.var, b), out.ref + bref)
+        if self.coin(0.5):
+            out = self.emit(relax.op.nn.relu(out.var), F.relu(out.ref))
+        self.steps.append(f"global pool, flatten, dense {c} -> {m}")
+        return out
+
+
+_RULES: list[tuple[Callable[[_Builder], _Value], float]] = [
+    (_Builder.conv_block, 5), (_Builder.residual, 2), (_Builder.activation, 1.5), (_Builder.pool, 1.5),
+    (_Builder.binary, 2), (_Builder.concat, 1), (_Builder.split, 0.7), (_Builder.squeeze_excitation, 0.7),
+    (_Builder.layer_norm, 0.6),
+]
+
+
+def random_graph(seed: int, max_steps: int = 7) -> RandomGraph:
+    """Draw graph number `seed`: the same seed gives the same graph, weights and input."""
+    rng = np.random.default_rng([seed, 0x7E1])
+    batch = int(rng.choice([1, 1, 1, 2, 3]))
+    symbolic = rng.random() < 0.1
+    c, h, w = int(rng.integers(1, 20)), int(rng.integers(5, 19)), int(rng.integers(5, 19))
+    n_var = tvm.tirx.Var("n", "int64") if symbolic else None
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((n_var if symbolic else batch, c, h, w), "float32"))
+    data = rng.standard_normal((batch, c, h, w)).astype(np.float32)
+    builder = _Builder(rng, bb, n_var if symbolic else batch)
+    builder.steps.append(f"input {(batch, c, h, w)}" + (" (symbolic batch)" if symbolic else ""))
+    rules, weights = zip(*_RULES, strict=True)
+    p = np.array(weights) / sum(weights)
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            builder.values.append(_Value(x, torch.from_numpy(data.astype(np.float64))))
+            for _ in range(int(rng.integers(2, max_steps + 1))):
+                rules[int(rng.choice(len(rules), p=p))](builder)
+            outputs = [builder.values[-1]]
+            if rng.random() < 0.2:
+                outputs.append(builder.dense_head())
+            elif rng.random() < 0.2 and len(builder.values) > 2:
+                outputs.append(builder.values[int(rng.integers(1, len(builder.values) - 1))])
+            if len(outputs) == 1:
+                out = bb.emit_output(outputs[0].var)
+            else:
+                out = bb.emit_output(relax.Tuple([v.var for v in outputs]))
+        bb.emit_func_output(out)
+    return RandomGraph(seed, bb.get(), [data], [v.ref.numpy() for v in outputs], builder.steps,
+                       winograd=bool(rng.random() < 0.3))
+
+
+def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
+    """Max error relative to the largest reference magnitude (0 for two empty arrays)."""
+    if expected.size == 0:
+        return 0.0
+    diff = np.abs(np.asarray(actual, np.float64) - expected).max()
+    return float(diff / max(np.abs(expected).max(), 1e-30))
+
+
+def check_graph(graph: RandomGraph, build: Callable[[tvm.IRModule, bool], relax.VMExecutable],
+                device: tvm.runtime.Device | None = None) -> str | None:
+    """Build `graph` with `build(module, winograd)`, run it, compare with the float64 reference:
+    None when right, else what is wrong (an exception counts: a crash is a failure too).
+
+    Tolerance: 1e-4 of the largest output magnitude, 5e-4 with Winograd (its transforms' float32
+    rounding, as in the zoo tests)."""
+    try:
+        ex = build(graph.module, graph.winograd)
+        vm = relax.VirtualMachine(ex, device or tvm.cpu())
+        out = vm["main"](*[tvm.runtime.tensor(x) for x in graph.inputs])
+    except Exception as err:  # noqa: BLE001 - the property is "never raises" as much as "right"
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:300] if str(err).strip() else ''}"
+    got = [out.numpy()] if hasattr(out, "numpy") else [o.numpy() for o in out]
+    if len(got) != len(graph.expected):
+        return f"{len(got)} outputs, expected {len(graph.expected)}"
+    tolerance = 5e-4 if graph.winograd else 1e-4
+    for i, (g, e) in enumerate(zip(got, graph.expected, strict=True)):
+        if g.shape != e.shape:
+            return f"output {i}: shape {g.shape}, expected {e.shape}"
+        if not np.isfinite(g).all() and np.isfinite(e).all():
+            return f"output {i}: non-finite values where the reference has none"
+        err = rel_err(g, e)
+        if not err <= tolerance:
+            return f"output {i}: relative error {err:.3g} > {tolerance:g}"
+    return None
