@@ -214,6 +214,30 @@ def test_channel_scale_folds_into_the_convolution():
     assert rel_err(_run(tvm_ext.build(mod, "llvm"), xv), _run(tvm.compile(mod, TARGET), xv)) <= 1e-4
 
 
+@pytest.mark.parametrize("bias_shape, bias_first", [((1, 16, 1, 1), False), ((16, 1, 1), True), ((1,), False),
+                                                   ((10,), False)])
+def test_batch_norm_folds_after_a_convolution_with_a_bias(bias_shape, bias_first):
+    """conv + c -> batch_norm (VGG-BN) folds into the convolution's weights and bias, c in either
+    operand order; a bias along W ((10,): not per channel) is left to stock TVM, still right."""
+    rng = np.random.default_rng(13)
+
+    def body(bb, x):
+        y = bb.emit(relax.op.nn.conv2d(x, _const(rng, 16, 8, 3, 3), padding=(1, 1)))
+        c = _const(rng, *bias_shape)
+        y = bb.emit(relax.op.add(c, y) if bias_first else relax.op.add(y, c))
+        stats = [rng.standard_normal(16), rng.standard_normal(16), rng.standard_normal(16),
+                 np.abs(rng.standard_normal(16)) + 0.5]
+        bn = bb.emit(relax.op.nn.batch_norm(y, *(relax.const(s.astype("float32")) for s in stats), axis=1,
+                                            training=False))
+        return bb.emit(relax.op.nn.relu(relax.TupleGetItem(bn, 0)))
+
+    mod = _graph((1, 8, 10, 10), body)
+    left = any(r.op == "nn.batch_norm" for r in tvm_ext.dispatch_report(mod, "llvm"))
+    assert left == (bias_shape == (10,))
+    xv = rng.standard_normal((1, 8, 10, 10)).astype("float32")
+    assert rel_err(_run(tvm_ext.build(mod, "llvm"), xv), _run(tvm.compile(mod, TARGET), xv)) <= 1e-4
+
+
 def test_onnx_model():
     """An ONNX graph built with onnx.helper, imported with relax.frontend.onnx."""
     import onnx

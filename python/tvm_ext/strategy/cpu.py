@@ -621,18 +621,21 @@ def _drop_unused_kernels(mod: tvm.IRModule) -> tvm.IRModule:
 
 
 def fold_batch_norm() -> tvm.transform.Pass:
-    """conv2d(x, W) -> batch_norm(gamma, beta, mean, var)[0]  ==>  conv2d(x, W * s) + (beta - mean * s),
-    with s = gamma / sqrt(var + eps) per output channel, computed once here in float64.
+    """conv2d(x, W) [+ c] -> batch_norm(gamma, beta, mean, var)[0]
+    ==>  conv2d(x, W * s) + (beta - mean * s + c * s), with s = gamma / sqrt(var + eps) per
+    output channel, computed once here in float64.
 
-    Only NCHW/OIHW convolutions with constant weights and statistics, batch norm over axis 1 in
-    inference mode; anything else is left to stock legalization. A per-output-channel constant
-    scale after a convolution (conv2d(x, W) * s) folds the same way.
+    Only NCHW/OIHW convolutions with constant weights and statistics, a bias `c` that is one
+    constant per channel (VGG-BN's convolutions have one), batch norm over axis 1 in inference
+    mode; anything else is left to stock legalization. A per-output-channel constant scale after
+    a convolution (conv2d(x, W) * s) folds the same way.
     """
     from tvm.relax.dpl import is_const, is_op, is_tuple_get_item, rewrite_call, wildcard
 
-    weight, gamma, beta, mean, var = (is_const() for _ in range(5))
+    weight, conv_bias, gamma, beta, mean, var = (is_const() for _ in range(6))
     conv = is_op("relax.nn.conv2d")(wildcard(), weight)
-    bn = is_op("relax.nn.batch_norm")(conv, gamma, beta, mean, var)
+    biased = is_op("relax.add")(conv, conv_bias)  # matched in either operand order
+    bn = is_op("relax.nn.batch_norm")(biased | conv, gamma, beta, mean, var)
     pattern = is_tuple_get_item(bn, 0)
 
     def rewriter(orig: relax.Expr, matched: dict) -> relax.Expr:
@@ -645,6 +648,13 @@ def fold_batch_norm() -> tvm.transform.Pass:
         w, g, b, m, v = values
         scale = (g if bool(attrs.scale) else np.ones_like(g)) / np.sqrt(v + float(attrs.epsilon))
         shift = (b if bool(attrs.center) else np.zeros_like(b)) - m * scale
+        if biased in matched:
+            c = matched[conv_bias]
+            if not _is_channel_bias(c, w.shape[0]):
+                return orig
+            shape = _static_shape(c)
+            aligned = c.value.numpy().astype(np.float64).reshape((1,) * (4 - len(shape)) + shape)
+            shift = shift + np.broadcast_to(aligned, (1, w.shape[0], 1, 1)).reshape(-1) * scale
         folded_w = relax.const((w * scale[:, None, None, None]).astype(np.float32))
         new_conv = relax.Call(conv_call.op, [conv_call.args[0], folded_w], conv_call.attrs)
         return relax.op.add(new_conv, relax.const(shift.astype(np.float32).reshape(1, -1, 1, 1)))
