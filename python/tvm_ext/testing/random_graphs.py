@@ -29,7 +29,7 @@ __all__ = ["RandomGraph", "random_graph", "check_graph"]
 @dataclasses.dataclass
 class _Value:
     var: relax.Expr
-    ref: torch.Tensor  # float64, at the concrete batch
+    ref: torch.Tensor  # in the reference dtype, at the concrete batch
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -38,15 +38,24 @@ class _Value:
 
 @dataclasses.dataclass
 class RandomGraph:
-    """One drawn graph: the module, its float32 input, float64 reference outputs, and the steps
-    of the grammar that made it (a readable reproducer with the seed)."""
+    """One drawn graph: the module, its float32 input, float64 reference outputs, PyTorch's own
+    float32 outputs (how well conditioned the graph is), and the steps of the grammar that made
+    it (a readable reproducer with the seed)."""
 
     seed: int
     module: tvm.IRModule
     inputs: list[np.ndarray]
     expected: list[np.ndarray]
+    pytorch_float32: list[np.ndarray]
     steps: list[str]
     winograd: bool
+
+    def tolerance(self) -> float:
+        """1e-4 of the largest output magnitude (5e-4 with Winograd: its transforms' float32
+        rounding, as in the zoo tests), or 4x PyTorch's own float32 error where the graph is
+        ill-conditioned (a layer norm of nearly constant channels amplifies rounding)."""
+        pytorch = max(rel_err(o, e) for o, e in zip(self.pytorch_float32, self.expected, strict=True))
+        return max(5e-4 if self.winograd else 1e-4, 4 * pytorch)
 
     def describe(self) -> str:
         return f"seed {self.seed} (winograd={self.winograd}):\n  " + "\n  ".join(self.steps)
@@ -55,8 +64,8 @@ class RandomGraph:
 class _Builder:
     """Emits Relax bindings and evaluates the same op in torch float64, step by step."""
 
-    def __init__(self, rng: np.random.Generator, bb: relax.BlockBuilder, batch):
-        self.rng, self.bb, self.batch = rng, bb, batch
+    def __init__(self, rng: np.random.Generator, bb: relax.BlockBuilder, batch, dtype: torch.dtype):
+        self.rng, self.bb, self.batch, self.dtype = rng, bb, batch, dtype
         self.values: list[_Value] = []
         self.steps: list[str] = []
 
@@ -66,7 +75,7 @@ class _Builder:
         if positive:
             data = np.abs(data) + 0.5
         data = np.asarray(data, np.float32)
-        return relax.const(data), torch.from_numpy(data.astype(np.float64))
+        return relax.const(data), torch.from_numpy(data).to(self.dtype)
 
     def emit(self, expr: relax.Expr, ref: torch.Tensor) -> _Value:
         value = _Value(self.bb.emit(expr), ref)
@@ -165,13 +174,14 @@ class _Builder:
             out = self.emit(relax.op.nn.leakyrelu(x, alpha), F.leaky_relu(ref, alpha))
         elif name == "tanh":
             out = self.emit(relax.op.tanh(x), torch.tanh(ref))
-        else:  # the torch importer's decompositions
+        else:  # the torch importer's decompositions, evaluated as written (same float32 rounding)
             clipped = relax.op.clip(relax.op.add(x, relax.const(3.0, f32)), 0, 6)
             hsig = relax.op.divide(clipped, relax.const(6.0, f32))
+            hsig_ref = torch.clamp(ref + 3, 0, 6) / 6
             if name == "hardsigmoid":
-                out = self.emit(hsig, F.hardsigmoid(ref))
+                out = self.emit(hsig, hsig_ref)
             else:
-                out = self.emit(relax.op.multiply(x, self.bb.emit(hsig)), F.hardswish(ref))
+                out = self.emit(relax.op.multiply(x, self.bb.emit(hsig)), ref * hsig_ref)
         self.steps.append(name)
         return out
 
@@ -278,8 +288,10 @@ class _Builder:
         return self.emit(expr, gate.ref * v.ref)
 
     def layer_norm(self) -> _Value:
-        """ConvNeXt's layer norm over channels: to NHWC, normalise the last axis, back."""
-        v = self.pick()
+        """ConvNeXt's layer norm over channels of a convolution's output: to NHWC, normalise the
+        last axis, back. (Of saturated values, e.g. hardsigmoid's, a layer norm divides float32
+        rounding by a spread near zero: PyTorch's own float32 error reaches 1e-4 there.)"""
+        v = self.conv()
         c = v.shape[1]
         (gamma, g), (beta, b) = self.const(c), self.const(c, scale=0.5)
         nhwc = self.bb.emit(relax.op.permute_dims(v.var, [0, 2, 3, 1]))
@@ -314,6 +326,13 @@ _RULES: list[tuple[Callable[[_Builder], _Value], float]] = [
 
 def random_graph(seed: int, max_steps: int = 7) -> RandomGraph:
     """Draw graph number `seed`: the same seed gives the same graph, weights and input."""
+    graph = _draw(seed, max_steps, torch.float64)
+    graph.pytorch_float32 = _draw(seed, max_steps, torch.float32).expected
+    return graph
+
+
+def _draw(seed: int, max_steps: int, dtype: torch.dtype) -> RandomGraph:
+    """The graph of `seed`, its references computed in `dtype` (the draws do not depend on it)."""
     rng = np.random.default_rng([seed, 0x7E1])
     batch = int(rng.choice([1, 1, 1, 2, 3]))
     symbolic = rng.random() < 0.1
@@ -322,13 +341,13 @@ def random_graph(seed: int, max_steps: int = 7) -> RandomGraph:
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((n_var if symbolic else batch, c, h, w), "float32"))
     data = rng.standard_normal((batch, c, h, w)).astype(np.float32)
-    builder = _Builder(rng, bb, n_var if symbolic else batch)
+    builder = _Builder(rng, bb, n_var if symbolic else batch, dtype)
     builder.steps.append(f"input {(batch, c, h, w)}" + (" (symbolic batch)" if symbolic else ""))
     rules, weights = zip(*_RULES, strict=True)
     p = np.array(weights) / sum(weights)
     with bb.function("main", [x]):
         with bb.dataflow():
-            builder.values.append(_Value(x, torch.from_numpy(data.astype(np.float64))))
+            builder.values.append(_Value(x, torch.from_numpy(data).to(dtype)))
             for _ in range(int(rng.integers(2, max_steps + 1))):
                 rules[int(rng.choice(len(rules), p=p))](builder)
             outputs = [builder.values[-1]]
@@ -341,7 +360,8 @@ def random_graph(seed: int, max_steps: int = 7) -> RandomGraph:
             else:
                 out = bb.emit_output(relax.Tuple([v.var for v in outputs]))
         bb.emit_func_output(out)
-    return RandomGraph(seed, bb.get(), [data], [v.ref.numpy() for v in outputs], builder.steps,
+    expected = [v.ref.numpy().astype(np.float64) for v in outputs]
+    return RandomGraph(seed, bb.get(), [data], expected, expected, builder.steps,
                        winograd=bool(rng.random() < 0.3))
 
 
@@ -357,9 +377,7 @@ def check_graph(graph: RandomGraph, build: Callable[[tvm.IRModule, bool], relax.
                 device: tvm.runtime.Device | None = None) -> str | None:
     """Build `graph` with `build(module, winograd)`, run it, compare with the float64 reference:
     None when right, else what is wrong (an exception counts: a crash is a failure too).
-
-    Tolerance: 1e-4 of the largest output magnitude, 5e-4 with Winograd (its transforms' float32
-    rounding, as in the zoo tests)."""
+    Tolerance: :meth:`RandomGraph.tolerance`."""
     try:
         ex = build(graph.module, graph.winograd)
         vm = relax.VirtualMachine(ex, device or tvm.cpu())
@@ -369,7 +387,7 @@ def check_graph(graph: RandomGraph, build: Callable[[tvm.IRModule, bool], relax.
     got = [out.numpy()] if hasattr(out, "numpy") else [o.numpy() for o in out]
     if len(got) != len(graph.expected):
         return f"{len(got)} outputs, expected {len(graph.expected)}"
-    tolerance = 5e-4 if graph.winograd else 1e-4
+    tolerance = graph.tolerance()
     for i, (g, e) in enumerate(zip(got, graph.expected, strict=True)):
         if g.shape != e.shape:
             return f"output {i}: shape {g.shape}, expected {e.shape}"
@@ -377,5 +395,5 @@ def check_graph(graph: RandomGraph, build: Callable[[tvm.IRModule, bool], relax.
             return f"output {i}: non-finite values where the reference has none"
         err = rel_err(g, e)
         if not err <= tolerance:
-            return f"output {i}: relative error {err:.3g} > {tolerance:g}"
+            return f"output {i}: relative error {err:.3g} > {tolerance:.3g}"
     return None
