@@ -125,7 +125,8 @@ def _child(args: argparse.Namespace) -> None:
         xt = tvm.runtime.tensor(x)
         repeat = 1 if runtime == "stock_tvm" else args.repeat
         result["ms"] = time_calls(lambda: vm(xt), repeat)
-        output = vm(xt).numpy()
+        output = vm(xt)
+        output = (output if hasattr(output, "numpy") else output[0]).numpy()  # imported models return tuples
     elif runtime == "onnxruntime":
         import onnxruntime as ort
 
@@ -145,8 +146,14 @@ def _child(args: argparse.Namespace) -> None:
         from tvm_ext.models.torch_reference import to_torch
 
         torch.set_num_threads(threads)
-        mod, _ = models.get(model, batch=batch)
-        forward = to_torch(mod)
+        if artifact.endswith(".pt"):  # a whole torch module (bench/zoo.py: torchvision's own model)
+            from tvm_ext.models.torchvision_zoo import import_torchvision
+
+            import_torchvision()
+            forward = torch.load(artifact, weights_only=False)
+        else:
+            mod, _ = models.get(model, batch=batch)
+            forward = to_torch(mod)
         x = np.load(Path(artifact).with_name("input.npy"))
         best = None
         with torch.inference_mode():

@@ -107,6 +107,24 @@ def test_cli_tune_an_onnx_model(tmp_path):
     assert (work_dir / "tuning_curve.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_zoo_bench_smoke(tmp_path):
+    """bench/zoo.py on one torchvision model: all three runtimes, outputs agree, a README table."""
+    out = _run("bench/zoo.py", "--models", "squeezenet1_1", "--size", "64", "--threads", "1", "--repeat", "2",
+               "--rounds", "1", env={"TMPDIR": str(tmp_path)})
+    row = next(line for line in out.splitlines() if line.startswith("| squeezenet1_1 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert all(float(c.rstrip("x")) > 0 for c in cells[1:]), row  # every runtime ran
+    line = next(line for line in out.splitlines() if line.strip().startswith("squeezenet1_1"))
+    assert float(line.split()[-1]) <= 1e-4  # tvm_ext's output against ONNX Runtime's
+    assert "geometric mean vs ONNX Runtime" in out and not list(tmp_path.glob("tvm_ext_zoo_*"))
+
+
+def test_zoo_bench_rejects_an_unknown_model():
+    out = subprocess.run([sys.executable, "bench/zoo.py", "--models", "lenet"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "lenet not in the zoo" in out.stderr
+
+
 def test_e2e_bench_smoke(tmp_path):
     table, scratch = tmp_path / "e2e.csv", tmp_path / "tmp"
     scratch.mkdir()
