@@ -133,6 +133,19 @@ def test_a_shortcut_first_is_fused_as_a_shortcut():
 
 
 def test_a_value_read_outside_its_match_is_not_fused_away():
-    """(conv + b) * sigmoid(conv + b): the sigmoid is not fused (conv + b is needed outside)."""
-    report = tvm_ext.dispatch_report(_module(_silu_as_product, 0), TARGET)
-    assert not any(r.op == "sigmoid" and r.reason == "fused" for r in report), str(report)
+    """relu(conv + b) + (conv + b): the relu is not fused (conv + b is needed outside)."""
+    report = tvm_ext.dispatch_report(_module(_activation_input_read_outside, 0), TARGET)
+    assert not any(r.op == "nn.relu" and r.reason == "fused" for r in report), str(report)
+
+
+@pytest.mark.parametrize("sigmoid_first", [False, True])
+def test_silu_as_a_product_fuses_as_silu(sigmoid_first):
+    """EfficientNet's (conv + b) * sigmoid(conv + b), in either operand order, runs as one kernel
+    with a SiLU epilogue."""
+    def body(bb, rng, x):
+        y = bb.emit(relax.op.add(_conv(bb, rng, x), random_const(rng, 1, 16, 1, 1)))
+        s = bb.emit(relax.op.sigmoid(y))
+        return bb.emit(relax.op.multiply(s, y) if sigmoid_first else relax.op.multiply(y, s))
+
+    report = tvm_ext.dispatch_report(_module(body, 0), TARGET)
+    assert [(r.op, r.reason) for r in report[1:]] == [("add", "fused"), ("nn.silu", "fused")], str(report)

@@ -544,8 +544,27 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     The pipeline runs these before lowering; the dispatch report runs them to say what fuses.
     FoldConstant first turns importer biases such as reshape(const) into constants.
     """
-    return [relax.transform.FoldConstant(), fold_batch_norm(), matmul_as_conv2d(),
+    return [relax.transform.FoldConstant(), fold_batch_norm(), matmul_as_conv2d(), recognise_silu(),
             relax.transform.FuseOpsByPattern(fusion_patterns(target), bind_constants=True)]
+
+
+def recognise_silu() -> tvm.transform.Pass:
+    """x * sigmoid(x), either operand order (how EfficientNet's SiLU arrives through torch.export)
+    ==>  silu(x), which a convolution's epilogue applies. The sigmoid stays where something else
+    reads it."""
+    from tvm.relax.dpl import is_op, rewrite_call, wildcard
+
+    x = wildcard()
+    pattern = is_op("relax.multiply")(x, is_op("relax.sigmoid")(x))  # multiply matches commutatively
+
+    @tvm.transform.module_pass(opt_level=0, name="tvm_ext.RecogniseSiLU")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        for gvar, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                mod[gvar] = rewrite_call(pattern, lambda _orig, matched: relax.op.nn.silu(matched[x]), func)
+        return mod
+
+    return _pass
 
 
 def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores=False,
