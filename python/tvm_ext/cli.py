@@ -1,4 +1,4 @@
-"""`python -m tvm_ext demo|report|bench`: compile a network through tvm_ext and show what ran.
+"""`python -m tvm_ext demo|report|bench|tune`: compile a network through tvm_ext and show what ran.
 
 demo   build the model with tvm_ext and with stock TVM, check the outputs agree, print the
        dispatch summary and the latency against stock TVM and PyTorch eager (same weights).
@@ -6,6 +6,10 @@ report print the dispatch report (one row per op).
 bench  the per-layer convolution benchmark (bench/layers.py) for the model's layers.
 tune   tune the model's convolutions (MetaSchedule, XGBoost cost model) into --work-dir; then
        build with tvm_ext.build(mod, target, database=WORK_DIR).
+
+Each subcommand takes only the options it uses (`python -m tvm_ext tune --help`), and every
+argument is checked before anything is loaded or built: a bad one exits with status 2 and one
+line on stderr, not a traceback after a build.
 """
 
 from __future__ import annotations
@@ -17,30 +21,141 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+from . import models
+from .target import resolve_target
+
+_TENSOR_CORES = ("tf32", "bf16", "wgmma_tf32", "wgmma_bf16")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (argparse prints the usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _int_in(low: int, high: int | None = None, note: str = "") -> Callable[[str], int]:
+    """An argparse type: an int in [low, high]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or (high is not None and value > high):
+            bound = f"at least {low}" if high is None else f"from {low} to {high}"
+            raise argparse.ArgumentTypeError(f"{value} is out of range: it must be {bound}{note}")
+        return value
+
+    return parse
+
+
+def _max_threads() -> int:
+    """The most threads --threads takes: the machine's logical CPUs.
+
+    TVM's runtime pool starts one spinning worker per thread; past the logical CPUs the extra
+    ones only time-slice against each other (1000 threads on 2 cores took over 4 minutes just to
+    exit), so a larger count is always a mistake.
+    """
+    return os.cpu_count() or 1
+
+
+def _target(text: str) -> str:
+    """An argparse type: a target string TVM can read (kept as written)."""
+    try:
+        resolve_target(text)
+    except (ValueError, TypeError) as err:
+        raise argparse.ArgumentTypeError(str(err).splitlines()[0]) from None
+    return text
+
+
+def _rpc(text: str) -> str:
+    """An argparse type: host:port:key of a TVM RPC tracker."""
+    host, _, rest = text.partition(":")
+    port, _, key = rest.partition(":")
+    if not (host and key and port.isdigit() and 0 < int(port) < 65536):
+        raise argparse.ArgumentTypeError(f"{text!r} is not host:port:key (a TVM RPC tracker)")
+    return text
+
+
+def _existing_file(text: str) -> str:
+    """An argparse type: a path to a file that exists (read later, with its own checks)."""
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    return text
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m tvm_ext", description=__doc__.split("\n\n")[0])
-    ap.add_argument("command", choices=("demo", "report", "bench", "tune"))
-    ap.add_argument("--model", default="resnet50")
-    ap.add_argument("--onnx", default="", help="tune: an ONNX file instead of --model")
-    ap.add_argument("--trials", type=int, default=64, help="tune: trials over all tasks")
-    ap.add_argument("--trials-per-task", type=int, default=0, help="tune: cap per task (0: --trials)")
-    ap.add_argument("--work-dir", default="tuning", help="tune: where the records go")
-    ap.add_argument("--rpc", default="", help="tune: host:port:key of a TVM RPC tracker whose servers measure")
-    ap.add_argument("--ship", action="store_true",
-                    help="tune: write into schedules/<target key>/ (the records builds use by default)")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--target", default="llvm")
-    ap.add_argument("--threads", type=int, default=0, help="TVM and PyTorch threads (0: every core we may use)")
-    ap.add_argument("--repeat", type=int, default=10)
-    ap.add_argument("--no-stock", action="store_true", help="skip stock TVM (it takes seconds per run)")
-    ap.add_argument("--direct", action="store_true",
-                    help="demo, report: every convolution direct (no Winograd for 3x3 and 5x5 layers)")
-    ap.add_argument("--tensor-cores", choices=("tf32", "bf16", "wgmma_tf32", "wgmma_bf16"), default=None,
-                    help="report, CUDA targets: convolutions on the tensor-core tile (tvm_ext.build's tensor_cores)")
-    return ap.parse_args(argv)
+    ap = _Parser(prog="python -m tvm_ext", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{demo,report,bench,tune}",
+                            parser_class=_Parser)
+
+    def option(parser: argparse.ArgumentParser, name: str) -> None:
+        """The options several subcommands share, defined once."""
+        if name == "model":
+            parser.add_argument("--model", choices=models.names(), default=None,
+                                help="one of tvm_ext.models' networks (default: resnet50)")
+        elif name == "batch":
+            parser.add_argument("--batch", type=_int_in(1), default=None, help="images per inference (default: 1)")
+        elif name == "target":
+            parser.add_argument("--target", type=_target, default="llvm", help="default: this machine's CPU")
+        elif name == "threads":
+            parser.add_argument("--threads", type=_int_in(0, _max_threads(), " (this machine's logical CPUs)"),
+                                default=0, help="TVM and PyTorch threads (0: every core this process may use)")
+        elif name == "repeat":
+            parser.add_argument("--repeat", type=_int_in(1), default=10, help="timed runs (median)")
+        elif name == "onnx":
+            parser.add_argument("--onnx", type=_existing_file, default=None,
+                                help="an ONNX file instead of --model (its input shape is its own: no --batch)")
+        elif name == "direct":
+            parser.add_argument("--direct", action="store_true",
+                                help="every convolution direct (no Winograd for 3x3 and 5x5 layers)")
+
+    demo = sub.add_parser("demo", help="build with tvm_ext and stock TVM, compare outputs and latency")
+    report = sub.add_parser("report", help="the dispatch report (one row per op)")
+    bench = sub.add_parser("bench", help="the per-layer convolution benchmark (bench/layers.py)")
+    tune = sub.add_parser("tune", help="tune the network's convolutions and poolings into --work-dir")
+    for parser, names in ((demo, ("model", "batch", "target", "threads", "repeat", "direct")),
+                          (report, ("model", "onnx", "batch", "target", "direct")),
+                          (bench, ("model", "batch", "target", "threads", "repeat")),
+                          (tune, ("model", "onnx", "batch", "target", "threads", "direct"))):
+        for name in names:
+            option(parser, name)
+    for parser in (demo, bench):
+        parser.add_argument("--no-stock", action="store_true", help="skip stock TVM (it takes seconds per run)")
+    report.add_argument("--tensor-cores", choices=_TENSOR_CORES, default=None,
+                        help="CUDA targets: convolutions on the tensor-core tile (tvm_ext.build's tensor_cores)")
+    tune.add_argument("--trials", type=_int_in(1), default=64, help="trials over all tasks")
+    tune.add_argument("--trials-per-task", type=_int_in(0), default=0, help="cap per task (0: --trials)")
+    tune.add_argument("--work-dir", default=None, help="where the records go (default: tuning)")
+    tune.add_argument("--rpc", type=_rpc, default=None,
+                      help="host:port:key of a TVM RPC tracker whose servers measure")
+    tune.add_argument("--ship", action="store_true",
+                      help="write into schedules/<target key>/ (the records builds use by default)")
+    args, extra = ap.parse_known_args(argv)
+    parser = {"demo": demo, "report": report, "bench": bench, "tune": tune}[args.command]
+    if extra:  # said by the subcommand: the option may well be another subcommand's
+        parser.error(f"unrecognized arguments for {args.command}: {' '.join(extra)}")
+    if getattr(args, "onnx", None) is not None:
+        if args.model is not None:
+            parser.error("--model and --onnx name the network twice: give one")
+        if args.batch is not None:
+            parser.error("--batch applies to --model networks (an ONNX file fixes its own input shape)")
+    if args.command == "tune":
+        if args.ship and args.work_dir is not None:
+            parser.error("--ship writes into schedules/<target key>/: it takes no --work-dir")
+        args.work_dir = args.work_dir or "tuning"
+    args.model = args.model or "resnet50"
+    args.batch = args.batch or 1
+    if args.command in ("demo", "tune", "bench") and resolve_target(args.target).kind.name != "llvm":
+        parser.error(f"runs on the CPU (LLVM targets); for {args.target!r} use `report`, tvm_ext.build(mod, "
+                     "target) in Python, or bench/gpu_check.sh on a GPU machine")
+    if args.command == "report" and args.tensor_cores and resolve_target(args.target).kind.name != "cuda":
+        parser.error("--tensor-cores applies to CUDA targets")
+    return args
 
 
 def _median_ms(fn, repeat: int) -> float:
@@ -53,13 +168,19 @@ def _median_ms(fn, repeat: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def _network(args: argparse.Namespace):
+    """(module, name) of --onnx or --model; a file that is not an ONNX model is a ValueError naming it."""
+    if getattr(args, "onnx", None):
+        return models.load_onnx(args.onnx), Path(args.onnx).stem
+    return models.get(args.model, batch=args.batch)[0], args.model
+
+
 def demo(args: argparse.Namespace) -> int:
     import numpy as np
     import tvm
     from tvm import relax
 
     import tvm_ext
-    from tvm_ext import models
 
     target = tvm_ext.resolve_target(args.target)
     print(f"tvm_ext demo: {args.model} batch {args.batch} on {target} ({tvm_ext.vector_isa(target).name}), "
@@ -109,33 +230,43 @@ def demo(args: argparse.Namespace) -> int:
     return status
 
 
+def report(args: argparse.Namespace) -> int:
+    import tvm_ext
+
+    try:
+        mod, _ = _network(args)
+        print(tvm_ext.dispatch_report(mod, args.target, tensor_cores=args.tensor_cores or False,
+                                      winograd=not args.direct))
+    except (ValueError, tvm_ext.UnsupportedError) as err:  # a bad ONNX file; wgmma for a target not sm_90a
+        print(f"tvm_ext report: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def tune(args: argparse.Namespace) -> int:
     import tvm_ext
-    from tvm_ext import models
     from tvm_ext.tuning import extract_tasks
     from tvm_ext.tuning.progress import TuningProgress
+    from tvm_ext.tuning.records import open_database
 
-    if args.onnx:
-        import onnx
-        from tvm.relax.frontend.onnx import from_onnx
-
-        mod = from_onnx(onnx.load(args.onnx), keep_params_in_input=False)
-        name = Path(args.onnx).stem
-    else:
-        mod, _ = models.get(args.model, batch=args.batch)
-        name = args.model
     target = tvm_ext.resolve_target(args.target)
     if args.ship:
         from tvm_ext.tuning.records import schedules_root, target_key
 
         args.work_dir = str(schedules_root() / target_key(target))
-    tasks = extract_tasks(mod, target)
+    try:
+        open_database(args.work_dir, create=True)  # a work_dir we cannot write fails now, not after the model
+        mod, name = _network(args)
+    except ValueError as err:
+        print(f"tvm_ext tune: {err}", file=sys.stderr)
+        return 2
+    tasks = extract_tasks(mod, target, winograd=not args.direct)
     print(f"tvm_ext tune: {name} on {target}: {len(tasks)} tasks ({sum(t.weight for t in tasks)} kernel calls), "
           f"{args.trials} trials, records in {args.work_dir}")
     progress = TuningProgress(tasks, args.trials)
     start = time.perf_counter()
     tvm_ext.tune(mod, target, args.work_dir, args.trials, args.trials_per_task or None, tasks=tasks,
-                 measure_callbacks=[progress], rpc=args.rpc or None)
+                 measure_callbacks=[progress], rpc=args.rpc)
     print(f"\ntuned in {time.perf_counter() - start:.0f} s\n{progress.summary()}")
     if args.ship:
         from tvm_ext.tuning.records import compact_database
@@ -146,45 +277,24 @@ def tune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _is_cuda(target: str) -> bool:
-    from .target import resolve_target
-
-    return resolve_target(target).kind.name == "cuda"
+def bench(args: argparse.Namespace) -> int:
+    script = Path(__file__).resolve().parents[2] / "bench" / "layers.py"
+    layer_set = "resnet50" if args.model.startswith("resnet") else args.model
+    cmd = [sys.executable, str(script), "--set", layer_set, "--batch", str(args.batch), "--threads",
+           str(args.threads), "--target", args.target, "--repeat", str(args.repeat)]
+    return subprocess.call(cmd + (["--no-stock"] if args.no_stock else []))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
-    from .target import usable_cores
+    """Run a subcommand; its exit status (2: bad arguments, reported before anything is built)."""
+    try:
+        args = _parse(argv)
+    except SystemExit as err:  # argparse: --help (0) or a bad argument (2), its message printed
+        return 0 if err.code is None else err.code if isinstance(err.code, int) else 2
+    if hasattr(args, "threads"):
+        from .target import usable_cores
 
-    # Set explicitly: TVM's own default pool ran ResNet-18 at half speed on this 2-core machine.
-    args.threads = args.threads or usable_cores()
-    os.environ["TVM_NUM_THREADS"] = str(args.threads)
-    if args.command in ("demo", "tune", "bench") and _is_cuda(args.target):
-        print(f"tvm_ext {args.command}: runs on the CPU (LLVM targets); for {args.target!r} use "
-              "`report`, tvm_ext.build(mod, target) in Python, or bench/gpu_check.sh on a GPU machine",
-              file=sys.stderr)
-        return 2
-    if args.command == "demo":
-        return demo(args)
-    if args.command == "tune":
-        return tune(args)
-    if args.tensor_cores and (args.command != "report" or not _is_cuda(args.target)):
-        print(f"tvm_ext {args.command}: --tensor-cores applies to `report` for CUDA targets", file=sys.stderr)
-        return 2
-    if args.command == "report":
-        import tvm_ext
-        from tvm_ext import models
-
-        try:
-            report = tvm_ext.dispatch_report(models.get(args.model, batch=args.batch)[0], args.target,
-                                             tensor_cores=args.tensor_cores or False, winograd=not args.direct)
-        except tvm_ext.UnsupportedError as err:  # e.g. wgmma for a target that is not sm_90a
-            print(f"tvm_ext report: {err}", file=sys.stderr)
-            return 2
-        print(report)
-        return 0
-    bench = Path(__file__).resolve().parents[2] / "bench" / "layers.py"
-    layer_set = "resnet50" if args.model.startswith("resnet") else args.model
-    cmd = [sys.executable, str(bench), "--set", layer_set, "--batch", str(args.batch), "--threads",
-           str(args.threads), "--target", args.target, "--repeat", str(args.repeat)]
-    return subprocess.call(cmd)
+        # Set explicitly: TVM's own default pool ran ResNet-18 at half speed on this 2-core machine.
+        args.threads = args.threads or usable_cores()
+        os.environ["TVM_NUM_THREADS"] = str(args.threads)
+    return {"demo": demo, "report": report, "bench": bench, "tune": tune}[args.command](args)

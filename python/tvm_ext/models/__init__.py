@@ -9,12 +9,14 @@ so activations keep their scale through 50 layers and the comparisons test real 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 from tvm import IRModule, relax
 
-__all__ = ["get", "image_shape", "names"]
+__all__ = ["get", "image_shape", "load_onnx", "names"]
 
 
 class _Builder:
@@ -214,3 +216,27 @@ def get(name: str, batch: int = 1, seed: int = 0) -> tuple[IRModule, dict]:
     if batch < 1:
         raise ValueError(f"models.get: batch must be positive, got {batch}")
     return _MODELS[name](batch, seed)
+
+
+def load_onnx(path: str | os.PathLike) -> IRModule:
+    """An ONNX model file as a Relax module, its weights bound as constants (as :func:`get`'s are).
+
+    A file that is missing, empty or not an ONNX model is a ValueError naming it: onnx itself
+    raises protobuf's DecodeError, which names neither the file nor what was expected.
+    """
+    import onnx
+    from google.protobuf.message import DecodeError
+    from tvm.relax.frontend.onnx import from_onnx
+
+    path = Path(path)
+    try:
+        if path.stat().st_size == 0:
+            raise ValueError(f"ONNX file {path} is empty")
+        model = onnx.load(str(path))
+    except OSError as err:
+        raise ValueError(f"ONNX file {path} cannot be read: {err.strerror or err}") from None
+    except DecodeError as err:
+        raise ValueError(f"{path} is not an ONNX model (protobuf cannot decode it: {err})") from None
+    if not model.graph.node:  # an empty message decodes from nearly any few bytes
+        raise ValueError(f"{path} is not an ONNX model (it decodes to no graph)")
+    return from_onnx(model, keep_params_in_input=False)
