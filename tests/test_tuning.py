@@ -1,6 +1,7 @@
 """Autotuning: the design space's candidates, tuning a small network, records that persist."""
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -480,3 +481,168 @@ def test_rpc_tuning_on_loopback_survives_a_dead_server(tmp_path):
 def test_rpc_address_is_checked(tmp_path):
     with pytest.raises(ValueError, match="host:port:key"):
         tvm_ext.tune(_net(repeated=0), TARGET, tmp_path, max_trials=1, rpc="localhost:9190")
+
+
+def test_progress_counts_the_trials_past_the_budget_apart():
+    """MetaSchedule starts a batch while under max_trials and measures it whole: the progress
+    line said "12/8 trials"; it says the budget is spent and counts the rest apart."""
+    import io
+    import types
+
+    from tvm_ext.tuning.progress import TuningProgress
+
+    task = types.SimpleNamespace(name="conv", flops=2_000_000)
+    stream = io.StringIO()
+    progress = TuningProgress._cls([task], 8, stream=stream)  # the Python class: apply() called directly
+    ok = types.SimpleNamespace(run_secs=[1e-3, 1e-3, 1e-3], error_msg=None)
+    for batch in (4, 3):
+        progress.apply(None, 0, [], [], [ok] * batch)
+    assert stream.getvalue().split("\r")[-1].startswith(f"[{'#' * 26}{'.' * 4}] 7/8 trials | task 0 (7 trials)")
+    progress.apply(None, 0, [], [], [ok] * 5)  # begun at 7 of 8
+    last = stream.getvalue().split("\r")[-1]
+    assert "12/8" not in last and f"[{'#' * 30}] 8/8 trials +4 past the budget | task 0 (12 trials)" in last
+    assert progress.summary().splitlines()[-1].startswith("12 trials: the budget of 8 and 4 more")
+    assert "more" not in TuningProgress([task], 16, stream=io.StringIO()).summary()
+
+
+def _nothing_starts(monkeypatch) -> None:
+    """Fail the test if tune() starts a worker, extracts tasks or builds anything."""
+    from tvm_ext.tuning import tuner
+
+    def started(*args, **kwargs):
+        raise AssertionError("tune() started work before checking its arguments")
+
+    for name in ("_runner", "extract_tasks", "_measure_defaults"):
+        monkeypatch.setattr(tuner, name, started)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_trials=-5), "max_trials must be an int of at least 1"),
+    (dict(max_trials=0), "max_trials must be an int of at least 1"),
+    (dict(trials_per_task=0), "trials_per_task must be"),
+    (dict(num_trials_per_iter=0), "num_trials_per_iter must be"),
+    (dict(max_trials=2.5), "max_trials must be an int"),
+    (dict(images_per_call=-1), "images_per_call must be a positive int"),
+    (dict(rpc="localhost:9190"), "host:port:key"),
+])
+def test_tune_checks_its_arguments_before_anything_starts(tmp_path, monkeypatch, kwargs, message):
+    _nothing_starts(monkeypatch)
+    with pytest.raises(ValueError, match=message):
+        tvm_ext.tune(_net(repeated=0), TARGET, tmp_path, **kwargs)
+
+
+def test_tune_into_a_read_only_work_dir_fails_before_anything_starts(tmp_path, monkeypatch):
+    """The work_dir check (tuning.records) ran after the runner's worker started and the tasks
+    were extracted (seconds for a large network); now it is the first thing tune() does."""
+    import os
+    import stat
+
+    _nothing_starts(monkeypatch)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="cannot be created"):
+        tvm_ext.tune(_net(repeated=0), TARGET, tmp_path / "file" / "records")
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    read_only.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    if os.geteuid() == 0:  # root writes into a mode-0500 folder: fake a read-only mount instead
+        real_access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if str(path) == str(read_only)
+                            and mode & os.W_OK else real_access(path, mode, **kw))
+    try:
+        with pytest.raises(ValueError, match="is not writable"):
+            tvm_ext.tune(_net(repeated=0), TARGET, read_only)
+    finally:
+        read_only.chmod(stat.S_IRWXU)
+
+
+@pytest.mark.parametrize("images_per_call", [-1, 0, 2.5, "2", True])
+def test_a_bad_images_per_call_fails_before_compiling(images_per_call, monkeypatch):
+    """It failed inside tvm.compile with `max() arg is an empty sequence` (or not at all, for a
+    batch of one)."""
+    def compiled(*args, **kwargs):
+        raise AssertionError("compiled before checking images_per_call")
+
+    monkeypatch.setattr(tvm, "compile", compiled)
+    mod = _net(repeated=0)
+    for call in (lambda: tvm_ext.build(mod, TARGET, images_per_call=images_per_call),
+                 lambda: tvm_ext.pipeline(TARGET, images_per_call=images_per_call),
+                 lambda: tvm_ext.dispatch_report(mod, TARGET, images_per_call=images_per_call),
+                 lambda: extract_tasks(mod, TARGET, images_per_call=images_per_call)):
+        with pytest.raises(ValueError, match="images_per_call must be a positive int or None"):
+            call()
+
+
+_TUNE_WITH_A_SLOW_BUILD = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+import tvm, tvm_ext
+from tvm_ext.tuning import tuner
+from test_tuning import _net
+
+def slow_build(mod, target, params):  # defined in __main__: sent to the builder workers by value
+    open({marker!r}, "a").write(f"{{os.getpid()}}\\n")
+    time.sleep(120)
+
+tuner._build = slow_build
+tvm_ext.tune(_net(repeated=0), tvm.target.Target({{"kind": "llvm", "mcpu": "znver3"}}), {work_dir!r}, max_trials=4,
+             num_trials_per_iter=4)
+"""
+
+
+def _descendants(pid: int) -> set[int]:
+    """The processes `pid` started and theirs (Linux /proc)."""
+    from pathlib import Path
+
+    found, todo = set(), [pid]
+    while todo:
+        for children in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
+            try:
+                new = {int(c) for c in children.read_text().split()}
+            except OSError:  # the task ended meanwhile
+                continue
+            todo += list(new - found)
+            found |= new
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie no one has reaped yet)."""
+    from pathlib import Path
+
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc: Linux")
+def test_a_killed_tune_takes_its_workers_with_it(tmp_path):
+    """SIGKILL of the tuning process while a builder worker is busy (a build that sleeps): its
+    MetaSchedule workers (builder and runner) die with it instead of running on under init."""
+    import os
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    marker = tmp_path / "building"
+    script = _TUNE_WITH_A_SLOW_BUILD.format(tests=str(Path(__file__).parent), marker=str(marker),
+                                            work_dir=str(tmp_path / "records"))
+    child = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "TVM_NUM_THREADS": "1"},
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while child.poll() is None and not marker.is_file() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert child.poll() is None and marker.is_file(), "no build started"
+        workers = _descendants(child.pid)
+        building = {int(line) for line in marker.read_text().split()}
+        assert building <= workers and len(workers) >= 2  # the busy builder, the runner
+        os.kill(child.pid, signal.SIGKILL)  # the tuning process alone, as the OOM killer would
+        child.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in workers if _alive(pid)], "workers outlived the tuning process"
+    finally:
+        _kill_session(child)

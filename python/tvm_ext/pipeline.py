@@ -13,6 +13,7 @@ unscheduled gets a default schedule (dlight's CPU rules, then
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import tvm
 from tvm import relax
@@ -57,6 +58,14 @@ def _lowering_passes(target: tvm.target.Target, lower: tvm.transform.Pass, defau
     ]
 
 
+def check_images_per_call(images_per_call: int | None) -> None:
+    """None or a positive int, checked before anything compiles (the batch split that uses it
+    fails deep in tvm.compile with `max() arg is an empty sequence` otherwise)."""
+    if images_per_call is not None and (isinstance(images_per_call, bool) or not isinstance(
+            images_per_call, numbers.Integral) or images_per_call < 1):
+        raise ValueError(f"images_per_call must be a positive int or None, got {images_per_call!r}")
+
+
 def pipeline(target: TargetLike = None, database=None, images_per_call: int | None = None, *,
              tensor_cores: bool | str = False, winograd: bool = True) -> tvm.transform.Pass:
     """The Relax pipeline for `tvm.compile(mod, target, relax_pipeline=...)`.
@@ -84,6 +93,7 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
     """
     from .tuning.records import open_database, shipped_database
 
+    check_images_per_call(images_per_call)
     target = resolve_target(target)
     if target.kind.name == "cuda":
         engine_for(tensor_cores, target)  # a bad value fails here, not inside the pass
@@ -195,6 +205,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
     how many calls an inference makes (`runs`); the slicing and concatenation the split adds
     are not reported.
     """
+    check_images_per_call(images_per_call)
     target = resolve_target(target)
     engine = engine_for(tensor_cores, target if target.kind.name == "cuda" else None)
     if tensor_cores and target.kind.name != "cuda":

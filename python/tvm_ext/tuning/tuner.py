@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import os
 import shutil
+import sys
+from collections.abc import Callable
 
 import tvm
 from tvm.s_tir import Schedule
@@ -58,9 +61,11 @@ def extract_tasks(mod: tvm.IRModule, target: TargetLike = None, winograd: bool =
     :func:`tvm_ext.build` splits it (`images_per_call`, `winograd`: as there; a Winograd
     convolution's task is its GEMM), so a batch-16 network's trunk is tuned at the images per
     call it runs with, not at 16."""
+    from ..pipeline import check_images_per_call
     from ..strategy import cpu as cpu_strategy
     from ..strategy.split_batch import runs_per_inference, split_batch
 
+    check_images_per_call(images_per_call)
     target = resolve_target(target)
     isa = vector_isa(target)
     with target:
@@ -129,7 +134,10 @@ def tune(mod: tvm.IRModule, target: TargetLike, work_dir: str | os.PathLike, max
     Each task new to the database first gets its analytic schedule measured and recorded (one
     measurement more per task), so no record is ever preferred that measured slower than it.
     `max_trials` is the budget over all tasks (the task scheduler spends it where the weighted
-    latency falls fastest), `trials_per_task` caps each (default: max_trials). `cost_model`:
+    latency falls fastest; a batch of up to `num_trials_per_iter` begun under it is measured
+    whole, so up to that many - 1 more may run), `trials_per_task` caps each (default:
+    max_trials). Bad arguments and a work_dir that cannot be written fail before any worker
+    starts or anything is measured. `cost_model`:
     "xgb" (default) or "random". `tasks`: those of :func:`extract_tasks` (extracted if not given,
     with `images_per_call`: the build's, default one image per core);
     `measure_callbacks`: MetaSchedule measure callbacks run after MetaSchedule's own (e.g.
@@ -138,25 +146,36 @@ def tune(mod: tvm.IRModule, target: TargetLike, work_dir: str | os.PathLike, max
     --tracker host:port --key key`) run the candidates; a server that dies fails only the
     candidates it held.
     """
+    from ..pipeline import check_images_per_call
+
     target = resolve_target(target)
     if target.kind.name != "llvm":
         raise UnsupportedError(f"tune: target {target.kind.name} is not supported yet (LLVM CPUs only)")
-    runner = _runner(rpc)  # before the task extraction: a bad address fails at once
+    for name, value, low in (("max_trials", max_trials, 1), ("trials_per_task", trials_per_task, 1),
+                             ("num_trials_per_iter", num_trials_per_iter, 1)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low):
+            raise ValueError(f"tune: {name} must be an int of at least {low}, got {value!r}")
+    check_images_per_call(images_per_call)
+    tracker = None if rpc is None else _tracker(rpc)
+    # Everything that can fail on the arguments fails above or here, before workers start, the
+    # tasks are extracted (seconds for a large network) or anything is measured.
+    database = open_database(work_dir, create=True)
+    runner = _runner(tracker)
     tasks = extract_tasks(mod, target, images_per_call=images_per_call) if tasks is None else tasks
     if not tasks:
         raise UnsupportedError("tune: the module has no tvm_ext convolution or pooling with a design space")
     logger.info("tvm_ext.tune: %d tasks, %d kernel calls", len(tasks), sum(t.weight for t in tasks))
-    database = open_database(work_dir, create=True)
     workers = usable_cores()
-    builder = ms.builder.LocalBuilder(f_build=_build, max_workers=workers, timeout_sec=60)
+    builder = ms.builder.LocalBuilder(f_build=_build, max_workers=workers, timeout_sec=60,
+                                      initializer=_die_with_this_process())
     _measure_defaults(tasks, target, database, builder, runner)
     ms.tune_tasks(
         tasks=[_tune_context(task, target, seed + i) for i, task in enumerate(tasks)],
         task_weights=[float(task.weight) for task in tasks],
         work_dir=str(work_dir),
-        max_trials_global=max_trials,
-        max_trials_per_task=trials_per_task or max_trials,
-        num_trials_per_iter=num_trials_per_iter,
+        max_trials_global=int(max_trials),
+        max_trials_per_task=int(trials_per_task or max_trials),
+        num_trials_per_iter=int(num_trials_per_iter),
         builder=builder,
         runner=runner,
         database=database,
@@ -213,16 +232,50 @@ def _measure_defaults(tasks: list[Task], target: tvm.target.Target, database: ms
 _EVALUATOR = ms.runner.EvaluatorConfig(number=3, repeat=3, min_repeat_ms=20)
 
 
-def _runner(rpc: str | None) -> ms.runner.Runner:
-    """The local runner, or MetaSchedule's RPC runner on the tracker `rpc` ("host:port:key")."""
-    if rpc is None:
-        return ms.runner.LocalRunner(evaluator_config=_EVALUATOR)
+def _tracker(rpc: str) -> tuple[str, int, str]:
+    """(host, port, key) of an RPC tracker's "host:port:key"; a ValueError saying so otherwise."""
     try:
         host, port, key = rpc.rsplit(":", 2)
-        port = int(port)
+        return host, int(port), key
     except ValueError:
         raise ValueError(f"tune: rpc must be 'host:port:key' (a TVM RPC tracker), got {rpc!r}") from None
+
+
+def _runner(tracker: tuple[str, int, str] | None) -> ms.runner.Runner:
+    """The local runner, or MetaSchedule's RPC runner on the tracker (host, port, key)."""
+    if tracker is None:
+        return ms.runner.LocalRunner(evaluator_config=_EVALUATOR, initializer=_die_with_this_process())
+    host, port, key = tracker
     config = ms.runner.RPCConfig(tracker_host=host, tracker_port=port, tracker_key=key, session_timeout_sec=60)
-    return ms.runner.RPCRunner(rpc_config=config, evaluator_config=_EVALUATOR, max_workers=usable_cores())
+    return ms.runner.RPCRunner(rpc_config=config, evaluator_config=_EVALUATOR, max_workers=usable_cores(),
+                               initializer=_die_with_this_process())
 
 
+def _die_with_this_process() -> Callable[[], None] | None:
+    """An initializer for MetaSchedule's popen workers that makes each die with this process.
+
+    The workers are separate Python processes; a worker busy with a build or a measurement when
+    the tuning process is killed (SIGKILL, the OOM killer) would otherwise run on, re-parented to
+    init, until its task ends (builds may take a minute). On Linux each asks the kernel to
+    SIGKILL it when the thread that started it exits (prctl PR_SET_PDEATHSIG); that thread is a
+    pool thread of this process that lives as long as the worker's pool, so in effect when this
+    process dies. Elsewhere: None (no initializer).
+
+    The initializer is made here, a closure, so that cloudpickle sends it by value: a worker
+    does not import tvm_ext to run it.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    parent = os.getpid()
+
+    def initializer() -> None:
+        import ctypes
+        import os
+        import signal
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the prctl: nobody would signal us
+            os._exit(1)
+
+    return initializer
