@@ -521,3 +521,19 @@ def test_report_of_a_split_batch_names_the_kernels_the_build_runs():
         assert any(name.startswith(f"tvm_ext_{r.kernel}_{n}x{c}x{h}x{w}_{k}x{kh}x{kw}_") for name in names), r
     whole = tvm_ext.dispatch_report(mod, "llvm", images_per_call=8)
     assert {r.runs for r in whole} == {1} and "runs" not in str(whole)
+
+
+def test_a_static_batch_of_zero_images_builds():
+    """A graph of batch 0 (conv, relu, pooling) builds and returns the empty result stock TVM does:
+    the pooling and activation kernels and dlight's Reduction rule failed on zero extents."""
+    rng = np.random.default_rng(14)
+
+    def body(bb, x):
+        y = bb.emit(relax.op.nn.relu(relax.op.nn.conv2d(x, _const(rng, 16, 8, 3, 3), padding=(1, 1))))
+        y = bb.emit(relax.op.nn.max_pool2d(y, (2, 2), (2, 2)))
+        return bb.emit(relax.op.nn.adaptive_avg_pool2d(y, (1, 1)))
+
+    mod = _graph((0, 8, 10, 10), body)
+    assert all("empty tensor" in r.reason for r in tvm_ext.dispatch_report(mod, "llvm"))
+    xv = np.zeros((0, 8, 10, 10), "float32")
+    assert _run(tvm_ext.build(mod, "llvm"), xv).shape == _run(tvm.compile(mod, TARGET), xv).shape == (0, 16, 1, 1)

@@ -30,13 +30,20 @@ from .strategy.split_batch import runs_per_inference, split_batch
 from .target import TargetLike, resolve_target
 
 
+def _is_empty(func: tvm.tirx.PrimFunc) -> bool:
+    """Whether a buffer of `func` has a static extent of 0 (a batch of 0 images): no iteration
+    to schedule, and dlight's Reduction rule fails on one (compute_at: "not a stage pipeline")."""
+    return any(isinstance(extent, tvm.tirx.IntImm) and extent.value == 0
+               for param in func.params for extent in getattr(param, "shape", None) or ())
+
+
 def _mark_tvm_ext_scheduled() -> tvm.transform.Pass:
-    """tvm_ext kernels arrive scheduled: keep dlight away from them."""
+    """tvm_ext kernels arrive scheduled, and empty functions need none: keep dlight away."""
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.MarkScheduled")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         for gvar, func in mod.functions_items():
-            if isinstance(func, tvm.tirx.PrimFunc) and KERNEL_ATTR in func.attrs:
+            if isinstance(func, tvm.tirx.PrimFunc) and (KERNEL_ATTR in func.attrs or _is_empty(func)):
                 mod[gvar] = func.with_attr("tirx.is_scheduled", True)
         return mod
 

@@ -140,6 +140,8 @@ def _decide_pool_or_activation(call: relax.Call, op: str, shapes: tuple, tensors
         return Decision(op, shapes, None, f"dtype {_dtype(tensors[0])} is not float32")
     if static is None:
         return Decision(op, shapes, None, "symbolic shape: tvm_ext kernels are generated per static shape")
+    if 0 in static:
+        return Decision(op, shapes, None, "empty tensor (a dimension is 0): nothing to compute")
     if op == "relax.mean":
         axes = sorted(int(a) % len(static) for a in (call.attrs.axis or []))
         if len(static) != 4 or axes != [2, 3]:
