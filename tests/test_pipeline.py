@@ -13,7 +13,7 @@ import tvm_ext
 from tvm_ext.dlight.cpu import ParallelVectorize
 from tvm_ext.kernels.conv2d import KERNEL_ATTR
 from tvm_ext.strategy import cpu as cpu_strategy
-from tvm_ext.strategy.split_batch import runs_per_inference, split_batch
+from tvm_ext.transform.split_batch import runs_per_inference, split_batch
 from tvm_ext.tuning.space import PLAN_ATTR
 
 TARGET = tvm_ext.resolve_target("llvm")
@@ -412,7 +412,7 @@ def test_batch_trunk_runs_one_image_at_a_time():
 
     from tvm_ext import models
     from tvm_ext.models.torch_reference import to_torch
-    from tvm_ext.strategy.split_batch import split_batch
+    from tvm_ext.transform.split_batch import split_batch
 
     mod, _ = models.get("resnet18", batch=3)
     split = split_batch(images_per_call=1)(mod)
@@ -460,7 +460,7 @@ def test_late_trunk_runs_four_images_at_a_time():
     each output block; the numbers equal a float64 reference. With only 4 images the late ops run
     at the whole batch."""
     from tvm_ext.models.torch_reference import to_torch
-    from tvm_ext.strategy.split_batch import split_batch
+    from tvm_ext.transform.split_batch import split_batch
 
     mod = _large_then_small(8)
     split = split_batch(images_per_call=1)(mod)

@@ -232,7 +232,7 @@ def _net(repeated: int = 3) -> tvm.IRModule:
 
 
 def test_tasks_are_the_kernels_the_split_batch_runs():
-    """A batch's trunk runs a few images a call (strategy.split_batch): the tasks are those
+    """A batch's trunk runs a few images a call (transform.split_batch): the tasks are those
     kernels, weighted by how often one inference calls them, not the whole-batch ones."""
     rng = np.random.default_rng(4)
     bb = relax.BlockBuilder()

@@ -2,7 +2,7 @@
 
 The pipeline is TVM's CPU pipeline (relax/backend/cpu_generic) with tvm_ext's strategy in front
 of legalization. A batch's convolutional trunk first becomes one call per image
-(:mod:`tvm_ext.strategy.split_batch`: activations stay in cache). Then
+(:mod:`tvm_ext.transform.split_batch`: activations stay in cache). Then
 :mod:`tvm_ext.strategy.cpu` folds batch norms into convolution weights, fuses conv + bias +
 shortcut + activation into one kernel call, and lowers convolutions, dense layers, pooling and
 activations to our kernels (stock TVM, with a reason, for the rest). Every PrimFunc left
@@ -26,8 +26,8 @@ from .errors import UnsupportedError
 from .kernels.conv2d import KERNEL_ATTR
 from .strategy import cpu as cpu_strategy
 from .strategy.cuda import engine_for
-from .strategy.split_batch import runs_per_inference, split_batch
 from .target import TargetLike, resolve_target
+from .transform.split_batch import runs_per_inference, split_batch
 
 
 def _is_empty(func: tvm.tirx.PrimFunc) -> bool:
@@ -80,7 +80,7 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
     `images_per_call`: how many images of a batch the convolutional trunk runs at a time
     (default: one per core this process may use; best when the runtime uses that many threads,
     as TVM does by default. With 1 runtime thread, 1 is best). Its late layers, where images are
-    small and weights large, run 4 images at a time (:mod:`tvm_ext.strategy.split_batch`).
+    small and weights large, run 4 images at a time (:mod:`tvm_ext.transform.split_batch`).
 
     `database`: tuning records (`tvm_ext.tune`'s work_dir, or a MetaSchedule Database): each
     convolution uses its best record, the others the analytic schedule. Without one, the
@@ -208,7 +208,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
     Ops fused into a convolution's epilogue are reported as served by that kernel.
     `images_per_call`, `tensor_cores`, `winograd`: as for :func:`build`, so the report names the
     kernels the build uses. On CPUs a batch's trunk runs a few images a call
-    (:mod:`tvm_ext.strategy.split_batch`): its ops are reported with the shapes of one call and
+    (:mod:`tvm_ext.transform.split_batch`): its ops are reported with the shapes of one call and
     how many calls an inference makes (`runs`); the slicing and concatenation the split adds
     are not reported.
     """
@@ -272,7 +272,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
 
 
 def _stage_runs(mod: tvm.IRModule) -> dict[str, int]:
-    """The functions a split batch runs (:mod:`~tvm_ext.strategy.split_batch`), in order, with
+    """The functions a split batch runs (:mod:`~tvm_ext.transform.split_batch`), in order, with
     their calls per inference: `main_image`, `main_late`, then the rest of `main`."""
     runs = runs_per_inference(mod)
     return {**{name: runs[name] for name in ("main_image", "main_late") if runs[name]}, "main": 1}

@@ -7,12 +7,12 @@ The strategy is a dispatch pass, :func:`lower_to_kernels`, rather than a legaliz
 must see ops in program order and look through their producers' bindings to keep activations
 blocked, which legalization (one op at a time) cannot. Ops it leaves go through
 `relax.transform.LegalizeOps` with :func:`legalize_map`, which logs why and hands them to stock
-TVM's own rule (FLegalize). Before it, :func:`fold_batch_norm` folds inference batch norms (and
-per-channel scales) into the weights, :func:`matmul_as_conv2d` turns dense layers into 1x1
-convolutions, and :func:`fusion_patterns` groups conv2d + bias + shortcut + activation into one
-kernel call that reads and writes activations in the blocked layout (see :class:`_Emitter`:
-layouts change only at the graph's edges and around fallbacks). Constant weights are packed at
-build time. :func:`decide` is the single place that takes the decision, used by
+TVM's own rule (FLegalize). Before it, the rewrites of :mod:`tvm_ext.transform` fold inference
+batch norms (and per-channel scales) into the weights, turn dense layers into 1x1 convolutions
+and recognise SiLU written as x * sigmoid(x); then :func:`fusion_patterns` groups conv2d + bias
++ shortcut + activation into one kernel call that reads and writes activations in the blocked
+layout (see :class:`_Emitter`: layouts change only at the graph's edges and around fallbacks).
+Constant weights are packed at build time. :func:`decide` is the single place that takes the decision, used by
 all of them and by the dispatch report.
 """
 
@@ -31,7 +31,9 @@ from ..kernels import layout as _layout
 from ..kernels import pool2d as _pool
 from ..kernels import winograd as _winograd
 from ..kernels.conv2d import Epilogue
+from ..relax_info import dtype, is_channel_bias, prim_value, shape_text, static_shape
 from ..target import vector_isa
+from ..transform import fold_batch_norm, matmul_as_conv2d, recognise_silu
 from ..tuning import pool_space as _pool_space
 from ..tuning import space as _space
 from . import cuda as _cuda
@@ -54,29 +56,6 @@ class Decision:
     plan: _conv.Conv2dPlan | None = None
 
 
-def _static_shape(expr: relax.Expr) -> tuple | None:
-    ty = expr.ty if hasattr(expr, "ty") else None
-    shape = getattr(ty, "shape", None)
-    if shape is None:
-        return None
-    try:
-        return tuple(int(v) for v in shape)
-    except (TypeError, ValueError):
-        return None
-
-
-def _shape_text(expr: relax.Expr) -> tuple:
-    """The shape for people: ints, and the names of symbolic dimensions."""
-    shape = getattr(expr.ty, "shape", None)
-    if shape is None:
-        return ("?",)
-    return tuple(int(v) if isinstance(v, tvm.tirx.IntImm) else str(v) for v in shape)
-
-
-def _dtype(expr: relax.Expr) -> str:
-    return str(getattr(expr.ty, "dtype", ""))
-
-
 def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", winograd: bool = True) -> Decision:
     """The kernel for `call` on `target`, or why stock TVM keeps it (`engine`: CUDA's
     convolution engine, see :func:`tvm_ext.strategy.cuda.engine_for`; `winograd`: whether a
@@ -84,7 +63,7 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
     :mod:`tvm_ext.kernels.cuda.winograd`)."""
     op = call.op.name if isinstance(call.op, tvm.ir.Op) else str(call.op)
     tensors = [arg for arg in call.args if isinstance(arg.ty, relax.TensorType)]
-    shapes = tuple(_shape_text(arg) for arg in tensors)
+    shapes = tuple(shape_text(arg) for arg in tensors)
     if op in _POOLS or op in _ACTIVATION_OPS or op == "relax.mean":
         return _decide_pool_or_activation(call, op, shapes, tensors)
     if op in _DATA_MOVEMENT_OPS:
@@ -95,11 +74,11 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
     if (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout)) != ("NCHW", "OIHW", "NCHW"):
         return Decision(op, shapes, None, f"layout {attrs.data_layout}/{attrs.kernel_layout} is not NCHW/OIHW")
     out_dtype = str(attrs.out_dtype)
-    out_dtype = _dtype(call.args[0]) if out_dtype in ("", "None", "void") else out_dtype
-    dtypes = {_dtype(call.args[0]), _dtype(call.args[1]), out_dtype}
+    out_dtype = dtype(call.args[0]) if out_dtype in ("", "None", "void") else out_dtype
+    dtypes = {dtype(call.args[0]), dtype(call.args[1]), out_dtype}
     if dtypes != {"float32"}:
         return Decision(op, shapes, None, f"dtype {sorted(dtypes)} is not float32")
-    static = [_static_shape(arg) for arg in tensors[:2]]
+    static = [static_shape(arg) for arg in tensors[:2]]
     if any(s is None for s in static):
         return Decision(op, shapes, None, "symbolic shape: tvm_ext kernels are generated per static shape")
     if target.kind.name not in ("llvm", "cuda"):
@@ -135,9 +114,9 @@ def _pool_workload(call: relax.Call, shape: tuple) -> _pool.Pool2dWorkload:
 
 
 def _decide_pool_or_activation(call: relax.Call, op: str, shapes: tuple, tensors: list) -> Decision:
-    static = _static_shape(tensors[0])
-    if _dtype(tensors[0]) != "float32":
-        return Decision(op, shapes, None, f"dtype {_dtype(tensors[0])} is not float32")
+    static = static_shape(tensors[0])
+    if dtype(tensors[0]) != "float32":
+        return Decision(op, shapes, None, f"dtype {dtype(tensors[0])} is not float32")
     if static is None:
         return Decision(op, shapes, None, "symbolic shape: tvm_ext kernels are generated per static shape")
     if 0 in static:
@@ -212,8 +191,8 @@ class _Emitter:
                 and value.args[0].name_hint.startswith(_UNPACK)):
             return None
         blocked = value.args[1].fields[0]
-        _, blocks, _, _, block = _static_shape(blocked)
-        if _static_shape(expr)[1] != blocks * block:  # channels filling the last block: not the same tensor
+        _, blocks, _, _, block = static_shape(blocked)
+        if static_shape(expr)[1] != blocks * block:  # channels filling the last block: not the same tensor
             return None
         return blocked, block
 
@@ -222,7 +201,7 @@ class _Emitter:
         return self.bb.emit(relax.call_tir(kernel, args, relax.TensorType(shape, "float32")))
 
     def unpack(self, blocked: relax.Expr, channels: int) -> relax.Call:
-        shape = _static_shape(blocked)
+        shape = static_shape(blocked)
         n, _, h, w, _ = shape
         kernel = _add_kernel(self.bb, _layout.unpack_nchwc_func(shape, channels),
                              f"{_UNPACK}_{'x'.join(map(str, shape))}")
@@ -230,13 +209,13 @@ class _Emitter:
 
     def pack(self, data: relax.Expr, block: int, padding=(0, 0, 0, 0)) -> relax.Var:
         """`data` in blocks of `block` channels with a zero border, from its blocked form if it has one."""
-        shape = _static_shape(data)
+        shape = static_shape(data)
         known = self.blocked(data)
         pads = tuple(int(p) for p in padding)
         if known is not None and known[1] == block:
             if not any(pads):
                 return known[0]
-            bshape = _static_shape(known[0])
+            bshape = static_shape(known[0])
             n, cb, h, w, c = bshape
             return self._call(_layout.pad_nchwc_func(bshape, pads), f"tvm_ext_pad_nchwc_{'x'.join(map(str, bshape))}",
                               [known[0]], (n, cb, h + pads[0] + pads[2], w + pads[1] + pads[3], c))
@@ -341,12 +320,12 @@ class _Emitter:
         data = call.args[0]
         known = self.blocked(data)
         source, block = known if known is not None else (data, None)
-        shape = _static_shape(source)
-        channels = _static_shape(data)[1]
+        shape = static_shape(source)
+        channels = static_shape(data)[1]
         if decision.kernel == "global_avg_pool2d":
             func, out_shape = _pool.global_avg_pool2d_func(shape), (*shape[:2], 1, 1, *shape[4:])
         elif call.op.name in _POOLS:
-            wl = _pool_workload(call, _static_shape(data))
+            wl = _pool_workload(call, static_shape(data))
             func = self.pool_kernel(wl, block)
             out_shape = (*shape[:2], wl.OH, wl.OW, *shape[4:])
         else:
@@ -360,7 +339,7 @@ class _Emitter:
                 return out
             out = self.bb.emit(out)
         if call.op.name == "relax.mean":  # mean over H, W: a global pool without the unit axes
-            return relax.op.reshape(out, _static_shape(call))
+            return relax.op.reshape(out, static_shape(call))
         return out
 
 
@@ -406,26 +385,8 @@ def _alpha(activation: relax.Call | None) -> float:
     return float(activation.attrs.alpha)
 
 
-def _prim_value(expr) -> float | None:
-    """The number in a scalar argument (a FloatImm, or a PrimValue wrapping one)."""
-    value = getattr(expr, "value", None)
-    value = getattr(value, "value", value)
-    return float(value) if isinstance(value, (int, float)) else None
-
-
 def _is_relu6(clip: relax.Call) -> bool:
-    return (_prim_value(clip.args[1]), _prim_value(clip.args[2])) == (0.0, 6.0)
-
-
-def _is_channel_bias(bias: relax.Expr, channels: int) -> bool:
-    """Whether constant `bias`, added to an NCHW output of `channels` channels, is one value per
-    channel (or one for all): shapes (1, K, 1, 1), (K, 1, 1), (1, 1, 1, 1), (1,), () and the like.
-    A shape (K,) broadcasts along W, not along the channels."""
-    shape = _static_shape(bias)
-    if shape is None or len(shape) > 4 or _dtype(bias) != "float32":
-        return False
-    aligned = (1,) * (4 - len(shape)) + shape
-    return aligned[0] == aligned[2] == aligned[3] == 1 and aligned[1] in (1, channels)
+    return (prim_value(clip.args[1]), prim_value(clip.args[2])) == (0.0, 6.0)
 
 
 def _reads_inside_or_leaks(ctx) -> bool:
@@ -461,10 +422,10 @@ def fusion_patterns(target: tvm.target.Target) -> list:
             return False
         out_shape = decision.plan.wl.out_shape
         bias = ctx.annotated_expr.get("bias")
-        if bias is not None and not _is_channel_bias(bias, out_shape[1]):
+        if bias is not None and not is_channel_bias(bias, out_shape[1]):
             return False
         residual = ctx.annotated_expr.get("residual")
-        if residual is not None and (_static_shape(residual) != out_shape or _dtype(residual) != "float32"
+        if residual is not None and (static_shape(residual) != out_shape or dtype(residual) != "float32"
                                      or isinstance(residual, tvm.ir.expr.GenericConst)):
             return False  # a constant of the output's shape (a 1x1 output's bias) is a bias
         act = ctx.annotated_expr.get("activation")
@@ -550,25 +511,6 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
             relax.transform.FuseOpsByPattern(fusion_patterns(target), bind_constants=True)]
 
 
-def recognise_silu() -> tvm.transform.Pass:
-    """x * sigmoid(x), either operand order (how EfficientNet's SiLU arrives through torch.export)
-    ==>  silu(x), which a convolution's epilogue applies. The sigmoid stays where something else
-    reads it."""
-    from tvm.relax.dpl import is_op, rewrite_call, wildcard
-
-    x = wildcard()
-    pattern = is_op("relax.multiply")(x, is_op("relax.sigmoid")(x))  # multiply matches commutatively
-
-    @tvm.transform.module_pass(opt_level=0, name="tvm_ext.RecogniseSiLU")
-    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        for gvar, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                mod[gvar] = rewrite_call(pattern, lambda _orig, matched: relax.op.nn.silu(matched[x]), func)
-        return mod
-
-    return _pass
-
-
 def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores=False,
                      winograd: bool = True) -> tvm.transform.Pass:
     """Replace the composite functions of :func:`fusion_patterns` and every op :func:`decide`
@@ -603,7 +545,7 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores=Fals
             conv = relax.Call(conv.op, [call.args[params.index(conv.args[0])], conv.args[1]], conv.attrs)
             suffix = "_" + str(func.attrs["Composite"]).split(".")[-1]
             if bias is not None:  # one value per output channel, from one per channel or one for all
-                bias = np.broadcast_to(bias.value.numpy().reshape(-1), _static_shape(conv.args[1])[:1]).copy()
+                bias = np.broadcast_to(bias.value.numpy().reshape(-1), static_shape(conv.args[1])[:1]).copy()
             return self.emitter.conv2d(
                 conv, conv.args[0], bias=bias,
                 residual=None if residual is None else call.args[residual], activation=activation,
@@ -635,130 +577,3 @@ def _drop_unused_kernels(mod: tvm.IRModule) -> tvm.IRModule:
         if isinstance(func, tvm.tirx.PrimFunc) and _conv.KERNEL_ATTR in func.attrs and gvar.name_hint not in used:
             del mod[gvar]
     return mod
-
-
-# ---------------------------------------------------------------------------------------------
-# Inference batch norm after a convolution with constant weights: folded into them at build time.
-
-
-def fold_batch_norm() -> tvm.transform.Pass:
-    """conv2d(x, W) [+ c] -> batch_norm(gamma, beta, mean, var)[0]
-    ==>  conv2d(x, W * s) + (beta - mean * s + c * s), with s = gamma / sqrt(var + eps) per
-    output channel, computed once here in float64.
-
-    Only NCHW/OIHW convolutions with constant weights and statistics, a bias `c` that is one
-    constant per channel (VGG-BN's convolutions have one), batch norm over axis 1 in inference
-    mode; anything else is left to stock legalization. A per-output-channel constant scale after
-    a convolution (conv2d(x, W) * s) folds the same way.
-    """
-    from tvm.relax.dpl import is_const, is_op, is_tuple_get_item, rewrite_call, wildcard
-
-    weight, conv_bias, gamma, beta, mean, var = (is_const() for _ in range(6))
-    conv = is_op("relax.nn.conv2d")(wildcard(), weight)
-    biased = is_op("relax.add")(conv, conv_bias)  # matched in either operand order
-    bn = is_op("relax.nn.batch_norm")(biased | conv, gamma, beta, mean, var)
-    pattern = is_tuple_get_item(bn, 0)
-
-    def rewriter(orig: relax.Expr, matched: dict) -> relax.Expr:
-        conv_call, bn_call = matched[conv], matched[bn]
-        attrs = bn_call.attrs
-        layouts = (str(conv_call.attrs.data_layout), str(conv_call.attrs.kernel_layout))
-        if int(attrs.axis) != 1 or layouts != ("NCHW", "OIHW") or bool(attrs.training):
-            return orig
-        values = [matched[p].value.numpy().astype(np.float64) for p in (weight, gamma, beta, mean, var)]
-        w, g, b, m, v = values
-        scale = (g if bool(attrs.scale) else np.ones_like(g)) / np.sqrt(v + float(attrs.epsilon))
-        shift = (b if bool(attrs.center) else np.zeros_like(b)) - m * scale
-        if biased in matched:
-            c = matched[conv_bias]
-            if not _is_channel_bias(c, w.shape[0]):
-                return orig
-            shape = _static_shape(c)
-            aligned = c.value.numpy().astype(np.float64).reshape((1,) * (4 - len(shape)) + shape)
-            shift = shift + np.broadcast_to(aligned, (1, w.shape[0], 1, 1)).reshape(-1) * scale
-        folded_w = relax.const((w * scale[:, None, None, None]).astype(np.float32))
-        new_conv = relax.Call(conv_call.op, [conv_call.args[0], folded_w], conv_call.attrs)
-        return relax.op.add(new_conv, relax.const(shift.astype(np.float32).reshape(1, -1, 1, 1)))
-
-    scale = is_const()
-    scaled_conv = is_op("relax.nn.conv2d")(wildcard(), weight)
-    scaled = is_op("relax.multiply")(scaled_conv, scale)
-
-    def scale_rewriter(orig: relax.Expr, matched: dict) -> relax.Expr:
-        """conv2d(x, W) * s, s per output channel  ==>  conv2d(x, W * s)."""
-        conv_call = matched[scaled_conv]
-        k = _static_shape(conv_call)[1] if _static_shape(conv_call) else None
-        layouts = (str(conv_call.attrs.data_layout), str(conv_call.attrs.kernel_layout))
-        if layouts != ("NCHW", "OIHW") or _static_shape(matched[scale]) not in ((1, k, 1, 1), (k, 1, 1)):
-            return orig
-        s = matched[scale].value.numpy().astype(np.float64).reshape(-1)
-        w = matched[weight].value.numpy().astype(np.float64)
-        folded_w = relax.const((w * s[:, None, None, None]).astype(np.float32))
-        return relax.Call(conv_call.op, [conv_call.args[0], folded_w], conv_call.attrs)
-
-    @tvm.transform.module_pass(opt_level=0, name="tvm_ext.FoldBatchNorm")
-    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        for gvar, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                mod[gvar] = rewrite_call(scaled, scale_rewriter, rewrite_call(pattern, rewriter, func))
-        return mod
-
-    return _pass
-
-
-# ---------------------------------------------------------------------------------------------
-# Dense layers: a GEMM is a batch-reduce of size one, i.e. a 1x1 convolution.
-
-
-def matmul_as_conv2d() -> tvm.transform.Pass:
-    """x (M, K) @ W (K, N) [+ b (N,) [-> relu]]  ==>  conv2d over a 1 x M image of K channels.
-
-    The rows of x become the pixels of one image (the microkernel's m_r dimension, so each
-    weight vector loaded is reused across rows) and W (constant) a 1x1 filter bank, transposed
-    here at build time; the bias becomes the convolution's, so it and a following activation
-    fuse into the kernel's epilogue like any convolution's.
-    """
-    from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
-
-    weight, bias = is_const(), is_const()
-    matmul = is_op("relax.matmul")(wildcard(), weight)
-    add = is_op("relax.add")(matmul, bias)
-    relu = is_op("relax.nn.relu")(add)
-    pattern = relu | add | matmul
-    # rewrite_call offers every node the pattern matches (relu, then its add, then its matmul)
-    # and keeps the outermost rewrite: transpose each weight once (VGG-16's first dense
-    # layer is 411 MB, about 3 s a copy).
-    filter_banks: dict[tvm.ir.Constant, tvm.ir.Constant] = {}
-
-    def filter_bank(weight: tvm.ir.Constant) -> tvm.ir.Constant:
-        if weight not in filter_banks:  # (K, N) -> (N, K, 1, 1)
-            filter_banks[weight] = relax.const(np.ascontiguousarray(weight.value.numpy().T[:, :, None, None]))
-        return filter_banks[weight]
-
-    def rewriter(orig: relax.Expr, matched: dict) -> relax.Expr:
-        call = matched[matmul]
-        x = call.args[0]
-        x_shape, w_shape = _static_shape(x), _static_shape(call.args[1])
-        dtypes = {_dtype(x), _dtype(call.args[1])}
-        if x_shape is None or w_shape is None or len(x_shape) != 2 or len(w_shape) != 2 or dtypes != {"float32"}:
-            return orig
-        (m, k), n = x_shape, w_shape[1]
-        b = matched.get(bias)
-        if b is not None and _static_shape(b) not in ((n,), (1, n)):
-            return orig
-        image = relax.op.reshape(relax.op.permute_dims(x, [1, 0]), (1, k, 1, m))
-        y = relax.op.nn.conv2d(image, filter_bank(call.args[1]))
-        if b is not None:
-            y = relax.op.add(y, relax.const(b.value.numpy().reshape(1, n, 1, 1)))
-        if relu in matched:
-            y = relax.op.nn.relu(y)
-        return relax.op.permute_dims(relax.op.reshape(y, (n, m)), [1, 0])
-
-    @tvm.transform.module_pass(opt_level=0, name="tvm_ext.MatmulAsConv2d")
-    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        for gvar, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                mod[gvar] = rewrite_call(pattern, rewriter, func)
-        return mod
-
-    return _pass

@@ -63,7 +63,7 @@ def extract_tasks(mod: tvm.IRModule, target: TargetLike = None, winograd: bool =
     call it runs with, not at 16."""
     from ..pipeline import check_images_per_call
     from ..strategy import cpu as cpu_strategy
-    from ..strategy.split_batch import runs_per_inference, split_batch
+    from ..transform.split_batch import runs_per_inference, split_batch
 
     check_images_per_call(images_per_call)
     target = resolve_target(target)

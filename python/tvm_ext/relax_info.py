@@ -1,0 +1,52 @@
+"""What a Relax expression's type says, for the rewrites and the strategy: its static shape, its
+dtype, the number in a scalar argument, whether a constant is one value per channel."""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+__all__ = ["static_shape", "shape_text", "dtype", "prim_value", "is_channel_bias"]
+
+
+def static_shape(expr: relax.Expr) -> tuple | None:
+    """The shape as ints, or None if it is unknown or symbolic."""
+    ty = expr.ty if hasattr(expr, "ty") else None
+    shape = getattr(ty, "shape", None)
+    if shape is None:
+        return None
+    try:
+        return tuple(int(v) for v in shape)
+    except (TypeError, ValueError):
+        return None
+
+
+def shape_text(expr: relax.Expr) -> tuple:
+    """The shape for people: ints, and the names of symbolic dimensions."""
+    shape = getattr(expr.ty, "shape", None)
+    if shape is None:
+        return ("?",)
+    return tuple(int(v) if isinstance(v, tvm.tirx.IntImm) else str(v) for v in shape)
+
+
+def dtype(expr: relax.Expr) -> str:
+    """The tensor's dtype as text (\"\" if it has none)."""
+    return str(getattr(expr.ty, "dtype", ""))
+
+
+def prim_value(expr) -> float | None:
+    """The number in a scalar argument (a FloatImm, or a PrimValue wrapping one)."""
+    value = getattr(expr, "value", None)
+    value = getattr(value, "value", value)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def is_channel_bias(bias: relax.Expr, channels: int) -> bool:
+    """Whether constant `bias`, added to an NCHW output of `channels` channels, is one value per
+    channel (or one for all): shapes (1, K, 1, 1), (K, 1, 1), (1, 1, 1, 1), (1,), () and the like.
+    A shape (K,) broadcasts along W, not along the channels."""
+    shape = static_shape(bias)
+    if shape is None or len(shape) > 4 or dtype(bias) != "float32":
+        return False
+    aligned = (1,) * (4 - len(shape)) + shape
+    return aligned[0] == aligned[2] == aligned[3] == 1 and aligned[1] in (1, channels)

@@ -1,0 +1,77 @@
+"""Inference batch norms (and per-channel constant scales) after a convolution with constant
+weights, folded into those weights at build time."""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ..relax_info import is_channel_bias, static_shape
+
+__all__ = ["fold_batch_norm"]
+
+
+def fold_batch_norm() -> tvm.transform.Pass:
+    """conv2d(x, W) [+ c] -> batch_norm(gamma, beta, mean, var)[0]
+    ==>  conv2d(x, W * s) + (beta - mean * s + c * s), with s = gamma / sqrt(var + eps) per
+    output channel, computed once here in float64.
+
+    Only NCHW/OIHW convolutions with constant weights and statistics, a bias `c` that is one
+    constant per channel (VGG-BN's convolutions have one), batch norm over axis 1 in inference
+    mode; anything else is left to stock legalization. A per-output-channel constant scale after
+    a convolution (conv2d(x, W) * s) folds the same way.
+    """
+    from tvm.relax.dpl import is_const, is_op, is_tuple_get_item, rewrite_call, wildcard
+
+    weight, conv_bias, gamma, beta, mean, var = (is_const() for _ in range(6))
+    conv = is_op("relax.nn.conv2d")(wildcard(), weight)
+    biased = is_op("relax.add")(conv, conv_bias)  # matched in either operand order
+    bn = is_op("relax.nn.batch_norm")(biased | conv, gamma, beta, mean, var)
+    pattern = is_tuple_get_item(bn, 0)
+
+    def rewriter(orig: relax.Expr, matched: dict) -> relax.Expr:
+        conv_call, bn_call = matched[conv], matched[bn]
+        attrs = bn_call.attrs
+        layouts = (str(conv_call.attrs.data_layout), str(conv_call.attrs.kernel_layout))
+        if int(attrs.axis) != 1 or layouts != ("NCHW", "OIHW") or bool(attrs.training):
+            return orig
+        values = [matched[p].value.numpy().astype(np.float64) for p in (weight, gamma, beta, mean, var)]
+        w, g, b, m, v = values
+        scale = (g if bool(attrs.scale) else np.ones_like(g)) / np.sqrt(v + float(attrs.epsilon))
+        shift = (b if bool(attrs.center) else np.zeros_like(b)) - m * scale
+        if biased in matched:
+            c = matched[conv_bias]
+            if not is_channel_bias(c, w.shape[0]):
+                return orig
+            shape = static_shape(c)
+            aligned = c.value.numpy().astype(np.float64).reshape((1,) * (4 - len(shape)) + shape)
+            shift = shift + np.broadcast_to(aligned, (1, w.shape[0], 1, 1)).reshape(-1) * scale
+        folded_w = relax.const((w * scale[:, None, None, None]).astype(np.float32))
+        new_conv = relax.Call(conv_call.op, [conv_call.args[0], folded_w], conv_call.attrs)
+        return relax.op.add(new_conv, relax.const(shift.astype(np.float32).reshape(1, -1, 1, 1)))
+
+    scale = is_const()
+    scaled_conv = is_op("relax.nn.conv2d")(wildcard(), weight)
+    scaled = is_op("relax.multiply")(scaled_conv, scale)
+
+    def scale_rewriter(orig: relax.Expr, matched: dict) -> relax.Expr:
+        """conv2d(x, W) * s, s per output channel  ==>  conv2d(x, W * s)."""
+        conv_call = matched[scaled_conv]
+        k = static_shape(conv_call)[1] if static_shape(conv_call) else None
+        layouts = (str(conv_call.attrs.data_layout), str(conv_call.attrs.kernel_layout))
+        if layouts != ("NCHW", "OIHW") or static_shape(matched[scale]) not in ((1, k, 1, 1), (k, 1, 1)):
+            return orig
+        s = matched[scale].value.numpy().astype(np.float64).reshape(-1)
+        w = matched[weight].value.numpy().astype(np.float64)
+        folded_w = relax.const((w * s[:, None, None, None]).astype(np.float32))
+        return relax.Call(conv_call.op, [conv_call.args[0], folded_w], conv_call.attrs)
+
+    @tvm.transform.module_pass(opt_level=0, name="tvm_ext.FoldBatchNorm")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        for gvar, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                mod[gvar] = rewrite_call(scaled, scale_rewriter, rewrite_call(pattern, rewriter, func))
+        return mod
+
+    return _pass
