@@ -23,7 +23,7 @@ import tvm_ext
 from tvm_ext.kernels.conv2d import Conv2dWorkload
 from tvm_ext.kernels.cuda import conv2d as cc
 from tvm_ext.kernels.cuda import ptx
-from tvm_ext.strategy.cuda import engine_for
+from tvm_ext.strategy.cuda_engine import engine_for
 from tvm_ext.testing import cuda_emulator
 from tvm_ext.testing.relax_emulator import dynamic_shared_bytes, emulated_executable, lower
 

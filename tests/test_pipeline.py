@@ -12,7 +12,8 @@ from tvm import relax
 import tvm_ext
 from tvm_ext.dlight.cpu import ParallelVectorize
 from tvm_ext.kernels.conv2d import KERNEL_ATTR
-from tvm_ext.strategy import cpu as cpu_strategy
+from tvm_ext.strategy.dispatch import lower_to_kernels
+from tvm_ext.strategy.fusion import fusion_passes
 from tvm_ext.transform.split_batch import runs_per_inference, split_batch
 from tvm_ext.tuning.space import PLAN_ATTR
 
@@ -329,8 +330,8 @@ def test_pools_and_activations_use_tvm_ext_kernels():
 def _kernel_calls(mod: tvm.IRModule, target: tvm.target.Target = TARGET, winograd: bool = True) -> list[str]:
     """The kernels main calls after tvm_ext's lowering for `target`, in order."""
     with target:
-        lowered = tvm.transform.Sequential(cpu_strategy.fusion_passes(target)
-                                           + [cpu_strategy.lower_to_kernels(target, winograd=winograd)])(mod)
+        lowered = tvm.transform.Sequential(fusion_passes(target)
+                                           + [lower_to_kernels(target, winograd=winograd)])(mod)
     names = []
     relax.analysis.post_order_visit(lowered["main"], lambda e: names.append(e.args[0].name_hint) if (
         isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir") else None)

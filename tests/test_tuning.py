@@ -373,7 +373,8 @@ def test_tune_rejects_what_it_cannot_tune(tmp_path):
 
 
 def test_shipped_records_apply_only_to_their_target(tmp_path, monkeypatch):
-    from tvm_ext.strategy import cpu as cpu_strategy
+    from tvm_ext.strategy.dispatch import lower_to_kernels
+    from tvm_ext.strategy.fusion import fusion_passes
     from tvm_ext.tuning.records import TUNED_ATTR, shipped_database, shipped_records_dir, target_key
 
     mod = _net(repeated=0)
@@ -382,8 +383,8 @@ def test_shipped_records_apply_only_to_their_target(tmp_path, monkeypatch):
 
     def tuned_kernels(target) -> int:
         with target:
-            lowered = tvm.transform.Sequential(cpu_strategy.fusion_passes(target) + [
-                cpu_strategy.lower_to_kernels(target, shipped_database(target))])(mod)
+            lowered = tvm.transform.Sequential(fusion_passes(target) + [
+                lower_to_kernels(target, shipped_database(target))])(mod)
         funcs = [f for _, f in lowered.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
         return sum(TUNED_ATTR in f.attrs for f in funcs)
 

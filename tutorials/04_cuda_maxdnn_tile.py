@@ -140,7 +140,7 @@ def main(small: bool = False) -> None:
 def winograd(small_wl: Conv2dWorkload, x: np.ndarray, w: np.ndarray, bias: np.ndarray, ref: np.ndarray) -> None:
     """Step 6: the strategy's choice for OverFeat layer 3 at batch 128, and a small layer's numbers."""
     from tvm_ext.kernels.cuda import winograd as cw
-    from tvm_ext.strategy.cuda import conv2d_decision
+    from tvm_ext.strategy.cuda_engine import conv2d_decision
 
     layer = Conv2dWorkload.make((128, 256, 12, 12), (512, 256, 3, 3), padding=1)
     kernel, reason, plan = conv2d_decision(layer, "ffma", winograd=True)

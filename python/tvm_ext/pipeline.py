@@ -3,7 +3,7 @@
 The pipeline is TVM's CPU pipeline (relax/backend/cpu_generic) with tvm_ext's strategy in front
 of legalization. A batch's convolutional trunk first becomes one call per image
 (:mod:`tvm_ext.transform.split_batch`: activations stay in cache). Then
-:mod:`tvm_ext.strategy.cpu` folds batch norms into convolution weights, fuses conv + bias +
+:mod:`tvm_ext.transform` and :mod:`tvm_ext.strategy` fold batch norms into convolution weights, fuses conv + bias +
 shortcut + activation into one kernel call, and lowers convolutions, dense layers, pooling and
 activations to our kernels (stock TVM, with a reason, for the rest). Every PrimFunc left
 unscheduled gets a default schedule (dlight's CPU rules, then
@@ -24,8 +24,11 @@ from tvm.s_tir import dlight
 from .dlight.cpu import ParallelVectorize
 from .errors import UnsupportedError
 from .kernels.conv2d import KERNEL_ATTR
-from .strategy import cpu as cpu_strategy
-from .strategy.cuda import engine_for
+from .strategy.base import Decision
+from .strategy.cuda_engine import engine_for
+from .strategy.decide import decide
+from .strategy.dispatch import legalize_map, lower_to_kernels
+from .strategy.fusion import fusion_passes
 from .target import TargetLike, resolve_target
 from .transform.split_batch import runs_per_inference, split_batch
 
@@ -55,7 +58,7 @@ def _lowering_passes(target: tvm.target.Target, lower: tvm.transform.Pass, defau
     default schedule (dlight `default_rules`) for every PrimFunc that has none."""
     return [
         lower,
-        relax.transform.LegalizeOps(cpu_strategy.legalize_map(target)),
+        relax.transform.LegalizeOps(legalize_map(target)),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
@@ -120,8 +123,8 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
             passes = (
                 [split_batch(images_per_call)]
                 + cpu_pipeline.library_dispatch_passes(target)
-                + cpu_strategy.fusion_passes(target)
-                + _lowering_passes(target, cpu_strategy.lower_to_kernels(target, database, winograd=winograd),
+                + fusion_passes(target)
+                + _lowering_passes(target, lower_to_kernels(target, database, winograd=winograd),
                                    [dlight.cpu.GEMV(), dlight.cpu.Reduction(), ParallelVectorize()])
                 + cpu_pipeline.dataflow_lower_passes(target)
                 + cpu_pipeline.finalize_passes(target)
@@ -140,8 +143,8 @@ def _cuda_pipeline(target: tvm.target.Target, tensor_cores: bool | str, winograd
         with target:
             passes = (
                 cuda_pipeline.library_dispatch_passes(target)
-                + cpu_strategy.fusion_passes(target)
-                + _lowering_passes(target, cpu_strategy.lower_to_kernels(target, tensor_cores=tensor_cores,
+                + fusion_passes(target)
+                + _lowering_passes(target, lower_to_kernels(target, tensor_cores=tensor_cores,
                                                                              winograd=winograd),
                                    [dlight.gpu.Matmul(), dlight.gpu.GEMV(), dlight.gpu.Reduction(),
                                     dlight.gpu.GeneralReduction(), dlight.gpu.Fallback()])
@@ -220,7 +223,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
     if target.kind.name != "cuda":  # the pipeline splits the batch on CPUs only
         mod = split_batch(images_per_call)(mod)
     with target:
-        fused = tvm.transform.Sequential(cpu_strategy.fusion_passes(target))(mod)
+        fused = tvm.transform.Sequential(fusion_passes(target))(mod)
     report = DispatchReport()
     stages = _stage_runs(fused)
 
@@ -237,14 +240,14 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
             return _is_call_to(bindings.get(source) if isinstance(source, relax.Var) else None, "relax.permute_dims")
 
         def row(call: relax.Call, fused_into: str | None = None, matmul: bool = False) -> None:
-            decision = cpu_strategy.decide(call, target, engine, winograd)
+            decision = decide(call, target, engine, winograd)
             if matmul:
                 (_, k, _, m), (n, *_) = decision.shapes
                 reason = "as a 1x1 convolution (a GEMM is a batch-reduce of one)"
-                decision = cpu_strategy.Decision("relax.matmul", ((m, k), (k, n)), decision.kernel,
+                decision = Decision("relax.matmul", ((m, k), (k, n)), decision.kernel,
                                                  reason if decision.kernel else decision.reason)
             if fused_into is not None and call.op.name != "relax.nn.conv2d":
-                decision = cpu_strategy.Decision(decision.op, decision.shapes, f"{fused_into} epilogue", "fused")
+                decision = Decision(decision.op, decision.shapes, f"{fused_into} epilogue", "fused")
             report.append(DispatchRow(decision.op.removeprefix("relax."), decision.shapes,
                                       decision.kernel or "fallback", decision.reason, runs))
 
@@ -258,7 +261,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
                 relax.analysis.post_order_visit(fused[expr.op].body,
                                                 lambda e: calls.append(e) if isinstance(e, relax.Call) else None)
                 conv = next(c for c in calls if isinstance(c.op, tvm.ir.Op) and c.op.name == "relax.nn.conv2d")
-                kernel = cpu_strategy.decide(conv, target, engine, winograd).kernel
+                kernel = decide(conv, target, engine, winograd).kernel
                 matmul = from_matmul(expr.args[list(fused[expr.op].params).index(conv.args[0])])
                 for call in calls:
                     if isinstance(call.op, tvm.ir.Op):

@@ -1,7 +1,7 @@
 """Which tvm_ext CUDA kernel serves which Relax op, and how the calls are emitted.
 
-The dispatch framework is the CPU strategy's (:mod:`tvm_ext.strategy.cpu`: `decide`, the fusion
-patterns, batch-norm folding, `lower_to_kernels`); this module supplies what differs on CUDA:
+The dispatch framework is shared (:mod:`.decide`, :mod:`.fusion`, :mod:`.dispatch`; the CUDA
+convolution rule is :mod:`.cuda_engine`); this module is the CUDA emitter:
 
 - convolutions run the maxDNN kernel (:mod:`tvm_ext.kernels.cuda.conv2d`), with bias, residual
   and relu/relu6 fused into its output write (FFMA, or tensor cores with `tensor_cores=`);
@@ -28,64 +28,12 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..errors import UnsupportedError
-from ..kernels import conv2d as _conv
 from ..kernels.cuda import conv2d as _maxdnn
 from ..kernels.cuda import simple as _simple
 from ..kernels.cuda import winograd as _winograd
+from .base import ACTIVATION_OPS, OPAQUE, Decision, alpha, pool_workload
 
 _TO_NCHW = "tvm_ext_chwn_to_nchw"
-_OPAQUE = 8  # Relax's FuseOps must leave our scheduled kernels alone: kOpaque
-
-# The activations the maxDNN kernel's epilogue applies itself.
-FUSED_ACTIVATIONS = tuple(a for a in _maxdnn.ACTIVATIONS if a is not None)
-
-
-def engine_for(tensor_cores, target: tvm.target.Target | None = None) -> str:
-    """The convolution engine a `tensor_cores` option asks for: False -> fp32 FFMA, True or
-    "tf32" -> tf32 mma.sync, "bf16" -> bf16 mma.sync, "wgmma_tf32" and "wgmma_bf16" -> Hopper's
-    wgmma (a `target` given must then be compiled for sm_90a, as the nvidia/nvidia-h100 tag is)."""
-    engines = {False: "ffma", True: "mma_tf32", "tf32": "mma_tf32", "bf16": "mma_bf16",
-               "wgmma_tf32": "wgmma_tf32", "wgmma_bf16": "wgmma_bf16"}
-    if tensor_cores not in engines:
-        raise ValueError("tensor_cores must be False, True, 'tf32', 'bf16', 'wgmma_tf32' or 'wgmma_bf16', got "
-                         f"{tensor_cores!r}")
-    engine = engines[tensor_cores]
-    if engine in _maxdnn.WGMMA_SHAPES and target is not None and target.attrs.get("arch") != "sm_90a":
-        raise UnsupportedError(f"tensor_cores={tensor_cores!r}: wgmma exists on sm_90a only (Hopper: a target "
-                               f"like 'cuda -arch=sm_90a' or the nvidia/nvidia-h100 tag); this target's arch is "
-                               f"{target.attrs.get('arch')}")
-    return engine
-
-
-def conv2d_decision(wl: _conv.Conv2dWorkload, engine: str = "ffma", winograd: bool = False
-                    ) -> tuple[str | None, str, _maxdnn.MaxDNNPlan | _winograd.WinogradPlan | None]:
-    """(kernel or None, reason, plan) for a validated float32 NCHW/OIHW convolution on `engine`;
-    `winograd`: the weights are constant and Winograd is allowed (FFMA only: a tensor core's
-    10-bit mantissa does not survive the transforms)."""
-    if wl.depthwise:
-        return None, "depthwise: one filter per group would fill 1 row of a 64-row maxDNN tile; stock TVM", None
-    if winograd and engine == "ffma" and not _winograd.eligible(wl):
-        fast, direct_ms, winograd_ms = _winograd.choose_plan(wl)
-        if fast is not None and direct_ms >= _winograd.MIN_SPEEDUP * winograd_ms:
-            gemm = fast.gemm
-            return _winograd.KERNEL_NAME, (
-                f"Winograd F({fast.m}x{fast.m}, {wl.KH}x{wl.KW}): {fast.a ** 2} GEMMs on the {gemm.tile.rows}x"
-                f"{gemm.tile.cols} ffma tile, grid {gemm.grid}, between an input and an output transform "
-                f"(estimated {direct_ms / winograd_ms:.1f}x faster than direct)"), fast
-    try:
-        plan = _maxdnn.MaxDNNPlan.make(
-            wl, _maxdnn.choose_tile(wl.K // wl.groups, engine, columns=wl.N * wl.OH * wl.OW))
-    except ValueError as err:  # a tensor too large for the kernel's indices
-        return None, f"{err}: stock TVM", None
-    reason = f"{plan.tile.rows}x{plan.tile.cols} {engine} tile, grid {plan.grid}"
-    if plan.tile.wgmma is not None:
-        reason += ", A fragments " + ("gathered from the input" if plan.gathers_fragments else "through shared memory")
-    plan = plan.with_chosen_splits()
-    if plan.splits > 1:
-        reason += (f" x {plan.splits} split-K slices of its {plan.split_unit[0]} (a small grid), summed by a "
-                   "second kernel")
-    return _maxdnn.KERNEL_NAME, reason, plan
 
 
 def _shape(expr: relax.Expr) -> tuple[int, ...]:
@@ -97,7 +45,8 @@ def _name(kind: str, *parts) -> str:
 
 
 class CudaEmitter:
-    """Emits tvm_ext CUDA kernel calls for one op (the CPU strategy's `_Emitter`, for CUDA)."""
+    """Emits tvm_ext CUDA kernel calls for one op (:class:`.base.Emitter`; the CPU's is
+    :class:`.cpu.CpuEmitter`)."""
 
     def __init__(self, bb: relax.BlockBuilder, target: tvm.target.Target, database=None, engine: str = "ffma",
                  winograd: bool = True):
@@ -109,7 +58,7 @@ class CudaEmitter:
         self.winograd = winograd  # constant-weight 3x3/5x5 stride-1 layers may run as Winograd
 
     def _call(self, func: tvm.tirx.PrimFunc, name: str, args: list, shape: tuple) -> relax.Var:
-        gvar = self.bb.add_func(func.with_attr("op_pattern", _OPAQUE), name)
+        gvar = self.bb.add_func(func.with_attr("op_pattern", OPAQUE), name)
         return self.bb.emit(relax.call_tir(gvar, args, relax.TensorType(shape, "float32")))
 
     def produced_chwn(self, expr: relax.Expr) -> relax.Expr | None:
@@ -138,7 +87,7 @@ class CudaEmitter:
         out = tuple(shape[a] for a in _simple.CHWN_TO_NCHW)
         name = _name(_TO_NCHW.removeprefix("tvm_ext_"), shape)
         func = _simple.transpose_func(shape, _simple.CHWN_TO_NCHW, "chwn_to_nchw")
-        gvar = self.bb.add_func(func.with_attr("op_pattern", _OPAQUE), name)
+        gvar = self.bb.add_func(func.with_attr("op_pattern", OPAQUE), name)
         return relax.call_tir(gvar, [chwn], relax.TensorType(out, "float32"))
 
     def _weight(self, weight: relax.Expr, plan: _maxdnn.MaxDNNPlan) -> relax.Expr:
@@ -173,14 +122,12 @@ class CudaEmitter:
         func = _simple.bf16_pairs_func(_shape(values))
         return self._call(func, _name("bf16_pairs", _shape(values)), [values], plan.weight_shape)
 
-    def conv2d(self, call: relax.Call, data: relax.Expr, bias: np.ndarray | None = None,
+    def conv2d(self, call: relax.Call, data: relax.Expr, decision: Decision, bias: np.ndarray | None = None,
                residual: relax.Expr | None = None, activation: relax.Call | None = None,
                suffix: str = "") -> relax.Expr:
-        from .cpu import _ACTIVATION_OPS, decide
-
-        decided = decide(call, self.target, self.engine, self.winograd).plan  # the plan the report names
+        decided = decision.plan  # the plan the report names
         wl = decided.wl
-        act = None if activation is None else _ACTIVATION_OPS[activation.op.name]
+        act = None if activation is None else ACTIVATION_OPS[activation.op.name]
         epilogue = _maxdnn.Epilogue(bias=bias is not None, residual=residual is not None, activation=act)
         epilogue_args = []
         if bias is not None:
@@ -219,9 +166,7 @@ class CudaEmitter:
         out = _winograd.output_transform_func(plan, name + "_output")
         return self.nchw(self._call(out, name + "_output", [mm, *epilogue_args], plan.y_shape))
 
-    def pool_or_activation(self, call: relax.Call, decision) -> relax.Expr:
-        from .cpu import _alpha, _pool_workload
-
+    def pool_or_activation(self, call: relax.Call, decision: Decision) -> relax.Expr:
         data = call.args[0]
         if decision.kernel in ("global_avg_pool2d", "max_pool2d", "avg_pool2d"):
             source = self.chwn(data)
@@ -229,7 +174,7 @@ class CudaEmitter:
             if decision.kernel == "global_avg_pool2d":
                 func, out = _simple.global_avg_pool2d_chwn_func(shape), (shape[0], 1, 1, shape[3])
             else:
-                wl = _pool_workload(call, _shape(data))
+                wl = pool_workload(call, _shape(data))
                 func, out = _simple.pool2d_chwn_func(wl), (wl.C, wl.OH, wl.OW, wl.N)
             result = self.nchw(self._call(func, _name(decision.kernel, shape, out), [source], out))
             if call.op.name == "relax.mean":  # mean over H, W: a global pool without the unit axes
@@ -238,6 +183,6 @@ class CudaEmitter:
         chwn = self.produced_chwn(data)  # an activation works in any layout: stay in the producer's
         source = chwn if chwn is not None else data
         shape = _shape(source)
-        func = _simple.activation_func(decision.kernel, shape, _alpha(call))
+        func = _simple.activation_func(decision.kernel, shape, alpha(call))
         out = self._call(func, _name(decision.kernel, shape), [source], shape)
         return self.nchw(out) if chwn is not None else out

@@ -32,13 +32,13 @@ _ALIAS = re.compile(r"(\w+) = (?:(\w+)\.view\(|T\.decl_buffer\([^\n]*data=(\w+)\
 def lower(mod: tvm.IRModule, target, tensor_cores: bool | str = False, winograd: bool = True) -> tvm.IRModule:
     """`mod` after tvm_ext's fusion and lowering passes for `target` (before legalization);
     `tensor_cores`, `winograd`: see :func:`tvm_ext.pipeline`."""
-    from ..strategy import cpu as strategy
+    from ..strategy.dispatch import lower_to_kernels
+    from ..strategy.fusion import fusion_passes
     from ..target import resolve_target
 
     target = resolve_target(target)
     with target:
-        passes = strategy.fusion_passes(target) + [strategy.lower_to_kernels(target, tensor_cores=tensor_cores,
-                                                                             winograd=winograd)]
+        passes = fusion_passes(target) + [lower_to_kernels(target, tensor_cores=tensor_cores, winograd=winograd)]
         return tvm.transform.Sequential(passes)(mod)
 
 

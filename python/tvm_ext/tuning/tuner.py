@@ -62,15 +62,16 @@ def extract_tasks(mod: tvm.IRModule, target: TargetLike = None, winograd: bool =
     convolution's task is its GEMM), so a batch-16 network's trunk is tuned at the images per
     call it runs with, not at 16."""
     from ..pipeline import check_images_per_call
-    from ..strategy import cpu as cpu_strategy
+    from ..strategy.dispatch import lower_to_kernels
+    from ..strategy.fusion import fusion_passes
     from ..transform.split_batch import runs_per_inference, split_batch
 
     check_images_per_call(images_per_call)
     target = resolve_target(target)
     isa = vector_isa(target)
     with target:
-        lowered = tvm.transform.Sequential([split_batch(images_per_call)] + cpu_strategy.fusion_passes(target)
-                                           + [cpu_strategy.lower_to_kernels(target, winograd=winograd)])(mod)
+        lowered = tvm.transform.Sequential([split_batch(images_per_call)] + fusion_passes(target)
+                                           + [lower_to_kernels(target, winograd=winograd)])(mod)
     runs = runs_per_inference(lowered)
     tasks: dict[str, Task] = {}  # by the workload's self-description: equal kernels, one task
     for gvar, func in lowered.functions_items():

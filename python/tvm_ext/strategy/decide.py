@@ -1,0 +1,93 @@
+"""The one decision: which tvm_ext kernel serves a Relax op on a target, or why stock TVM keeps
+it. Fusion, lowering, legalization and the dispatch report all ask it."""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from ..kernels import conv2d as _conv
+from ..kernels import winograd as _winograd
+from ..relax_info import dtype, shape_text, static_shape
+from ..target import vector_isa
+from .base import ACTIVATION_OPS, DATA_MOVEMENT_OPS, POOLS, Decision, is_relu6, pool_workload
+from .cuda_engine import conv2d_decision
+
+__all__ = ["decide"]
+
+
+def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", winograd: bool = True) -> Decision:
+    """The kernel for `call` on `target`, or why stock TVM keeps it (`engine`: CUDA's
+    convolution engine, see :func:`tvm_ext.strategy.cuda.engine_for`; `winograd`: whether a
+    convolution with constant weights may run as Winograd, :mod:`tvm_ext.kernels.winograd` and
+    :mod:`tvm_ext.kernels.cuda.winograd`)."""
+    op = call.op.name if isinstance(call.op, tvm.ir.Op) else str(call.op)
+    tensors = [arg for arg in call.args if isinstance(arg.ty, relax.TensorType)]
+    shapes = tuple(shape_text(arg) for arg in tensors)
+    if op in POOLS or op in ACTIVATION_OPS or op == "relax.mean":
+        return _decide_pool_or_activation(call, op, shapes, tensors)
+    if op in DATA_MOVEMENT_OPS:
+        return Decision(op, shapes, None, "data movement only (a reshape is a view): stock TVM")
+    if op != "relax.nn.conv2d":
+        return Decision(op, shapes, None, "no tvm_ext kernel for this op yet")
+    attrs = call.attrs
+    if (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout)) != ("NCHW", "OIHW", "NCHW"):
+        return Decision(op, shapes, None, f"layout {attrs.data_layout}/{attrs.kernel_layout} is not NCHW/OIHW")
+    out_dtype = str(attrs.out_dtype)
+    out_dtype = dtype(call.args[0]) if out_dtype in ("", "None", "void") else out_dtype
+    dtypes = {dtype(call.args[0]), dtype(call.args[1]), out_dtype}
+    if dtypes != {"float32"}:
+        return Decision(op, shapes, None, f"dtype {sorted(dtypes)} is not float32")
+    static = [static_shape(arg) for arg in tensors[:2]]
+    if any(s is None for s in static):
+        return Decision(op, shapes, None, "symbolic shape: tvm_ext kernels are generated per static shape")
+    if target.kind.name not in ("llvm", "cuda"):
+        return Decision(op, shapes, None, f"target {target.kind.name} has no tvm_ext conv2d")
+    try:
+        wl = _conv.Conv2dWorkload.make(static[0], static[1], [int(s) for s in attrs.strides],
+                                       [int(p) for p in attrs.padding], [int(d) for d in attrs.dilation],
+                                       int(attrs.groups))
+    except ValueError as err:
+        return Decision(op, shapes, None, str(err))
+    winograd = winograd and isinstance(call.args[1], tvm.ir.Constant)  # transformed at build time
+    if target.kind.name == "cuda":
+        kernel, reason, cuda_plan = conv2d_decision(wl, engine, winograd)
+        return Decision(op, shapes, kernel, reason, cuda_plan)
+    if winograd and not _winograd.eligible(wl):
+        plan = _winograd.winograd_plan(wl, vector_isa(target))
+    else:
+        plan = _conv.plan_conv2d(wl, vector_isa(target))
+    return Decision(op, shapes, f"{plan.kind}_conv2d", plan.reason, plan)
+
+
+def _decide_pool_or_activation(call: relax.Call, op: str, shapes: tuple, tensors: list) -> Decision:
+    static = static_shape(tensors[0])
+    if dtype(tensors[0]) != "float32":
+        return Decision(op, shapes, None, f"dtype {dtype(tensors[0])} is not float32")
+    if static is None:
+        return Decision(op, shapes, None, "symbolic shape: tvm_ext kernels are generated per static shape")
+    if 0 in static:
+        return Decision(op, shapes, None, "empty tensor (a dimension is 0): nothing to compute")
+    if op == "relax.mean":
+        axes = sorted(int(a) % len(static) for a in (call.attrs.axis or []))
+        if len(static) != 4 or axes != [2, 3]:
+            return Decision(op, shapes, None, "mean over axes other than H and W of a 4-D tensor")
+        return Decision(op, shapes, "global_avg_pool2d")
+    if op in ACTIVATION_OPS:
+        if op == "relax.clip" and not is_relu6(call):
+            return Decision(op, shapes, None, "clip other than relu6 (0, 6)")
+        return Decision(op, shapes, ACTIVATION_OPS[op])
+    attrs = call.attrs
+    if str(attrs.layout) != "NCHW" or str(attrs.out_layout) != "NCHW" or len(static) != 4:
+        return Decision(op, shapes, None, f"layout {attrs.layout} is not NCHW")
+    if POOLS[op] == "global":
+        if [int(v) for v in attrs.output_size or []] != [1, 1]:
+            return Decision(op, shapes, None, "adaptive pooling to a size other than 1x1")
+        return Decision(op, shapes, "global_avg_pool2d")
+    if POOLS[op] == "avg" and bool(attrs.ceil_mode):
+        return Decision(op, shapes, None, "avg_pool2d with ceil_mode (divisor rules differ between frameworks)")
+    try:
+        pool_workload(call, static)
+    except ValueError as err:
+        return Decision(op, shapes, None, str(err))
+    return Decision(op, shapes, f"{POOLS[op]}_pool2d")

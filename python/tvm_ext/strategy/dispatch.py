@@ -1,0 +1,123 @@
+"""Lowering to tvm_ext kernels: :func:`lower_to_kernels` replaces, in program order, each fused
+composite and each op :func:`~.decide.decide` gives a kernel with the calls the target's emitter
+makes (so each kernel can read its producer's output in its own layout); :func:`legalize_map`
+hands what is left to stock TVM with the reason logged."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ..kernels import conv2d as _conv
+from ..relax_info import static_shape
+from .base import ACTIVATION_OPS, POOLS, Emitter
+from .borders import write_borders
+from .cpu import CpuEmitter
+from .cuda import CudaEmitter
+from .cuda_engine import engine_for
+from .decide import decide
+from .fusion import epilogue_of
+
+logger = logging.getLogger("tvm_ext")
+
+__all__ = ["legalize_map", "lower_to_kernels", "make_emitter"]
+
+
+def make_emitter(bb: relax.BlockBuilder, target: tvm.target.Target, database=None, tensor_cores=False,
+                 winograd: bool = True):
+    """The emitter of `target`'s kernels: blocked NCHW[x]c on CPUs, CHWN on CUDA (`tensor_cores`,
+    `winograd`: see :func:`tvm_ext.pipeline`)."""
+    if target.kind.name == "cuda":
+        return CudaEmitter(bb, target, database, engine=engine_for(tensor_cores, target),
+                                 winograd=winograd)
+    return CpuEmitter(bb, target, database, winograd)
+
+
+def legalize_map(target: tvm.target.Target) -> dict:
+    """The customize map for `relax.transform.LegalizeOps` on `target`: ops :func:`lower_to_kernels`
+    left go to stock TVM's rule with the reason logged. (In the pipeline none of them has a
+    kernel; used on its own, the map lowers those that do, in NCHW, one op at a time.)"""
+
+    def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+        decision = decide(call, target)
+        if decision.kernel is None:
+            logger.info("tvm_ext: %s %s stays with stock TVM: %s", decision.op, decision.shapes, decision.reason)
+            return call.op.get_attr("FLegalize")(bb, call)
+        emitter = make_emitter(bb, target)
+        if decision.plan is not None:
+            return emitter.conv2d(call, call.args[0], decision)
+        return emitter.pool_or_activation(call, decision)
+
+    return {op: legalize for op in ("relax.nn.conv2d", "relax.mean", *POOLS, *ACTIVATION_OPS)}
+
+
+def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores=False,
+                     winograd: bool = True) -> tvm.transform.Pass:
+    """Replace the composite functions of :func:`fusion_patterns` and every op :func:`decide`
+    gives a kernel with tvm_ext kernel calls, in program order, so that each kernel can read
+    its producer's blocked output (see :class:`~.cpu.CpuEmitter`)."""
+
+    @relax.expr_functor.mutator
+    class _Lower(relax.PyExprMutator):
+        def __init__(self, mod: tvm.IRModule):
+            super().__init__(mod)
+            self.mod_ = mod
+            self.emitter: Emitter = make_emitter(self.builder_, target, database, tensor_cores, winograd)
+            self.engine = engine_for(tensor_cores, target) if target.kind.name == "cuda" else "ffma"
+
+        def visit_call_(self, call: relax.Call) -> relax.Expr:
+            call = super().visit_call_(call)
+            if isinstance(call.op, tvm.ir.Op):
+                decision = decide(call, target, self.engine, winograd)
+                if decision.kernel is None:
+                    return call
+                if decision.plan is not None:
+                    return self.emitter.conv2d(call, call.args[0], decision)
+                return self.emitter.pool_or_activation(call, decision)
+            if not isinstance(call.op, tvm.ir.GlobalVar):
+                return call
+            func = self.mod_[call.op]
+            if not isinstance(func, relax.Function) or "Composite" not in (func.attrs or {}):
+                return call
+            if not str(func.attrs["Composite"]).startswith("tvm_ext.conv2d"):
+                return call
+            conv, bias, residual, activation = epilogue_of(func)
+            params = list(func.params)
+            conv = relax.Call(conv.op, [call.args[params.index(conv.args[0])], conv.args[1]], conv.attrs)
+            suffix = "_" + str(func.attrs["Composite"]).split(".")[-1]
+            if bias is not None:  # one value per output channel, from one per channel or one for all
+                bias = np.broadcast_to(bias.value.numpy().reshape(-1), static_shape(conv.args[1])[:1]).copy()
+            return self.emitter.conv2d(
+                conv, conv.args[0], decide(conv, target, self.engine, winograd), bias=bias,
+                residual=None if residual is None else call.args[residual], activation=activation,
+                suffix=suffix)
+
+    @tvm.transform.module_pass(opt_level=0, name="tvm_ext.LowerToKernels")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        lowering = _Lower(mod)
+        for gvar, func in mod.functions_items():
+            if isinstance(func, relax.Function) and "Composite" not in (func.attrs or {}):
+                lowering.builder_.update_func(gvar, lowering.visit_expr(func))
+        lowered = relax.transform.DeadCodeElimination()(lowering.builder_.get())
+        if isinstance(lowering.emitter, CpuEmitter):  # blocked CPU layouts: no padded copies
+            lowered = write_borders(lowered, lowering.emitter.conv_kernel)
+        return _drop_unused_kernels(lowered)
+
+    return _pass
+
+
+def _drop_unused_kernels(mod: tvm.IRModule) -> tvm.IRModule:
+    """Remove our PrimFuncs that no Relax function calls any more (layout views nobody read):
+    DeadCodeElimination drops their calls but keeps the functions, which would still be compiled."""
+    used = set()
+    for _, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(
+                func, lambda e: used.add(e.name_hint) if isinstance(e, tvm.ir.GlobalVar) else None)
+    for gvar, func in list(mod.functions_items()):
+        if isinstance(func, tvm.tirx.PrimFunc) and _conv.KERNEL_ATTR in func.attrs and gvar.name_hint not in used:
+            del mod[gvar]
+    return mod

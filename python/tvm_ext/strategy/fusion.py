@@ -1,0 +1,139 @@
+"""Epilogue fusion: conv2d [+ bias] [+ residual] [-> activation] grouped into one composite
+function, which :mod:`.dispatch` lowers to one kernel call; and the reader of such a composite."""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from ..relax_info import dtype, is_channel_bias, static_shape
+from ..transform import fold_batch_norm, matmul_as_conv2d, recognise_silu
+from .base import ACTIVATION_OPS, is_relu6
+from .cuda_engine import FUSED_ACTIVATIONS
+from .decide import decide
+
+__all__ = ["epilogue_of", "fusion_passes", "fusion_patterns"]
+
+
+def reads_inside_or_leaks(ctx) -> bool:
+    """Whether a match cannot become one kernel call: a value computed inside it is read outside
+    it (EfficientNet's (conv + b) * sigmoid(conv + b)), or its shortcut is a value computed
+    inside it (y + y). TVM's `has_leaking_intermediate_variables` refuses every match outside a
+    dataflow block; reading the uses serves those too."""
+    inside = set(ctx.matched_bindings.keys())
+    output = ctx.value_to_bound_var.get(ctx.matched_expr)
+    for var in inside:
+        if not var.same_as(output) and any(user not in inside for user in ctx.var_usages.get(var, [])):
+            return True
+    residual = ctx.annotated_expr.get("residual")
+    if residual is None:
+        return False
+    return residual in inside or any(residual.same_as(value) for value in ctx.matched_bindings.values())
+
+
+def fusion_patterns(target: tvm.target.Target) -> list:
+    """FuseOpsByPattern patterns grouping a conv2d with the epilogue our kernel applies itself.
+
+    Longest chains first; `check` accepts a match only when decide() gives the conv a kernel,
+    the bias is per output channel and the residual has the output's shape.
+    """
+    from tvm.relax.dpl import is_const, is_op, wildcard
+
+    def check(ctx) -> bool:
+        if reads_inside_or_leaks(ctx):
+            return False
+        conv = ctx.annotated_expr["conv"]
+        decision = decide(conv, target)
+        if decision.kernel is None:
+            return False
+        out_shape = decision.plan.wl.out_shape
+        bias = ctx.annotated_expr.get("bias")
+        if bias is not None and not is_channel_bias(bias, out_shape[1]):
+            return False
+        residual = ctx.annotated_expr.get("residual")
+        if residual is not None and (static_shape(residual) != out_shape or dtype(residual) != "float32"
+                                     or isinstance(residual, tvm.ir.expr.GenericConst)):
+            return False  # a constant of the output's shape (a 1x1 output's bias) is a bias
+        act = ctx.annotated_expr.get("activation")
+        cuda = target.kind.name == "cuda"
+        if act is not None and cuda and ACTIVATION_OPS[act.op.name] not in FUSED_ACTIVATIONS:
+            return False  # the maxDNN epilogue applies relu and relu6 only
+        return act is None or act.op.name != "relax.clip" or is_relu6(act)
+
+    patterns = []
+    for act in (*ACTIVATION_OPS, None):
+        for residual in (True, False):
+            for bias in (True, False):
+                if not (bias or residual or act):
+                    continue
+                conv = is_op("relax.nn.conv2d")(wildcard(), is_const())
+                annotations = {"conv": conv}
+                out = conv
+                if bias:
+                    annotations["bias"] = is_const()
+                    out = is_op("relax.add")(out, annotations["bias"])
+                if residual:
+                    annotations["residual"] = wildcard()
+                    out = is_op("relax.add")(out, annotations["residual"])
+                if act == "relax.clip":
+                    out = is_op(act)(out, wildcard(), wildcard())
+                elif act is not None:
+                    out = is_op(act)(out)
+                if act is not None:
+                    annotations["activation"] = out
+                name = "tvm_ext.conv2d" + "_bias" * bias + "_residual" * residual
+                name += f"_{ACTIVATION_OPS[act]}" if act else ""
+                patterns.append(relax.transform.FusionPattern(name, out, annotations, check))
+    patterns.sort(key=lambda p: -p.name.count("_"))
+    return patterns
+
+
+def epilogue_of(func: relax.Function) -> tuple[relax.Call, tvm.ir.expr.GenericConst | None, int | None, str | None]:
+    """Read a fused composite function: its conv call, bias constant, residual param, activation call.
+
+    Walked from the output, so an add's operands may come in either order (TVM matches add as
+    commutative: RegNet's `x + f(x)` puts the shortcut first). Anything else is an error, never
+    a dropped operand."""
+    values = relax.analysis.get_var2val(func)
+    params = list(func.params)
+
+    def value_of(expr: relax.Expr) -> relax.Expr:
+        while isinstance(expr, relax.Var) and expr in values:
+            expr = values[expr]
+        return expr
+
+    def is_op(expr: relax.Expr, *names: str) -> bool:
+        return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name in names
+
+    body = func.body.body if isinstance(func.body, relax.SeqExpr) else func.body
+    expr, bias, residual, activation = value_of(body), None, None, None
+    if is_op(expr, *ACTIVATION_OPS):
+        activation, expr = expr, value_of(expr.args[0])
+    while is_op(expr, "relax.add"):
+        chain = [arg for arg in expr.args if is_op(value_of(arg), "relax.add", "relax.nn.conv2d")
+                 and not isinstance(arg, tvm.ir.expr.GenericConst) and arg not in params]
+        if len(chain) != 1:
+            raise ValueError(f"tvm_ext: a fused epilogue add has {len(chain)} operands computed inside it: {expr}")
+        other = expr.args[1] if expr.args[0].same_as(chain[0]) else expr.args[0]
+        if isinstance(other, tvm.ir.expr.GenericConst) and bias is None:
+            bias = other
+        elif other in params and residual is None:
+            residual = params.index(other)
+        else:
+            raise ValueError(f"tvm_ext: a fused epilogue adds an operand it cannot read: {other}")
+        expr = value_of(chain[0])
+    if not is_op(expr, "relax.nn.conv2d"):
+        raise ValueError(f"tvm_ext: a fused epilogue does not start at a convolution: {expr}")
+    return expr, bias, residual, activation
+
+
+def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
+    """Constant folding, batch-norm folding and epilogue grouping: the graph as tvm_ext sees it.
+
+    The pipeline runs these before lowering; the dispatch report runs them to say what fuses.
+    FoldConstant first turns importer biases such as reshape(const) into constants.
+    """
+    return [relax.transform.FoldConstant(), fold_batch_norm(), matmul_as_conv2d(), recognise_silu(),
+            relax.transform.FuseOpsByPattern(fusion_patterns(target), bind_constants=True)]
+
+
