@@ -83,7 +83,7 @@ def test_cli_cuda_target(capsys):
     assert cli.main(["report", "--model", "resnet18", "--target", "cuda -arch=sm_90", "--tensor-cores", "tf32"]) == 0
     assert "mma_tf32 tile" in capsys.readouterr().out
     assert cli.main(["report", "--model", "resnet18", "--tensor-cores", "bf16"]) == 2  # an LLVM target
-    assert "--tensor-cores applies to `report` for CUDA targets" in capsys.readouterr().err
+    assert "--tensor-cores applies to CUDA targets" in capsys.readouterr().err
     assert cli.main(["report", "--model", "resnet18", "--target", "cuda -arch=sm_80", "--tensor-cores",
                      "wgmma_tf32"]) == 2  # wgmma is Hopper's (sm_90a)
     assert "wgmma exists on sm_90a only" in capsys.readouterr().err
