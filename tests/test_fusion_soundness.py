@@ -149,3 +149,49 @@ def test_silu_as_a_product_fuses_as_silu(sigmoid_first):
 
     report = tvm_ext.dispatch_report(_module(body, 0), TARGET)
     assert [(r.op, r.reason) for r in report[1:]] == [("add", "fused"), ("nn.silu", "fused")], str(report)
+
+
+def _hardsigmoid(x, three=3.0, six=6.0):
+    """PyTorch's importer's hardsigmoid: clip(x + 3, 0, 6) / 6."""
+    shifted = relax.op.add(x, relax.const(np.float32(three)))
+    return relax.op.divide(relax.op.clip(shifted, 0, 6), relax.const(np.float32(six)))
+
+
+def _exported_relu6_of_x_plus_3(x):
+    """torch.export's clamp(x + 3, 0, 6): two one-sided clips."""
+    shifted = relax.op.add(x, relax.const(np.float32(3.0)))
+    return relax.op.clip(relax.op.clip(shifted, 0, float("inf")), float("-inf"), 6)
+
+
+@pytest.mark.parametrize("form", ["hardswish", "hardswish_gate_first", "hardsigmoid", "exported_hardswish",
+                                  "exported_hardsigmoid", "divided_by_5", "gate_of_another_value"])
+def test_hardswish_and_hardsigmoid_fuse_as_written_by_the_importer(form):
+    """MobileNet-v3's hardswish x * (clip(x + 3, 0, 6) / 6), in either operand order or as
+    torch.export writes it ((x * clamp(x + 3, 0, 6)) / 6, two one-sided clips), and hardsigmoid
+    run in the convolution's epilogue; look-alikes (another constant, a gate computed
+    from another value) are left as they are, and every form computes what the graph says."""
+    def body(bb, rng, x):
+        y = bb.emit(relax.op.add(_conv(bb, rng, x), random_const(rng, 1, 16, 1, 1)))
+        if form == "hardsigmoid":
+            return bb.emit(_hardsigmoid(y))
+        if form == "exported_hardsigmoid":
+            return bb.emit(relax.op.divide(_exported_relu6_of_x_plus_3(y), relax.const(np.float32(6.0))))
+        if form == "exported_hardswish":  # (y * clamp(y + 3, 0, 6)) / 6
+            product = bb.emit(relax.op.multiply(y, bb.emit(_exported_relu6_of_x_plus_3(y))))
+            return bb.emit(relax.op.divide(product, relax.const(np.float32(6.0))))
+        gate = bb.emit(_hardsigmoid(y, six=5.0) if form == "divided_by_5" else
+                       _hardsigmoid(x) if form == "gate_of_another_value" else _hardsigmoid(y))
+        return bb.emit(relax.op.multiply(gate, y) if form == "hardswish_gate_first" else relax.op.multiply(y, gate))
+
+    mod = _module(body, 0)
+    report = tvm_ext.dispatch_report(mod, TARGET)
+    fused_ops = [r.op for r in report if r.reason == "fused"]
+    if form in ("divided_by_5", "gate_of_another_value"):
+        assert "multiply" not in fused_ops, str(report)
+    else:
+        assert "divide" in fused_ops and "clip" in fused_ops, str(report)
+        assert all(r.reason == "fused" for r in report[1:]), str(report)
+    x = np.random.default_rng(1).standard_normal(SHAPE).astype("float32") * 4
+    got = _outputs(tvm_ext.build(mod, TARGET, winograd=False), x)
+    ref = _outputs(tvm.compile(mod, TARGET), x)
+    assert rel_err(got[0], ref[0]) <= 1e-5, rel_err(got[0], ref[0])

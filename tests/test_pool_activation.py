@@ -82,6 +82,11 @@ def test_activations(size):
     np.testing.assert_allclose(ops.silu(x), torch.nn.functional.silu(xt).numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(ops.gelu(x), torch.nn.functional.gelu(xt).numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(ops.leaky_relu(x, 0.3), torch.nn.functional.leaky_relu(xt, 0.3).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(ops.hardswish(x), torch.nn.functional.hardswish(xt).numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(ops.hardsigmoid(x), torch.nn.functional.hardsigmoid(xt).numpy(), rtol=1e-6, atol=1e-7)
+    special = np.array([np.nan, np.inf, -np.inf, -3.0, 3.0], np.float32)  # NaN stays NaN, as in PyTorch
+    np.testing.assert_array_equal(ops.hardswish(special), torch.nn.functional.hardswish(torch.from_numpy(special)))
+    np.testing.assert_array_equal(ops.hardsigmoid(special), torch.nn.functional.hardsigmoid(torch.from_numpy(special)))
 
 
 def test_activation_keeps_shape_and_rejects_unknown():

@@ -591,6 +591,16 @@ def gelu(x, *, target: TargetLike = None) -> np.ndarray:
     return _activation("gelu", x, target)
 
 
+def hardsigmoid(x, *, target: TargetLike = None) -> np.ndarray:
+    """clip(x + 3, 0, 6) / 6, elementwise (PyTorch's hardsigmoid)."""
+    return _activation("hardsigmoid", x, target)
+
+
+def hardswish(x, *, target: TargetLike = None) -> np.ndarray:
+    """x * clip(x + 3, 0, 6) / 6, elementwise (PyTorch's hardswish, MobileNet-v3's activation)."""
+    return _activation("hardswish", x, target)
+
+
 def leaky_relu(x, negative_slope: float = 0.01, *, target: TargetLike = None) -> np.ndarray:
     """max(x, 0) + negative_slope * min(x, 0), elementwise.
 

@@ -293,6 +293,8 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
 # Activations as TVMScript expressions of the value {v} (and {alpha}, leaky_relu's slope): the
 # one definition behind convolution epilogues and the elementwise kernels. Comparisons select,
 # so a NaN stays a NaN as in PyTorch (LLVM's max/min of a NaN and 0 give 0).
+_HARDSIGMOID = ("T.Select({v} + T.float32(3) < T.float32(0), T.float32(0), T.Select({v} + T.float32(3) > "
+                "T.float32(6), T.float32(6), {v} + T.float32(3))) / T.float32(6)")
 ACTIVATIONS = {
     "relu": "T.Select({v} < T.float32(0), T.float32(0), {v})",
     "relu6": "T.Select({v} < T.float32(0), T.float32(0), T.Select({v} > T.float32(6), T.float32(6), {v}))",
@@ -300,6 +302,9 @@ ACTIVATIONS = {
     "silu": "{v} * T.sigmoid({v})",
     "gelu": "{v} * (T.float32(0.5) + T.erf({v} * T.float32(0.7071067811865476)) * T.float32(0.5))",
     "leaky_relu": "T.Select({v} < T.float32(0), T.float32({alpha!r}) * {v}, {v})",
+    # PyTorch's as its importer writes them (clip(x + 3, 0, 6) / 6): the same rounding
+    "hardsigmoid": _HARDSIGMOID,
+    "hardswish": "{v} * (" + _HARDSIGMOID + ")",
 }
 
 

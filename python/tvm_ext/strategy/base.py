@@ -4,6 +4,7 @@ serves, and the small readers of their attributes."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Protocol
 
 import numpy as np
@@ -36,6 +37,80 @@ ACTIVATION_OPS = {"relax.nn.relu": "relu", "relax.sigmoid": "sigmoid", "relax.cl
 DATA_MOVEMENT_OPS = {"relax.reshape", "relax.flatten", "relax.permute_dims", "relax.squeeze", "relax.expand_dims"}
 
 POOLS = {"relax.nn.max_pool2d": "max", "relax.nn.avg_pool2d": "avg", "relax.nn.adaptive_avg_pool2d": "global"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """An activation a convolution's epilogue applies: a name of
+    :data:`tvm_ext.kernels.conv2d.ACTIVATIONS` and leaky_relu's slope."""
+
+    name: str
+    alpha: float = 0.01
+
+
+def _scalar_constant(expr: relax.Expr) -> float | None:
+    """The value of a constant holding one number, else None."""
+    if not isinstance(expr, tvm.ir.expr.GenericConst):
+        return None
+    value = expr.value.numpy()
+    return float(value.reshape(-1)[0]) if value.size == 1 else None
+
+
+def activation_at(expr: relax.Expr, value_of) -> tuple[Activation, relax.Expr] | None:
+    """The activation `expr` computes and its input, if it is one: an activation op, or the
+    decompositions importers write for hardsigmoid (clip(x + 3, 0, 6) / 6) and hardswish
+    (x * hardsigmoid(x), or torch.export's (x * clip(x + 3, 0, 6)) / 6, operands in either
+    order, the clip also as clip(clip(., 0, inf), -inf, 6)). `value_of` looks through bindings."""
+    def is_op(e: relax.Expr, name: str) -> bool:
+        return isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == name
+
+    def bounds(clip: relax.Call) -> tuple:
+        return prim_value(clip.args[1]), prim_value(clip.args[2])
+
+    def relu6_of_x_plus_3(e: relax.Expr) -> relax.Expr | None:
+        """x, if `e` is clip(x + 3, 0, 6), the clip whole or as two one-sided clips."""
+        e = value_of(e)
+        if not is_op(e, "relax.clip"):
+            return None
+        if bounds(e) != (0.0, 6.0):
+            inner = value_of(e.args[0])
+            if not is_op(inner, "relax.clip") or {bounds(e), bounds(inner)} != {(0.0, math.inf), (-math.inf, 6.0)}:
+                return None
+            e = inner
+        shifted = value_of(e.args[0])
+        if not (is_op(shifted, "relax.add") and _scalar_constant(shifted.args[1]) == 3.0):
+            return None
+        return shifted.args[0]
+
+    def hardsigmoid_input(e: relax.Expr) -> relax.Expr | None:
+        e = value_of(e)
+        if not (is_op(e, "relax.divide") and _scalar_constant(e.args[1]) == 6.0):
+            return None
+        return relu6_of_x_plus_3(e.args[0])
+
+    def same(a: relax.Expr, b: relax.Expr | None) -> bool:
+        return b is not None and value_of(a).same_as(value_of(b))
+
+    expr = value_of(expr)
+    if not isinstance(expr, relax.Call) or not isinstance(expr.op, tvm.ir.Op):
+        return None
+    name = expr.op.name
+    if name in ACTIVATION_OPS and (name != "relax.clip" or is_relu6(expr)):
+        return Activation(ACTIVATION_OPS[name], alpha(expr)), expr.args[0]
+    x = hardsigmoid_input(expr)
+    if x is not None:
+        return Activation("hardsigmoid"), x
+    if is_op(expr, "relax.multiply"):
+        for this, other in (expr.args, expr.args[::-1]):
+            if same(this, hardsigmoid_input(other)):
+                return Activation("hardswish"), this
+    if is_op(expr, "relax.divide") and _scalar_constant(expr.args[1]) == 6.0:
+        product = value_of(expr.args[0])
+        if is_op(product, "relax.multiply"):
+            for this, other in (product.args, product.args[::-1]):
+                if same(this, relu6_of_x_plus_3(other)):
+                    return Activation("hardswish"), this
+    return None
 
 
 def alpha(activation: relax.Call | None) -> float:
@@ -71,7 +146,7 @@ class Emitter(Protocol):
     a view in NCHW."""
 
     def conv2d(self, call: relax.Call, data: relax.Expr, decision: Decision, bias: np.ndarray | None = None,
-               residual: relax.Expr | None = None, activation: relax.Call | None = None,
+               residual: relax.Expr | None = None, activation: Activation | None = None,
                suffix: str = "") -> relax.Expr:
         """conv2d (+ bias + residual -> activation) as kernel calls."""
 

@@ -18,7 +18,7 @@ from ..relax_info import static_shape
 from ..target import vector_isa
 from ..tuning import pool_space as _pool_space
 from ..tuning import space as _space
-from .base import ACTIVATION_OPS, POOLS, Decision, add_kernel, alpha, pool_workload
+from .base import POOLS, Activation, Decision, add_kernel, alpha, pool_workload
 
 __all__ = ["CpuEmitter"]
 
@@ -112,7 +112,7 @@ class CpuEmitter:
         return _conv.plan_conv2d(wl, self.isa, ic_bn=block)
 
     def conv2d(self, call: relax.Call, data: relax.Expr, decision: Decision, bias: np.ndarray | None = None,
-               residual: relax.Expr | None = None, activation: relax.Call | None = None,
+               residual: relax.Expr | None = None, activation: Activation | None = None,
                suffix: str = "") -> relax.Expr:
         """conv2d (+ bias + residual -> activation): blocked in and out wherever the layouts allow.
 
@@ -139,7 +139,7 @@ class CpuEmitter:
         return self.unpack(self._call(func, name, args, plan.out_shape()), wl.K)
 
     def _winograd_conv2d(self, plan: _conv.Conv2dPlan, weight: np.ndarray, data: relax.Expr,
-                         bias: np.ndarray | None, residual: relax.Expr | None, activation: relax.Call | None,
+                         bias: np.ndarray | None, residual: relax.Expr | None, activation: Activation | None,
                          suffix: str) -> relax.Expr:
         """The three calls of a Winograd convolution: input transform, the a² GEMMs (the BRGEMM
         kernel, with the weights transformed and packed here), output transform + epilogue."""
@@ -155,7 +155,7 @@ class CpuEmitter:
         return self.unpack(out, wl.K)
 
     def _epilogue(self, plan: _conv.Conv2dPlan, bias: np.ndarray | None, residual: relax.Expr | None,
-                  activation: relax.Call | None, blocked_out: bool = True) -> tuple[list, Epilogue]:
+                  activation: Activation | None, blocked_out: bool = True) -> tuple[list, Epilogue]:
         """A convolution epilogue's operands (the bias in blocks, zero past K; the shortcut in the
         output's layout) and its description."""
         operands = []
@@ -166,8 +166,8 @@ class CpuEmitter:
         if residual is not None:
             operands.append(self.pack(residual, plan.oc_bn) if blocked_out else residual)
         return operands, Epilogue(bias=bias is not None, residual=residual is not None,
-                                  activation=None if activation is None else ACTIVATION_OPS[activation.op.name],
-                                  nchw_out=not blocked_out, alpha=alpha(activation))
+                                  activation=None if activation is None else activation.name,
+                                  nchw_out=not blocked_out, alpha=0.01 if activation is None else activation.alpha)
 
     def conv_kernel(self, plan: _conv.Conv2dPlan, epilogue: Epilogue) -> tvm.tirx.PrimFunc:
         """The tuned schedule of this convolution if the database has one, else the analytic one."""

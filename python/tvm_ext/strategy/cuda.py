@@ -31,7 +31,7 @@ from tvm import relax
 from ..kernels.cuda import conv2d as _maxdnn
 from ..kernels.cuda import simple as _simple
 from ..kernels.cuda import winograd as _winograd
-from .base import ACTIVATION_OPS, OPAQUE, Decision, alpha, pool_workload
+from .base import OPAQUE, Activation, Decision, alpha, pool_workload
 
 _TO_NCHW = "tvm_ext_chwn_to_nchw"
 
@@ -123,11 +123,11 @@ class CudaEmitter:
         return self._call(func, _name("bf16_pairs", _shape(values)), [values], plan.weight_shape)
 
     def conv2d(self, call: relax.Call, data: relax.Expr, decision: Decision, bias: np.ndarray | None = None,
-               residual: relax.Expr | None = None, activation: relax.Call | None = None,
+               residual: relax.Expr | None = None, activation: Activation | None = None,
                suffix: str = "") -> relax.Expr:
         decided = decision.plan  # the plan the report names
         wl = decided.wl
-        act = None if activation is None else ACTIVATION_OPS[activation.op.name]
+        act = None if activation is None else activation.name
         epilogue = _maxdnn.Epilogue(bias=bias is not None, residual=residual is not None, activation=act)
         epilogue_args = []
         if bias is not None:

@@ -8,7 +8,7 @@ from tvm import relax
 
 from ..relax_info import dtype, is_channel_bias, static_shape
 from ..transform import fold_batch_norm, matmul_as_conv2d, recognise_silu
-from .base import ACTIVATION_OPS, is_relu6
+from .base import ACTIVATION_OPS, Activation, activation_at
 from .cuda_engine import FUSED_ACTIVATIONS
 from .decide import decide
 
@@ -55,13 +55,27 @@ def fusion_patterns(target: tvm.target.Target) -> list:
                                      or isinstance(residual, tvm.ir.expr.GenericConst)):
             return False  # a constant of the output's shape (a 1x1 output's bias) is a bias
         act = ctx.annotated_expr.get("activation")
-        cuda = target.kind.name == "cuda"
-        if act is not None and cuda and ACTIVATION_OPS[act.op.name] not in FUSED_ACTIVATIONS:
-            return False  # the maxDNN epilogue applies relu and relu6 only
-        return act is None or act.op.name != "relax.clip" or is_relu6(act)
+        if act is None:
+            return True
+        bindings = ctx.matched_bindings
+        found = activation_at(act, lambda e: bindings.get(e, e) if isinstance(e, relax.Var) else e)
+        if found is None:  # a clip other than relu6, a shifted or scaled look-alike of hardswish
+            return False
+        return target.kind.name != "cuda" or found[0].name in FUSED_ACTIVATIONS  # maxDNN: relu, relu6
+
+    def relu6_of_x_plus_3(x):  # clip(x + 3, 0, 6), or torch.export's two one-sided clips
+        clip = is_op("relax.clip")(is_op("relax.add")(x, is_const()), wildcard(), wildcard())
+        return clip | is_op("relax.clip")(clip, wildcard(), wildcard())
+
+    def hardsigmoid(x):  # clip(x + 3, 0, 6) / 6; activation_at checks the constants
+        return is_op("relax.divide")(relu6_of_x_plus_3(x), is_const())
+
+    def hardswish(x):  # x * hardsigmoid(x), or torch.export's (x * clip(x + 3, 0, 6)) / 6
+        return (is_op("relax.multiply")(x, hardsigmoid(x))
+                | is_op("relax.divide")(is_op("relax.multiply")(x, relu6_of_x_plus_3(x)), is_const()))
 
     patterns = []
-    for act in (*ACTIVATION_OPS, None):
+    for act in (*ACTIVATION_OPS, "hardsigmoid", "hardswish", None):
         for residual in (True, False):
             for bias in (True, False):
                 if not (bias or residual or act):
@@ -77,19 +91,24 @@ def fusion_patterns(target: tvm.target.Target) -> list:
                     out = is_op("relax.add")(out, annotations["residual"])
                 if act == "relax.clip":
                     out = is_op(act)(out, wildcard(), wildcard())
+                elif act == "hardsigmoid":
+                    out = hardsigmoid(out)
+                elif act == "hardswish":
+                    out = hardswish(out)  # multiply matches either operand order
                 elif act is not None:
                     out = is_op(act)(out)
                 if act is not None:
                     annotations["activation"] = out
                 name = "tvm_ext.conv2d" + "_bias" * bias + "_residual" * residual
-                name += f"_{ACTIVATION_OPS[act]}" if act else ""
+                name += f"_{ACTIVATION_OPS.get(act, act)}" if act else ""
                 patterns.append(relax.transform.FusionPattern(name, out, annotations, check))
     patterns.sort(key=lambda p: -p.name.count("_"))
     return patterns
 
 
-def epilogue_of(func: relax.Function) -> tuple[relax.Call, tvm.ir.expr.GenericConst | None, int | None, str | None]:
-    """Read a fused composite function: its conv call, bias constant, residual param, activation call.
+def epilogue_of(func: relax.Function) -> tuple[relax.Call, tvm.ir.expr.GenericConst | None, int | None,
+                                               Activation | None]:
+    """Read a fused composite function: its conv call, bias constant, residual param, activation.
 
     Walked from the output, so an add's operands may come in either order (TVM matches add as
     commutative: RegNet's `x + f(x)` puts the shortcut first). Anything else is an error, never
@@ -107,8 +126,9 @@ def epilogue_of(func: relax.Function) -> tuple[relax.Call, tvm.ir.expr.GenericCo
 
     body = func.body.body if isinstance(func.body, relax.SeqExpr) else func.body
     expr, bias, residual, activation = value_of(body), None, None, None
-    if is_op(expr, *ACTIVATION_OPS):
-        activation, expr = expr, value_of(expr.args[0])
+    found = activation_at(expr, value_of)
+    if found is not None:
+        activation, expr = found[0], value_of(found[1])
     while is_op(expr, "relax.add"):
         chain = [arg for arg in expr.args if is_op(value_of(arg), "relax.add", "relax.nn.conv2d")
                  and not isinstance(arg, tvm.ir.expr.GenericConst) and arg not in params]

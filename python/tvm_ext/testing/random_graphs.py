@@ -152,7 +152,7 @@ class _Builder:
         v = v or self.pick()
         x, ref = v.var, v.ref
         name = self.choice(["relu", "relu", "relu6", "sigmoid", "silu", "x*sigmoid(x)", "gelu", "gelu_tanh",
-                            "leaky_relu", "tanh", "hardswish", "hardsigmoid"])
+                            "leaky_relu", "tanh", "hardswish", "hardsigmoid", "exported hardswish"])
         f32 = "float32"
         if name == "relu":
             out = self.emit(relax.op.nn.relu(x), F.relu(ref))
@@ -174,6 +174,11 @@ class _Builder:
             out = self.emit(relax.op.nn.leakyrelu(x, alpha), F.leaky_relu(ref, alpha))
         elif name == "tanh":
             out = self.emit(relax.op.tanh(x), torch.tanh(ref))
+        elif name == "exported hardswish":  # torch.export's (x * clamp(x + 3, 0, 6)) / 6, one-sided clips
+            shifted = relax.op.add(x, relax.const(3.0, f32))
+            clamped = self.bb.emit(relax.op.clip(relax.op.clip(shifted, 0, float("inf")), float("-inf"), 6))
+            out = self.emit(relax.op.divide(relax.op.multiply(x, clamped), relax.const(6.0, f32)),
+                            ref * torch.clamp(ref + 3, 0, 6) / 6)
         else:  # the torch importer's decompositions, evaluated as written (same float32 rounding)
             clipped = relax.op.clip(relax.op.add(x, relax.const(3.0, f32)), 0, 6)
             hsig = relax.op.divide(clipped, relax.const(6.0, f32))
