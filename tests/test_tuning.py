@@ -121,7 +121,7 @@ def test_each_kernel_kind_names_its_tuning_task():
     """kind_of finds a workload's kind from its attribute; the task of an analytic kernel is the
     workload it was scheduled from (what extract_tasks relies on); other functions have no kind."""
     from tvm_ext.kernels.pool2d import Pool2dWorkload
-    from tvm_ext.tuning.kinds import kind_of
+    from tvm_ext.tuning.known_kinds import kind_of
     from tvm_ext.tuning.pool_space import POOL2D, default_pool_kernel, pool2d_workload
     from tvm_ext.tuning.space import CONV2D
 

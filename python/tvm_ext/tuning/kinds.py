@@ -2,7 +2,8 @@
 
 A tuning task is an unscheduled workload that describes itself in one function attribute
 (:data:`tvm_ext.tuning.space.PLAN_ATTR` for convolutions, :data:`tvm_ext.tuning.pool_space.POOL_ATTR`
-for poolings). The tuner looks the kind up from that attribute once (:func:`kind_of`) and asks it
+for poolings). The tuner looks the kind up from that attribute once
+(:func:`tvm_ext.tuning.known_kinds.kind_of`) and asks it
 for everything else, so a third kind of task is one more :class:`TaskKind`, not one more branch in
 every step of the tuner.
 """
@@ -44,10 +45,3 @@ class TaskKind:
 
     def describes(self, func: tvm.tirx.PrimFunc) -> bool:
         return func.attrs is not None and self.attr in func.attrs
-
-
-def kind_of(func: tvm.tirx.PrimFunc) -> TaskKind | None:
-    """The kind of a tvm_ext workload or kernel, or None for any other function."""
-    from . import pool_space, space
-
-    return next((kind for kind in (space.CONV2D, pool_space.POOL2D) if kind.describes(func)), None)

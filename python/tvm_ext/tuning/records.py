@@ -24,7 +24,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from ..intrin.cpu import register_named
 from ..target import TargetLike, resolve_target
-from .kinds import kind_of
+from .known_kinds import kind_of
 
 logger = logging.getLogger("tvm_ext")
 

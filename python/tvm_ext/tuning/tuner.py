@@ -30,7 +30,8 @@ from tvm.s_tir import meta_schedule as ms
 
 from ..errors import UnsupportedError
 from ..target import TargetLike, resolve_target, usable_cores, vector_isa
-from .kinds import TaskKind, kind_of
+from .kinds import TaskKind
+from .known_kinds import kind_of
 from .records import open_database
 
 logger = logging.getLogger("tvm_ext")

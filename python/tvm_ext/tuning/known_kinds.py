@@ -1,0 +1,17 @@
+"""The kinds of tuning task tvm_ext has (convolutions, poolings), and the lookup of a function's
+kind: above :mod:`.space` and :mod:`.pool_space`, which define them with :class:`.kinds.TaskKind`."""
+
+from __future__ import annotations
+
+import tvm
+
+from .kinds import TaskKind
+from .pool_space import POOL2D
+from .space import CONV2D
+
+KINDS: tuple[TaskKind, ...] = (CONV2D, POOL2D)
+
+
+def kind_of(func: tvm.tirx.PrimFunc) -> TaskKind | None:
+    """The kind of a tvm_ext workload or kernel, or None for any other function."""
+    return next((kind for kind in KINDS if kind.describes(func)), None)
