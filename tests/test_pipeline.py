@@ -269,15 +269,59 @@ def test_onnx_model():
     assert rel_err(_run(tvm_ext.build(mod, "llvm"), x), _run(tvm.compile(mod, TARGET), x)) <= 1e-4
 
 
-def test_symbolic_batch_falls_back_and_runs():
+def _symbolic_batch_graph(bb, x, rng):
+    """conv + bias + shortcut + relu, max pool, a hardswish conv, global pool, a dense head."""
+    y = bb.emit(relax.op.add(bb.emit(relax.op.nn.conv2d(x, _const(rng, 8, 8, 3, 3), padding=(1, 1))),
+                             _const(rng, 1, 8, 1, 1)))
+    y = bb.emit(relax.op.nn.relu(relax.op.add(x, y)))
+    y = bb.emit(relax.op.nn.max_pool2d(y, (3, 3), (2, 2), (1, 1)))
+    z = bb.emit(relax.op.nn.conv2d(y, _const(rng, 16, 8, 1, 1)))
+    z = bb.emit(relax.op.multiply(z, bb.emit(relax.op.divide(relax.op.clip(relax.op.add(z, relax.const(
+        np.float32(3))), 0, 6), relax.const(np.float32(6))))))
+    pooled = bb.emit(relax.op.mean(z, axis=[2, 3], keepdims=True))
+    flat = bb.emit(relax.op.reshape(pooled, (x.ty.shape[0], 16)))
+    return bb.emit(relax.Tuple([z, bb.emit(relax.op.matmul(flat, _const(rng, 16, 5)))]))
+
+
+def test_a_symbolic_batch_runs_on_tvm_ext_kernels_image_by_image():
+    """A graph with a symbolic batch (the serving export) runs its convolutions, pooling and
+    activations on tvm_ext kernels, each over the batch image by image (kernels.batch_loop),
+    and matches stock TVM at batch 1, 3, 8 and 17."""
     rng = np.random.default_rng(7)
     n = tvm.tirx.Var("n", "int64")
-    mod = _graph((n, 8, 10, 10), lambda bb, x: bb.emit(relax.op.nn.relu(
-        bb.emit(relax.op.nn.conv2d(x, _const(rng, 16, 8, 3, 3), padding=(1, 1))))))
-    conv = next(r for r in tvm_ext.dispatch_report(mod, "llvm") if r.op == "nn.conv2d")
-    assert conv.kernel == "fallback" and "symbolic" in conv.reason and conv.shapes[0][0] == "n"
-    xv = rng.standard_normal((3, 8, 10, 10)).astype("float32")
-    assert rel_err(_run(tvm_ext.build(mod, "llvm"), xv), _run(tvm.compile(mod, TARGET), xv)) <= 1e-4
+    mod = _graph((n, 8, 10, 10), lambda bb, x: _symbolic_batch_graph(bb, x, rng))
+    report = tvm_ext.dispatch_report(mod, "llvm")
+    convs = [r for r in report if r.op == "nn.conv2d"]
+    assert len(convs) == 2 and all(r.kernel.endswith("_conv2d") and "symbolic batch n" in r.reason for r in convs)
+    assert next(r for r in report if r.op == "nn.max_pool2d").kernel == "max_pool2d"
+    assert [r.reason for r in report if r.op in ("add", "nn.relu", "divide")] == ["fused"] * 5, str(report)
+    ex, stock = tvm_ext.build(mod, "llvm"), tvm.compile(mod, TARGET)
+    for batch in (1, 3, 8, 17):
+        xv = rng.standard_normal((batch, 8, 10, 10)).astype("float32")
+        got, ref = (relax.VirtualMachine(e, tvm.cpu())["main"](tvm.runtime.tensor(xv)) for e in (ex, stock))
+        for g, r in zip(got, ref, strict=True):
+            assert g.numpy().shape == r.numpy().shape and rel_err(g.numpy(), r.numpy()) <= 1e-4
+
+
+def test_a_shortcut_of_another_batch_is_not_fused_into_a_symbolic_batch():
+    """conv(x) + s with x of batch n and s of batch 1 broadcasts: it is not a shortcut."""
+    rng = np.random.default_rng(9)
+    n = tvm.tirx.Var("n", "int64")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((n, 8, 10, 10), "float32"))
+    s = relax.Var("s", relax.TensorType((1, 8, 10, 10), "float32"))
+    with bb.function("main", [x, s]):
+        with bb.dataflow():
+            conv = bb.emit(relax.op.nn.conv2d(x, _const(rng, 8, 8, 3, 3), padding=(1, 1)))
+            out = bb.emit_output(relax.op.nn.relu(relax.op.add(conv, s)))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    report = tvm_ext.dispatch_report(mod, "llvm")
+    assert next(r for r in report if r.op == "add").reason != "fused", str(report)
+    inputs = [tvm.runtime.tensor(rng.standard_normal((b, 8, 10, 10)).astype("float32")) for b in (3, 1)]
+    got, ref = (relax.VirtualMachine(e, tvm.cpu())["main"](*inputs).numpy()
+                for e in (tvm_ext.build(mod, "llvm"), tvm.compile(mod, TARGET)))
+    assert rel_err(got, ref) <= 1e-4
 
 
 _SYMBOLIC_BODIES = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-__all__ = ["static_shape", "shape_text", "dtype", "prim_value", "is_channel_bias"]
+__all__ = ["static_shape", "image_shape", "symbolic_batch", "shape_text", "dtype", "prim_value", "is_channel_bias"]
 
 
 def static_shape(expr: relax.Expr) -> tuple | None:
@@ -19,6 +19,26 @@ def static_shape(expr: relax.Expr) -> tuple | None:
         return tuple(int(v) for v in shape)
     except (TypeError, ValueError):
         return None
+
+
+def symbolic_batch(expr: relax.Expr) -> tvm.tirx.PrimExpr | None:
+    """The leading extent of a tensor whose other extents are static, if it is symbolic."""
+    shape = getattr(getattr(expr, "ty", None), "shape", None)
+    if not isinstance(shape, (list, tuple, tvm.ir.Array)) or len(shape) == 0:
+        shape = getattr(shape, "values", None)  # a ShapeExpr
+    if shape is None or len(shape) == 0 or isinstance(shape[0], tvm.tirx.IntImm):
+        return None
+    return shape[0] if all(isinstance(shape[i], tvm.tirx.IntImm) for i in range(1, len(shape))) else None
+
+
+def image_shape(expr: relax.Expr) -> tuple | None:
+    """The static shape, or for a symbolic batch (:func:`symbolic_batch`) the shape of one image
+    (leading extent 1); None otherwise."""
+    shape = static_shape(expr)
+    if shape is not None or symbolic_batch(expr) is None:
+        return shape
+    shape = expr.ty.shape
+    return (1, *(int(shape[i]) for i in range(1, len(shape))))
 
 
 def shape_text(expr: relax.Expr) -> tuple:

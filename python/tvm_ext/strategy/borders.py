@@ -23,6 +23,7 @@ import tvm
 from tvm import relax
 
 from ..kernels import conv2d as _conv
+from ..kernels.batch_loop import BATCHED_ATTR, batch_loop
 from ..kernels.layout import PADDING_ATTR
 from ..tuning import space as _space
 
@@ -115,10 +116,13 @@ def _rewrite(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Function,
             call = binding.value
             old = self.builder_.get()[call.args[0]]
             kernel = make_kernel(border.plan, border.epilogue).with_attr("op_pattern", old.attrs["op_pattern"])
+            shape = border.epilogue.out_shape(border.plan)
+            if BATCHED_ATTR in old.attrs:  # one image's kernel over a symbolic batch, as the old one
+                kernel = batch_loop(kernel, [int(i) for i in old.attrs[BATCHED_ATTR]])
+                shape = (binding.var.ty.shape[0], *shape[1:])
             name = call.args[0].name_hint + "_border" + "x".join(map(str, border.epilogue.out_pad))
             new_gvar = self.builder_.add_func(kernel, name)
             args = [self.visit_expr(arg) for arg in call.args[1].fields]
-            shape = border.epilogue.out_shape(border.plan)
             out = self.builder_.emit(relax.call_tir(new_gvar, args, relax.TensorType(shape, "float32")))
             self.set_var_remap(border.pad_var, out)
             logger.debug("tvm_ext: %s writes its %s border; no padded copy", name, border.epilogue.out_pad)

@@ -13,8 +13,9 @@ from ..kernels import elementwise as _elementwise
 from ..kernels import layout as _layout
 from ..kernels import pool2d as _pool
 from ..kernels import winograd as _winograd
+from ..kernels.batch_loop import batch_loop
 from ..kernels.conv2d import Epilogue
-from ..relax_info import static_shape
+from ..relax_info import image_shape, symbolic_batch
 from ..target import vector_isa
 from ..tuning import pool_space as _pool_space
 from ..tuning import space as _space
@@ -64,31 +65,39 @@ class CpuEmitter:
                 and value.args[0].name_hint.startswith(_UNPACK)):
             return None
         blocked = value.args[1].fields[0]
-        _, blocks, _, _, block = static_shape(blocked)
-        if static_shape(expr)[1] != blocks * block:  # channels filling the last block: not the same tensor
+        _, blocks, _, _, block = image_shape(blocked)
+        if image_shape(expr)[1] != blocks * block:  # channels filling the last block: not the same tensor
             return None
         return blocked, block
 
+    def _call_tir(self, func: tvm.tirx.PrimFunc, name: str, args: list, shape: tuple) -> relax.Call:
+        """The call of kernel `func`, which writes `shape`. With a symbolic batch, `func` and
+        `shape` are one image's, and the kernel runs over the batch (:func:`batch_loop`): the
+        arguments with a symbolic batch and the output are batched, the others (weights) not."""
+        batched = [i for i, arg in enumerate(args) if symbolic_batch(arg) is not None]
+        if batched:
+            shape = (symbolic_batch(args[batched[0]]), *shape[1:])
+            func, name = batch_loop(func, [*batched, len(args)]), name + "_batched"
+        return relax.call_tir(add_kernel(self.bb, func, name), args, relax.TensorType(shape, "float32"))
+
     def _call(self, func: tvm.tirx.PrimFunc, name: str, args: list, shape: tuple) -> relax.Var:
-        kernel = add_kernel(self.bb, func, name)
-        return self.bb.emit(relax.call_tir(kernel, args, relax.TensorType(shape, "float32")))
+        return self.bb.emit(self._call_tir(func, name, args, shape))
 
     def unpack(self, blocked: relax.Expr, channels: int) -> relax.Call:
-        shape = static_shape(blocked)
+        shape = image_shape(blocked)
         n, _, h, w, _ = shape
-        kernel = add_kernel(self.bb, _layout.unpack_nchwc_func(shape, channels),
-                             f"{_UNPACK}_{'x'.join(map(str, shape))}")
-        return relax.call_tir(kernel, [blocked], relax.TensorType((n, channels, h, w), "float32"))
+        return self._call_tir(_layout.unpack_nchwc_func(shape, channels), f"{_UNPACK}_{'x'.join(map(str, shape))}",
+                              [blocked], (n, channels, h, w))
 
     def pack(self, data: relax.Expr, block: int, padding=(0, 0, 0, 0)) -> relax.Var:
         """`data` in blocks of `block` channels with a zero border, from its blocked form if it has one."""
-        shape = static_shape(data)
+        shape = image_shape(data)
         known = self.blocked(data)
         pads = tuple(int(p) for p in padding)
         if known is not None and known[1] == block:
             if not any(pads):
                 return known[0]
-            bshape = static_shape(known[0])
+            bshape = image_shape(known[0])
             n, cb, h, w, c = bshape
             return self._call(_layout.pad_nchwc_func(bshape, pads), f"tvm_ext_pad_nchwc_{'x'.join(map(str, bshape))}",
                               [known[0]], (n, cb, h + pads[0] + pads[2], w + pads[1] + pads[3], c))
@@ -135,7 +144,7 @@ class CpuEmitter:
         name = f"tvm_ext_{plan.kind}_conv2d_{tag}{suffix}"
         func = self.conv_kernel(plan, epilogue)
         if not blocked_out:
-            return relax.call_tir(add_kernel(self.bb, func, name), args, relax.TensorType(wl.out_shape, "float32"))
+            return self._call_tir(func, name, args, wl.out_shape)
         return self.unpack(self._call(func, name, args, plan.out_shape()), wl.K)
 
     def _winograd_conv2d(self, plan: _conv.Conv2dPlan, weight: np.ndarray, data: relax.Expr,
@@ -193,12 +202,12 @@ class CpuEmitter:
         data = call.args[0]
         known = self.blocked(data)
         source, block = known if known is not None else (data, None)
-        shape = static_shape(source)
-        channels = static_shape(data)[1]
+        shape = image_shape(source)
+        channels = image_shape(data)[1]
         if decision.kernel == "global_avg_pool2d":
             func, out_shape = _pool.global_avg_pool2d_func(shape), (*shape[:2], 1, 1, *shape[4:])
         elif call.op.name in POOLS:
-            wl = pool_workload(call, static_shape(data))
+            wl = pool_workload(call, image_shape(data))
             func = self.pool_kernel(wl, block)
             out_shape = (*shape[:2], wl.OH, wl.OW, *shape[4:])
         else:
@@ -212,5 +221,5 @@ class CpuEmitter:
                 return out
             out = self.bb.emit(out)
         if call.op.name == "relax.mean":  # mean over H, W: a global pool without the unit axes
-            return relax.op.reshape(out, static_shape(call))
+            return relax.op.reshape(out, call.ty.shape)
         return out

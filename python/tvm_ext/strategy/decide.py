@@ -8,7 +8,7 @@ from tvm import relax
 
 from ..kernels import conv2d as _conv
 from ..kernels import winograd as _winograd
-from ..relax_info import dtype, shape_text, static_shape
+from ..relax_info import dtype, image_shape, shape_text, static_shape, symbolic_batch
 from ..target import vector_isa
 from .base import ACTIVATION_OPS, DATA_MOVEMENT_OPS, POOLS, Decision, is_relu6, pool_workload
 from .cuda_engine import conv2d_decision
@@ -25,7 +25,7 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
     tensors = [arg for arg in call.args if isinstance(arg.ty, relax.TensorType)]
     shapes = tuple(shape_text(arg) for arg in tensors)
     if op in POOLS or op in ACTIVATION_OPS or op == "relax.mean":
-        return _decide_pool_or_activation(call, op, shapes, tensors)
+        return _decide_pool_or_activation(call, op, shapes, tensors, target)
     if op in DATA_MOVEMENT_OPS:
         return Decision(op, shapes, None, "data movement only (a reshape is a view): stock TVM")
     if op != "relax.nn.conv2d":
@@ -38,9 +38,9 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
     dtypes = {dtype(call.args[0]), dtype(call.args[1]), out_dtype}
     if dtypes != {"float32"}:
         return Decision(op, shapes, None, f"dtype {sorted(dtypes)} is not float32")
-    static = [static_shape(arg) for arg in tensors[:2]]
+    static = [_shape_on(target, tensors[0]), static_shape(tensors[1])]
     if any(s is None for s in static):
-        return Decision(op, shapes, None, "symbolic shape: tvm_ext kernels are generated per static shape")
+        return Decision(op, shapes, None, _SYMBOLIC)
     if target.kind.name not in ("llvm", "cuda"):
         return Decision(op, shapes, None, f"target {target.kind.name} has no tvm_ext conv2d")
     try:
@@ -57,37 +57,54 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
         plan = _winograd.winograd_plan(wl, vector_isa(target))
     else:
         plan = _conv.plan_conv2d(wl, vector_isa(target))
-    return Decision(op, shapes, f"{plan.kind}_conv2d", plan.reason, plan)
+    reason = "; ".join(part for part in (plan.reason, _per_image(tensors[0])) if part)
+    return Decision(op, shapes, f"{plan.kind}_conv2d", reason, plan)
 
 
-def _decide_pool_or_activation(call: relax.Call, op: str, shapes: tuple, tensors: list) -> Decision:
-    static = static_shape(tensors[0])
+_SYMBOLIC = ("symbolic shape: tvm_ext kernels are generated per static shape (on CPUs a symbolic batch is run "
+             "image by image; a symbolic height or width is not)")
+
+
+def _shape_on(target: tvm.target.Target, tensor: relax.Expr) -> tuple | None:
+    """The shape a kernel is generated for: the static shape, or on CPUs one image of a symbolic
+    batch (the kernel then runs over the batch: :mod:`tvm_ext.kernels.batch_loop`)."""
+    return image_shape(tensor) if target.kind.name == "llvm" else static_shape(tensor)
+
+
+def _per_image(tensor: relax.Expr) -> str:
+    batch = symbolic_batch(tensor)
+    return "" if batch is None else f"per image over the symbolic batch {batch}"
+
+
+def _decide_pool_or_activation(call: relax.Call, op: str, shapes: tuple, tensors: list,
+                               target: tvm.target.Target) -> Decision:
+    static = _shape_on(target, tensors[0])
     if dtype(tensors[0]) != "float32":
         return Decision(op, shapes, None, f"dtype {dtype(tensors[0])} is not float32")
     if static is None:
-        return Decision(op, shapes, None, "symbolic shape: tvm_ext kernels are generated per static shape")
+        return Decision(op, shapes, None, _SYMBOLIC)
     if 0 in static:
         return Decision(op, shapes, None, "empty tensor (a dimension is 0): nothing to compute")
     if op == "relax.mean":
         axes = sorted(int(a) % len(static) for a in (call.attrs.axis or []))
         if len(static) != 4 or axes != [2, 3]:
             return Decision(op, shapes, None, "mean over axes other than H and W of a 4-D tensor")
-        return Decision(op, shapes, "global_avg_pool2d")
+        return Decision(op, shapes, "global_avg_pool2d", _per_image(tensors[0]))
     if op in ACTIVATION_OPS:
         if op == "relax.clip" and not is_relu6(call):
             return Decision(op, shapes, None, "clip other than relu6 (0, 6)")
-        return Decision(op, shapes, ACTIVATION_OPS[op])
+        return Decision(op, shapes, ACTIVATION_OPS[op], _per_image(tensors[0]))
     attrs = call.attrs
     if str(attrs.layout) != "NCHW" or str(attrs.out_layout) != "NCHW" or len(static) != 4:
         return Decision(op, shapes, None, f"layout {attrs.layout} is not NCHW")
     if POOLS[op] == "global":
         if [int(v) for v in attrs.output_size or []] != [1, 1]:
             return Decision(op, shapes, None, "adaptive pooling to a size other than 1x1")
-        return Decision(op, shapes, "global_avg_pool2d")
+        return Decision(op, shapes, "global_avg_pool2d", _per_image(tensors[0]))
     if POOLS[op] == "avg" and bool(attrs.ceil_mode):
         return Decision(op, shapes, None, "avg_pool2d with ceil_mode (divisor rules differ between frameworks)")
     try:
         pool_workload(call, static)
     except ValueError as err:
         return Decision(op, shapes, None, str(err))
-    return Decision(op, shapes, f"{POOLS[op]}_pool2d")
+    return Decision(op, shapes, f"{POOLS[op]}_pool2d", _per_image(tensors[0]))

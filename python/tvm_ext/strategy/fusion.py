@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import tvm
 from tvm import relax
+from tvm.sym.analyzer import Analyzer
 
-from ..relax_info import dtype, is_channel_bias, static_shape
+from ..relax_info import dtype, image_shape, is_channel_bias, symbolic_batch
 from ..transform import fold_batch_norm, matmul_as_conv2d, recognise_silu
 from .base import ACTIVATION_OPS, Activation, activation_at
 from .cuda_engine import FUSED_ACTIVATIONS
@@ -31,6 +32,15 @@ def reads_inside_or_leaks(ctx) -> bool:
     return residual in inside or any(residual.same_as(value) for value in ctx.matched_bindings.values())
 
 
+def _same_batch(a: relax.Expr, b: relax.Expr) -> bool:
+    """Whether two tensors have the same batch: both static, or the same symbolic extent (a
+    residual of batch 1 added to a symbolic batch would broadcast, not be a shortcut)."""
+    x, y = symbolic_batch(a), symbolic_batch(b)
+    if x is None or y is None:
+        return x is None and y is None
+    return Analyzer().can_prove_equal(x, y)
+
+
 def fusion_patterns(target: tvm.target.Target) -> list:
     """FuseOpsByPattern patterns grouping a conv2d with the epilogue our kernel applies itself.
 
@@ -51,8 +61,9 @@ def fusion_patterns(target: tvm.target.Target) -> list:
         if bias is not None and not is_channel_bias(bias, out_shape[1]):
             return False
         residual = ctx.annotated_expr.get("residual")
-        if residual is not None and (static_shape(residual) != out_shape or dtype(residual) != "float32"
-                                     or isinstance(residual, tvm.ir.expr.GenericConst)):
+        same_batch = residual is None or _same_batch(residual, conv.args[0])
+        if residual is not None and (image_shape(residual) != out_shape or not same_batch
+                                     or dtype(residual) != "float32" or isinstance(residual, tvm.ir.expr.GenericConst)):
             return False  # a constant of the output's shape (a 1x1 output's bias) is a bias
         act = ctx.annotated_expr.get("activation")
         if act is None:
