@@ -416,8 +416,19 @@ def conv2d(x, w, bias=None, *, stride=1, padding=0, dilation=1, groups: int = 1,
     stride, padding, dilation, groups = _conv_options("conv2d", w.shape, stride, padding, dilation, groups)
     if x.shape[0] == 0:
         return _empty_conv(x.shape, w.shape, stride, padding, dilation, groups)
+    x, stride = _pointwise_subsample(x, w.shape, stride, padding)
     kernel = _conv_kernel(x.shape, w.shape, bias is not None, stride, padding, dilation, groups, target)
     return kernel(_contiguous(x), _contiguous(w), None if bias is None else _contiguous(bias))
+
+
+def _pointwise_subsample(x: np.ndarray, w_shape: Sequence[int], stride: tuple[int, int],
+                         padding: tuple[int, ...]) -> tuple[np.ndarray, tuple[int, int]]:
+    """A strided 1x1 convolution without padding reads every stride-th pixel only: (those pixels,
+    stride 1), so the call packs a quarter of a stride-2 input instead of all of it (ResNet's
+    downsampling layers ran at 0.86-0.98x PyTorch, packing included); otherwise (x, stride)."""
+    if tuple(w_shape[2:]) != (1, 1) or any(padding) or stride == (1, 1):
+        return x, stride
+    return x[:, :, ::stride[0], ::stride[1]], (1, 1)
 
 
 def _conv_kernel(x_shape, w_shape, bias: bool, stride, padding, dilation, groups, target) -> _Conv2dKernel:
@@ -493,7 +504,8 @@ class Conv2d:
         if x.shape[0] == 0:
             return _empty_conv(x.shape, self.weight.shape,
                                **{k: v for k, v in self.options.items() if k != "target"})
-        kernel = _conv_kernel(x.shape, self.weight.shape, self.bias is not None, **self.options)
+        x, stride = _pointwise_subsample(x, self.weight.shape, self.options["stride"], self.options["padding"])
+        kernel = _conv_kernel(x.shape, self.weight.shape, self.bias is not None, **{**self.options, "stride": stride})
         packed = self._packed.get(x.shape)
         if packed is None:
             layout = (kernel.plan.kind, kernel.plan.weight_shape())
