@@ -15,18 +15,16 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e import time_calls  # noqa: E402  (bench/e2e.py: one warm-up call, then the timed ones)
+
 
 def _median_ms(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return statistics.median(time_calls(fn, repeat))
 
 
 def main(argv: list[str] | None = None) -> int:

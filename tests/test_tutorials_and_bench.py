@@ -125,6 +125,18 @@ def test_zoo_bench_rejects_an_unknown_model():
     assert out.returncode == 2 and "lenet not in the zoo" in out.stderr
 
 
+def test_dynamic_batch_bench_smoke():
+    out = _run("bench/dynamic_batch.py", "--model", "resnet18", "--size", "64", "--batches", "1,2", "--repeat", "1",
+               "--rounds", "1")
+    rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0] in ("1", "2")]
+    assert [r[0] for r in rows] == ["1", "2"] and all(float(r[4]) <= 1e-4 and float(r[5]) <= 1e-4 for r in rows)
+
+
+def test_fuzz_bench_smoke():
+    out = _run("bench/fuzz.py", "--graphs", "3", "--first", "11")
+    assert "3 graphs (seeds 11..13): 0 failed" in out
+
+
 def test_e2e_bench_smoke(tmp_path):
     table, scratch = tmp_path / "e2e.csv", tmp_path / "tmp"
     scratch.mkdir()
