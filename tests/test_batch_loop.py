@@ -48,7 +48,8 @@ def test_a_layout_kernel_over_a_batch():
 
 @pytest.mark.parametrize("x_shape, w_shape, groups", [((1, 32, 14, 14), (64, 32, 3, 3), 1),
                                                       ((1, 32, 14, 14), (32, 1, 3, 3), 32),
-                                                      ((1, 16, 9, 9), (24, 16, 1, 1), 1)])
+                                                      ((1, 16, 9, 9), (24, 16, 1, 1), 1),
+                                                      ((1, 3, 23, 23), (16, 3, 3, 3), 1)])
 def test_a_tensorized_convolution_over_a_batch(x_shape, w_shape, groups):
     isa = vector_isa(TARGET)
     pad = (1, 1, 1, 1) if w_shape[2] == 3 else (0, 0, 0, 0)
@@ -57,6 +58,18 @@ def test_a_tensorized_convolution_over_a_batch(x_shape, w_shape, groups):
     batched = [0, len(func.params) - 1]  # data and output; weights and bias are shared
     assert _per_image_and_batched(func, batched) == 0.0
     assert [int(i) for i in batch_loop(func, batched).attrs[BATCHED_ATTR]] == batched
+
+
+def test_an_image_that_is_not_a_multiple_of_the_alignment_is_copied_not_viewed():
+    """A 3-channel 25 x 25 padded input is 7,500 bytes an image: a view of the second image would
+    break the 64-byte alignment the kernel was compiled for, so it is copied into an aligned buffer;
+    an output image of 16 x 23 x 23 floats (a multiple of 64 bytes) is a view."""
+    isa = vector_isa(TARGET)
+    plan = C.plan_conv2d(C.Conv2dWorkload.make((1, 3, 23, 23), (16, 3, 3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 1), isa)
+    func = space.default_kernel(plan, C.Epilogue(nchw_out=True), isa)
+    text = batch_loop(func, [0, len(func.params) - 1]).script()
+    assert "T.alloc_buffer((1, 1, 25, 25, 3))" in text and "OUT = T.decl_buffer((1, 16, 23, 23)" in text
+    assert _per_image_and_batched(func, [0, len(func.params) - 1], images=4) == 0.0
 
 
 def test_only_a_one_image_parameter_can_be_batched():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import tvm
 from tvm import s_tir, tirx
 
 __all__ = ["BATCHED_ATTR", "batch_loop"]
@@ -21,13 +22,20 @@ __all__ = ["BATCHED_ATTR", "batch_loop"]
 BATCHED_ATTR = "tvm_ext.batched_params"
 
 
-def batch_loop(func: tirx.PrimFunc, batched: Sequence[int]) -> tirx.PrimFunc:
+def batch_loop(func: tirx.PrimFunc, batched: Sequence[int], outputs: int = 1) -> tirx.PrimFunc:
     """`func` over a symbolic batch: the parameters at the indices `batched` (leading extent 1)
-    become (n, ...) buffers, the others stay as they are (weights, biases)."""
+    become (n, ...) buffers, the others stay as they are (weights, biases). The last `outputs`
+    parameters are the ones the kernel writes.
+
+    The kernel was compiled assuming its buffers aligned (64 bytes: LLVM is told so). An image
+    whose size is a multiple of that is a view of the batched buffer; any other image is copied
+    into an aligned buffer of its own before the kernel (inputs) or out of it after (outputs):
+    a 3-channel 230 x 230 padded input is 634,800 bytes an image, and a view of the second one
+    would be 16 bytes off."""
     batched = sorted({int(i) for i in batched})
     n = tirx.Var("n", "int64")
     image = tirx.Var("image", "int64")
-    params, views = [], []
+    params, before, after = [], [], []
     for i, param in enumerate(func.params):
         if i not in batched:
             params.append(param)
@@ -35,12 +43,28 @@ def batch_loop(func: tirx.PrimFunc, batched: Sequence[int]) -> tirx.PrimFunc:
         if int(param.shape[0]) != 1:
             raise ValueError(f"batch_loop: parameter {param.name} has a leading extent of {param.shape[0]}, not 1")
         whole = tirx.decl_buffer((n, *param.shape[1:]), param.dtype, f"{param.name}_batch")
+        params.append(whole)
         per_image = 1
         for extent in param.shape[1:]:
             per_image *= int(extent)
-        params.append(whole)
-        views.append(tirx.DeclBuffer(param, data=whole.access_ptr("rw", offset=image * per_image)))
-    loop = tirx.For(image, tirx.const(0, "int64"), n, tirx.ForKind.SERIAL, tirx.SeqStmt([*views, func.body]))
+        alignment = int(param.data_alignment) if int(param.data_alignment) > 0 else 64
+        offset = image * per_image
+        if per_image * tvm.runtime.DataType(param.dtype).bits // 8 % alignment == 0:
+            before.append(tirx.DeclBuffer(param, data=whole.access_ptr("rw", offset=offset)))
+            continue
+        before.append(tirx.AllocBuffer(param))
+        flat = tirx.decl_buffer((per_image,), param.dtype, f"{param.name}_flat", data=param.data)
+        batch = tirx.decl_buffer((n * per_image,), param.dtype, f"{param.name}_batch_flat", data=whole.data)
+        before += [tirx.DeclBuffer(flat, data=param.data), tirx.DeclBuffer(batch, data=whole.data)]
+        j = tirx.Var("j", "int64")
+        if i >= len(func.params) - outputs:
+            store = tirx.BufferStore(batch, tirx.BufferLoad(flat, [j]), [offset + j])
+            after.append(tirx.For(j, tirx.const(0, "int64"), per_image, tirx.ForKind.SERIAL, store))
+        else:
+            store = tirx.BufferStore(flat, tirx.BufferLoad(batch, [offset + j]), [j])
+            before.append(tirx.For(j, tirx.const(0, "int64"), per_image, tirx.ForKind.SERIAL, store))
+    body = tirx.SeqStmt([*before, func.body, *after])
+    loop = tirx.For(image, tirx.const(0, "int64"), n, tirx.ForKind.SERIAL, body)
     # under a root block, as every PrimFunc in schedule form (Relax's pattern analysis expects one)
     root = s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", loop))
     return tirx.PrimFunc(params, root, attrs=func.attrs).with_attr(BATCHED_ATTR, batched)
