@@ -195,3 +195,36 @@ def test_hardswish_and_hardsigmoid_fuse_as_written_by_the_importer(form):
     got = _outputs(tvm_ext.build(mod, TARGET, winograd=False), x)
     ref = _outputs(tvm.compile(mod, TARGET), x)
     assert rel_err(got[0], ref[0]) <= 1e-5, rel_err(got[0], ref[0])
+
+
+@pytest.mark.parametrize("gate_first", [False, True])
+@pytest.mark.parametrize("batch", [2, "n"])
+def test_squeeze_excitation_gate_runs_on_the_channel_scale_kernel(gate_first, batch):
+    """x * sigmoid(conv(relu(conv(mean(x))))) (EfficientNet's squeeze-excitation): the gate's
+    multiply runs on tvm_ext's channel-scale kernel in the blocked layout, operands in either
+    order, static or symbolic batch; a gate of another batch (1 against 2) broadcasts and stays
+    with stock TVM. Every form computes what the graph says."""
+    rng = np.random.default_rng(5)
+    n = tvm.tirx.Var("n", "int64") if batch == "n" else batch
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((n, 16, 9, 11), "float32"))
+    other = relax.Var("g", relax.TensorType((1, 16, 1, 1), "float32"))
+    with bb.function("main", [x, other]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.relu(relax.op.add(_conv(bb, rng, x), random_const(rng, 1, 16, 1, 1))))
+            squeezed = bb.emit(relax.op.mean(y, axis=[2, 3], keepdims=True))
+            hidden = bb.emit(relax.op.nn.relu(relax.op.nn.conv2d(squeezed, random_const(rng, 4, 16, 1, 1))))
+            gate = bb.emit(relax.op.sigmoid(relax.op.nn.conv2d(hidden, random_const(rng, 16, 4, 1, 1))))
+            scaled = bb.emit(relax.op.multiply(gate, y) if gate_first else relax.op.multiply(y, gate))
+            out = bb.emit_output(relax.Tuple([scaled, bb.emit(relax.op.multiply(y, other))]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    kernels = [r.kernel for r in tvm_ext.dispatch_report(mod, TARGET) if r.op == "multiply"]
+    assert kernels == ["channel_scale", "fallback"], kernels
+    xv = np.random.default_rng(1).standard_normal((2, 16, 9, 11)).astype("float32")
+    gv = np.random.default_rng(2).standard_normal((1, 16, 1, 1)).astype("float32")
+    inputs = [tvm.runtime.tensor(xv), tvm.runtime.tensor(gv)]
+    got, ref = (relax.VirtualMachine(ex, tvm.cpu())["main"](*inputs)
+                for ex in (tvm_ext.build(mod, TARGET, winograd=False), tvm.compile(mod, TARGET)))
+    for g, r in zip(got, ref, strict=True):
+        assert rel_err(g.numpy(), r.numpy()) <= 1e-5

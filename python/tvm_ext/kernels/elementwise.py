@@ -104,3 +104,30 @@ def flat_activation_func(name: str, shape, alpha: float, inner: int, outer_loop:
     text = _TEMPLATE.format(shape=shape, size=size, inner=inner, outer_loop=outer_loop.format(outer),
                             inner_loop=inner_loop.format(inner), value=activation_text(name, "X_flat[v]", alpha))
     return script.from_source(text).with_attr(KERNEL_ATTR, name)
+
+
+def channel_scale_func(shape, lanes: int) -> tirx.PrimFunc:
+    """x * s with s one value per image and channel: squeeze-excitation's gate (EfficientNet,
+    MobileNet-v3, RegNet-Y). `shape` is x's: NCHW (N, C, H, W), or blocked (N, C/c, H, W, c),
+    which it keeps (an NCHW multiply between two blocked convolutions cost two layout copies);
+    s is (N, C, 1, 1). Parallel over images and channel blocks (or channels), vectorized along
+    the innermost axis."""
+    from tvm import s_tir, te
+
+    shape = tuple(int(v) for v in shape)
+    x = te.placeholder(shape, "float32", name="x")
+    channels = shape[1] * shape[4] if len(shape) == 5 else shape[1]
+    s = te.placeholder((shape[0], channels, 1, 1), "float32", name="s")
+    if len(shape) == 5:
+        out = te.compute(shape, lambda n, cb, h, w, c: x[n, cb, h, w, c] * s[n, cb * shape[4] + c, 0, 0], name="out")
+    else:
+        out = te.compute(shape, lambda n, c, h, w: x[n, c, h, w] * s[n, c, 0, 0], name="out")
+    sch = s_tir.Schedule(te.create_prim_func([x, s, out]))
+    loops = sch.get_loops(sch.get_sblock("out"))
+    sch.parallel(sch.fuse(loops[0], loops[1]))
+    inner = sch.fuse(*loops[2:])
+    extent = math.prod(shape[2:])
+    if extent >= lanes:
+        _, vector = sch.split(inner, [None, lanes] if extent % lanes == 0 else [None, 1])
+        sch.vectorize(vector)
+    return sch.mod["main"].with_attr(KERNEL_ATTR, "channel_scale")

@@ -9,6 +9,7 @@ from typing import Protocol
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import relax
 
 from ..kernels import pool2d as _pool
@@ -113,6 +114,23 @@ def activation_at(expr: relax.Expr, value_of) -> tuple[Activation, relax.Expr] |
     return None
 
 
+def channel_scale_operands(call: relax.Call) -> tuple[relax.Expr, relax.Expr] | None:
+    """(x, s) of a multiply of an NCHW tensor x by s of shape (N, C, 1, 1), either operand order
+    (squeeze-excitation's gate); None for any other multiply."""
+    args = list(call.args)
+    if len(args) != 2 or not all(isinstance(a.ty, relax.TensorType) for a in args):
+        return None
+    for x, s in (args, args[::-1]):
+        xs, ss = x.ty.shape, s.ty.shape
+        if xs is None or ss is None or len(xs) != 4 or len(ss) != 4:
+            continue
+        spatial = [isinstance(v, tvm.tirx.IntImm) and int(v) == 1 for v in (ss[2], ss[3])]
+        if all(spatial) and not all(isinstance(v, tvm.tirx.IntImm) and int(v) == 1 for v in (xs[2], xs[3])):
+            if tvm_ffi.structural_equal(xs[0], ss[0]) and tvm_ffi.structural_equal(xs[1], ss[1]):
+                return x, s
+    return None
+
+
 def alpha(activation: relax.Call | None) -> float:
     """leaky_relu's negative slope (the other activations have none)."""
     if activation is None or activation.op.name != "relax.nn.leakyrelu":
@@ -151,4 +169,5 @@ class Emitter(Protocol):
         """conv2d (+ bias + residual -> activation) as kernel calls."""
 
     def pool_or_activation(self, call: relax.Call, decision: Decision) -> relax.Expr:
-        """A pooling, global pooling, mean over H and W, or activation as a kernel call."""
+        """A pooling, global pooling, mean over H and W, activation or channel scale (a
+        squeeze-excitation gate) as a kernel call."""

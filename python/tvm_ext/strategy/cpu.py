@@ -19,7 +19,7 @@ from ..relax_info import image_shape, symbolic_batch
 from ..target import vector_isa
 from ..tuning import pool_space as _pool_space
 from ..tuning import space as _space
-from .base import POOLS, Activation, Decision, add_kernel, alpha, pool_workload
+from .base import POOLS, Activation, Decision, add_kernel, alpha, channel_scale_operands, pool_workload
 
 __all__ = ["CpuEmitter"]
 
@@ -198,7 +198,18 @@ class CpuEmitter:
                 return tuned
         return _pool_space.default_pool_kernel(wl, block)
 
+    def _channel_scale(self, data: relax.Expr, scale: relax.Expr) -> relax.Expr:
+        """data * scale, scale (N, C, 1, 1): in data's blocked layout where it has one."""
+        known = self.blocked(data)
+        source = data if known is None else known[0]
+        shape = image_shape(source)
+        func = _elementwise.channel_scale_func(shape, self.isa.lanes)
+        out = self._call(func, f"tvm_ext_channel_scale_{'x'.join(map(str, shape))}", [source, scale], shape)
+        return out if known is None else self.unpack(out, image_shape(data)[1])
+
     def pool_or_activation(self, call: relax.Call, decision: Decision) -> relax.Expr:
+        if decision.kernel == "channel_scale":
+            return self._channel_scale(*channel_scale_operands(call))
         data = call.args[0]
         known = self.blocked(data)
         source, block = known if known is not None else (data, None)

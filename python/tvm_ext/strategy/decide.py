@@ -10,7 +10,7 @@ from ..kernels import conv2d as _conv
 from ..kernels import winograd as _winograd
 from ..relax_info import dtype, image_shape, shape_text, static_shape, symbolic_batch
 from ..target import vector_isa
-from .base import ACTIVATION_OPS, DATA_MOVEMENT_OPS, POOLS, Decision, is_relu6, pool_workload
+from .base import ACTIVATION_OPS, DATA_MOVEMENT_OPS, POOLS, Decision, channel_scale_operands, is_relu6, pool_workload
 from .cuda_engine import conv2d_decision
 
 __all__ = ["decide"]
@@ -26,6 +26,8 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
     shapes = tuple(shape_text(arg) for arg in tensors)
     if op in POOLS or op in ACTIVATION_OPS or op == "relax.mean":
         return _decide_pool_or_activation(call, op, shapes, tensors, target)
+    if op == "relax.multiply" and channel_scale_operands(call) is not None:
+        return _decide_channel_scale(call, shapes, tensors, target)
     if op in DATA_MOVEMENT_OPS:
         return Decision(op, shapes, None, "data movement only (a reshape is a view): stock TVM")
     if op != "relax.nn.conv2d":
@@ -74,6 +76,18 @@ def _shape_on(target: tvm.target.Target, tensor: relax.Expr) -> tuple | None:
 def _per_image(tensor: relax.Expr) -> str:
     batch = symbolic_batch(tensor)
     return "" if batch is None else f"per image over the symbolic batch {batch}"
+
+
+def _decide_channel_scale(call: relax.Call, shapes: tuple, tensors: list, target: tvm.target.Target) -> Decision:
+    op = "relax.multiply"
+    x, s = channel_scale_operands(call)
+    if {dtype(x), dtype(s)} != {"float32"}:
+        return Decision(op, shapes, None, f"dtype {dtype(x)} is not float32")
+    if target.kind.name != "llvm" or _shape_on(target, x) is None or _shape_on(target, s) is None:
+        return Decision(op, shapes, None, _SYMBOLIC if target.kind.name == "llvm" else "no CUDA channel scale yet")
+    if 0 in _shape_on(target, x):
+        return Decision(op, shapes, None, "empty tensor (a dimension is 0): nothing to compute")
+    return Decision(op, shapes, "channel_scale", _per_image(x))
 
 
 def _decide_pool_or_activation(call: relax.Call, op: str, shapes: tuple, tensors: list,
