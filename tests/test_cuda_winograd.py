@@ -19,7 +19,7 @@ from tvm_ext.kernels.cuda import conv2d as cc
 from tvm_ext.kernels.cuda import ptx
 from tvm_ext.kernels.cuda import winograd as cw
 from tvm_ext.models.torch_reference import to_torch
-from tvm_ext.strategy import cuda as cuda_strategy
+from tvm_ext.strategy import cuda_engine
 from tvm_ext.testing import cuda_emulator
 from tvm_ext.testing.relax_emulator import emulated_executable, lower
 
@@ -122,27 +122,27 @@ def test_strategy_takes_winograd_where_the_estimate_wins():
     """Big 3x3 and 5x5 layers run as Winograd (the reason says so, with the estimate); small
     ones, tensor-core engines, non-constant weights (the caller's flag) and strided layers stay direct."""
     alexnet_conv3 = Conv2dWorkload.make((128, 256, 13, 13), (384, 256, 3, 3), 1, 1)
-    kernel, reason, plan = cuda_strategy.conv2d_decision(alexnet_conv3, "ffma", True)
+    kernel, reason, plan = cuda_engine.conv2d_decision(alexnet_conv3, "ffma", True)
     assert kernel == cw.KERNEL_NAME and isinstance(plan, cw.WinogradPlan)
     assert reason.startswith("Winograd F(4x4, 3x3): 36 GEMMs") and "faster than direct" in reason
     direct_ms, winograd_ms = cw.estimate(plan)
     assert direct_ms > cw.MIN_SPEEDUP * winograd_ms
     alexnet_conv2 = Conv2dWorkload.make((128, 64, 27, 27), (192, 64, 5, 5), 1, 2)
-    assert cuda_strategy.conv2d_decision(alexnet_conv2, "ffma", True)[0] == cw.KERNEL_NAME
+    assert cuda_engine.conv2d_decision(alexnet_conv2, "ffma", True)[0] == cw.KERNEL_NAME
     small = Conv2dWorkload.make((1, 16, 8, 8), (16, 16, 3, 3), 1, 1)  # launches dominate
-    assert cuda_strategy.conv2d_decision(small, "ffma", True)[0] == cc.KERNEL_NAME
+    assert cuda_engine.conv2d_decision(small, "ffma", True)[0] == cc.KERNEL_NAME
     for engine, allowed in (("mma_tf32", True), ("ffma", False)):
-        assert cuda_strategy.conv2d_decision(alexnet_conv3, engine, allowed)[0] == cc.KERNEL_NAME
+        assert cuda_engine.conv2d_decision(alexnet_conv3, engine, allowed)[0] == cc.KERNEL_NAME
     strided = Conv2dWorkload.make((128, 256, 13, 13), (384, 256, 3, 3), 2, 1)
-    assert cuda_strategy.conv2d_decision(strided, "ffma", True)[0] == cc.KERNEL_NAME
+    assert cuda_engine.conv2d_decision(strided, "ffma", True)[0] == cc.KERNEL_NAME
     tiny_images = Conv2dWorkload.make((64, 256, 2, 2), (256, 256, 3, 3), 1, 1)  # F(4x4): 36 products for 4
     assert cw.choose_plan(tiny_images)[0].m == 2 and cw.choose_plan(alexnet_conv3)[0].m == 4
     huge = Conv2dWorkload.make((256, 128, 224, 224), (64, 128, 3, 3), 1, 1)  # V: 3.7e9 elements
     with pytest.raises(ValueError, match="32-bit indices"):
         cw.WinogradPlan.make(huge)
-    assert cuda_strategy.conv2d_decision(huge, "ffma", True)[0] == cc.KERNEL_NAME
+    assert cuda_engine.conv2d_decision(huge, "ffma", True)[0] == cc.KERNEL_NAME
     larger = Conv2dWorkload.make((1024, 128, 224, 224), (64, 128, 3, 3), 1, 1)  # x itself: 6.6e9 elements
-    kernel, reason, _ = cuda_strategy.conv2d_decision(larger, "ffma", True)
+    kernel, reason, _ = cuda_engine.conv2d_decision(larger, "ffma", True)
     assert kernel is None and "32-bit indices" in reason and reason.endswith("stock TVM")
 
 

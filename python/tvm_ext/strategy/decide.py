@@ -18,7 +18,7 @@ __all__ = ["decide"]
 
 def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", winograd: bool = True) -> Decision:
     """The kernel for `call` on `target`, or why stock TVM keeps it (`engine`: CUDA's
-    convolution engine, see :func:`tvm_ext.strategy.cuda.engine_for`; `winograd`: whether a
+    convolution engine, see :func:`tvm_ext.strategy.cuda_engine.engine_for`; `winograd`: whether a
     convolution with constant weights may run as Winograd, :mod:`tvm_ext.kernels.winograd` and
     :mod:`tvm_ext.kernels.cuda.winograd`)."""
     op = call.op.name if isinstance(call.op, tvm.ir.Op) else str(call.op)
