@@ -82,7 +82,7 @@ def _decide_channel_scale(call: relax.Call, shapes: tuple, tensors: list, target
     op = "relax.multiply"
     x, s = channel_scale_operands(call)
     if {dtype(x), dtype(s)} != {"float32"}:
-        return Decision(op, shapes, None, f"dtype {dtype(x)} is not float32")
+        return Decision(op, shapes, None, f"dtype {sorted({dtype(x), dtype(s)})} is not float32")
     if target.kind.name != "llvm" or _shape_on(target, x) is None or _shape_on(target, s) is None:
         return Decision(op, shapes, None, _SYMBOLIC if target.kind.name == "llvm" else "no CUDA channel scale yet")
     if 0 in _shape_on(target, x):
