@@ -111,7 +111,7 @@ def test_vector_exp_is_accurate_and_vectorizes():
     import tvm
     from tvm import te
 
-    from tvm_ext.kernels.conv2d import vector_exp
+    from tvm_ext.kernels.vector_math import vector_exp
     from tvm_ext.target import resolve_target
 
     target = resolve_target("llvm")

@@ -35,6 +35,7 @@ from ..intrin.cpu_depthwise import DepthwiseTile, get_depthwise_intrin
 from ..target import AVX2, AVX512, NEON, SSE, VectorISA
 from . import script
 from .transpose import transpose8x8
+from .vector_math import ACTIVATION_FUNCTIONS
 
 KERNEL_ATTR = "tvm_ext.kernel"
 
@@ -293,7 +294,7 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
 # Activations as TVMScript expressions of the value {v} (and {alpha}, leaky_relu's slope): the
 # one definition behind convolution epilogues and the elementwise kernels. Comparisons select,
 # so a NaN stays a NaN as in PyTorch (LLVM's max/min of a NaN and 0 give 0).
-# 1 / (1 + exp(-v)) with the exp of :func:`vector_exp` (T.sigmoid's exp is a scalar expf call per
+# 1 / (1 + exp(-v)) with the exp of :func:`.vector_math.vector_exp` (T.sigmoid's exp is a scalar expf call per
 # lane: 64 calls an iteration of an AVX-512 kernel, 60% of EfficientNet's time in its SiLU
 # epilogues). Below -88.38 the exp is clamped: the result, under 4e-39, is 0 (as -inf's is).
 _SIGMOID = ("T.Select({v} < T.float32(-88.3762626647949), T.float32(0), "
@@ -354,29 +355,6 @@ class Epilogue:
     def empty(self) -> bool:
         """No epilogue pass over the row (a border is written by blocks of its own)."""
         return not (self.bias or self.residual or self.activation or self.nchw_out)
-
-
-def vector_exp(x: tirx.PrimExpr) -> tirx.PrimExpr:
-    """exp(x) for float32 in arithmetic that vectorizes: x = n ln2 + r, exp(r) by Cephes' expf
-    polynomial, times 2^n built in the exponent bits (TVM's fast_exp; relative error about 1e-7).
-    LLVM turns the exp of a vector into one scalar expf call per lane. Selects clamp x to
-    [-88.38, 88.38] so a NaN stays a NaN."""
-    def f32(c: float) -> tirx.PrimExpr:
-        return tirx.const(c, "float32")
-
-    hi, lo = f32(88.3762626647949), f32(-88.3762626647949)
-    x = tirx.Select(x > hi, hi, tirx.Select(x < lo, lo, x))
-    n = tirx.floor(x * f32(1.44269504088896341) + f32(0.5))
-    r = x - n * f32(0.6931471805599453)
-    p = f32(1.9875691500e-4)
-    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
-        p = p * r + f32(c)
-    two_to_n = tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("int32", n) + 127, 23))
-    return (p * r * r + r + f32(1)) * two_to_n
-
-
-# What the activation texts may call besides T (TVMScript's tirx), for parsing and for eval.
-ACTIVATION_FUNCTIONS = {"_vector_exp": vector_exp}
 
 
 def activation_expr(name: str, value: tirx.PrimExpr, alpha: float = 0.01) -> tirx.PrimExpr:

@@ -20,9 +20,9 @@ from tvm import tirx
 @functools.lru_cache(maxsize=1024)
 def from_source(text: str) -> tirx.PrimFunc:
     """The PrimFunc of TVMScript `text` (`tvm.script.from_source`), cached by the text. The text may
-    call the activations' helper functions (:data:`tvm_ext.kernels.conv2d.ACTIVATION_FUNCTIONS`)."""
+    call the activations' helper functions (:data:`tvm_ext.kernels.vector_math.ACTIVATION_FUNCTIONS`)."""
     from tvm.script.parser.core.entry import _default_globals
 
-    from .conv2d import ACTIVATION_FUNCTIONS
+    from .vector_math import ACTIVATION_FUNCTIONS
 
     return tvm.script.from_source(text, extra_vars={**_default_globals(), **ACTIVATION_FUNCTIONS})
