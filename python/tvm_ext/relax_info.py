@@ -6,7 +6,8 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-__all__ = ["static_shape", "image_shape", "symbolic_batch", "shape_text", "dtype", "prim_value", "is_channel_bias"]
+__all__ = ["static_shape", "image_shape", "symbolic_batch", "same_extent", "shape_text", "dtype", "prim_value",
+           "is_channel_bias"]
 
 
 def static_shape(expr: relax.Expr) -> tuple | None:
@@ -29,6 +30,13 @@ def symbolic_batch(expr: relax.Expr) -> tvm.tirx.PrimExpr | None:
     if shape is None or len(shape) == 0 or isinstance(shape[0], tvm.tirx.IntImm):
         return None
     return shape[0] if all(isinstance(shape[i], tvm.tirx.IntImm) for i in range(1, len(shape))) else None
+
+
+def same_extent(a: tvm.tirx.PrimExpr, b: tvm.tirx.PrimExpr) -> bool:
+    """Whether two shape extents are provably equal (the same symbolic batch, or equal ints)."""
+    from tvm.sym.analyzer import Analyzer
+
+    return Analyzer().can_prove_equal(a, b)
 
 
 def image_shape(expr: relax.Expr) -> tuple | None:

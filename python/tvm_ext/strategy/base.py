@@ -9,11 +9,10 @@ from typing import Protocol
 
 import numpy as np
 import tvm
-import tvm_ffi
 from tvm import relax
 
 from ..kernels import pool2d as _pool
-from ..relax_info import prim_value
+from ..relax_info import prim_value, same_extent
 
 # Relax's FuseOps must leave our scheduled kernels alone: kOpaque.
 OPAQUE = 8
@@ -126,7 +125,7 @@ def channel_scale_operands(call: relax.Call) -> tuple[relax.Expr, relax.Expr] | 
             continue
         spatial = [isinstance(v, tvm.tirx.IntImm) and int(v) == 1 for v in (ss[2], ss[3])]
         if all(spatial) and not all(isinstance(v, tvm.tirx.IntImm) and int(v) == 1 for v in (xs[2], xs[3])):
-            if tvm_ffi.structural_equal(xs[0], ss[0]) and tvm_ffi.structural_equal(xs[1], ss[1]):
+            if same_extent(xs[0], ss[0]) and same_extent(xs[1], ss[1]):
                 return x, s
     return None
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import tvm
 from tvm import relax
-from tvm.sym.analyzer import Analyzer
 
-from ..relax_info import dtype, image_shape, is_channel_bias, symbolic_batch
+from ..relax_info import dtype, image_shape, is_channel_bias, same_extent, symbolic_batch
 from ..transform import fold_batch_norm, matmul_as_conv2d, recognise_silu
 from .base import ACTIVATION_OPS, Activation, activation_at
 from .cuda_engine import FUSED_ACTIVATIONS
@@ -38,7 +37,7 @@ def _same_batch(a: relax.Expr, b: relax.Expr) -> bool:
     x, y = symbolic_batch(a), symbolic_batch(b)
     if x is None or y is None:
         return x is None and y is None
-    return Analyzer().can_prove_equal(x, y)
+    return same_extent(x, y)
 
 
 def fusion_patterns(target: tvm.target.Target) -> list:
