@@ -34,6 +34,24 @@ needs_nvcc = pytest.mark.skipif(not ptx.have_nvcc(), reason="nvcc is not install
 needs_gxx = pytest.mark.skipif(not cuda_emulator.have_compiler(), reason="g++ is not installed")
 
 
+def unfenced_shared_stores(ptx_text: str) -> int:
+    """How many wgmma issues read shared memory stored since the last async-proxy fence. The
+    tensor cores read the weights' tile through the async proxy: stores to it must be followed
+    by `fence.proxy.async` (before the barrier), or a wgmma may read the tile as it was; the
+    H200 gave NaN on 31 of 34 layers without it, the emulator and compute-sanitizer saw nothing."""
+    pending, count = False, 0
+    for line in ptx_text.splitlines():
+        line = line.strip().lstrip("{").strip()
+        if line.startswith("st.shared"):
+            pending = True
+        elif line.startswith("fence.proxy.async"):
+            pending = False
+        elif "wgmma.mma_async" in line:
+            count += pending
+            pending = False
+    return count
+
+
 @needs_gxx
 @pytest.mark.parametrize("gather", [True, False])  # A fragments from the input, or from a shared tile
 @pytest.mark.parametrize("x_shape, w_shape, options, epilogue", [
@@ -135,6 +153,9 @@ def test_emulator_catches_broken_wgmma_kernels(engine, wl):
     assert rel_err(got, ref) < 1e-5
     for fault in ("wrong_buffer", "no_store"):
         assert _broken(plan, cc.cuda_source(plan, fault=fault))
+    # the weights' tile stored without fence.proxy.async (NaN on an H200 in 0.5.12)
+    with pytest.raises(cuda_emulator.EmulationError, match="after the last fence.proxy.async"):
+        _emulated(plan, cc.cuda_source(plan, fault="no_proxy_fence"))
     assert _broken(plan, _without_first_loop_barrier(source))
     # the descriptor's strides swapped: the tensor cores would read the weights' tile transposed
     encode = re.compile(r"(ptx_wgmma_encode_matrix_descriptor\([^;]*), 8, 16, 0\);")
@@ -329,8 +350,10 @@ def test_wgmma_machine_code(gather, engine):
     t = plan.tile
     assert (t.rows, t.cols, plan.tap_loop, plan.gathers_fragments) == (128, 128, True, gather)
     source = cc.cuda_source(plan, TARGET)
-    ops_count = ptx.ptx_instructions(ptx.compile_source(source, "sm_90a").decode())
+    ptx_text = ptx.compile_source(source, "sm_90a").decode()
+    ops_count = ptx.ptx_instructions(ptx_text)
     assert ops_count[t.wgmma.opcode(t.rows)] == t.slabs * plan.code_steps
+    assert unfenced_shared_stores(ptx_text) == 0
     for op in ("wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned"):
         assert ops_count[op] == plan.code_steps
     # a group a step (waited for a step later where they stay in flight, and once more at the end)
@@ -377,8 +400,10 @@ def test_wgmma_in_flight_is_not_serialized(x_shape, w_shape, splits, engine):
     wl = Conv2dWorkload.make(x_shape, w_shape, padding=w_shape[2] // 2)
     plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(wl.K, engine), splits=splits)
     assert plan.wgmma_in_flight
-    resources = ptx.ptxas_resources(cc.cuda_source(plan, TARGET), "sm_90a")
+    source = cc.cuda_source(plan, TARGET)
+    resources = ptx.ptxas_resources(source, "sm_90a")
     assert resources["serialized_wgmma"] == 0 and resources["spill_stores"] == 0, resources
+    assert unfenced_shared_stores(ptx.compile_source(source, "sm_90a").decode()) == 0
 
 
 @needs_gxx

@@ -55,6 +55,20 @@ def test_gpu_check_base_engine():
     assert gpu_check.base_engine({"engine": "winograd", "winograd": {}}) == "ffma"
 
 
+def test_gpu_check_error_bound_grows_with_the_reduction():
+    """The tensor cores' bound grows with the reduction (they add with truncation): an H200's
+    OverFeat conv5 (9,216 terms) erred by 2.3e-5 on mma.sync and wgmma, right kernels; a bug
+    errs by 1e-3 or more at any length."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_check
+
+    assert gpu_check.error_bound("ffma", 9216) == gpu_check.error_bound("ffma", 27) == 1e-4
+    for engine in ("mma_tf32", "wgmma_tf32", "wgmma_bf16"):
+        assert gpu_check.error_bound(engine, 27) == gpu_check.error_bound(engine, 1152) == 1e-5
+        assert 2.3e-5 < gpu_check.error_bound(engine, 9216) < 1e-4
+        assert 9.1e-6 < gpu_check.error_bound(engine, 3456) < 1e-4
+
+
 def test_peak_quick(tmp_path):
     sys.path.insert(0, str(ROOT / "bench"))
     import peak

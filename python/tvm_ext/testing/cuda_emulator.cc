@@ -42,6 +42,11 @@ static const size_t SHARED_BYTES = 228 * 1024;
 alignas(1024) static unsigned char smem[SHARED_BYTES];
 static size_t smem_top = 0;
 static std::vector<size_t> arena;  // offsets of this block's shared arrays, in declaration order
+// Shared memory as the async proxy (wgmma's descriptor reads) sees it: [0, async_top) as of the
+// last fence.proxy.async. A wgmma whose B tile differs from it reads stores the fence did not
+// publish, which on an H200 gave NaN (the generic and async proxies are ordered only by the fence).
+alignas(1024) static unsigned char async_view[SHARED_BYTES];
+static size_t async_top = 0;
 static size_t dynamic_shared_bytes = 0;  // the launch's dynamic shared memory (`extern __shared__`)
 
 void fail(const char* why) {
@@ -145,7 +150,7 @@ int launch(void (*kernel)(void**), void** args, dim3 grid, dim3 block, size_t dy
   for (unsigned bx = 0; bx < grid.x; ++bx) {
     block_idx = {bx, by, bz};
     arena.clear();
-    smem_top = 0;
+    smem_top = async_top = 0;
     for (size_t i = 0; i < n; ++i) {
       Fiber& f = fibers[i];
       f.tid = {(unsigned)(i % block.x), (unsigned)(i / block.x % block.y), (unsigned)(i / block.x / block.y)};
@@ -308,6 +313,11 @@ static bool wgmma_committed(size_t thread, long group) {
 
 void wgmma_fence() {}
 
+void fence_proxy_async() {
+  std::memcpy(async_view, smem, smem_top);
+  async_top = smem_top;
+}
+
 // The shared-memory byte address of B[col][k] through descriptor `desc` (start, LBO and SBO in
 // 16-byte units, K-major, no swizzle), PER values of k in 4 bytes.
 static uint32_t b_address(uint64_t desc, int col, int k, int per) {
@@ -320,13 +330,15 @@ static uint32_t b_address(uint64_t desc, int col, int k, int per) {
 // A digest of the bits of the B tile (n x K) that descriptor `desc` addresses. The hardware's
 // tensor cores may read it at any time between the issue and the wait, so a tile that changes in
 // between (a store before every thread has waited, a missing barrier before the issue) is a race.
-static uint64_t b_digest(int n, int k_extent, int per, uint64_t desc) {
+static uint64_t b_digest(int n, int k_extent, int per, uint64_t desc, bool async_proxy = false) {
+  const unsigned char* memory = async_proxy ? async_view : smem;
+  size_t top = async_proxy ? async_top : smem_top;
   uint64_t h = 1469598103934665603ull;
   for (int col = 0; col < n; ++col)
     for (int k = 0; k < k_extent; k += 4 * per) {  // a core matrix's row: 16 bytes, 4 PER values
       uint32_t at = b_address(desc, col, k, per);
       uint64_t u[2] = {0, 0};
-      if (at + 16 <= smem_top) std::memcpy(u, smem + at, 16);
+      if (at + 16 <= top) std::memcpy(u, memory + at, 16);
       h = (h ^ u[0]) * 1099511628211ull;
       h = (h ^ u[1]) * 1099511628211ull;
     }
@@ -337,6 +349,9 @@ void wgmma_mma(int n, int k, int per, float** d, unsigned a0, unsigned a1, unsig
                       uint64_t desc, bool scale_d, int scale_a, int scale_b) {
   if (block_dim.x * block_dim.y * block_dim.z % 128) fail("wgmma in a block that is not whole warpgroups");
   WgmmaOp op{n, k, per, {}, {a0, a1, a2, a3}, desc, scale_d, scale_a, scale_b, b_digest(n, k, per, desc)};
+  if (op.b_at_issue != b_digest(n, k, per, desc, true))
+    fail("a wgmma reads shared memory stored after the last fence.proxy.async (the tensor cores may "
+         "see it as it was before the stores)");
   for (int i = 0; i < n / 2; ++i) op.d[i] = d[i];
   thread_wgmma[current].open.push_back(op);
 }

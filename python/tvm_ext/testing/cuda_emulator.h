@@ -65,6 +65,8 @@ void mma_m16n8(float* d0, float* d1, float* d2, float* d3, unsigned a0, unsigned
 
 // wgmma.mma_async m64nNkK (A in registers, B through a shared-memory descriptor) and its fences
 void wgmma_fence();
+// fence.proxy.async.shared::cta: the shared stores before it become visible to the tensor cores
+void fence_proxy_async();
 void wgmma_mma(int n, int k, int per, float** d, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                uint64_t desc, bool scale_d, int scale_a, int scale_b);
 void wgmma_commit();

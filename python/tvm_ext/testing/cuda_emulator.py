@@ -111,6 +111,8 @@ def _emulate_wgmma(match: re.Match) -> str:
     text, operands = match.group(1), match.group(2)
     if text.startswith("wgmma.fence.sync.aligned"):
         return "emu::wgmma_fence();"
+    if text.startswith("fence.proxy.async.shared::cta"):
+        return "emu::fence_proxy_async();"
     if text.startswith("wgmma.commit_group.sync.aligned"):
         return "emu::wgmma_commit();"
     if text.startswith("wgmma.wait_group.sync.aligned"):

@@ -75,7 +75,7 @@ KERNEL_NAME = "maxdnn_conv2d"
 ACTIVATIONS = (None, "relu", "relu6")
 # Deliberate bugs for the tests: compute on the buffer being filled instead of the one filled
 # last step; never move the prefetched tile into shared memory.
-FAULTS = (None, "wrong_buffer", "no_store")
+FAULTS = (None, "wrong_buffer", "no_store", "no_proxy_fence")
 # The kernel indexes flat views of its tensors; these names are its CUDA parameters (`<name>_ptr`).
 FLAT_PARAMS = {"x": "Xf", "w": "Wf", "y": "Yf", "residual": "Rf", "bias": "bias", "partial": "Pf"}
 
@@ -960,6 +960,10 @@ class _Generator:
                         e(store)
                 else:
                     e(store)
+        if t.wgmma is not None and self.fault != "no_proxy_fence":  # the tensor cores read the
+            # weights' tile through the async proxy: without this fence they may see it as it was
+            # before the stores (NaN on an H200)
+            e('T.ptx["fence.proxy.async.shared::cta"]()')
 
     def shared_at(self, name: str, buf: int, row: str, col: str, lanes: int = 1) -> str:
         """Element (row, col) of operand tile `name` ("A", "B") in shared buffer `buf`, `lanes`
