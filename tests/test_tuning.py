@@ -426,40 +426,60 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rpc_tracker(port: int):
+    """A TVM RPC tracker on 127.0.0.1:`port` (exactly that port), in a session of its own:
+    killing it takes the processes it forked with it."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1",
+                             "--port", str(port), "--port-end", str(port + 1)], start_new_session=True)
+
+
+def _rpc_server(tracker_port: int, key: str):
+    import subprocess
+    import sys
+
+    port = _free_port()
+    return subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_server", "--tracker", f"127.0.0.1:{tracker_port}",
+                             "--key", key, "--host", "127.0.0.1", "--port", str(port), "--port-end", str(port + 1)],
+                            start_new_session=True)
+
+
+def _wait_for_servers(tracker, port: int, count: int, timeout: float = 60) -> None:
+    """Until `count` servers are registered with the tracker on `port`."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert tracker.poll() is None, "the RPC tracker exited (is tornado installed?)"
+        try:
+            if len(tvm.rpc.connect_tracker("127.0.0.1", port).summary()["server_info"]) == count:
+                return
+        except (RuntimeError, ConnectionError, OSError):
+            pass
+        time.sleep(1)
+    pytest.fail(f"{count} RPC servers did not register with the tracker")
+
+
+def _records(work_dir) -> list:
+    return [json.loads(line) for line in (work_dir / "database_tuning_record.json").read_text().splitlines()]
+
+
 def test_rpc_tuning_on_loopback_survives_a_dead_server(tmp_path):
     """A tracker and two servers on loopback measure the candidates; one server is killed after
     the first batch, and tuning still finishes with its records."""
-    import subprocess
-    import sys
     import time
 
     from tvm.ir.utils import derived_object
     from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
 
     port, key = _free_port(), "tvm_ext_test"
-    # Each in a session of its own: killing one takes the processes it forked with it.
-    procs = [subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_tracker", "--host", "127.0.0.1",
-                               "--port", str(port), "--port-end", str(port + 1)], start_new_session=True)]
+    procs = [_rpc_tracker(port)]
     try:
         time.sleep(2)
-        for _ in range(2):
-            server_port = _free_port()
-            procs.append(subprocess.Popen([sys.executable, "-m", "tvm.exec.rpc_server", "--tracker",
-                                           f"127.0.0.1:{port}", "--key", key, "--host", "127.0.0.1",
-                                           "--port", str(server_port), "--port-end", str(server_port + 1)],
-                                          start_new_session=True))
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            assert procs[0].poll() is None, "the RPC tracker exited (is tornado installed?)"
-            try:
-                summary = tvm.rpc.connect_tracker("127.0.0.1", port).summary()
-                if len(summary["server_info"]) == 2:
-                    break
-            except (RuntimeError, ConnectionError, OSError):
-                pass
-            time.sleep(1)
-        else:
-            pytest.fail("the RPC servers did not register with the tracker")
+        procs += [_rpc_server(port, key) for _ in range(2)]
+        _wait_for_servers(procs[0], port, 2)
 
         @derived_object
         class KillOneServer(PyMeasureCallback):
@@ -471,9 +491,48 @@ def test_rpc_tuning_on_loopback_survives_a_dead_server(tmp_path):
         tvm_ext.tune(_net(repeated=0), TARGET, work_dir, max_trials=8, num_trials_per_iter=4,
                      rpc=f"127.0.0.1:{port}:{key}", measure_callbacks=[KillOneServer()])
         assert procs[1].poll() is not None  # the server was killed during tuning
-        records = [json.loads(line) for line in (work_dir / "database_tuning_record.json").read_text().splitlines()]
+        records = _records(work_dir)
         assert len(records) >= 6
         assert sum(r[1][1][0] < 1 for r in records) >= 3  # measured by the surviving server too
+    finally:
+        for proc in procs:
+            _kill_session(proc)
+
+
+def test_rpc_tuning_survives_a_tracker_restart(tmp_path):
+    """The tracker is killed after the first batch and restarted on its port: the servers
+    register again (they retry the tracker), the run finishes, the first batch's records are
+    all still there and later candidates are measured."""
+    import time
+
+    from tvm.ir.utils import derived_object
+    from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
+
+    port, key = _free_port(), "tvm_ext_test"
+    procs = [_rpc_tracker(port)]
+    work_dir = tmp_path / "records"
+    before_restart: list = []
+    try:
+        time.sleep(2)
+        procs += [_rpc_server(port, key) for _ in range(2)]
+        _wait_for_servers(procs[0], port, 2)
+
+        @derived_object
+        class RestartTracker(PyMeasureCallback):
+            def apply(self, task_scheduler, task_id, candidates, builder_results, runner_results) -> None:
+                if before_restart:
+                    return
+                before_restart.extend(_records(work_dir))  # committed by the default callbacks
+                _kill_session(procs[0])
+                procs[0] = _rpc_tracker(port)
+                _wait_for_servers(procs[0], port, 2)
+
+        tvm_ext.tune(_net(repeated=0), TARGET, work_dir, max_trials=8, num_trials_per_iter=4,
+                     rpc=f"127.0.0.1:{port}:{key}", measure_callbacks=[RestartTracker()])
+        records = _records(work_dir)
+        assert before_restart and records[:len(before_restart)] == before_restart  # nothing lost
+        after = records[len(before_restart):]
+        assert sum(r[1][1][0] < 1 for r in after) >= 3  # measured through the new tracker
     finally:
         for proc in procs:
             _kill_session(proc)
