@@ -58,7 +58,7 @@ ENGINES = ("ffma", "ffma:maxdnn", "winograd", "mma_tf32", "mma_tf32:64", "wgmma_
 def export(out: Path, sets: dict[str, int], layers: int | None, arch: str, engines: tuple[str, ...] = ENGINES,
            sass: bool = False) -> list[dict]:
     from tvm_ext.kernels.conv2d import Conv2dWorkload
-    from tvm_ext.kernels.cuda import conv2d as cc
+    from tvm_ext.kernels.cuda import maxdnn as cc
     from tvm_ext.kernels.cuda import winograd as cw
 
     out.mkdir(parents=True, exist_ok=True)
@@ -125,7 +125,7 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str, engin
 def _entry(name: str, set_name: str, layer: str, engine: str, wl, plan, source: str) -> dict:
     """The manifest entry bench/gpu_check.py launches and checks the layer from: its tensors'
     shapes ("params") and its kernels in launch order ("launches"), each with its arguments."""
-    from tvm_ext.kernels.cuda import conv2d as cc
+    from tvm_ext.kernels.cuda import maxdnn as cc
     from tvm_ext.kernels.cuda import winograd as cw
 
     entry = {

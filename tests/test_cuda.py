@@ -22,9 +22,10 @@ from reference import conv2d_nchw, rel_err
 from tvm_ext import ops
 from tvm_ext.intrin.cuda import ThreadTile, get_outer_product_intrin
 from tvm_ext.kernels.conv2d import KERNEL_ATTR, Conv2dWorkload
-from tvm_ext.kernels.cuda import conv2d as cc
+from tvm_ext.kernels.cuda import maxdnn as cc
 from tvm_ext.kernels.cuda import ptx
 from tvm_ext.testing import cuda_emulator
+from tvm_ext.testing import maxdnn as tm
 
 needs_nvcc = pytest.mark.skipif(not ptx.have_nvcc(), reason="nvcc is not installed")
 needs_gxx = pytest.mark.skipif(not cuda_emulator.have_compiler(), reason="g++ is not installed")
@@ -53,7 +54,7 @@ def _reference(wl, epilogue, x, w, bias, residual) -> np.ndarray:
 
 def _emulated(plan: cc.MaxDNNPlan, source: str | None = None, seed: int = 0):
     x, w, bias, residual = _inputs(plan.wl, plan.epilogue, seed)
-    y = cc.emulate(plan, cc.kernel_arrays(plan, x, w, bias, residual), source)
+    y = tm.emulate(plan, cc.kernel_arrays(plan, x, w, bias, residual), source)
     return cc.output_to_nchw(y), _reference(plan.wl, plan.epilogue, x, w, bias, residual)
 
 
@@ -111,7 +112,7 @@ def test_emulated_epilogue_keeps_nan(activation, splits):
                               splits=splits)
     x, w, bias, _ = _inputs(wl, plan.epilogue)
     x[1, :, 2, 3] = np.nan
-    got = cc.output_to_nchw(cc.emulate(plan, cc.kernel_arrays(plan, x, w, bias, None)))
+    got = cc.output_to_nchw(tm.emulate(plan, cc.kernel_arrays(plan, x, w, bias, None)))
     ref = _reference(wl, plan.epilogue, np.where(np.isnan(x), 0, x), w, bias, None)
     poisoned = np.zeros(wl.out_shape, bool)
     poisoned[1, :, 1:4, 2:5] = True  # every output whose 3x3 window holds the NaN
@@ -193,7 +194,7 @@ def _fails(got, ref) -> bool:
 @pytest.mark.parametrize("fault", ["wrong_buffer", "no_store"])
 def test_emulator_catches_broken_kernels(fault, tile):
     plan = cc.MaxDNNPlan.make(_WL_FAULT, tile)
-    got, ref = _emulated(plan, cc.cuda_source(plan, fault=fault))
+    got, ref = _emulated(plan, tm.cuda_source(plan, fault=fault))
     assert _fails(got, ref)
 
 
@@ -489,7 +490,7 @@ def test_plan_and_function():
     with pytest.raises(ValueError, match="activation"):
         cc.Epilogue(activation="tanh")
     with pytest.raises(ValueError, match="fault"):
-        cc.maxdnn_conv2d_func(plan, fault="typo")
+        tm.cuda_source(plan, fault="typo")
 
 
 def test_layout_helpers():
@@ -559,7 +560,7 @@ def test_emulated_tensor_core_conv2d(x_shape, w_shape, options, epilogue, engine
     wl = Conv2dWorkload.make(x_shape, w_shape, **options)
     plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(wl.K // wl.groups, engine), epilogue)
     x, w, bias, residual = _inputs(wl, epilogue)
-    got = cc.output_to_nchw(cc.emulate(plan, cc.kernel_arrays(plan, x, w, bias, residual)))
+    got = cc.output_to_nchw(tm.emulate(plan, cc.kernel_arrays(plan, x, w, bias, residual)))
     ref = _reference(wl, epilogue, _as_read(x, engine), _as_read(w, engine), bias, residual)
     assert rel_err(got, ref) < 1e-5
     assert rel_err(got, _reference(wl, epilogue, x, w, bias, residual)) > 1e-5  # it really is tf32 / bf16
@@ -573,7 +574,7 @@ def test_emulated_tensor_cores_with_dynamic_shared_memory():
     assert plan.tile.shared_bytes() > cc.STATIC_SHARED_LIMIT and plan.dynamic_shared_bytes == 4 * 128 * 64
     x, w, _, residual = _inputs(wl, cc.Epilogue(residual=True))
     plan = dataclasses.replace(plan, epilogue=cc.Epilogue(residual=True))
-    got = cc.output_to_nchw(cc.emulate(plan, cc.kernel_arrays(plan, x, w, None, residual)))
+    got = cc.output_to_nchw(tm.emulate(plan, cc.kernel_arrays(plan, x, w, None, residual)))
     ref = _reference(wl, plan.epilogue, _as_read(x, "mma_bf16"), _as_read(w, "mma_bf16"), None, residual)
     assert rel_err(got, ref) < 1e-5
 
@@ -584,7 +585,7 @@ def test_emulated_tensor_cores_with_64_row_warp_slabs():
     plan = cc.MaxDNNPlan.make(wl, cc.BlockTile(rows=128, engine="mma_tf32", warp_rows=64))
     assert plan.tile.threads == 64 and plan.tile.mma_tiles == (4, 8)
     x, w, bias, residual = _inputs(wl, plan.epilogue)
-    got = cc.output_to_nchw(cc.emulate(plan, cc.kernel_arrays(plan, x, w)))
+    got = cc.output_to_nchw(tm.emulate(plan, cc.kernel_arrays(plan, x, w)))
     assert rel_err(got, _reference(wl, plan.epilogue, _as_read(x, "mma_tf32"), _as_read(w, "mma_tf32"), None,
                                    None)) < 1e-5
 
@@ -592,7 +593,7 @@ def test_emulated_tensor_cores_with_64_row_warp_slabs():
 @needs_gxx
 def test_emulator_catches_broken_tensor_core_kernels():
     plan = cc.MaxDNNPlan.make(_WL_FAULT, cc.BlockTile(engine="mma_tf32"))
-    got, ref = _emulated(plan, cc.cuda_source(plan, fault="wrong_buffer"))
+    got, ref = _emulated(plan, tm.cuda_source(plan, fault="wrong_buffer"))
     assert _fails(got, ref)
     got, ref = _emulated(plan, _without_first_loop_barrier(cc.cuda_source(plan)))
     assert _fails(got, ref)
@@ -672,7 +673,7 @@ def test_short_wgmma_reduction_is_not_overwritten():
     plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(64, "wgmma_tf32"))
     assert plan.k_steps == 2 and not plan.gathers_fragments
     x, w, _, _ = _inputs(wl, plan.epilogue)
-    got = cc.output_to_nchw(cc.emulate(plan, cc.kernel_arrays(plan, x, w)))
+    got = cc.output_to_nchw(tm.emulate(plan, cc.kernel_arrays(plan, x, w)))
     assert rel_err(got, _reference(wl, plan.epilogue, _as_read(x, "wgmma_tf32"), _as_read(w, "wgmma_tf32"),
                                    None, None)) < 1e-5
 

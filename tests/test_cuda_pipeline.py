@@ -172,7 +172,7 @@ def test_weights_that_are_inputs_are_laid_out_in_the_graph(channels):
 
 @needs_gxx
 def test_small_grids_split_the_reduction():
-    """A grid far below what fills a GPU splits K (kernels/cuda/conv2d.choose_splits): the 3x3
+    """A grid far below what fills a GPU splits K (kernels/cuda/maxdnn/plan.choose_splits): the 3x3
     conv by taps, the 1x1 by channel steps; a second kernel sums the slices and applies bias,
     residual and relu. Numbers against float64 PyTorch on the emulator; the report says so."""
     rng = np.random.default_rng(7)

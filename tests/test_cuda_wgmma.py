@@ -21,10 +21,11 @@ from tvm import relax
 
 import tvm_ext
 from tvm_ext.kernels.conv2d import Conv2dWorkload
-from tvm_ext.kernels.cuda import conv2d as cc
+from tvm_ext.kernels.cuda import maxdnn as cc
 from tvm_ext.kernels.cuda import ptx
 from tvm_ext.strategy.cuda_engine import engine_for
 from tvm_ext.testing import cuda_emulator
+from tvm_ext.testing import maxdnn as tm
 from tvm_ext.testing.relax_emulator import dynamic_shared_bytes, emulated_executable, lower
 
 ENGINE = "wgmma_tf32"
@@ -70,7 +71,7 @@ def test_emulated_wgmma_conv2d(x_shape, w_shape, options, epilogue, gather):
     plan = cc.MaxDNNPlan.make(wl, tile, epilogue)
     assert plan.gathers_fragments == (gather and plan.k_order == "rsc")
     x, w, bias, residual = _inputs(wl, epilogue)
-    got = cc.output_to_nchw(cc.emulate(plan, cc.kernel_arrays(plan, x, w, bias, residual)))
+    got = cc.output_to_nchw(tm.emulate(plan, cc.kernel_arrays(plan, x, w, bias, residual)))
     ref = _reference(wl, epilogue, _as_read(x, "mma_tf32"), _as_read(w, "mma_tf32"), bias, residual)
     assert rel_err(got, ref) < 1e-5
     assert rel_err(got, _reference(wl, epilogue, x, w, bias, residual)) > 1e-5  # it really is tf32
@@ -129,7 +130,7 @@ _WL_CRS = Conv2dWorkload.make((4, 4, 7, 7), (64, 4, 3, 3), padding=1)  # 4 chann
 def _emulated(plan: cc.MaxDNNPlan, source: str | None = None):
     """The emulated output and the float64 reference on the inputs as the tensor cores read them."""
     x, w, bias, residual = _inputs(plan.wl, plan.epilogue)
-    got = cc.output_to_nchw(cc.emulate(plan, cc.kernel_arrays(plan, x, w, bias, residual), source))
+    got = cc.output_to_nchw(tm.emulate(plan, cc.kernel_arrays(plan, x, w, bias, residual), source))
     engine = plan.tile.engine
     return got, _reference(plan.wl, plan.epilogue, _as_read(x, engine), _as_read(w, engine), bias, residual)
 
@@ -152,10 +153,10 @@ def test_emulator_catches_broken_wgmma_kernels(engine, wl):
     got, ref = _emulated(plan, source)
     assert rel_err(got, ref) < 1e-5
     for fault in ("wrong_buffer", "no_store"):
-        assert _broken(plan, cc.cuda_source(plan, fault=fault))
+        assert _broken(plan, tm.cuda_source(plan, fault=fault))
     # the weights' tile stored without fence.proxy.async (NaN on an H200 in 0.5.12)
     with pytest.raises(cuda_emulator.EmulationError, match="after the last fence.proxy.async"):
-        _emulated(plan, cc.cuda_source(plan, fault="no_proxy_fence"))
+        _emulated(plan, tm.cuda_source(plan, fault="no_proxy_fence"))
     assert _broken(plan, _without_first_loop_barrier(source))
     # the descriptor's strides swapped: the tensor cores would read the weights' tile transposed
     encode = re.compile(r"(ptx_wgmma_encode_matrix_descriptor\([^;]*), 8, 16, 0\);")
@@ -194,7 +195,7 @@ def test_emulator_catches_wgmma_races_in_flight(monkeypatch, engine):
         _emulated(plan, source.replace(wait, ""))
     with pytest.raises(cuda_emulator.EmulationError, match=race):
         _emulated(plan, _without_first_loop_barrier(source))
-    monkeypatch.setattr(cc, "WGMMA_RING", 2)
+    monkeypatch.setattr(cc.Generator, "ring", 2)  # the generator's ring, for this test
     with pytest.raises(cuda_emulator.EmulationError, match=race):
         _emulated(plan, cc.cuda_source(plan))
 

@@ -15,12 +15,13 @@ from tvm import relax
 
 import tvm_ext
 from tvm_ext.kernels.conv2d import Conv2dWorkload
-from tvm_ext.kernels.cuda import conv2d as cc
+from tvm_ext.kernels.cuda import maxdnn as cc
 from tvm_ext.kernels.cuda import ptx
 from tvm_ext.kernels.cuda import winograd as cw
 from tvm_ext.models.torch_reference import to_torch
 from tvm_ext.strategy import cuda_engine
 from tvm_ext.testing import cuda_emulator
+from tvm_ext.testing import maxdnn as tm
 from tvm_ext.testing.relax_emulator import emulated_executable, lower
 
 needs_nvcc = pytest.mark.skipif(not ptx.have_nvcc(), reason="nvcc is not installed")
@@ -61,7 +62,7 @@ def test_emulated_winograd_matches_float64(x_shape, w_shape, padding, m, epilogu
     plan = cw.WinogradPlan.make(wl, m, epilogue)
     x, w, bias, residual, ref = _case(x_shape, w_shape, padding, epilogue)
     arrays = cw.kernel_arrays(plan, x, w, bias, residual)
-    got = cc.output_to_nchw(cw.emulate(plan, arrays))
+    got = cc.output_to_nchw(tm.emulate_winograd(plan, arrays))
     assert np.isfinite(got).all()
     assert rel_err(got, ref) < 1e-4
     # the GEMM really ran the transformed problem: a² groups of (C x K) on the grid of tiles
@@ -77,7 +78,7 @@ def test_emulator_catches_a_wrong_transform():
     x, w, _, _, ref = _case((2, 16, 8, 8), (16, 16, 3, 3), (1, 1, 1, 1), cc.Epilogue())
     arrays = cw.kernel_arrays(plan, x, w)
     arrays["w"] = np.ascontiguousarray(arrays["w"][::-1])
-    assert rel_err(cc.output_to_nchw(cw.emulate(plan, arrays)), ref) > 1e-2
+    assert rel_err(cc.output_to_nchw(tm.emulate_winograd(plan, arrays)), ref) > 1e-2
 
 
 def test_plan_shapes_and_validation():

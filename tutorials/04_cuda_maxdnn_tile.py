@@ -30,8 +30,8 @@ import tvm
 import tvm_ext
 from tvm_ext.intrin.cuda import ThreadTile, get_outer_product_intrin
 from tvm_ext.kernels.conv2d import Conv2dWorkload
-from tvm_ext.kernels.cuda import conv2d as maxdnn
-from tvm_ext.kernels.cuda import ptx
+from tvm_ext.kernels.cuda import maxdnn, ptx
+from tvm_ext.testing.maxdnn import emulate, emulate_winograd
 
 
 def main(small: bool = False) -> None:
@@ -107,7 +107,7 @@ def main(small: bool = False) -> None:
     else:
         small_plan = maxdnn.MaxDNNPlan.make(small_wl, epilogue=maxdnn.Epilogue(bias=True))
         start = time.perf_counter()
-        y = maxdnn.emulate(small_plan, maxdnn.kernel_arrays(small_plan, x, w, bias))
+        y = emulate(small_plan, maxdnn.kernel_arrays(small_plan, x, w, bias))
         got = maxdnn.output_to_nchw(y)
         where = f"on the CPU emulator ({time.perf_counter() - start:.1f} s, no GPU here)"
     err = np.abs(got - ref).max() / np.abs(ref).max()
@@ -117,7 +117,7 @@ def main(small: bool = False) -> None:
         for engine in ("wgmma_tf32", "wgmma_bf16"):  # read), so about 1e-3 of fp32's answer
             wg_plan = maxdnn.MaxDNNPlan.make(small_wl, maxdnn.choose_tile(small_wl.K, engine),
                                              maxdnn.Epilogue(bias=True))
-            wg_got = maxdnn.output_to_nchw(maxdnn.emulate(wg_plan, maxdnn.kernel_arrays(wg_plan, x, w, bias),
+            wg_got = maxdnn.output_to_nchw(emulate(wg_plan, maxdnn.kernel_arrays(wg_plan, x, w, bias),
                                                           maxdnn.cuda_source(wg_plan, "cuda -arch=sm_90a")))
             wg_err = np.abs(wg_got - ref).max() / np.abs(ref).max()
             print(f"   the {engine} tile on the emulator: relative error {wg_err:.1e}")
@@ -149,7 +149,7 @@ def winograd(small_wl: Conv2dWorkload, x: np.ndarray, w: np.ndarray, bias: np.nd
           f"V and M: {plan.traffic_bytes() / 2e6:.0f} MB written and read")
     small = cw.WinogradPlan.make(small_wl, epilogue=maxdnn.Epilogue(bias=True))
     arrays = cw.kernel_arrays(small, x, w, bias)
-    y = cw.run_on_gpu(small, arrays) if tvm.cuda(0).exist else cw.emulate(small, arrays)
+    y = cw.run_on_gpu(small, arrays) if tvm.cuda(0).exist else emulate_winograd(small, arrays)
     err = np.abs(maxdnn.output_to_nchw(y) - ref).max() / np.abs(ref).max()
     print(f"   F(4x4, 3x3) on the small layer, {'GPU' if tvm.cuda(0).exist else 'emulator'}: relative error "
           f"against float64 NumPy {err:.1e} (direct: the tile's rounding only; Winograd's transforms add some)")

@@ -455,14 +455,14 @@ class _CudaConv2dKernel:
     """The maxDNN kernel for one signature on this machine's GPU (NCHW in and out)."""
 
     def __init__(self, wl: _conv.Conv2dWorkload, target: tvm.target.Target, bias: bool):
-        from .kernels.cuda import conv2d as cuda_conv
+        from .kernels.cuda import maxdnn as cuda_conv
         from .kernels.cuda.ptx import build_for_device
 
         self.device = tvm.cuda(0)
         if not self.device.exist:
             raise RuntimeError(
                 f"conv2d: target {target.kind.name} ({target.attrs.get('arch', '')}) needs an NVIDIA GPU and this "
-                "machine has none; tvm_ext.kernels.cuda.conv2d.emulate runs the same kernel on the CPU")
+                "machine has none; tvm_ext.testing.maxdnn.emulate runs the same kernel on the CPU")
         self.cuda_conv = cuda_conv
         self.plan = cuda_conv.MaxDNNPlan.make(wl, epilogue=cuda_conv.Epilogue(bias=bias))
         func = cuda_conv.maxdnn_conv2d_func(self.plan)

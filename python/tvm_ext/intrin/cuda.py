@@ -18,6 +18,11 @@ that is written once, at the end of the convolution.
 
 The description is the plain loop nest; the implementation is the same arithmetic in the order the
 hardware wants (vector shared loads into a register array, then the unrolled FMAs).
+
+The tensor cores' instructions the maxDNN kernel also runs on (:mod:`tvm_ext.kernels.cuda.maxdnn`),
+`mma.sync` (:class:`MmaShape`) and Hopper's `wgmma.mma_async` (:class:`WgmmaShape`), are data here
+too: their shapes, operand types and fragment layouts as the PTX ISA gives them, which the generator
+and the checks read (:data:`MMA_SHAPES`, :data:`WGMMA_SHAPES`, by engine name).
 """
 
 from __future__ import annotations
@@ -142,3 +147,84 @@ def get_outer_product_intrin(spec: ThreadTile) -> str:
     fields = _fields(spec)
     return register_once(spec.name, lambda: tuple(tvm.script.from_source(text.format(**fields))
                                                    for text in (_DESC, _IMPL)))
+
+
+@dataclasses.dataclass(frozen=True)
+class MmaShape:
+    """One `mma.sync.aligned.m16n8k*` flavour, as data: what the generator and the checks read.
+
+    Fragments (PTX ISA): lane (g, t) = (lane // 4, lane % 4); A register j, element e holds
+    A[g + 8 (j % 2)][t * per_reg + e + k/2 (j // 2)], B register j, element e holds
+    B[t * per_reg + e + k/2 j][g], the accumulators C[g + 8 (i // 2)][2t + i % 2].
+    """
+
+    shape: str  # "m16n8k8"
+    ptx_type: str  # operand type in the instruction: "tf32", "bf16"
+    k: int  # reduction per instruction = the block's k step
+    per_reg: int  # operand elements per 32-bit register
+    pad: int  # floats added to each shared row: a fragment load's k-rows in distinct banks
+
+    @property
+    def opcode(self) -> str:
+        return f"mma.sync.aligned.{self.shape}.row.col.f32.{self.ptx_type}.{self.ptx_type}.f32"
+
+
+MMA_SHAPES = {
+    # tf32: fp32 registers as they are (the tensor cores read their top 19 bits); rows of 72
+    # floats put k-row t at bank 8t, so a warp's 64-bit A loads (banks 8t + 2g, + 1) and 32-bit
+    # B loads (8t + g) are conflict-free
+    "mma_tf32": MmaShape("m16n8k8", "tf32", 8, 1, 8),
+    # bf16: two values rounded and packed per register; rows of 68 put k-row 2t at bank 8t, so a
+    # quarter warp's 128-bit loads (banks 8t + 4g .. + 3) are conflict-free
+    "mma_bf16": MmaShape("m16n8k16", "bf16", 16, 2, 4),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaShape:
+    """One Hopper `wgmma.mma_async` flavour (sm_90a), as data: what the generator and the checks read.
+
+    A warpgroup (128 threads, warps w = 0..3, lane (g, t) = (lane // 4, lane % 4)) computes
+    D[64, n] += A[64, k] B[k, n] asynchronously. Here A comes from registers, register j, element
+    e holding A[16w + g + 8 (j % 2)][t * per_reg + e + k/2 (j // 2)] (tf32: the fp32 bits; bf16:
+    two values, the lower k in the low half); B is read by the tensor cores from shared memory
+    through a 64-bit matrix descriptor, K-major without swizzle (tf32 allows no other
+    major-ness): 8 rows x 16 bytes core matrices, B[n][k] at byte (n // 8) SBO + (n % 8) 16 +
+    (k // c) LBO + (k % c) 4 / per_reg with c = 4 per_reg values in 16 bytes; accumulator
+    register 4c + 2h + b holds D[16w + g + 8h][8c + 2t + b]. (PTX ISA 9.7.15.5.1, "Register
+    Fragments and Shared Memory Matrix Layouts", and CUTLASS's SM90 GMMA layouts agree on all
+    of these.) In bytes, a k step's B tile is the same for both: 32 bytes of k per row of n.
+    """
+
+    ptx_type: str  # "tf32", "bf16"
+    k: int  # reduction per instruction = the block's k step
+    pad: int  # floats added to each shared row of the register operand's tile (bank spread)
+    per_reg: int = 1  # operand values per 32-bit register (and per 4 bytes of shared memory)
+    transposes: bool = False  # the instruction takes a transpose immediate for B (16-bit types)
+    lbo: int = 128  # bytes between the two core matrices of a row's k (the leading dimension)
+    sbo: int = 256  # bytes between 8-row groups of n (the stride dimension)
+
+    def opcode(self, n: int) -> str:
+        return f"wgmma.mma_async.sync.aligned.m64n{n}k{self.k}.f32.{self.ptx_type}.{self.ptx_type}"
+
+    @property
+    def core_k(self) -> int:
+        """Values of k in one 16-byte row of a core matrix."""
+        return 4 * self.per_reg
+
+    @property
+    def immediates(self) -> str:
+        """The instruction's immediate operands after scale-d: scale-a, scale-b (1: no negation)
+        and, for 16-bit types, B's transpose (0: K-major, as packed)."""
+        return "1, 1, 0" if self.transposes else "1, 1"
+
+
+WGMMA_SHAPES = {
+    # tf32 from fp32 registers as they are; the data tile's rows of cols + 8 floats put k-row t at
+    # bank 8t, so a warp's A-fragment loads (banks 8t + g) are conflict-free
+    "wgmma_tf32": WgmmaShape("tf32", 8, 8),
+    # bf16: fp32 values rounded and packed two to a register (the weights once, when packed); rows
+    # of cols + 4 floats put k-row 2t at bank 8t: a warp's loads of the fragments' k rows 2t + e
+    # (banks 8t + 4e + g) are conflict-free
+    "wgmma_bf16": WgmmaShape("bf16", 16, 4, per_reg=2, transposes=True),
+}

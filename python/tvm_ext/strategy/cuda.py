@@ -3,7 +3,7 @@
 The dispatch framework is shared (:mod:`.decide`, :mod:`.fusion`, :mod:`.dispatch`; the CUDA
 convolution rule is :mod:`.cuda_engine`); this module is the CUDA emitter:
 
-- convolutions run the maxDNN kernel (:mod:`tvm_ext.kernels.cuda.conv2d`), with bias, residual
+- convolutions run the maxDNN kernel (:mod:`tvm_ext.kernels.cuda.maxdnn`), with bias, residual
   and relu/relu6 fused into its output write (FFMA, or tensor cores with `tensor_cores=`);
   other activations stay separate kernels. A stride-1 3x3 or 5x5 FFMA convolution with constant
   weights runs as Winograd (:mod:`tvm_ext.kernels.cuda.winograd`: the same tile for its GEMMs,
@@ -28,7 +28,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..kernels.cuda import conv2d as _maxdnn
+from ..kernels.cuda import maxdnn as _maxdnn
 from ..kernels.cuda import simple as _simple
 from ..kernels.cuda import winograd as _winograd
 from .base import OPAQUE, Activation, Decision, alpha, pool_workload
@@ -91,7 +91,7 @@ class CudaEmitter:
         return relax.call_tir(gvar, [chwn], relax.TensorType(out, "float32"))
 
     def _weight(self, weight: relax.Expr, plan: _maxdnn.MaxDNNPlan) -> relax.Expr:
-        """OIHW -> the plan's weights (:attr:`~tvm_ext.kernels.cuda.conv2d.MaxDNNPlan.weight_shape`):
+        """OIHW -> the plan's weights (:attr:`~tvm_ext.kernels.cuda.maxdnn.MaxDNNPlan.weight_shape`):
         [groups, I*H*W, O/groups] in its reduction order, packed for wgmma; in NumPy for a
         constant, else in the graph."""
         groups, k_order = plan.wl.groups, plan.k_order
@@ -109,7 +109,7 @@ class CudaEmitter:
         return crsk if plan.tile.wgmma is None else self._pack_wgmma_weight(crsk, plan)
 
     def _pack_wgmma_weight(self, crsk: relax.Expr, plan: _maxdnn.MaxDNNPlan) -> relax.Expr:
-        """:func:`~tvm_ext.kernels.cuda.conv2d.pack_wgmma_weight` as graph ops, for weights that
+        """:func:`~tvm_ext.kernels.cuda.maxdnn.pack_wgmma_weight` as graph ops, for weights that
         are not constants."""
         m, _, k = plan.gemm
         (_, padded_k, padded_m), tiles = _maxdnn.wgmma_pack_tiles(plan)

@@ -7,7 +7,7 @@ import tvm
 
 from ..errors import UnsupportedError
 from ..kernels import conv2d as _conv
-from ..kernels.cuda import conv2d as _maxdnn
+from ..kernels.cuda import maxdnn as _maxdnn
 from ..kernels.cuda import winograd as _winograd
 
 __all__ = ["FUSED_ACTIVATIONS", "conv2d_decision", "engine_for"]

@@ -103,7 +103,7 @@ def bf16_pairs_func(shape) -> tirx.PrimFunc:
     """float32 values (`shape`, its last axis even) rounded to bf16 by CUDA's conversion (nearest
     even; NaN 0x7FFF) and packed in pairs along the last axis, the first of each pair in the low
     half, as float32 words: the wgmma bf16 kernel's weights where they are graph inputs (NumPy's
-    :func:`~tvm_ext.kernels.cuda.conv2d.bf16_pairs` for constants)."""
+    :func:`~tvm_ext.kernels.cuda.maxdnn.bf16_pairs` for constants)."""
     shape = tuple(int(v) for v in shape)
     if shape[-1] % 2:
         raise ValueError(f"bf16_pairs_func: the last axis has {shape[-1]} values, not pairs")

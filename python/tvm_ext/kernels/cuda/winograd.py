@@ -3,7 +3,7 @@
 The algorithm and its matrices are the CPU's (:mod:`tvm_ext.kernels.winograd`): per a x a input
 tile d (a = m + r - 1, stride m), Y = A^T [(G g G^T) * (B^T d B)] A, and summed over the input
 channels the elementwise product is a² independent GEMMs, one per tile position (xi, nu). On the
-GPU these are the maxDNN kernel (:mod:`tvm_ext.kernels.cuda.conv2d`) running a 1x1 convolution
+GPU these are the maxDNN kernel (:mod:`tvm_ext.kernels.cuda.maxdnn`) running a 1x1 convolution
 with a² groups over the grid of tiles, all in the kernels' CHWN layout:
 
 - the weights are transformed once, at build time (:func:`transform_weight`: U = G g G^T, laid
@@ -44,7 +44,7 @@ from ...target import resolve_target
 from .. import winograd as _cpu
 from ..conv2d import KERNEL_ATTR, Conv2dWorkload, param_buffer
 from ..winograd import weighted_sum
-from . import conv2d as _maxdnn
+from . import maxdnn as _maxdnn
 from .ptx import generate_source
 from .simple import THREADS
 
@@ -342,21 +342,9 @@ def kernel_arrays(plan: WinogradPlan, x: np.ndarray, w: np.ndarray, bias: np.nda
     return arrays
 
 
-def emulate(plan: WinogradPlan, arrays: dict[str, np.ndarray], source: str | None = None) -> np.ndarray:
-    """Run the three kernels on the CPU emulator (:mod:`tvm_ext.testing.cuda_emulator`);
-    returns arrays["y"], written."""
-    from ...testing.cuda_emulator import run_kernel
-
-    source = source or cuda_source(plan)
-    params = plan.stage_params()
-    for stage, (grid, block) in plan.launches().items():
-        bound = {stem: arrays[name] for stem, name in params[stage].items()}
-        run_kernel(source, f"{KERNEL_NAME}_{stage}_kernel", grid, block, bound, plan.shared_bytes(stage))
-    return arrays["y"]
-
-
 def run_on_gpu(plan: WinogradPlan, arrays: dict[str, np.ndarray], target="cuda") -> np.ndarray:
-    """Run the three kernels on this machine's GPU (:func:`emulate`'s counterpart); returns y."""
+    """Run the three kernels on this machine's GPU (the CPU emulator's counterpart:
+    :func:`tvm_ext.testing.maxdnn.emulate_winograd`); returns y."""
     from .ptx import build_for_device
 
     executable = build_for_device(winograd_module(plan), resolve_target(target))
