@@ -122,6 +122,15 @@ def test_report_honours_onnx(tmp_path, capsys):
     assert "nn.conv2d  (1, 16, 12, 12) (32, 16, 3, 3)  brgemm_conv2d" in out, out
 
 
+def test_bench_without_the_repository_names_the_missing_script(tmp_path, monkeypatch, nothing_built, capsys):
+    """An installed wheel has no bench/layers.py: `bench` says which file is missing, exit status 2."""
+    assert cli._bench_script() == ROOT / "bench" / "layers.py" and cli._bench_script().is_file()
+    monkeypatch.setattr(cli, "_bench_script", lambda: tmp_path / "bench" / "layers.py")
+    assert cli.main(["bench", "--model", "resnet18", "--threads", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(tmp_path / "bench" / "layers.py") in err and "clone" in err and len(err.splitlines()) == 1, err
+
+
 def test_python_m_rejects_a_bad_argument_at_once():
     """As a command: exit status 2 and one line on stderr, in the time it takes to import tvm_ext."""
     for argv, message in ((["demo", "--threads", "1000"], "--threads"), (["tune", "--trials", "-5"], "--trials")):

@@ -46,6 +46,7 @@ def test_resnet18_through_tvm_ext_matches_stock_tvm_and_pytorch():
 _STOCK_TOO = {"mobilenet_v2", "alexnet"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mobilenet_v2", "alexnet", "overfeat", "vgg16", "resnet50"])
 def test_network_through_tvm_ext_matches_float64_reference(name):
     mod, _ = models.get(name, batch=1)

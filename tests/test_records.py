@@ -17,7 +17,7 @@ from tvm import relax
 import tvm_ext
 from tvm_ext.tuning.records import open_database, read_database, shipped_database
 
-SHIPPED = Path(__file__).resolve().parents[1] / "schedules" / "llvm-znver4"
+SHIPPED = Path(__file__).resolve().parents[1] / "python" / "tvm_ext" / "schedules" / "llvm-znver4"
 WORKLOADS, RECORDS = "database_workload.json", "database_tuning_record.json"
 
 
@@ -208,3 +208,17 @@ def test_refresh_moves_records_to_the_workloads_this_version_generates(tmp_path,
     assert refresh_database(tmp_path) == (1, 0)
     assert tuned_kernel(open_database(tmp_path), current, target) is not None
     assert refresh_database(tmp_path) == (1, 0)  # current already: kept as it is
+
+
+def test_shipped_records_are_package_data_found_without_the_repository(tmp_path, monkeypatch):
+    """The shipped records live in the package (an installed wheel has them, tests/test_packaging.py);
+    $TVM_EXT_SCHEDULES replaces them."""
+    from tvm_ext.tuning.records import schedules_root, shipped_records_dir, shipped_target_keys
+
+    monkeypatch.delenv("TVM_EXT_SCHEDULES", raising=False)
+    assert schedules_root() == Path(tvm_ext.__file__).parent / "schedules"
+    assert "llvm-znver4" in shipped_target_keys()
+    assert shipped_records_dir({"kind": "llvm", "mcpu": "znver4"}) == SHIPPED
+    monkeypatch.setenv("TVM_EXT_SCHEDULES", str(tmp_path))
+    assert schedules_root() == tmp_path and shipped_target_keys() == []
+    assert shipped_records_dir({"kind": "llvm", "mcpu": "znver4"}) is None

@@ -180,6 +180,7 @@ def test_every_candidate_of_the_pool_space_computes_the_pooling(mode, shape, blo
     assert _body(sch.mod["main"]) == _body(default_pool_kernel(wl, block))
 
 
+@pytest.mark.slow
 def test_a_network_with_pooling_tunes_and_uses_its_pooling_record(tmp_path):
     """The max pooling is a task of its own; after tuning, the build runs its tuned kernel."""
     from tvm_ext.tuning.records import TUNED_ATTR
@@ -262,6 +263,7 @@ def test_tasks_are_the_kernels_the_split_batch_runs():
     assert {t.name for t in extract_tasks(mod, TARGET, images_per_call=2)} <= kernels
 
 
+@pytest.mark.slow
 def test_tune_a_network_then_build_with_its_records(tmp_path):
     mod = _net()
     tasks = extract_tasks(mod, TARGET)
@@ -317,6 +319,7 @@ tvm_ext.tune(_net(repeated=0), tvm.target.Target({{"kind": "llvm", "mcpu": "znve
 """
 
 
+@pytest.mark.slow
 def test_sigkill_loses_no_finished_trial_and_the_rerun_continues(tmp_path):
     """A tuning process killed with SIGKILL keeps every record it wrote; tuning again resumes."""
     import os
@@ -372,6 +375,7 @@ def test_tune_rejects_what_it_cannot_tune(tmp_path):
         tvm_ext.tune(_net(repeated=0), "cuda", tmp_path)
 
 
+@pytest.mark.slow
 def test_shipped_records_apply_only_to_their_target(tmp_path, monkeypatch):
     from tvm_ext.strategy.dispatch import lower_to_kernels
     from tvm_ext.strategy.fusion import fusion_passes
@@ -466,6 +470,7 @@ def _records(work_dir) -> list:
     return [json.loads(line) for line in (work_dir / "database_tuning_record.json").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_rpc_tuning_on_loopback_survives_a_dead_server(tmp_path):
     """A tracker and two servers on loopback measure the candidates; one server is killed after
     the first batch, and tuning still finishes with its records."""
@@ -499,6 +504,7 @@ def test_rpc_tuning_on_loopback_survives_a_dead_server(tmp_path):
             _kill_session(proc)
 
 
+@pytest.mark.slow
 def test_rpc_tuning_survives_a_tracker_restart(tmp_path):
     """The tracker is killed after the first batch and restarted on its port: the servers
     register again (they retry the tracker), the run finishes, the first batch's records are

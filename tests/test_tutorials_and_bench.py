@@ -92,6 +92,7 @@ def test_tutorial_02_compile_a_network():
     assert "relative error against PyTorch" in out and "brgemm_conv2d epilogue" in out
 
 
+@pytest.mark.slow
 def test_tutorial_03_autotune(tmp_path):
     out = _run("tutorials/03_autotune.py", "--trials", "8", "--work-dir", str(tmp_path / "records"))
     assert "called 3x" in out and "tvm_ext.brgemm_float32" in out
@@ -100,6 +101,7 @@ def test_tutorial_03_autotune(tmp_path):
     assert err <= 1e-4
 
 
+@pytest.mark.slow
 def test_cli_tune_an_onnx_model(tmp_path):
     import numpy as np
     import onnx
@@ -151,6 +153,7 @@ def test_fuzz_bench_smoke():
     assert "3 graphs (seeds 11..13): 0 failed" in out
 
 
+@pytest.mark.slow
 def test_e2e_bench_smoke(tmp_path):
     table, scratch = tmp_path / "e2e.csv", tmp_path / "tmp"
     scratch.mkdir()
@@ -168,12 +171,14 @@ def test_e2e_bench_smoke(tmp_path):
     assert low <= float(ort["tvm_ext_speedup"]) <= high and ours["speedup_range"] == "1.00-1.00"
 
 
+@pytest.mark.slow
 def test_tune_bench_smoke():
     out = _run("bench/tune.py", "--layers", "1", "--trials", "4", "--no-stock")
     row = out.strip().splitlines()[-1].split(" | ")
     assert row[0] == "stem_7x7s2" and float(row[1]) > 0 and float(row[2]) > 0
 
 
+@pytest.mark.slow
 def test_gpu_check_pipeline_without_gpu(tmp_path):
     """What the GPU check does before it needs a GPU: export the CUDA C, compile it with nvcc."""
     if shutil.which("nvcc") is None:

@@ -24,7 +24,11 @@ def _top5(logits: np.ndarray) -> list[set]:
     return [set(np.argsort(-row)[:5]) for row in logits]
 
 
-@pytest.mark.parametrize("name", zoo.FAMILIES)
+FAST = ("resnet18", "mobilenet_v3_large")  # in the fast loop (make test-fast); the rest are slow
+
+
+@pytest.mark.parametrize("name", [name if name in FAST else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in zoo.FAMILIES])
 def test_zoo_model_matches_pytorch(name):
     size = max(SIZE, zoo.MIN_SIZE.get(name, 0))
     model = zoo.load(name, size)
@@ -37,6 +41,7 @@ def test_zoo_model_matches_pytorch(name):
     assert convs and all(r.kernel != "fallback" for r in convs), [r for r in convs if r.kernel == "fallback"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["resnet18", "wide_resnet50_2", "vgg11_bn"])
 def test_zoo_model_with_winograd(name):
     model = zoo.load(name, SIZE)
@@ -48,6 +53,7 @@ def test_zoo_model_with_winograd(name):
     assert any(r.kernel == "winograd_conv2d" for r in tvm_ext.dispatch_report(mod, "llvm"))
 
 
+@pytest.mark.slow
 def test_zoo_model_with_a_dynamic_batch():
     """The serving export (torch.export.Dim batch): every convolution on a tvm_ext kernel run
     image by image over the batch, right at several batch sizes."""

@@ -3,7 +3,8 @@
 demo   build the model with tvm_ext and with stock TVM, check the outputs agree, print the
        dispatch summary and the latency against stock TVM and PyTorch eager (same weights).
 report print the dispatch report (one row per op).
-bench  the per-layer convolution benchmark (bench/layers.py) for the model's layers.
+bench  the per-layer convolution benchmark (bench/layers.py) for the model's layers: a script of
+       the repository, not of the package (an installed wheel says so and exits with status 2).
 tune   tune the model's convolutions (MetaSchedule, XGBoost cost model) into --work-dir; then
        build with tvm_ext.build(mod, target, database=WORK_DIR).
 
@@ -89,7 +90,7 @@ def _existing_file(text: str) -> str:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = _Parser(prog="python -m tvm_ext", description=__doc__.split("\n\n")[0])
+    ap = _Parser(prog="python -m tvm_ext", description=(__doc__ or "").split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True, metavar="{demo,report,bench,tune}",
                             parser_class=_Parser)
 
@@ -134,7 +135,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     tune.add_argument("--rpc", type=_rpc, default=None,
                       help="host:port:key of a TVM RPC tracker whose servers measure")
     tune.add_argument("--ship", action="store_true",
-                      help="write into schedules/<target key>/ (the records builds use by default)")
+                      help="write into tvm_ext/schedules/<target key>/ (the records builds use by default)")
     args, extra = ap.parse_known_args(argv)
     parser = {"demo": demo, "report": report, "bench": bench, "tune": tune}[args.command]
     if extra:  # said by the subcommand: the option may well be another subcommand's
@@ -191,11 +192,12 @@ def demo(args: argparse.Namespace) -> int:
     print("dispatch: " + ", ".join(f"{n} x {k}" for k, n in counts.most_common()))
     start = time.perf_counter()
     ex = tvm_ext.build(mod, target, winograd=not args.direct)
-    from tvm_ext.tuning.records import shipped_records_dir, target_key
+    from tvm_ext.tuning.records import shipped_records_dir, shipped_target_keys, target_key
 
     shipped = shipped_records_dir(target)
+    others = ", ".join(shipped_target_keys()) or "no target"
     print(f"built with tvm_ext in {time.perf_counter() - start:.1f} s; tuning records for {target_key(target)}: "
-          + (f"shipped ({shipped})" if shipped else "none (analytic schedules)"))
+          + (f"shipped ({shipped})" if shipped else f"none (analytic schedules; records are shipped for {others})"))
     x = np.random.default_rng(0).standard_normal(models.image_shape(mod)).astype("float32")
     xt = tvm.runtime.tensor(x)
     run = relax.VirtualMachine(ex, tvm.cpu())["main"]
@@ -277,8 +279,17 @@ def tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_script() -> Path:
+    """bench/layers.py of the repository this package runs from (it is no part of the package)."""
+    return Path(__file__).resolve().parents[2] / "bench" / "layers.py"
+
+
 def bench(args: argparse.Namespace) -> int:
-    script = Path(__file__).resolve().parents[2] / "bench" / "layers.py"
+    script = _bench_script()
+    if not script.is_file():  # an installed wheel: the benchmark (and bench/peak.py, its workloads) stayed behind
+        print(f"tvm_ext bench: runs the repository's bench/layers.py, which is not installed with the package "
+              f"({script} does not exist): run it from a clone of tvm_ext (pip install -e .)", file=sys.stderr)
+        return 2
     layer_set = "resnet50" if args.model.startswith("resnet") else args.model
     cmd = [sys.executable, str(script), "--set", layer_set, "--batch", str(args.batch), "--threads",
            str(args.threads), "--target", args.target, "--repeat", str(args.repeat)]

@@ -117,16 +117,16 @@ SSE = VectorISA("sse", 4, 16, ("mulps",), "%xmm")
 
 def vector_isa(target: TargetLike) -> VectorISA:
     """The widest fp32 FMA vector ISA the (resolved) LLVM target has."""
-    target = resolve_target(target)
-    if target.kind.name != "llvm":
-        raise ValueError(f"vector_isa: {target.kind.name} is not a CPU (llvm) target")
-    with target:
-        triple = str(target.attrs.get("mtriple", "")) or codegen.llvm_get_system_triple()
+    resolved = resolve_target(target)
+    if resolved.kind.name != "llvm":
+        raise ValueError(f"vector_isa: {resolved.kind.name} is not a CPU (llvm) target")
+    with resolved:
+        triple = str(resolved.attrs.get("mtriple", "")) or codegen.llvm_get_system_triple()
         if triple.startswith(("aarch64", "arm64")):
             return NEON
-        if codegen.llvm_cpu_has_features(["avx512f", "fma"], target):
+        if codegen.llvm_cpu_has_features(["avx512f", "fma"], resolved):
             return AVX512
-        if codegen.llvm_cpu_has_features(["avx2", "fma"], target):
+        if codegen.llvm_cpu_has_features(["avx2", "fma"], resolved):
             return AVX2
     return SSE
 

@@ -1,5 +1,6 @@
 """Tuning records on disk: reading and writing MetaSchedule's JSON database safely, the best
-record of a kernel, and the records shipped per target (schedules/<target key>/).
+record of a kernel, and the records shipped per target (tvm_ext/schedules/<target key>/, package
+data: an installed wheel has them).
 
 Below the build and the search: a build that uses records imports this module, not the tuner.
 MetaSchedule's JSON reader aborts the process on a blank line, `null` or a line of the wrong
@@ -15,6 +16,7 @@ import logging
 import math
 import os
 import shutil
+from importlib import resources
 from pathlib import Path
 
 import tvm
@@ -263,20 +265,33 @@ TUNED_ATTR = "tvm_ext.tuned"  # on kernels whose schedule came from a tuning rec
 
 def target_key(target: TargetLike) -> str:
     """The folder name of a target's shipped records: kind and CPU (e.g. llvm-znver4)."""
-    target = resolve_target(target)
-    cpu = str(target.attrs.get("mcpu", "")) or "generic"
-    return f"{target.kind.name}-{cpu}"
+    resolved = resolve_target(target)
+    cpu = str(resolved.attrs.get("mcpu", "")) or "generic"
+    return f"{resolved.kind.name}-{cpu}"
 
 
 def schedules_root() -> Path:
-    """Where shipped records live: $TVM_EXT_SCHEDULES, else the repository's schedules/."""
-    return Path(os.environ.get("TVM_EXT_SCHEDULES") or Path(__file__).resolve().parents[3] / "schedules")
+    """Where shipped records live: $TVM_EXT_SCHEDULES, else the package's data folder schedules/
+    (tvm_ext/schedules, in a clone and in an installed wheel alike)."""
+    override = os.environ.get("TVM_EXT_SCHEDULES")
+    if override:
+        return Path(override)
+    # A folder on disk: setuptools installs packages unzipped, and TVM's JSONDatabase reads a path.
+    return Path(str(resources.files("tvm_ext").joinpath("schedules")))
 
 
 def shipped_records_dir(target: TargetLike) -> Path | None:
     """schedules/<target key>/ when records are shipped for `target`, else None."""
     path = schedules_root() / target_key(target)
     return path if (path / _RECORDS).is_file() else None
+
+
+def shipped_target_keys() -> list[str]:
+    """The target keys (e.g. llvm-znver4) that have shipped records, sorted."""
+    root = schedules_root()
+    if not root.is_dir():
+        return []
+    return sorted(path.name for path in root.iterdir() if (path / _RECORDS).is_file())
 
 
 def shipped_database(target: TargetLike) -> ms.Database | None:
