@@ -306,7 +306,7 @@ ACTIVATIONS = {
     "relu6": "T.Select({v} < T.float32(0), T.float32(0), T.Select({v} > T.float32(6), T.float32(6), {v}))",
     "sigmoid": _SIGMOID,
     "silu": "{v} * " + _SIGMOID,
-    "gelu": "{v} * (T.float32(0.5) + T.erf({v} * T.float32(0.7071067811865476)) * T.float32(0.5))",
+    "gelu": "{v} * (T.float32(0.5) + _vector_erf({v} * T.float32(0.7071067811865476)) * T.float32(0.5))",
     "leaky_relu": "T.Select({v} < T.float32(0), T.float32({alpha!r}) * {v}, {v})",
     # PyTorch's as its importer writes them (clip(x + 3, 0, 6) / 6): the same rounding
     "hardsigmoid": _HARDSIGMOID,

@@ -236,9 +236,19 @@ def _grid_index(plan: Conv2dPlan, ty: tirx.Var, tx: tirx.Var) -> list:
     return [ty, tx] if grid(plan) == tiles(plan) else [0, ty * tiles(plan)[1] + tx]
 
 
-# TVM's vectorizer cannot vectorize erf; falling back to scalar code inside a vectorized loop, it
-# loses the loop's let bindings (the tile's values). These keep a serial channel loop.
-_UNVECTORIZED_ACTIVATIONS = {"gelu"}
+# Activations whose epilogue keeps a serial channel loop: TVM's vectorizer cannot vectorize
+# T.erf, and falling back to scalar code inside a vectorized loop it lost the loop's let bindings
+# (the tile's values). The output transform keeps GELU's scalar erf: with the vectorized erf
+# (:func:`.vector_math.vector_erf`, 7 bound steps) in each of the tile's m x m outputs, TVM's
+# passes took about 2 minutes to lower one kernel (docs/tvm_0.27_hazards.md, "let bindings").
+_UNVECTORIZED_ACTIVATIONS = frozenset({"gelu"})
+
+
+def _activation(name: str, value: tirx.PrimExpr, alpha: float) -> tirx.PrimExpr:
+    if name == "gelu":  # x * (1/2 + erf(x / sqrt 2) / 2), erf a scalar call (see above)
+        return value * (tirx.const(0.5, "float32") + tirx.erf(value * tirx.const(0.7071067811865476, "float32"))
+                        * tirx.const(0.5, "float32"))
+    return activation_expr(name, value, alpha)
 
 
 def input_transform_func(plan: Conv2dPlan) -> tirx.PrimFunc:
@@ -297,7 +307,7 @@ def output_transform_func(plan: Conv2dPlan, epilogue: Epilogue | None = None) ->
                         if epilogue.residual:
                             value = value + residual[n, ob, ty * m + i, tx * m + j, c]
                         if epilogue.activation:
-                            value = activation_expr(epilogue.activation, T.Bind(value), epilogue.alpha)
+                            value = _activation(epilogue.activation, T.Bind(value), epilogue.alpha)
                         inside = ([ty * m + i < wl.OH] if i >= wl.OH - (th - 1) * m else []) + (
                             [tx * m + j < wl.OW] if j >= wl.OW - (tw - 1) * m else [])
                         index = [n, ob, ty * m + (i + top), tx * m + (j + left), c]

@@ -11,9 +11,9 @@ from ..kernels import winograd as _winograd
 from ..relax_info import dtype, image_shape, shape_text, static_shape, symbolic_batch
 from ..target import vector_isa
 from .base import ACTIVATION_OPS, DATA_MOVEMENT_OPS, POOLS, Decision, channel_scale_operands, is_relu6, pool_workload
-from .cuda_engine import conv2d_decision
+from .cuda_engine import FUSED_ACTIVATIONS, conv2d_decision
 
-__all__ = ["decide"]
+__all__ = ["decide", "epilogue_activation"]
 
 
 def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", winograd: bool = True) -> Decision:
@@ -61,6 +61,22 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
         plan = _conv.plan_conv2d(wl, vector_isa(target))
     reason = "; ".join(part for part in (plan.reason, _per_image(tensors[0])) if part)
     return Decision(op, shapes, f"{plan.kind}_conv2d", reason, plan)
+
+
+def epilogue_activation(name: str, target: tvm.target.Target) -> Decision:
+    """Whether a convolution's epilogue on `target` applies activation `name` (a name of
+    :data:`tvm_ext.kernels.conv2d.ACTIVATIONS`): the Decision names the epilogue's kernel, or
+    is None with the reason the activation stays a separate op. CPU epilogues apply every
+    activation (GELU's erf vectorized: :func:`tvm_ext.kernels.vector_math.vector_erf`); CUDA's
+    maxDNN epilogue applies relu and relu6 only (:data:`.cuda_engine.FUSED_ACTIVATIONS`), the
+    others (GELU, SiLU, ...) run as the activation kernel after the convolution."""
+    op = f"epilogue {name}"
+    if target.kind.name == "cuda" and name not in FUSED_ACTIVATIONS:
+        return Decision(op, (), None, f"the CUDA convolution epilogue applies {', '.join(FUSED_ACTIVATIONS)} only: "
+                                      f"{name} runs as a separate activation kernel")
+    if name not in _conv.ACTIVATIONS:
+        return Decision(op, (), None, f"no epilogue applies {name}")
+    return Decision(op, (), "conv2d epilogue")
 
 
 _SYMBOLIC = ("symbolic shape: tvm_ext kernels are generated per static shape (on CPUs a symbolic batch is run "

@@ -7,10 +7,9 @@ import tvm
 from tvm import relax
 
 from ..relax_info import dtype, image_shape, is_channel_bias, same_extent, symbolic_batch
-from ..transform import fold_batch_norm, matmul_as_conv2d, recognise_silu
+from ..transform import channels_last_as_nchw, fold_batch_norm, matmul_as_conv2d, recognise_silu
 from .base import ACTIVATION_OPS, Activation, activation_at
-from .cuda_engine import FUSED_ACTIVATIONS
-from .decide import decide
+from .decide import decide, epilogue_activation
 
 __all__ = ["epilogue_of", "fusion_passes", "fusion_patterns"]
 
@@ -71,7 +70,7 @@ def fusion_patterns(target: tvm.target.Target) -> list:
         found = activation_at(act, lambda e: bindings.get(e, e) if isinstance(e, relax.Var) else e)
         if found is None:  # a clip other than relu6, a shifted or scaled look-alike of hardswish
             return False
-        return target.kind.name != "cuda" or found[0].name in FUSED_ACTIVATIONS  # maxDNN: relu, relu6
+        return epilogue_activation(found[0].name, target).kernel is not None  # CUDA's maxDNN: relu, relu6
 
     def relu6_of_x_plus_3(x):  # clip(x + 3, 0, 6), or torch.export's two one-sided clips
         clip = is_op("relax.clip")(is_op("relax.add")(x, is_const()), wildcard(), wildcard())
@@ -163,7 +162,7 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     The pipeline runs these before lowering; the dispatch report runs them to say what fuses.
     FoldConstant first turns importer biases such as reshape(const) into constants.
     """
-    return [relax.transform.FoldConstant(), fold_batch_norm(), matmul_as_conv2d(), recognise_silu(),
-            relax.transform.FuseOpsByPattern(fusion_patterns(target), bind_constants=True)]
+    return [relax.transform.FoldConstant(), fold_batch_norm(), matmul_as_conv2d(), channels_last_as_nchw(),
+            recognise_silu(), relax.transform.FuseOpsByPattern(fusion_patterns(target), bind_constants=True)]
 
 
