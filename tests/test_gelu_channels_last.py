@@ -15,6 +15,7 @@ from tvm_ext.kernels.elementwise import activation_func
 from tvm_ext.kernels.vector_math import vector_erf, vector_exp
 from tvm_ext.strategy.decide import epilogue_activation
 from tvm_ext.target import resolve_target, vector_isa
+from tvm_ext.testing import cuda_emulator
 from tvm_ext.transform.channels_last import channels_last_as_nchw, is_view
 
 TARGET = resolve_target("llvm")
@@ -217,3 +218,27 @@ def test_layout_chains_collapse_only_when_they_keep_element_order():
         np.testing.assert_array_equal(_run(tvm.compile(lowered, "llvm"), xv), expected)
     assert is_view((2, 3), []) and not is_view((2, 3), [relax.op.permute_dims(relax.Var("v", relax.TensorType(
         (2, 3), "float32")), [1, 0])])
+
+
+@pytest.mark.skipif(not cuda_emulator.have_compiler(), reason="g++ is not installed")
+@pytest.mark.parametrize("name", ["gelu", "silu", "sigmoid"])
+def test_cuda_activation_kernels_on_the_emulator(name):
+    """CUDA's standalone activation kernels (GELU's now the polynomial erf, the exp let-bound):
+    the CUDA C TVM generates, run on the CPU emulator, against float64 PyTorch, with zeros,
+    large values, infinities and NaN."""
+    from tvm_ext.kernels.cuda.ptx import generate_source
+    from tvm_ext.kernels.cuda.simple import THREADS, activation_func
+
+    rng = np.random.default_rng(5)
+    specials = [0.0, -0.0, 1e-30, -9.0, 9.0, 30.0, -30.0, np.inf, -np.inf, np.nan]
+    x = np.concatenate([rng.standard_normal(1000) * 4, specials]).astype(np.float32)
+    source = generate_source(activation_func(name, x.shape), resolve_target(CUDA))
+    y = np.full_like(x, 7.0)
+    cuda_emulator.run_kernel(source, "activation_kernel", (-(-x.size // THREADS), 1, 1), (THREADS, 1, 1),
+                             {"X_flat": x, "Y_flat": y})
+    t = torch.from_numpy(x.astype(np.float64))
+    torch_op = {"gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid}[name]
+    ref = torch_op(t).numpy()
+    finite = np.isfinite(ref)
+    np.testing.assert_allclose(y[finite], ref[finite], rtol=2e-6, atol=2e-7)
+    assert np.isnan(y[np.isnan(ref)]).all() and (y[np.isinf(ref)] == ref[np.isinf(ref)]).all()
