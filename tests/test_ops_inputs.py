@@ -209,3 +209,14 @@ def test_leaky_relu_slope_must_be_a_finite_number():
     assert ops.cache_size() == before
     np.testing.assert_array_equal(ops.leaky_relu(x, np.float32(0.5)), _torch(F.leaky_relu, x, 0.5))
     np.testing.assert_array_equal(ops.leaky_relu(x, np.int64(2)), _torch(F.leaky_relu, x, 2.0))
+
+
+def test_prepacked_conv2d_is_refused_on_cuda_before_compiling():
+    """ops.Conv2d packs its weights in the CPU kernels' blocked layout; on a CUDA target it
+    failed at its first call (an AttributeError on a GPU: the CUDA kernel has no blocked plan).
+    It says so at construction; ops.conv2d is the CUDA path."""
+    w = np.random.default_rng(0).standard_normal((8, 4, 3, 3)).astype(np.float32)
+    for target in ("cuda -arch=sm_90", "nvidia/nvidia-h100"):
+        with pytest.raises(UnsupportedError, match=r"Conv2d: prepacked weights are for CPU"):
+            ops.Conv2d(w, padding=1, target=target)
+    ops.Conv2d(w, padding=1, target="llvm")  # the CPU still prepacks

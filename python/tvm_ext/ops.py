@@ -18,8 +18,10 @@ import operator
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import TypedDict, TypeVar, cast
 
 import numpy as np
+import numpy.typing as npt
 import tvm
 import tvm_ffi
 
@@ -92,7 +94,10 @@ def _ints(name: str, value, lengths: tuple[int, ...]) -> int | tuple[int, ...]:
 
 def _pair(name: str, value) -> tuple[int, int]:
     v = _ints(name, value, (2,))
-    return (v, v) if isinstance(v, int) else v
+    if isinstance(v, int):
+        return v, v
+    first, second = v  # _ints checked: 2 of them
+    return first, second
 
 
 def _conv_options(op: str, w_shape: Sequence[int], stride, padding, dilation, groups):
@@ -203,17 +208,23 @@ _KEY_LOCKS: dict[tuple, threading.Lock] = {}
 _KEY_LOCKS_LOCK = threading.Lock()
 
 
-def _once(cache: _KernelCache, key: tuple, make: Callable[[], object]):
+_Made = TypeVar("_Made")
+
+
+def _once(cache: _KernelCache, key: tuple, make: Callable[[], _Made]) -> _Made:
     """cache[key], made by `make()` when missing: once, when threads ask together (each key
-    has a lock of its own, so different signatures still compile side by side)."""
-    value = cache.get(key)
+    has a lock of its own, so different signatures still compile side by side).
+
+    A key is only ever made by one `make` (each key names its kind of kernel), so what the cache
+    holds under it is what `make` returns."""
+    value = cast(_Made, cache.get(key))
     if value is not None:
         return value
     with _KEY_LOCKS_LOCK:
         lock = _KEY_LOCKS.setdefault((id(cache), key), threading.Lock())
     try:
         with lock:
-            value = cache.get(key)
+            value = cast(_Made, cache.get(key))
             if value is None:
                 value = make()
                 cache.put(key, value, getattr(value, "nbytes", _KERNEL_BYTES))
@@ -284,7 +295,7 @@ def _kernel(key: tuple, make: Callable[[tvm.target.Target], tvm.tirx.PrimFunc], 
 _ALIGN = 64  # TVM's DLPack import requires 64-byte aligned data
 
 
-def aligned_empty(shape, dtype=np.float32) -> np.ndarray:
+def aligned_empty(shape, dtype: npt.DTypeLike = np.float32) -> np.ndarray:
     """An uninitialized C-contiguous array whose data is 64-byte aligned."""
     shape = tuple(int(v) for v in shape)
     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
@@ -384,6 +395,8 @@ class _Conv2dKernel:
                 w = self.weight
             args = [self.data, w]
             if self.bias is not None:
+                if bias is None:  # the kernel's signature has a bias (_conv_kernel's key says so)
+                    raise ValueError("conv2d: this kernel adds a bias and none was given")
                 self.bias.copyfrom(self.blocked_bias(bias))
                 args.append(self.bias)
             self.conv(*args, _as_tvm(out))
@@ -431,11 +444,12 @@ def _pointwise_subsample(x: np.ndarray, w_shape: Sequence[int], stride: tuple[in
     return x[:, :, ::stride[0], ::stride[1]], (1, 1)
 
 
-def _conv_kernel(x_shape, w_shape, bias: bool, stride, padding, dilation, groups, target) -> _Conv2dKernel:
+def _conv_kernel(x_shape, w_shape, bias: bool, stride, padding, dilation, groups,
+                 target) -> _Conv2dKernel | _CudaConv2dKernel:
     """The kernel of a signature whose options :func:`_conv_options` normalized."""
     key = ("conv2d", x_shape, w_shape, bias, stride, padding, dilation, groups, _target_key(target))
 
-    def make() -> _Conv2dKernel:
+    def make() -> _Conv2dKernel | _CudaConv2dKernel:
         resolved = resolve_target(target)
         wl = _conv.Conv2dWorkload.make(x_shape, w_shape, stride, padding, dilation, groups)
         _check_elements("conv2d padded data", (wl.N, wl.C, wl.HP, wl.WP))
@@ -475,6 +489,16 @@ class _CudaConv2dKernel:
         return self.cuda_conv.output_to_nchw(args[-1].numpy())
 
 
+class _Conv2dOptions(TypedDict):
+    """:class:`Conv2d`'s options, as :func:`_conv_options` normalized them."""
+
+    stride: tuple[int, int]
+    padding: tuple[int, ...]
+    dilation: tuple[int, int]
+    groups: int
+    target: TargetLike
+
+
 class Conv2d:
     """A convolution whose weights are fixed: packed once, not on every call.
 
@@ -491,9 +515,13 @@ class Conv2d:
         if self.bias is not None and self.bias.shape[0] != self.weight.shape[0]:
             raise ValueError(f"Conv2d: bias has {self.bias.shape[0]} entries for {self.weight.shape[0]} channels")
         _check_conv_shapes("Conv2d", None, self.weight.shape)
+        if resolve_target(target).kind.name != "llvm":  # the CUDA kernel lays its weights out per call
+            raise UnsupportedError(f"Conv2d: prepacked weights are for CPU (llvm) targets, not "
+                                   f"{resolve_target(target).kind.name}; use ops.conv2d(..., target=...)")
         stride, padding, dilation, groups = _conv_options("Conv2d", self.weight.shape, stride, padding, dilation,
                                                           groups)
-        self.options = dict(stride=stride, padding=padding, dilation=dilation, groups=groups, target=target)
+        self.options = _Conv2dOptions(stride=stride, padding=padding, dilation=dilation, groups=groups,
+                                      target=target)
         self._packed: dict[tuple, tvm.runtime.Tensor] = {}  # by input shape
         # ...one packing per blocked layout, which input shapes seldom change: not a copy per shape
         self._layouts: dict[tuple, tvm.runtime.Tensor] = {}
@@ -506,6 +534,8 @@ class Conv2d:
                                **{k: v for k, v in self.options.items() if k != "target"})
         x, stride = _pointwise_subsample(x, self.weight.shape, self.options["stride"], self.options["padding"])
         kernel = _conv_kernel(x.shape, self.weight.shape, self.bias is not None, **{**self.options, "stride": stride})
+        if not isinstance(kernel, _Conv2dKernel):  # refused in __init__: only CPU kernels prepack
+            raise UnsupportedError(f"Conv2d: no prepacked kernel for target {self.options['target']!r}")
         packed = self._packed.get(x.shape)
         if packed is None:
             layout = (kernel.plan.kind, kernel.plan.weight_shape())

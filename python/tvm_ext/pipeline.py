@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from typing import TypeGuard
 
 import tvm
 from tvm import relax
@@ -104,30 +105,30 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
     from .tuning.records import open_database, shipped_database
 
     check_images_per_call(images_per_call)
-    target = resolve_target(target)
-    if target.kind.name == "cuda":
-        engine_for(tensor_cores, target)  # a bad value fails here, not inside the pass
+    resolved = resolve_target(target)
+    if resolved.kind.name == "cuda":
+        engine_for(tensor_cores, resolved)  # a bad value fails here, not inside the pass
         if database is not None:
             raise UnsupportedError("pipeline: tuning records apply to CPU targets only (the CUDA kernels use "
                                    "their analytic tiles)")
-        return _cuda_pipeline(target, tensor_cores, winograd)
-    if target.kind.name != "llvm":
-        raise UnsupportedError(f"pipeline: target {target.kind.name} is not supported (LLVM CPUs and CUDA)")
+        return _cuda_pipeline(resolved, tensor_cores, winograd)
+    if resolved.kind.name != "llvm":
+        raise UnsupportedError(f"pipeline: target {resolved.kind.name} is not supported (LLVM CPUs and CUDA)")
     if tensor_cores:
         raise UnsupportedError("pipeline: tensor_cores applies to CUDA targets")
-    database = shipped_database(target) if database is None else open_database(database)
+    database = shipped_database(resolved) if database is None else open_database(database)
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.Pipeline")
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        with target:
+        with resolved:
             passes = (
                 [split_batch(images_per_call)]
-                + cpu_pipeline.library_dispatch_passes(target)
-                + fusion_passes(target)
-                + _lowering_passes(target, lower_to_kernels(target, database, winograd=winograd),
+                + cpu_pipeline.library_dispatch_passes(resolved)
+                + fusion_passes(resolved)
+                + _lowering_passes(resolved, lower_to_kernels(resolved, database, winograd=winograd),
                                    [dlight.cpu.GEMV(), dlight.cpu.Reduction(), ParallelVectorize()])
-                + cpu_pipeline.dataflow_lower_passes(target)
-                + cpu_pipeline.finalize_passes(target)
+                + cpu_pipeline.dataflow_lower_passes(resolved)
+                + cpu_pipeline.finalize_passes(resolved)
             )
             return tvm.transform.Sequential(passes)(mod)
 
@@ -165,16 +166,16 @@ def build(mod: tvm.IRModule, target: TargetLike = None, database=None,
 
     `database`, `images_per_call`, `tensor_cores` and `winograd`: see :func:`pipeline`.
     """
-    target = resolve_target(target)
-    relax_pipeline = pipeline(target, database, images_per_call, tensor_cores=tensor_cores, winograd=winograd)
-    if target.kind.name == "cuda":
+    resolved = resolve_target(target)
+    relax_pipeline = pipeline(resolved, database, images_per_call, tensor_cores=tensor_cores, winograd=winograd)
+    if resolved.kind.name == "cuda":
         from .kernels.cuda.ptx import cuda_source_only, prepare_device_compile
 
         if not tvm.cuda(0).exist:
             with cuda_source_only():  # no GPU: the executable carries the kernels' CUDA C, to inspect
-                return tvm.compile(mod, target, relax_pipeline=relax_pipeline)
+                return tvm.compile(mod, resolved, relax_pipeline=relax_pipeline)
         prepare_device_compile()
-    return tvm.compile(mod, target, relax_pipeline=relax_pipeline)
+    return tvm.compile(mod, resolved, relax_pipeline=relax_pipeline)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,8 +201,12 @@ class DispatchReport(list):
                          for row in rows)
 
 
-def _is_call_to(expr, op: str) -> bool:
-    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == op
+def _is_call(expr) -> TypeGuard[relax.Call]:
+    return isinstance(expr, relax.Call)
+
+
+def _is_call_to(expr, op: str) -> TypeGuard[relax.Call]:
+    return _is_call(expr) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == op
 
 
 def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_call: int | None = None,
@@ -216,14 +221,14 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
     are not reported.
     """
     check_images_per_call(images_per_call)
-    target = resolve_target(target)
-    engine = engine_for(tensor_cores, target if target.kind.name == "cuda" else None)
-    if tensor_cores and target.kind.name != "cuda":
+    resolved = resolve_target(target)
+    engine = engine_for(tensor_cores, resolved if resolved.kind.name == "cuda" else None)
+    if tensor_cores and resolved.kind.name != "cuda":
         raise UnsupportedError("dispatch_report: tensor_cores applies to CUDA targets")
-    if target.kind.name != "cuda":  # the pipeline splits the batch on CPUs only
+    if resolved.kind.name != "cuda":  # the pipeline splits the batch on CPUs only
         mod = split_batch(images_per_call)(mod)
-    with target:
-        fused = tvm.transform.Sequential(fusion_passes(target))(mod)
+    with resolved:
+        fused = tvm.transform.Sequential(fusion_passes(resolved))(mod)
     report = DispatchReport()
     stages = _stage_runs(fused)
 
@@ -240,7 +245,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
             return _is_call_to(bindings.get(source) if isinstance(source, relax.Var) else None, "relax.permute_dims")
 
         def row(call: relax.Call, fused_into: str | None = None, matmul: bool = False) -> None:
-            decision = decide(call, target, engine, winograd)
+            decision = decide(call, resolved, engine, winograd)
             if matmul:
                 (_, k, _, m), (n, *_) = decision.shapes
                 reason = "as a 1x1 convolution (a GEMM is a batch-reduce of one)"
@@ -261,7 +266,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
                 relax.analysis.post_order_visit(fused[expr.op].body,
                                                 lambda e: calls.append(e) if isinstance(e, relax.Call) else None)
                 conv = next(c for c in calls if isinstance(c.op, tvm.ir.Op) and c.op.name == "relax.nn.conv2d")
-                kernel = decide(conv, target, engine, winograd).kernel
+                kernel = decide(conv, resolved, engine, winograd).kernel
                 matmul = from_matmul(expr.args[list(fused[expr.op].params).index(conv.args[0])])
                 for call in calls:
                     if isinstance(call.op, tvm.ir.Op):
@@ -290,8 +295,7 @@ def _split_plumbing(main: relax.Function, bindings: dict, stages: dict[str, int]
 
     def stage_result(var) -> bool:
         value = bindings.get(var) if isinstance(var, relax.Var) else None
-        return isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.GlobalVar) and \
-            value.op.name_hint in stages
+        return _is_call(value) and isinstance(value.op, tvm.ir.GlobalVar) and value.op.name_hint in stages
 
     added = []
     for value in bindings.values():

@@ -6,11 +6,13 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-__all__ = ["static_shape", "image_shape", "symbolic_batch", "same_extent", "shape_text", "dtype", "prim_value",
-           "is_channel_bias"]
+from .errors import UnsupportedError
+
+__all__ = ["static_shape", "image_shape", "known_shape", "symbolic_batch", "same_extent", "shape_text", "dtype",
+           "prim_value", "is_channel_bias"]
 
 
-def static_shape(expr: relax.Expr) -> tuple | None:
+def static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
     """The shape as ints, or None if it is unknown or symbolic."""
     ty = expr.ty if hasattr(expr, "ty") else None
     shape = getattr(ty, "shape", None)
@@ -22,10 +24,18 @@ def static_shape(expr: relax.Expr) -> tuple | None:
         return None
 
 
+def known_shape(shape: tuple[int, ...] | None, what: str) -> tuple[int, ...]:
+    """`shape` (from :func:`static_shape` or :func:`image_shape`) where the caller relies on it
+    being static, as a decision already checked: an UnsupportedError naming `what` if it is not."""
+    if shape is None:
+        raise UnsupportedError(f"{what}: the shape is not static")
+    return shape
+
+
 def symbolic_batch(expr: relax.Expr) -> tvm.tirx.PrimExpr | None:
     """The leading extent of a tensor whose other extents are static, if it is symbolic."""
     shape = getattr(getattr(expr, "ty", None), "shape", None)
-    if not isinstance(shape, (list, tuple, tvm.ir.Array)) or len(shape) == 0:
+    if shape is None or not isinstance(shape, (list, tuple, tvm.ir.Array)) or len(shape) == 0:
         shape = getattr(shape, "values", None)  # a ShapeExpr
     if shape is None or len(shape) == 0 or isinstance(shape[0], tvm.tirx.IntImm):
         return None
@@ -39,7 +49,7 @@ def same_extent(a: tvm.tirx.PrimExpr, b: tvm.tirx.PrimExpr) -> bool:
     return Analyzer().can_prove_equal(a, b)
 
 
-def image_shape(expr: relax.Expr) -> tuple | None:
+def image_shape(expr: relax.Expr) -> tuple[int, ...] | None:
     """The static shape, or for a symbolic batch (:func:`symbolic_batch`) the shape of one image
     (leading extent 1); None otherwise."""
     shape = static_shape(expr)

@@ -79,12 +79,12 @@ def resolve_target(target: TargetLike = None) -> Target:
     """
     if target is None:
         return host_target()
-    if isinstance(target, Target):
-        return host_target() if _means_host(target.kind.name, dict(target.attrs)) else target
+    if not isinstance(target, (dict, str)):  # (a Target is neither)
+        if isinstance(target, Target):
+            return host_target() if _means_host(target.kind.name, dict(target.attrs)) else target
+        raise TypeError(f"target must be a Target, dict or str, got {type(target).__name__}")
     if isinstance(target, dict):
         return host_target() if _means_host(target.get("kind"), target) else Target(dict(target))
-    if not isinstance(target, str):
-        raise TypeError(f"target must be a Target, dict or str, got {type(target).__name__}")
     text = target.strip()
     if text.startswith("{"):
         return resolve_target(json.loads(text))

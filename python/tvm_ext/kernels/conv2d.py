@@ -52,7 +52,7 @@ def _pair(v, name: str) -> tuple[int, int]:
 def normalize_padding(padding) -> tuple[int, int, int, int]:
     """int, (ph, pw) or (top, left, bottom, right) -> (top, left, bottom, right)."""
     if isinstance(padding, int):
-        pads = (padding,) * 4
+        pads = (padding, padding, padding, padding)
     else:
         pads = tuple(int(p) for p in padding)
         if len(pads) == 2:
@@ -82,8 +82,9 @@ class Conv2dWorkload:
     dtype: str = "float32"
 
     @staticmethod
-    def make(x_shape: Sequence[int], w_shape: Sequence[int], stride=1, padding=0, dilation=1,
-             groups: int = 1, dtype: str = "float32") -> Conv2dWorkload:
+    def make(x_shape: Sequence[int], w_shape: Sequence[int], stride: int | Sequence[int] = 1,
+             padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1, groups: int = 1,
+             dtype: str = "float32") -> Conv2dWorkload:
         if len(x_shape) != 4:
             raise ValueError(f"conv2d: data must be 4-D NCHW, got shape {tuple(x_shape)}")
         if len(w_shape) != 4:
@@ -755,7 +756,8 @@ def pack_weight_array(plan: Conv2dPlan, weight: np.ndarray) -> np.ndarray:
     wl = plan.wl
     padded = np.zeros((plan.K_pad, *weight.shape[1:]), weight.dtype)
     padded[: wl.K] = weight
-    k, c, kh, kw = padded.shape
+    k = plan.K_pad
+    c, kh, kw = weight.shape[1:]
     if plan.kind == "depthwise":
         blocked = padded.reshape(k // plan.oc_bn, plan.oc_bn, kh, kw).transpose(0, 2, 3, 1)
     else:

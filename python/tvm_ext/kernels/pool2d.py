@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 
 from tvm import s_tir, te, tirx
 
@@ -47,7 +48,8 @@ class Pool2dWorkload:
     count_include_pad: bool = True
 
     @staticmethod
-    def make(shape, mode: str, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False,
+    def make(shape, mode: str, kernel_size: int | Sequence[int], stride: int | Sequence[int] | None = None,
+             padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1, ceil_mode=False,
              count_include_pad=True) -> Pool2dWorkload:
         if mode not in ("max", "avg"):
             raise ValueError(f"pool2d: mode must be 'max' or 'avg', got {mode!r}")
@@ -63,8 +65,8 @@ class Pool2dWorkload:
             raise ValueError(f"pool2d: padding {pads} must be at most half the kernel {kernel}")
         if mode == "avg" and dil != (1, 1):
             raise ValueError("avg_pool2d: dilation is not supported")
-        wl = Pool2dWorkload(*(int(v) for v in shape), kernel, stride, pads, dil, bool(ceil_mode), mode,
-                            bool(count_include_pad))
+        n, c, h, w = (int(v) for v in shape)
+        wl = Pool2dWorkload(n, c, h, w, kernel, stride, pads, dil, bool(ceil_mode), mode, bool(count_include_pad))
         if wl.OH < 1 or wl.OW < 1:
             raise ValueError(f"pool2d: kernel {kernel} is larger than the padded input")
         return wl

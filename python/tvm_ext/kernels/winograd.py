@@ -77,10 +77,10 @@ def winograd_matrices(m: int, r: int = 3) -> tuple[np.ndarray, np.ndarray, np.nd
         scale = math.lcm(*(v.denominator for v in bt[j]))
         bt[j] = [v * scale for v in bt[j]]
         g[j] = [v / scale for v in g[j]]
-    matrices = tuple(np.array(mat, dtype=np.float64) for mat in (at, g, bt))
-    for mat in matrices:  # shared by every caller (cached)
+    at_m, g_m, bt_m = (np.array(mat, dtype=np.float64) for mat in (at, g, bt))
+    for mat in (at_m, g_m, bt_m):  # shared by every caller (cached)
         mat.flags.writeable = False
-    return matrices
+    return at_m, g_m, bt_m
 
 
 def matrices(plan: Conv2dPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -302,9 +302,9 @@ def output_transform_func(plan: Conv2dPlan, epilogue: Epilogue | None = None) ->
                 for i in range(m):
                     for j in range(m):
                         value = weighted_sum(at[j], at_s[i])
-                        if epilogue.bias:
+                        if bias is not None:  # (epilogue.bias)
                             value = value + bias[ob, c]
-                        if epilogue.residual:
+                        if residual is not None:  # (epilogue.residual)
                             value = value + residual[n, ob, ty * m + i, tx * m + j, c]
                         if epilogue.activation:
                             value = _activation(epilogue.activation, T.Bind(value), epilogue.alpha)

@@ -23,6 +23,12 @@ def _ints(values) -> list[int]:
     return [int(v) for v in values]
 
 
+def _pair(values) -> tuple[int, int]:
+    """A Relax attribute of two ints (an adaptive pooling's output size)."""
+    first, second = _ints(values)
+    return first, second
+
+
 def _scalar(expr) -> float:
     value = getattr(expr, "value", expr)
     return float(getattr(value, "value", value))
@@ -75,7 +81,7 @@ _OPS: dict[str, Callable] = {
     "relax.nn.max_pool2d": lambda call, x: _pool2d("max")(x, call.attrs),
     "relax.nn.avg_pool2d": lambda call, x: _pool2d("avg")(x, call.attrs),
     "relax.nn.adaptive_avg_pool2d": lambda call, x: F.adaptive_avg_pool2d(
-        x, _ints(call.attrs.output_size) if call.attrs.output_size is not None else x.shape[-2:]),
+        x, _pair(call.attrs.output_size) if call.attrs.output_size is not None else x.shape[-2:]),
     "relax.mean": lambda call, x: _mean(x, call.attrs),
     "relax.matmul": lambda call, a, b: a @ b,
     "relax.reshape": lambda call, x, shape: x.reshape(shape),
@@ -106,7 +112,10 @@ def to_torch(mod: tvm.IRModule, dtype: torch.dtype = torch.float32) -> Callable[
         if isinstance(expr, tvm.ir.expr.Constant):  # a scalar (FloatImm, IntImm)
             return _scalar(expr)
         if isinstance(expr, relax.TupleGetItem):
-            return value(expr.tuple_value, env)[int(expr.index)]
+            fields = value(expr.tuple_value, env)
+            if not isinstance(fields, tuple):
+                raise NotImplementedError(f"torch reference: cannot index a {type(fields).__name__}")
+            return fields[int(expr.index)]
         if isinstance(expr, relax.Tuple):
             return tuple(value(f, env) for f in expr.fields)
         if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
@@ -117,12 +126,15 @@ def to_torch(mod: tvm.IRModule, dtype: torch.dtype = torch.float32) -> Callable[
         raise NotImplementedError(f"torch reference: cannot evaluate {type(expr).__name__}")
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        env = {func.params[0]: x}
+        env: dict[relax.Var, object] = {func.params[0]: x}  # a tensor, shape, scalar or tuple per variable
         body = func.body
         for block in body.blocks:
             for binding in block.bindings:
                 env[binding.var] = value(binding.value, env)
-        return value(body.body, env)
+        out = value(body.body, env)
+        if not isinstance(out, torch.Tensor):
+            raise NotImplementedError(f"torch reference: main returns a {type(out).__name__}, not one tensor")
+        return out
 
     return forward
 

@@ -5,14 +5,26 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import tvm
 from tvm import relax
 
+from ..errors import UnsupportedError
 from ..kernels import pool2d as _pool
 from ..relax_info import prim_value, same_extent
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from ..kernels.conv2d import Conv2dPlan
+    from ..kernels.cuda.maxdnn import MaxDNNPlan
+    from ..kernels.cuda.winograd import WinogradPlan
+
+    # A convolution's plan: a kernels.conv2d.Conv2dPlan (direct, BRGEMM, depthwise or Winograd)
+    # on CPUs, a kernels.cuda MaxDNNPlan or WinogradPlan on CUDA.
+    ConvPlan: TypeAlias = Conv2dPlan | MaxDNNPlan | WinogradPlan
 
 # Relax's FuseOps must leave our scheduled kernels alone: kOpaque.
 OPAQUE = 8
@@ -28,7 +40,21 @@ class Decision:
     reason: str = ""
     # the convolution's plan: a kernels.conv2d.Conv2dPlan or kernels.winograd plan on CPUs, a
     # kernels.cuda MaxDNNPlan or WinogradPlan on CUDA; None for other ops
-    plan: object | None = None
+    plan: ConvPlan | None = None
+
+    @property
+    def chosen_kernel(self) -> str:
+        """:attr:`kernel`, for an emitter: it is only given decisions that have one."""
+        if self.kernel is None:
+            raise UnsupportedError(f"{self.op} {self.shapes}: no tvm_ext kernel to emit ({self.reason})")
+        return self.kernel
+
+    @property
+    def conv_plan(self) -> ConvPlan:
+        """:attr:`plan`, for a convolution given a kernel (whose decision always carries one)."""
+        if self.plan is None:
+            raise UnsupportedError(f"{self.op} {self.shapes}: no convolution plan ({self.reason})")
+        return self.plan
 
 
 ACTIVATION_OPS = {"relax.nn.relu": "relu", "relax.sigmoid": "sigmoid", "relax.clip": "relu6", "relax.nn.silu": "silu",

@@ -8,6 +8,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..errors import UnsupportedError
 from ..kernels import conv2d as _conv
 from ..kernels import elementwise as _elementwise
 from ..kernels import layout as _layout
@@ -15,7 +16,7 @@ from ..kernels import pool2d as _pool
 from ..kernels import winograd as _winograd
 from ..kernels.batch_loop import batch_loop
 from ..kernels.conv2d import Epilogue
-from ..relax_info import image_shape, symbolic_batch
+from ..relax_info import image_shape, known_shape, symbolic_batch
 from ..target import vector_isa
 from ..tuning import pool_space as _pool_space
 from ..tuning import space as _space
@@ -30,6 +31,14 @@ def _tag(plan: _conv.Conv2dPlan) -> str:
     return (f"{wl.N}x{wl.C}x{wl.H}x{wl.W}_{wl.K}x{wl.KH}x{wl.KW}_s{wl.stride[0]}x{wl.stride[1]}"
             f"_p{'x'.join(map(str, wl.padding))}_d{wl.dilation[0]}x{wl.dilation[1]}_g{wl.groups}"
             f"_x{plan.ic_bn}y{plan.oc_bn}")
+
+
+def _cpu_plan(decision: Decision) -> _conv.Conv2dPlan:
+    """The CPU plan of a convolution `decision` (:func:`~.decide.decide` on an LLVM target)."""
+    plan = decision.conv_plan
+    if not isinstance(plan, _conv.Conv2dPlan):
+        raise UnsupportedError(f"{decision.op} {decision.shapes}: a {type(plan).__name__} is not a CPU plan")
+    return plan
 
 
 _UNPACK = "tvm_ext_unpack_nchwc"
@@ -65,8 +74,9 @@ class CpuEmitter:
                 and value.args[0].name_hint.startswith(_UNPACK)):
             return None
         blocked = value.args[1].fields[0]
-        _, blocks, _, _, block = image_shape(blocked)
-        if image_shape(expr)[1] != blocks * block:  # channels filling the last block: not the same tensor
+        _, blocks, _, _, block = known_shape(image_shape(blocked), "unpack_nchwc: the blocked tensor")
+        channels = known_shape(image_shape(expr), "unpack_nchwc: the NCHW view")[1]
+        if channels != blocks * block:  # channels filling the last block: not the same tensor
             return None
         return blocked, block
 
@@ -84,7 +94,7 @@ class CpuEmitter:
         return self.bb.emit(self._call_tir(func, name, args, shape))
 
     def unpack(self, blocked: relax.Expr, channels: int) -> relax.Call:
-        shape = image_shape(blocked)
+        shape = known_shape(image_shape(blocked), "unpack_nchwc: the blocked tensor")
         n, _, h, w, _ = shape
         return self._call_tir(_layout.unpack_nchwc_func(shape, channels), f"{_UNPACK}_{'x'.join(map(str, shape))}",
                               [blocked], (n, channels, h, w))
@@ -97,10 +107,11 @@ class CpuEmitter:
         if known is not None and known[1] == block:
             if not any(pads):
                 return known[0]
-            bshape = image_shape(known[0])
+            bshape = known_shape(image_shape(known[0]), "pad_nchwc: the blocked tensor")
             n, cb, h, w, c = bshape
             return self._call(_layout.pad_nchwc_func(bshape, pads), f"tvm_ext_pad_nchwc_{'x'.join(map(str, bshape))}",
                               [known[0]], (n, cb, h + pads[0] + pads[2], w + pads[1] + pads[3], c))
+        shape = known_shape(shape, "pack_nchwc: the NCHW tensor")
         n, c, h, w = shape
         return self._call(_layout.pack_nchwc_func(shape, block, pads),
                           f"tvm_ext_pack_nchwc_{'x'.join(map(str, shape))}_{block}",
@@ -128,7 +139,7 @@ class CpuEmitter:
         Constant weights and biases are packed here; weights that are parameters are packed by
         a kernel call at run time.
         """
-        plan = self._plan(decision.plan, data)
+        plan = self._plan(_cpu_plan(decision), data)
         if plan.kind == "winograd":
             return self._winograd_conv2d(plan, call.args[1].value.numpy(), data, bias, residual, activation, suffix)
         wl = plan.wl
@@ -202,27 +213,31 @@ class CpuEmitter:
         """data * scale, scale (N, C, 1, 1): in data's blocked layout where it has one."""
         known = self.blocked(data)
         source = data if known is None else known[0]
-        shape = image_shape(source)
+        shape = known_shape(image_shape(source), "channel_scale: the data")
         func = _elementwise.channel_scale_func(shape, self.isa.lanes)
         out = self._call(func, f"tvm_ext_channel_scale_{'x'.join(map(str, shape))}", [source, scale], shape)
-        return out if known is None else self.unpack(out, image_shape(data)[1])
+        return out if known is None else self.unpack(out, known_shape(image_shape(data), "channel_scale: the data")[1])
 
     def pool_or_activation(self, call: relax.Call, decision: Decision) -> relax.Expr:
         if decision.kernel == "channel_scale":
-            return self._channel_scale(*channel_scale_operands(call))
+            operands = channel_scale_operands(call)
+            if operands is None:  # decide() gives channel_scale to such multiplies only
+                raise UnsupportedError(f"{decision.op} {decision.shapes}: not a multiply by one value per channel")
+            return self._channel_scale(*operands)
         data = call.args[0]
         known = self.blocked(data)
         source, block = known if known is not None else (data, None)
-        shape = image_shape(source)
-        channels = image_shape(data)[1]
+        shape = known_shape(image_shape(source), f"{decision.op}: the data")
+        data_shape = known_shape(image_shape(data), f"{decision.op}: the data")
+        channels = data_shape[1]
         if decision.kernel == "global_avg_pool2d":
             func, out_shape = _pool.global_avg_pool2d_func(shape), (*shape[:2], 1, 1, *shape[4:])
         elif call.op.name in POOLS:
-            wl = pool_workload(call, image_shape(data))
+            wl = pool_workload(call, data_shape)
             func = self.pool_kernel(wl, block)
             out_shape = (*shape[:2], wl.OH, wl.OW, *shape[4:])
         else:
-            func = _elementwise.activation_func(decision.kernel, shape, "float32", self.isa.lanes, alpha(call))
+            func = _elementwise.activation_func(decision.chosen_kernel, shape, "float32", self.isa.lanes, alpha(call))
             out_shape = shape
         name = f"tvm_ext_{decision.kernel}_{'x'.join(map(str, shape))}"
         out = self._call(func, name, [source], out_shape)

@@ -28,6 +28,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..errors import UnsupportedError
 from ..kernels.cuda import maxdnn as _maxdnn
 from ..kernels.cuda import simple as _simple
 from ..kernels.cuda import winograd as _winograd
@@ -38,6 +39,14 @@ _TO_NCHW = "tvm_ext_chwn_to_nchw"
 
 def _shape(expr: relax.Expr) -> tuple[int, ...]:
     return tuple(int(v) for v in expr.ty.shape)
+
+
+def _cuda_plan(decision: Decision) -> _maxdnn.MaxDNNPlan | _winograd.WinogradPlan:
+    """The CUDA plan of a convolution `decision` (:func:`~.cuda_engine.conv2d_decision`)."""
+    plan = decision.conv_plan
+    if not isinstance(plan, (_maxdnn.MaxDNNPlan, _winograd.WinogradPlan)):
+        raise UnsupportedError(f"{decision.op} {decision.shapes}: a {type(plan).__name__} is not a CUDA plan")
+    return plan
 
 
 def _name(kind: str, *parts) -> str:
@@ -115,7 +124,7 @@ class CudaEmitter:
         (_, padded_k, padded_m), tiles = _maxdnn.wgmma_pack_tiles(plan)
         padded = relax.op.nn.pad(crsk, [0, 0, 0, padded_k - k, 0, padded_m - m])
         packed = relax.op.permute_dims(relax.op.reshape(padded, tiles), list(_maxdnn.WGMMA_PACK_AXES))
-        per = plan.tile.wgmma.per_reg
+        per = plan.tile.wgmma_shape.per_reg
         if per == 1:
             return self.bb.emit(relax.op.reshape(packed, plan.weight_shape))
         values = self.bb.emit(relax.op.reshape(packed, (*plan.weight_shape[:-1], plan.weight_shape[-1] * per)))
@@ -125,7 +134,7 @@ class CudaEmitter:
     def conv2d(self, call: relax.Call, data: relax.Expr, decision: Decision, bias: np.ndarray | None = None,
                residual: relax.Expr | None = None, activation: Activation | None = None,
                suffix: str = "") -> relax.Expr:
-        decided = decision.plan  # the plan the report names
+        decided = _cuda_plan(decision)  # the plan the report names
         wl = decided.wl
         act = None if activation is None else activation.name
         epilogue = _maxdnn.Epilogue(bias=bias is not None, residual=residual is not None, activation=act)
@@ -183,6 +192,7 @@ class CudaEmitter:
         chwn = self.produced_chwn(data)  # an activation works in any layout: stay in the producer's
         source = chwn if chwn is not None else data
         shape = _shape(source)
-        func = _simple.activation_func(decision.kernel, shape, alpha(call))
-        out = self._call(func, _name(decision.kernel, shape), [source], shape)
+        kernel = decision.chosen_kernel
+        func = _simple.activation_func(kernel, shape, alpha(call))
+        out = self._call(func, _name(kernel, shape), [source], shape)
         return self.nchw(out) if chwn is not None else out

@@ -58,6 +58,6 @@ def conv2d_decision(wl: _conv.Conv2dWorkload, engine: str = "ffma", winograd: bo
         reason += ", A fragments " + ("gathered from the input" if plan.gathers_fragments else "through shared memory")
     plan = plan.with_chosen_splits()
     if plan.splits > 1:
-        reason += (f" x {plan.splits} split-K slices of its {plan.split_unit[0]} (a small grid), summed by a "
+        reason += (f" x {plan.splits} split-K slices of its {plan.split_slices[0]} (a small grid), summed by a "
                    "second kernel")
     return _maxdnn.KERNEL_NAME, reason, plan

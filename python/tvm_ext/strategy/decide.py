@@ -26,8 +26,9 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
     shapes = tuple(shape_text(arg) for arg in tensors)
     if op in POOLS or op in ACTIVATION_OPS or op == "relax.mean":
         return _decide_pool_or_activation(call, op, shapes, tensors, target)
-    if op == "relax.multiply" and channel_scale_operands(call) is not None:
-        return _decide_channel_scale(call, shapes, tensors, target)
+    scaled = channel_scale_operands(call) if op == "relax.multiply" else None
+    if scaled is not None:
+        return _decide_channel_scale(scaled, shapes, target)
     if op in DATA_MOVEMENT_OPS:
         return Decision(op, shapes, None, "data movement only (a reshape is a view): stock TVM")
     if op != "relax.nn.conv2d":
@@ -94,14 +95,16 @@ def _per_image(tensor: relax.Expr) -> str:
     return "" if batch is None else f"per image over the symbolic batch {batch}"
 
 
-def _decide_channel_scale(call: relax.Call, shapes: tuple, tensors: list, target: tvm.target.Target) -> Decision:
+def _decide_channel_scale(operands: tuple[relax.Expr, relax.Expr], shapes: tuple,
+                          target: tvm.target.Target) -> Decision:
     op = "relax.multiply"
-    x, s = channel_scale_operands(call)
+    x, s = operands
     if {dtype(x), dtype(s)} != {"float32"}:
         return Decision(op, shapes, None, f"dtype {sorted({dtype(x), dtype(s)})} is not float32")
-    if target.kind.name != "llvm" or _shape_on(target, x) is None or _shape_on(target, s) is None:
+    x_shape = _shape_on(target, x)
+    if target.kind.name != "llvm" or x_shape is None or _shape_on(target, s) is None:
         return Decision(op, shapes, None, _SYMBOLIC if target.kind.name == "llvm" else "no CUDA channel scale yet")
-    if 0 in _shape_on(target, x):
+    if 0 in x_shape:
         return Decision(op, shapes, None, "empty tensor (a dimension is 0): nothing to compute")
     return Decision(op, shapes, "channel_scale", _per_image(x))
 

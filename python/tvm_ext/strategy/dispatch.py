@@ -12,7 +12,7 @@ import tvm
 from tvm import relax
 
 from ..kernels import conv2d as _conv
-from ..relax_info import static_shape
+from ..relax_info import known_shape, static_shape
 from .base import ACTIVATION_OPS, POOLS, Emitter
 from .borders import write_borders
 from .cpu import CpuEmitter
@@ -26,7 +26,7 @@ logger = logging.getLogger("tvm_ext")
 __all__ = ["legalize_map", "lower_to_kernels", "make_emitter"]
 
 
-def make_emitter(bb: relax.BlockBuilder, target: tvm.target.Target, database=None, tensor_cores=False,
+def make_emitter(bb: relax.BlockBuilder, target: tvm.target.Target, database=None, tensor_cores: bool | str = False,
                  winograd: bool = True):
     """The emitter of `target`'s kernels: blocked NCHW[x]c on CPUs, CHWN on CUDA (`tensor_cores`,
     `winograd`: see :func:`tvm_ext.pipeline`)."""
@@ -54,7 +54,7 @@ def legalize_map(target: tvm.target.Target) -> dict:
     return {op: legalize for op in ("relax.nn.conv2d", "relax.mean", *POOLS, *ACTIVATION_OPS)}
 
 
-def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores=False,
+def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: bool | str = False,
                      winograd: bool = True) -> tvm.transform.Pass:
     """Replace the composite functions of :func:`fusion_patterns` and every op :func:`decide`
     gives a kernel with tvm_ext kernel calls, in program order, so that each kernel can read
@@ -89,7 +89,8 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores=Fals
             conv = relax.Call(conv.op, [call.args[params.index(conv.args[0])], conv.args[1]], conv.attrs)
             suffix = "_" + str(func.attrs["Composite"]).split(".")[-1]
             if bias is not None:  # one value per output channel, from one per channel or one for all
-                bias = np.broadcast_to(bias.value.numpy().reshape(-1), static_shape(conv.args[1])[:1]).copy()
+                out_channels = known_shape(static_shape(conv.args[1]), "conv2d: the weight")[:1]
+                bias = np.broadcast_to(bias.value.numpy().reshape(-1), out_channels).copy()
             return self.emitter.conv2d(
                 conv, conv.args[0], decide(conv, target, self.engine, winograd), bias=bias,
                 residual=None if residual is None else call.args[residual], activation=activation,

@@ -54,7 +54,7 @@ def fusion_patterns(target: tvm.target.Target) -> list:
         decision = decide(conv, target)
         if decision.kernel is None:
             return False
-        out_shape = decision.plan.wl.out_shape
+        out_shape = decision.conv_plan.wl.out_shape
         bias = ctx.annotated_expr.get("bias")
         if bias is not None and not is_channel_bias(bias, out_shape[1]):
             return False

@@ -47,7 +47,8 @@ def launch_shape(func: tvm.tirx.PrimFunc) -> tuple[tuple[int, int, int], tuple[i
     dims = {"blockIdx": [1, 1, 1], "threadIdx": [1, 1, 1]}
     for extent, kind, axis in _THREAD.findall(func.script()):
         dims[kind]["xyz".index(axis)] = int(extent)
-    return tuple(dims["blockIdx"]), tuple(dims["threadIdx"])
+    grid, block = dims["blockIdx"], dims["threadIdx"]
+    return (grid[0], grid[1], grid[2]), (block[0], block[1], block[2])
 
 
 def dynamic_shared_bytes(func: tvm.tirx.PrimFunc) -> int:

@@ -12,7 +12,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from ..relax_info import dtype, is_channel_bias, static_shape
+from ..relax_info import dtype, is_channel_bias, known_shape, static_shape
 
 __all__ = ["channels_last_as_nchw", "is_view"]
 
@@ -98,7 +98,8 @@ def channels_last_as_nchw() -> tvm.transform.Pass:
             # only transposes that cancel: a chain of views is one already (and a classifier's
             # flatten -> matmul_as_conv2d image stays recognisable as a dense layer in the report)
             if math.prod(shape) > _MAX_VIEW_ELEMENTS or all(
-                    c.op.name == "relax.reshape" or is_view(static_shape(c.args[0]), [c]) for c in chain):
+                    c.op.name == "relax.reshape" or is_view(known_shape(static_shape(c.args[0]), "a view's input"), [c])
+                    for c in chain):
                 return orig
             if not is_view(shape, chain):
                 return orig
@@ -152,7 +153,8 @@ def channels_last_as_nchw() -> tvm.transform.Pass:
 
         def fold_scale(orig: relax.Expr, matched: dict) -> relax.Expr:
             conv_call, bias, scale = matched[s_conv], matched[s_bias], matched[s_scale]
-            k = int(static_shape(conv_call.args[1])[0]) if static_shape(conv_call.args[1]) else None
+            w_shape = static_shape(conv_call.args[1])
+            k = int(w_shape[0]) if w_shape else None
             layouts = (str(conv_call.attrs.data_layout), str(conv_call.attrs.kernel_layout),
                        str(conv_call.attrs.out_layout))
             if k is None or layouts != ("NCHW", "OIHW", "NCHW") or static_shape(bias) != (1, k, 1, 1):

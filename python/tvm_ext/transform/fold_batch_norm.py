@@ -42,9 +42,9 @@ def fold_batch_norm() -> tvm.transform.Pass:
         shift = (b if bool(attrs.center) else np.zeros_like(b)) - m * scale
         if biased in matched:
             c = matched[conv_bias]
-            if not is_channel_bias(c, w.shape[0]):
-                return orig
             shape = static_shape(c)
+            if shape is None or not is_channel_bias(c, w.shape[0]):  # (None: not a channel bias either)
+                return orig
             aligned = c.value.numpy().astype(np.float64).reshape((1,) * (4 - len(shape)) + shape)
             shift = shift + np.broadcast_to(aligned, (1, w.shape[0], 1, 1)).reshape(-1) * scale
         folded_w = relax.const((w * scale[:, None, None, None]).astype(np.float32))
@@ -58,7 +58,8 @@ def fold_batch_norm() -> tvm.transform.Pass:
     def scale_rewriter(orig: relax.Expr, matched: dict) -> relax.Expr:
         """conv2d(x, W) * s, s per output channel  ==>  conv2d(x, W * s)."""
         conv_call = matched[scaled_conv]
-        k = static_shape(conv_call)[1] if static_shape(conv_call) else None
+        out_shape = static_shape(conv_call)
+        k = out_shape[1] if out_shape else None
         layouts = (str(conv_call.attrs.data_layout), str(conv_call.attrs.kernel_layout))
         if layouts != ("NCHW", "OIHW") or static_shape(matched[scale]) not in ((1, k, 1, 1), (k, 1, 1)):
             return orig

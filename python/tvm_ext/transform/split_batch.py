@@ -124,6 +124,8 @@ def _live_after(bindings: list, cut: int, body: relax.Expr) -> list[list[relax.V
 def _image_bytes(var: relax.Var) -> int | None:
     """Bytes of one image of a tensor with a static shape (None for anything else)."""
     shape = getattr(var.ty, "shape", None)
+    if shape is None:
+        return None
     try:
         dims = [int(d) for d in shape][1:]
     except (TypeError, ValueError):

@@ -12,11 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Protocol
 
 import tvm
 from tvm.s_tir import Schedule
 
-from ..target import VectorISA
+
+class VectorShape(Protocol):
+    """What a workload records of the vector ISA it was made for (a :class:`~tvm_ext.target.VectorISA`
+    has both)."""
+
+    @property
+    def lanes(self) -> int: ...
+
+    @property
+    def registers(self) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +35,8 @@ class TaskKind:
 
     - `attr`: the function attribute that describes a workload (or a kernel) of this kind;
     - `task_of(kernel, isa)`: the tuning workload of a kernel lowered by the strategy, or None
-      when that kernel has no design space;
+      when that kernel has no design space (`isa`: None for a kind whose workloads do not
+      depend on it);
     - `design_space(sch)`: the MetaSchedule ScheduleFn;
     - `postprocessors()`: fresh MetaSchedule postprocessors of a candidate;
     - `default_trace(workload)`: the point of the space that is the analytic schedule;
@@ -36,7 +47,7 @@ class TaskKind:
 
     name: str
     attr: str
-    task_of: Callable[[tvm.tirx.PrimFunc, VectorISA], tvm.tirx.PrimFunc | None]
+    task_of: Callable[[tvm.tirx.PrimFunc, VectorShape | None], tvm.tirx.PrimFunc | None]
     design_space: Callable[[Schedule], None]
     postprocessors: Callable[[], list]
     default_trace: Callable[[tvm.tirx.PrimFunc], tvm.s_tir.Trace]

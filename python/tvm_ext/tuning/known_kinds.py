@@ -15,3 +15,12 @@ KINDS: tuple[TaskKind, ...] = (CONV2D, POOL2D)
 def kind_of(func: tvm.tirx.PrimFunc) -> TaskKind | None:
     """The kind of a tvm_ext workload or kernel, or None for any other function."""
     return next((kind for kind in KINDS if kind.describes(func)), None)
+
+
+def task_kind(func: tvm.tirx.PrimFunc) -> TaskKind:
+    """The kind of a function that must be a tvm_ext workload or kernel (a task's, a record's)."""
+    kind = kind_of(func)
+    if kind is None:
+        raise ValueError(f"not a tvm_ext tuning workload or kernel: none of the attributes "
+                         f"{', '.join(k.attr for k in KINDS)}")
+    return kind

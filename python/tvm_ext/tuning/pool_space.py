@@ -32,8 +32,19 @@ def describe_pool(func: tvm.tirx.PrimFunc) -> tuple[_pool.Pool2dWorkload, int | 
     if func.attrs is None or POOL_ATTR not in func.attrs:
         return None
     data = json.loads(str(func.attrs[POOL_ATTR]))
-    wl = _pool.Pool2dWorkload(**{k: tuple(v) if isinstance(v, list) else v for k, v in data["wl"].items()})
-    return wl, data["block"]
+    fields = data["wl"]
+    for k, v in fields.items():  # JSON arrays back to the workload's tuples
+        if isinstance(v, list):
+            fields[k] = tuple(v)
+    return _pool.Pool2dWorkload(**fields), data["block"]
+
+
+def _described_pool(func: tvm.tirx.PrimFunc) -> tuple[_pool.Pool2dWorkload, int | None]:
+    """:func:`describe_pool` of a function that must be a pooling kernel or workload."""
+    described = describe_pool(func)
+    if described is None:
+        raise ValueError(f"not a tvm_ext pooling kernel or workload: no {POOL_ATTR} attribute")
+    return described
 
 
 def pool2d_workload(wl: _pool.Pool2dWorkload, block: int | None) -> tvm.tirx.PrimFunc:
@@ -48,14 +59,14 @@ def default_pool_kernel(wl: _pool.Pool2dWorkload, block: int | None) -> tvm.tirx
 
 def pool2d_space(sch: Schedule) -> None:
     """The design space (a MetaSchedule ScheduleFn) of a :func:`pool2d_workload`."""
-    wl, block = describe_pool(sch.mod["main"])
+    wl, block = _described_pool(sch.mod["main"])
     _pool.schedule_pool2d(sch, wl, block, tunable=True)
 
 
 def default_pool_trace(workload: tvm.tirx.PrimFunc) -> tvm.s_tir.Trace:
     """The point of :func:`pool2d_space` that is the analytic schedule: one row per task, no
     unrolled group."""
-    wl, _ = describe_pool(workload)
+    wl, _ = _described_pool(workload)
     sch = Schedule(tvm.IRModule({"main": workload}))
     pool2d_space(sch)
     trace = sch.trace
@@ -66,11 +77,11 @@ def default_pool_trace(workload: tvm.tirx.PrimFunc) -> tvm.s_tir.Trace:
 
 
 def _finish(sch: Schedule) -> tvm.tirx.PrimFunc:
-    return sch.mod["main"].with_attr(KERNEL_ATTR, describe_pool(sch.mod["main"])[0].kernel_name)
+    return sch.mod["main"].with_attr(KERNEL_ATTR, _described_pool(sch.mod["main"])[0].kernel_name)
 
 
 POOL2D = TaskKind(
-    name="pool2d", attr=POOL_ATTR, task_of=lambda kernel, _isa: pool2d_workload(*describe_pool(kernel)),
+    name="pool2d", attr=POOL_ATTR, task_of=lambda kernel, _isa: pool2d_workload(*_described_pool(kernel)),
     design_space=pool2d_space, postprocessors=list, default_trace=default_pool_trace,
-    flops=lambda workload: describe_pool(workload)[0].flops, finish=_finish)
+    flops=lambda workload: _described_pool(workload)[0].flops, finish=_finish)
 """Max and average pooling as a tuning task kind."""

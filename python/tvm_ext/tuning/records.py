@@ -11,6 +11,7 @@ ValueError naming its file and line (a damaged shipped database a warning), neve
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -26,7 +27,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from ..intrin.cpu import register_named
 from ..target import TargetLike, resolve_target
-from .known_kinds import kind_of
+from .known_kinds import kind_of, task_kind
 
 logger = logging.getLogger("tvm_ext")
 
@@ -218,17 +219,23 @@ def refresh_database(work_dir: str | os.PathLike) -> tuple[int, int]:
     return len(kept), len(records) - len(kept)
 
 
+@dataclasses.dataclass(frozen=True)
+class _RecordedISA:
+    """The vector ISA as a convolution workload records it (a :class:`~.kinds.VectorShape`)."""
+
+    lanes: int
+    registers: int
+
+
 def _current_workload(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc | None:
     """The workload this version generates for the plan `func` describes (None: no kind)."""
-    import types
-
     from .space import describe_kernel
 
     kind = kind_of(func)
     if kind is None:
         return None
     described = describe_kernel(func)
-    isa = None if described is None else types.SimpleNamespace(lanes=described[2], registers=described[3])
+    isa = None if described is None else _RecordedISA(lanes=described[2], registers=described[3])
     return kind.task_of(func, isa)
 
 
@@ -239,7 +246,7 @@ def _replayed(trace: tvm.s_tir.Trace, workload: tvm.tirx.PrimFunc) -> tvm.tirx.P
         # The sampled decisions replay; the tensorize step runs again here, registering the
         # microkernels it names (a fresh process has none).
         trace.apply_to_schedule(sch, remove_postproc=True)
-        return kind_of(workload).finish(sch)
+        return task_kind(workload).finish(sch)
     except RuntimeError as err:  # (TVM errors) decisions that no longer fit the workload
         logger.info("tvm_ext: a tuning record does not replay: %s", str(err).strip().splitlines()[-1:])
         return None
@@ -255,7 +262,7 @@ def tuned_kernel(database: ms.Database, workload: tvm.tirx.PrimFunc,
     kernel = _replayed(record.trace, workload)
     if kernel is None:
         logger.warning("tvm_ext: a tuning record of %s does not apply; using the analytic schedule",
-                       workload.attrs[kind_of(workload).attr])
+                       workload.attrs[task_kind(workload).attr])
         return None
     return kernel.with_attr(TUNED_ATTR, True)
 

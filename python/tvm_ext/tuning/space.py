@@ -49,8 +49,20 @@ def describe_kernel(func: tvm.tirx.PrimFunc) -> tuple[_conv.Conv2dPlan, _conv.Ep
         return None
     data = json.loads(str(func.attrs[PLAN_ATTR]))
     plan = data["plan"]
-    wl = _conv.Conv2dWorkload(**{k: tuple(v) if isinstance(v, list) else v for k, v in plan.pop("wl").items()})
+    fields = plan.pop("wl")
+    for k, v in fields.items():  # JSON arrays back to the workload's tuples
+        if isinstance(v, list):
+            fields[k] = tuple(v)
+    wl = _conv.Conv2dWorkload(**fields)
     return (_conv.Conv2dPlan(wl, **plan), _conv.Epilogue(**data["epilogue"]), data["lanes"], data["registers"])
+
+
+def _described_kernel(func: tvm.tirx.PrimFunc) -> tuple[_conv.Conv2dPlan, _conv.Epilogue, int, int]:
+    """:func:`describe_kernel` of a function that must be a convolution kernel or workload."""
+    described = describe_kernel(func)
+    if described is None:
+        raise ValueError(f"not a tvm_ext convolution kernel or workload: no {PLAN_ATTR} attribute")
+    return described
 
 
 def conv2d_workload(plan: _conv.Conv2dPlan, epilogue: _conv.Epilogue, isa) -> tvm.tirx.PrimFunc:
@@ -82,7 +94,7 @@ def tunable(plan: _conv.Conv2dPlan, epilogue: _conv.Epilogue) -> bool:
 def conv2d_space(sch: Schedule) -> None:
     """The design space (a MetaSchedule ScheduleFn) of a :func:`conv2d_workload`: the kernel's own
     schedule with its knobs sampled."""
-    plan, _, lanes, registers = describe_kernel(sch.mod["main"])
+    plan, _, lanes, registers = _described_kernel(sch.mod["main"])
     _conv.schedule_conv2d_blocked(sch, plan, lanes, tunable=True, registers=registers)
 
 
@@ -93,7 +105,7 @@ def default_trace(workload: tvm.tirx.PrimFunc) -> tvm.s_tir.Trace:
     slower than the schedule used without tuning. Postprocessing (tensorizing) is not in the
     trace; it is applied when the record is, as for every record.
     """
-    plan = describe_kernel(workload)[0]
+    plan = _described_kernel(workload)[0]
     sch = Schedule(tvm.IRModule({"main": workload}))
     conv2d_space(sch)
     trace = sch.trace
@@ -148,7 +160,7 @@ class TensorizeBRGEMM(PyPostproc):
 
 
 def _task_of(kernel: tvm.tirx.PrimFunc, isa) -> tvm.tirx.PrimFunc | None:
-    plan, epilogue, _, _ = describe_kernel(kernel)
+    plan, epilogue, _, _ = _described_kernel(kernel)
     return conv2d_workload(plan, epilogue, isa) if tunable(plan, epilogue) else None
 
 
@@ -161,5 +173,5 @@ def _finish(sch: Schedule) -> tvm.tirx.PrimFunc | None:
 CONV2D = TaskKind(
     name="conv2d", attr=PLAN_ATTR, task_of=_task_of, design_space=conv2d_space,
     postprocessors=lambda: [TensorizeBRGEMM()], default_trace=default_trace,
-    flops=lambda workload: describe_kernel(workload)[0].wl.flops, finish=_finish)
+    flops=lambda workload: _described_kernel(workload)[0].wl.flops, finish=_finish)
 """The BRGEMM convolution as a tuning task kind."""

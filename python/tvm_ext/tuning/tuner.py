@@ -31,7 +31,7 @@ from tvm.s_tir import meta_schedule as ms
 from ..errors import UnsupportedError
 from ..target import TargetLike, resolve_target, usable_cores, vector_isa
 from .kinds import TaskKind
-from .known_kinds import kind_of
+from .known_kinds import kind_of, task_kind
 from .records import open_database
 
 logger = logging.getLogger("tvm_ext")
@@ -47,7 +47,7 @@ class Task:
 
     @property
     def kind(self) -> TaskKind:
-        return kind_of(self.workload)
+        return task_kind(self.workload)
 
     @property
     def flops(self) -> int:
@@ -68,18 +68,20 @@ def extract_tasks(mod: tvm.IRModule, target: TargetLike = None, winograd: bool =
     from ..transform.split_batch import runs_per_inference, split_batch
 
     check_images_per_call(images_per_call)
-    target = resolve_target(target)
-    isa = vector_isa(target)
-    with target:
-        lowered = tvm.transform.Sequential([split_batch(images_per_call)] + fusion_passes(target)
-                                           + [lower_to_kernels(target, winograd=winograd)])(mod)
+    resolved = resolve_target(target)
+    isa = vector_isa(resolved)
+    with resolved:
+        lowered = tvm.transform.Sequential([split_batch(images_per_call)] + fusion_passes(resolved)
+                                           + [lower_to_kernels(resolved, winograd=winograd)])(mod)
     runs = runs_per_inference(lowered)
     tasks: dict[str, Task] = {}  # by the workload's self-description: equal kernels, one task
     for gvar, func in lowered.functions_items():
         if not isinstance(func, tvm.tirx.PrimFunc) or gvar.name_hint not in runs:
             continue
         kind = kind_of(func)
-        workload = None if kind is None else kind.task_of(func, isa)
+        if kind is None:
+            continue
+        workload = kind.task_of(func, isa)
         if workload is None:
             continue
         key = str(workload.attrs[kind.attr])
@@ -150,9 +152,9 @@ def tune(mod: tvm.IRModule, target: TargetLike, work_dir: str | os.PathLike, max
     """
     from ..pipeline import check_images_per_call
 
-    target = resolve_target(target)
-    if target.kind.name != "llvm":
-        raise UnsupportedError(f"tune: target {target.kind.name} is not supported yet (LLVM CPUs only)")
+    resolved = resolve_target(target)
+    if resolved.kind.name != "llvm":
+        raise UnsupportedError(f"tune: target {resolved.kind.name} is not supported yet (LLVM CPUs only)")
     for name, value, low in (("max_trials", max_trials, 1), ("trials_per_task", trials_per_task, 1),
                              ("num_trials_per_iter", num_trials_per_iter, 1)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low):
@@ -163,16 +165,16 @@ def tune(mod: tvm.IRModule, target: TargetLike, work_dir: str | os.PathLike, max
     # tasks are extracted (seconds for a large network) or anything is measured.
     database = open_database(work_dir, create=True)
     runner = _runner(tracker)
-    tasks = extract_tasks(mod, target, images_per_call=images_per_call) if tasks is None else tasks
+    tasks = extract_tasks(mod, resolved, images_per_call=images_per_call) if tasks is None else tasks
     if not tasks:
         raise UnsupportedError("tune: the module has no tvm_ext convolution or pooling with a design space")
     logger.info("tvm_ext.tune: %d tasks, %d kernel calls", len(tasks), sum(t.weight for t in tasks))
     workers = usable_cores()
     builder = ms.builder.LocalBuilder(f_build=_build, max_workers=workers, timeout_sec=60,
                                       initializer=_die_with_this_process())
-    _measure_defaults(tasks, target, database, builder, runner)
+    _measure_defaults(tasks, resolved, database, builder, runner)
     ms.tune_tasks(
-        tasks=[_tune_context(task, target, seed + i) for i, task in enumerate(tasks)],
+        tasks=[_tune_context(task, resolved, seed + i) for i, task in enumerate(tasks)],
         task_weights=[float(task.weight) for task in tasks],
         work_dir=str(work_dir),
         max_trials_global=int(max_trials),

@@ -66,7 +66,7 @@ class Generator(OperandWriter):
         into the register pair the mma reads (its B registers come from two k rows: 32-bit loads).
         bf16 packs two k rows into each register anyway: its loads are 128-bit, into `a_val` and
         `b_val`, then packed."""
-        t, e, mma = self.t, self.e, self.t.mma
+        t, e, mma = self.t, self.e, self.t.mma_shape
         mt, nt = t.mma_tiles
         half, per = mma.k // 2, mma.per_reg
         ca, cb = t.mma_chunks
@@ -116,7 +116,7 @@ class Generator(OperandWriter):
         which the tensor cores read from shared memory through a descriptor: of buffer `buf` (in
         flight: of the ring's slot `buf`). The caller waits for the group before the tile or
         registers change."""
-        t, e, wg = self.t, self.e, self.t.wgmma
+        t, e, wg = self.t, self.e, self.t.wgmma_shape
         half = wg.k // 2
         base = self.fragment_base(slot)
         desc = f"desc[{buf}]"
@@ -279,7 +279,7 @@ class Generator(OperandWriter):
         plan = self.plan
         if plan.splits == 1:
             return "0"
-        _, count = plan.split_unit
+        _, count = plan.split_slices
         return f"(sp * {count // plan.splits})"
 
     def keep_tiles_live(self) -> None:
@@ -340,7 +340,6 @@ class Generator(OperandWriter):
     # -- the whole function ----------------------------------------------------------------
     def text(self, symbol: str) -> str:
         plan, t, e = self.plan, self.t, self.e
-        tt = t.thread_tile() if t.engine == "ffma" else None
         shapes = plan.shapes()
         self.updates: list[str] = []
         params = list(shapes)
@@ -391,7 +390,8 @@ class Generator(OperandWriter):
                 e(f'a_val = T.decl_buffer(({2 * t.mma.per_reg * 2 * mt},), "float32", scope="local")')
                 if t.mma.per_reg > 1:
                     e(f'b_val = T.decl_buffer(({2 * t.mma.per_reg * nt},), "float32", scope="local")')
-            else:
+            else:  # FFMA
+                tt = t.thread_tile()
                 e(f'acc = T.decl_buffer(({tt.rows}, {tt.cols}), "float32", scope="local")')
             nb = len(self.slots(t.k_step * t.cols // t.vec))
             sets = self.ring if plan.wgmma_in_flight else 1  # the weights two steps ahead: per ring slot
@@ -405,7 +405,7 @@ class Generator(OperandWriter):
                 e("warp: T.let = tid // 32")
                 e("gq: T.let = tid % 32 // 4")
                 e("tq: T.let = tid % 4")
-                accumulators = t.slabs * t.rows // 2 if t.wgmma is not None else mt * nt * 4
+                accumulators = t.slabs * t.rows // 2 if t.wgmma is not None else t.mma_tiles[0] * t.mma_tiles[1] * 4
                 with e.block(f"for i in T.serial({accumulators}):"):
                     e("acc[i] = T.float32(0)")
                 if t.wgmma is not None:  # LBO and SBO in 16-byte units, no swizzle
@@ -417,6 +417,7 @@ class Generator(OperandWriter):
             else:
                 e(f"ty: T.let = tid // {t.threads_n}")
                 e(f"tx: T.let = tid % {t.threads_n}")
+                tt = t.thread_tile()
                 with e.block(f"for i, j in T.grid({tt.rows}, {tt.cols}):"):
                     e("acc[i, j] = T.float32(0)")
             self.b_columns()

@@ -60,6 +60,11 @@ class OperandWriter:
         self.e = Emitter()
         self.load_sites = 0
 
+    def first_step(self) -> str:
+        """Where this block's share of the reduction starts: the kernel's choice
+        (:meth:`~.codegen.Generator.first_step`), which the tap state reads."""
+        raise NotImplementedError
+
     # -- per-thread constants -------------------------------------------------------------
     def slots(self, count: int) -> list[tuple[int, bool]]:
         """(slot, guarded) for distributing `count` float4 slots over the block's threads."""
@@ -143,7 +148,7 @@ class OperandWriter:
                 v, i = f"{sl}_{h}", sl * 2 + h
                 live, row, col = position(v)
                 e(f"f_mask[{i}] = T.Select({live}, T.uint32({2**32 - 1}), T.uint32(0))")
-                per = t.wgmma.per_reg
+                per = t.wgmma_shape.per_reg
                 chan = f"(g * {cg} + tq{f' * {per}' if per > 1 else ''})"
                 e(f"f_off[{i}] = T.Select(f_mask[{i}] > T.uint32(0), (({chan} * {wl.H} + {row}) * {wl.W} + "
                   f"{col}) * {wl.N} + fn{v}, {chan} * {wl.H * wl.W * wl.N})")
@@ -160,7 +165,7 @@ class OperandWriter:
         t, wl, e = self.t, self.wl, self.e
         plane = wl.H * wl.W * wl.N
         base = self.fragment_base(regs)
-        per = t.wgmma.per_reg
+        per = t.wgmma_shape.per_reg
         for sl in range(t.slabs):
             for h in range(2):
                 i = sl * 2 + h

@@ -48,7 +48,7 @@ def wgmma_pack_tiles(plan: MaxDNNPlan) -> tuple[tuple[int, int, int], tuple[int,
     7-D view that :data:`WGMMA_PACK_AXES` permutes."""
     t = plan.tile
     groups, blocks, steps, _ = plan.weight_shape
-    c = t.wgmma.core_k
+    c = t.wgmma_shape.core_k
     return ((groups, steps * t.k_step, blocks * t.rows),
             (groups, steps, t.k_step // c, c, blocks, t.rows // 8, 8))
 
@@ -79,7 +79,7 @@ def pack_wgmma_weight(wt: np.ndarray, plan: MaxDNNPlan) -> np.ndarray:
     padded = np.zeros(padded_shape, np.float32)
     padded[:, :k, :m] = wt
     packed = padded.reshape(tiles).transpose(*WGMMA_PACK_AXES)
-    if plan.tile.wgmma.per_reg == 2:
+    if plan.tile.wgmma_shape.per_reg == 2:
         packed = bf16_pairs(packed)
     return np.ascontiguousarray(packed.reshape(plan.weight_shape))
 

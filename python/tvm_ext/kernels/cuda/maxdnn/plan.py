@@ -110,6 +110,15 @@ class MaxDNNPlan:
         return None
 
     @property
+    def split_slices(self) -> tuple[str, int]:
+        """:attr:`split_unit` of a plan that splits its reduction (:meth:`make` checked it has one)."""
+        unit = self.split_unit
+        if unit is None:
+            raise ValueError(f"maxdnn_conv2d: split-K into {self.splits} of a reduction that does not split "
+                             "(see MaxDNNPlan.split_unit)")
+        return unit
+
+    @property
     def y_shape(self) -> tuple[int, int, int, int]:
         """The output, KPQN."""
         wl = self.wl

@@ -36,6 +36,22 @@ class BlockTile:
         return WGMMA_SHAPES.get(self.engine)
 
     @property
+    def mma_shape(self) -> MmaShape:
+        """:attr:`mma` where the caller only runs on an mma.sync tile: an error on any other."""
+        mma = self.mma
+        if mma is None:
+            raise ValueError(f"BlockTile: the {self.engine} engine is not an mma.sync one ({', '.join(MMA_SHAPES)})")
+        return mma
+
+    @property
+    def wgmma_shape(self) -> WgmmaShape:
+        """:attr:`wgmma` where the caller only runs on a wgmma tile: an error on any other."""
+        wgmma = self.wgmma
+        if wgmma is None:
+            raise ValueError(f"BlockTile: the {self.engine} engine is not a wgmma one ({', '.join(WGMMA_SHAPES)})")
+        return wgmma
+
+    @property
     def slabs(self) -> int:
         """wgmma: the 64-column slabs of the block, one wgmma each per k step (its M is 64)."""
         return self.cols // 64
@@ -75,9 +91,13 @@ class BlockTile:
         of B (1 per n8 tile) sit side by side and load as one vector: for tf32, A's row pairs g,
         g + 8 (the registers an mma reads as a pair) and B's one by one; for bf16, up to 4 each."""
         mt, nt = self.mma_tiles
-        if self.mma.per_reg == 1:
+        if self.mma_shape.per_reg == 1:
             return 2, 1
-        return tuple(next(c for c in (4, 2, 1) if count % c == 0) for count in (2 * mt, nt))
+
+        def chunk(count: int) -> int:
+            return next(c for c in (4, 2, 1) if count % c == 0)
+
+        return chunk(2 * mt), chunk(nt)
 
     def mma_row(self, v: str, g: str) -> str:
         """The row of a warp's slab behind mma row g + 8 (v % 2) of m16 tile v // 2: lane group g's
