@@ -28,6 +28,15 @@ def test_random_graphs_match_pytorch(first):
     assert not failures, "\n\n".join(failures)
 
 
+@pytest.mark.parametrize("seed", [128, 167, 218])
+def test_graphs_that_crashed_the_channels_last_rewrite(seed):
+    """Found by the 300 graphs (0.5.14): a layer norm over channels (permute, layer_norm,
+    permute back) after a convolution crashed transform/channels_last.py, whose rewriters were
+    handed a variable the pattern had matched through (AttributeError: no attribute 'args')."""
+    graph = random_graph(seed)
+    assert not check_graph(graph, _build), graph.describe()
+
+
 def test_a_wrong_answer_is_reported():
     """check_graph is not vacuous: a build that returns another graph's executable fails it."""
     graph, other = random_graph(3), random_graph(4)

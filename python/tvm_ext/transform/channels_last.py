@@ -91,6 +91,8 @@ def channels_last_as_nchw() -> tvm.transform.Pass:
             return source, chain[::-1]
 
         def collapse(orig: relax.Expr, _matched: dict) -> relax.Expr:
+            if not isinstance(orig, relax.Call):  # a binding the pattern matched through
+                return orig
             source, chain = source_and_chain(orig)
             shape, out = static_shape(source), static_shape(orig)
             if shape is None or out is None or (len(chain) == 1 and orig.op.name == "relax.reshape"):
@@ -111,6 +113,8 @@ def channels_last_as_nchw() -> tvm.transform.Pass:
             act = act | is_op(name)(act_input)
 
         def activation_up(orig: relax.Expr, matched: dict) -> relax.Expr:
+            if not isinstance(orig, relax.Call):  # a binding the pattern matched through
+                return orig
             move = matched[act_input]
             if static_shape(move) is None or static_shape(move.args[0]) is None:
                 return orig
@@ -121,6 +125,8 @@ def channels_last_as_nchw() -> tvm.transform.Pass:
         conv = is_op("relax.nn.conv2d")(conv_input, is_const())
 
         def conv_of_image(orig: relax.Expr, matched: dict) -> relax.Expr:
+            if not isinstance(orig, relax.Call):  # a binding the pattern matched through
+                return orig
             x = matched[conv_input].args[0]
             shape, flat, w = static_shape(x), static_shape(matched[conv_input]), static_shape(orig.args[1])
             attrs = orig.attrs
@@ -139,6 +145,8 @@ def channels_last_as_nchw() -> tvm.transform.Pass:
         channel_op = is_op("relax.add")(ch_input, ch_const) | is_op("relax.multiply")(ch_input, ch_const)
 
         def channel_op_up(orig: relax.Expr, matched: dict) -> relax.Expr:
+            if not isinstance(orig, relax.Call):  # a binding the pattern matched through
+                return orig
             y = matched[ch_input].args[0]
             shape, out, const = static_shape(y), static_shape(orig), matched[ch_const]
             if shape is None or out is None or len(shape) != 4 or len(out) != 4 or shape[:2] != out[:2]:
@@ -152,6 +160,8 @@ def channels_last_as_nchw() -> tvm.transform.Pass:
         scaled = is_op("relax.multiply")(is_op("relax.add")(s_conv, s_bias), s_scale)
 
         def fold_scale(orig: relax.Expr, matched: dict) -> relax.Expr:
+            if not isinstance(orig, relax.Call):  # a binding the pattern matched through
+                return orig
             conv_call, bias, scale = matched[s_conv], matched[s_bias], matched[s_scale]
             w_shape = static_shape(conv_call.args[1])
             k = int(w_shape[0]) if w_shape else None
