@@ -712,3 +712,58 @@ def test_a_killed_tune_takes_its_workers_with_it(tmp_path):
         assert not [pid for pid in workers if _alive(pid)], "workers outlived the tuning process"
     finally:
         _kill_session(child)
+
+
+@pytest.mark.slow
+def test_the_recorded_default_agrees_with_a_warm_measurement(tmp_path, monkeypatch):
+    """Each task's analytic schedule is measured and recorded before the search (the best record
+    is then never slower than no record). That number must be a warm one: 0.5.11 was reported to
+    record it cold, 2-3x the warm time, so that the tuning curve showed gains that did not exist.
+    A task of about 0.5 ms: its recorded default against a separate warm measurement of the same
+    kernel (time_evaluator, 50 ms a repeat, best of 5, one TVM thread in a process of its own, as
+    the runner measures): on a quiet Zen 5, 0.471 / 0.440 ms recorded against 0.441 / 0.463 ms."""
+    import os
+    import subprocess
+
+    import tvm_ffi
+    from tvm.s_tir import meta_schedule as ms
+
+    monkeypatch.setenv("TVM_NUM_THREADS", "1")
+    target = tvm.target.Target({"kind": "llvm", "mcpu": "znver3", "num-cores": 1})
+    rng = np.random.default_rng(1)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 64, 56, 56), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            weight = relax.const((rng.standard_normal((64, 64, 3, 3)) * 0.1).astype("float32"))
+            out = bb.emit_output(relax.op.nn.relu(relax.op.nn.conv2d(x, weight, padding=(1, 1))))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    (task,) = extract_tasks(mod, target)
+    work_dir = tmp_path / "records"
+    tvm_ext.tune(mod, target, work_dir, max_trials=2, num_trials_per_iter=2, tasks=[task])
+    database = open_database(work_dir)
+    workload = database.commit_workload(tvm.IRModule({"main": task.workload}))
+    default = flat_decisions(default_trace(task.workload))
+    (recorded,) = [r for r in database.get_all_tuning_records() if flat_decisions(r.trace) == default
+                   and tvm_ffi.structural_equal(r.workload.mod, workload.mod)]
+    recorded_s = min(float(s) for s in recorded.run_secs)
+
+    sch = Schedule(tvm.IRModule({"main": task.workload}))
+    default_trace(task.workload).apply_to_schedule(sch, remove_postproc=True)
+    kernel = task.kind.finish(sch)
+    library = str(tmp_path / "default.so")
+    tvm.compile(tvm.IRModule({"main": kernel}), target).export_library(library)
+    shapes = [[int(d) for d in info.as_json()[2]] for info in ms.arg_info.ArgInfo.from_prim_func(kernel)]
+    # measured in a process of its own with one TVM thread, as the runner's workers measure
+    script = (f"import numpy as np, tvm; lib = tvm.runtime.load_module({library!r}); "
+              f"args = [tvm.runtime.tensor(np.random.default_rng(0).standard_normal(s).astype('float32')) "
+              f"for s in {shapes!r}]; "
+              f"t = lib.time_evaluator('main', tvm.cpu(), number=3, repeat=5, min_repeat_ms=50); "
+              f"print(min(t(*args).results))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                          env={**os.environ, "TVM_NUM_THREADS": "1"})
+    warm_s = float(done.stdout.split()[-1])
+    # one-sided: a loaded machine slows the separate measurement too (2x seen with CI and two
+    # other test runs on the 2 cores), which is not the defect; a quiet one agrees within 7%
+    assert recorded_s < 1.33 * warm_s, (recorded_s, warm_s)
