@@ -1,5 +1,6 @@
 """Autotuning: the design space's candidates, tuning a small network, records that persist."""
 
+import contextlib
 import json
 import sys
 
@@ -466,6 +467,24 @@ def _wait_for_servers(tracker, port: int, count: int, timeout: float = 60) -> No
     pytest.fail(f"{count} RPC servers did not register with the tracker")
 
 
+@contextlib.contextmanager
+def _rpc_cluster(servers: int = 2):
+    """A tracker and `servers` servers on loopback, registered: (port, key, processes), the
+    tracker first; every process still in the list is killed on the way out."""
+    import time
+
+    port, key = _free_port(), "tvm_ext_test"
+    procs = [_rpc_tracker(port)]
+    try:
+        time.sleep(2)
+        procs += [_rpc_server(port, key) for _ in range(servers)]
+        _wait_for_servers(procs[0], port, servers)
+        yield port, key, procs
+    finally:
+        for proc in procs:
+            _kill_session(proc)
+
+
 def _records(work_dir) -> list:
     return [json.loads(line) for line in (work_dir / "database_tuning_record.json").read_text().splitlines()]
 
@@ -474,17 +493,10 @@ def _records(work_dir) -> list:
 def test_rpc_tuning_on_loopback_survives_a_dead_server(tmp_path):
     """A tracker and two servers on loopback measure the candidates; one server is killed after
     the first batch, and tuning still finishes with its records."""
-    import time
-
     from tvm.ir.utils import derived_object
     from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
 
-    port, key = _free_port(), "tvm_ext_test"
-    procs = [_rpc_tracker(port)]
-    try:
-        time.sleep(2)
-        procs += [_rpc_server(port, key) for _ in range(2)]
-        _wait_for_servers(procs[0], port, 2)
+    with _rpc_cluster() as (port, key, procs):
 
         @derived_object
         class KillOneServer(PyMeasureCallback):
@@ -496,12 +508,9 @@ def test_rpc_tuning_on_loopback_survives_a_dead_server(tmp_path):
         tvm_ext.tune(_net(repeated=0), TARGET, work_dir, max_trials=8, num_trials_per_iter=4,
                      rpc=f"127.0.0.1:{port}:{key}", measure_callbacks=[KillOneServer()])
         assert procs[1].poll() is not None  # the server was killed during tuning
-        records = _records(work_dir)
-        assert len(records) >= 6
-        assert sum(r[1][1][0] < 1 for r in records) >= 3  # measured by the surviving server too
-    finally:
-        for proc in procs:
-            _kill_session(proc)
+    records = _records(work_dir)
+    assert len(records) >= 6
+    assert sum(r[1][1][0] < 1 for r in records) >= 3  # measured by the surviving server too
 
 
 @pytest.mark.slow
@@ -509,19 +518,12 @@ def test_rpc_tuning_survives_a_tracker_restart(tmp_path):
     """The tracker is killed after the first batch and restarted on its port: the servers
     register again (they retry the tracker), the run finishes, the first batch's records are
     all still there and later candidates are measured."""
-    import time
-
     from tvm.ir.utils import derived_object
     from tvm.s_tir.meta_schedule.measure_callback import PyMeasureCallback
 
-    port, key = _free_port(), "tvm_ext_test"
-    procs = [_rpc_tracker(port)]
     work_dir = tmp_path / "records"
     before_restart: list = []
-    try:
-        time.sleep(2)
-        procs += [_rpc_server(port, key) for _ in range(2)]
-        _wait_for_servers(procs[0], port, 2)
+    with _rpc_cluster() as (port, key, procs):
 
         @derived_object
         class RestartTracker(PyMeasureCallback):
@@ -535,13 +537,10 @@ def test_rpc_tuning_survives_a_tracker_restart(tmp_path):
 
         tvm_ext.tune(_net(repeated=0), TARGET, work_dir, max_trials=8, num_trials_per_iter=4,
                      rpc=f"127.0.0.1:{port}:{key}", measure_callbacks=[RestartTracker()])
-        records = _records(work_dir)
-        assert before_restart and records[:len(before_restart)] == before_restart  # nothing lost
-        after = records[len(before_restart):]
-        assert sum(r[1][1][0] < 1 for r in after) >= 3  # measured through the new tracker
-    finally:
-        for proc in procs:
-            _kill_session(proc)
+    records = _records(work_dir)
+    assert before_restart and records[:len(before_restart)] == before_restart  # nothing lost
+    after = records[len(before_restart):]
+    assert sum(r[1][1][0] < 1 for r in after) >= 3  # measured through the new tracker
 
 
 def test_rpc_address_is_checked(tmp_path):
