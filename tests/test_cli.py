@@ -55,7 +55,7 @@ def _onnx_file(path: Path) -> Path:
     (["demo", "--target", "nonsense"], "--target: cannot read target 'nonsense'"),
     (["tune", "--target", "cuda"], "runs on the CPU (LLVM targets)"),
     (["report", "--tensor-cores", "tf32"], "--tensor-cores applies to CUDA targets"),
-    (["tune", "--ship", "--work-dir", "records"], "--ship writes into schedules"),
+    (["tune", "--ship", "--work-dir", "records"], "--ship writes into tvm_ext/schedules"),
     # Options a subcommand does not use are rejected, not ignored.
     (["demo", "--tensor-cores", "tf32"], "unrecognized arguments for demo: --tensor-cores"),
     (["demo", "--trials", "8"], "unrecognized arguments for demo: --trials"),

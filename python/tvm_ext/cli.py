@@ -147,7 +147,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             parser.error("--batch applies to --model networks (an ONNX file fixes its own input shape)")
     if args.command == "tune":
         if args.ship and args.work_dir is not None:
-            parser.error("--ship writes into schedules/<target key>/: it takes no --work-dir")
+            parser.error("--ship writes into tvm_ext/schedules/<target key>/: it takes no --work-dir")
         args.work_dir = args.work_dir or "tuning"
     args.model = args.model or "resnet50"
     args.batch = args.batch or 1

@@ -88,7 +88,7 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
 
     `database`: tuning records (`tvm_ext.tune`'s work_dir, or a MetaSchedule Database): each
     convolution uses its best record, the others the analytic schedule. Without one, the
-    records shipped for this target (schedules/<target key>/) are used if there are any.
+    records shipped for this target (tvm_ext/schedules/<target key>/) are used if there are any.
 
     `tensor_cores` (CUDA): convolutions run a tensor-core tile instead of the fp32 FFMA one: True
     or "tf32" (inputs read as tf32, as cuDNN does with TF32 allowed), "bf16" (inputs rounded to

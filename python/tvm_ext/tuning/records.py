@@ -288,7 +288,7 @@ def schedules_root() -> Path:
 
 
 def shipped_records_dir(target: TargetLike) -> Path | None:
-    """schedules/<target key>/ when records are shipped for `target`, else None."""
+    """tvm_ext/schedules/<target key>/ when records are shipped for `target`, else None."""
     path = schedules_root() / target_key(target)
     return path if (path / _RECORDS).is_file() else None
 
@@ -302,7 +302,7 @@ def shipped_target_keys() -> list[str]:
 
 
 def shipped_database(target: TargetLike) -> ms.Database | None:
-    """The records shipped for `target` (schedules/<target key>/), or None when there are none."""
+    """The records shipped for `target` (tvm_ext/schedules/<target key>/), or None when there are none."""
     path = shipped_records_dir(target)
     if path is None:
         return None
