@@ -766,3 +766,17 @@ def test_the_recorded_default_agrees_with_a_warm_measurement(tmp_path, monkeypat
     # one-sided: a loaded machine slows the separate measurement too (2x seen with CI and two
     # other test runs on the 2 cores), which is not the defect; a quiet one agrees within 7%
     assert recorded_s < 1.33 * warm_s, (recorded_s, warm_s)
+
+
+def test_workload_fields_come_back_from_json_as_tuples():
+    """A kernel's attribute records its workload as JSON; fields_from_json rebuilds equal ones."""
+    import dataclasses
+
+    from tvm_ext.kernels.pool2d import Pool2dWorkload
+    from tvm_ext.tuning.kinds import fields_from_json
+
+    conv = Conv2dWorkload.make((1, 8, 9, 7), (16, 8, 3, 3), stride=(2, 1), padding=(1, 0, 1, 2))
+    pool = Pool2dWorkload.make((1, 8, 9, 7), "max", (3, 3), (2, 2), (1, 1), (1, 1), False, True)
+    for wl in (conv, pool):
+        fields = json.loads(json.dumps(dataclasses.asdict(wl)))
+        assert type(wl)(**fields_from_json(fields)) == wl

@@ -358,10 +358,14 @@ class Epilogue:
         return not (self.bias or self.residual or self.activation or self.nchw_out)
 
 
-def activation_expr(name: str, value: tirx.PrimExpr, alpha: float = 0.01) -> tirx.PrimExpr:
-    """Activation `name` (:data:`ACTIVATIONS`) applied to the expression `value`, as IR."""
+def activation_expr(name: str, value: tirx.PrimExpr, alpha: float = 0.01, *,
+                    scalar_erf: bool = False) -> tirx.PrimExpr:
+    """Activation `name` (:data:`ACTIVATIONS`) applied to the expression `value`, as IR.
+    `scalar_erf`: GELU's erf as T.erf (a libm call a lane) instead of the vectorized one, where
+    lowering that one costs too much (Winograd's output transform, docs/tvm_0.27_hazards.md)."""
     text = activation_text(name, "v", alpha)
-    return eval(text, {"T": tvm.script.tirx, "v": value, **ACTIVATION_FUNCTIONS})  # noqa: S307
+    functions = {**ACTIVATION_FUNCTIONS, "_vector_erf": tirx.erf} if scalar_erf else ACTIVATION_FUNCTIONS
+    return eval(text, {"T": tvm.script.tirx, "v": value, **functions})  # noqa: S307
 
 
 # The kernel is built with TVM's IRBuilder, not written as TVMScript text: parsing took 0.1-0.3 s a

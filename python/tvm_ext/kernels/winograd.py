@@ -244,13 +244,6 @@ def _grid_index(plan: Conv2dPlan, ty: tirx.Var, tx: tirx.Var) -> list:
 _UNVECTORIZED_ACTIVATIONS = frozenset({"gelu"})
 
 
-def _activation(name: str, value: tirx.PrimExpr, alpha: float) -> tirx.PrimExpr:
-    if name == "gelu":  # x * (1/2 + erf(x / sqrt 2) / 2), erf a scalar call (see above)
-        return value * (tirx.const(0.5, "float32") + tirx.erf(value * tirx.const(0.7071067811865476, "float32"))
-                        * tirx.const(0.5, "float32"))
-    return activation_expr(name, value, alpha)
-
-
 def input_transform_func(plan: Conv2dPlan) -> tirx.PrimFunc:
     """Blocked, padded input (N, C/x, HP, WP, x) -> V (N, a² C/x, the :func:`grid` of tiles, x):
     V = B^T d B for each a x a tile d (stride m), group xi * a + nu of the GEMM's input."""
@@ -307,7 +300,8 @@ def output_transform_func(plan: Conv2dPlan, epilogue: Epilogue | None = None) ->
                         if residual is not None:  # (epilogue.residual)
                             value = value + residual[n, ob, ty * m + i, tx * m + j, c]
                         if epilogue.activation:
-                            value = _activation(epilogue.activation, T.Bind(value), epilogue.alpha)
+                            value = activation_expr(epilogue.activation, T.Bind(value), epilogue.alpha,
+                                                    scalar_erf=not vectorized)
                         inside = ([ty * m + i < wl.OH] if i >= wl.OH - (th - 1) * m else []) + (
                             [tx * m + j < wl.OW] if j >= wl.OW - (tw - 1) * m else [])
                         index = [n, ob, ty * m + (i + top), tx * m + (j + left), c]

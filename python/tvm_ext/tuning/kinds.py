@@ -12,10 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import tvm
 from tvm.s_tir import Schedule
+
+
+def fields_from_json(fields: dict[str, Any]) -> dict[str, Any]:
+    """A workload dataclass's fields as its JSON description gives them back: the arrays as the
+    tuples they were (how a kernel's attribute records its workload, for both kinds)."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
 
 
 class VectorShape(Protocol):

@@ -18,7 +18,7 @@ from tvm.s_tir import Schedule
 
 from ..kernels import pool2d as _pool
 from ..kernels.conv2d import KERNEL_ATTR
-from .kinds import TaskKind
+from .kinds import TaskKind, fields_from_json
 
 POOL_ATTR = "tvm_ext.pool2d_plan"
 
@@ -32,11 +32,7 @@ def describe_pool(func: tvm.tirx.PrimFunc) -> tuple[_pool.Pool2dWorkload, int | 
     if func.attrs is None or POOL_ATTR not in func.attrs:
         return None
     data = json.loads(str(func.attrs[POOL_ATTR]))
-    fields = data["wl"]
-    for k, v in fields.items():  # JSON arrays back to the workload's tuples
-        if isinstance(v, list):
-            fields[k] = tuple(v)
-    return _pool.Pool2dWorkload(**fields), data["block"]
+    return _pool.Pool2dWorkload(**fields_from_json(data["wl"])), data["block"]
 
 
 def _described_pool(func: tvm.tirx.PrimFunc) -> tuple[_pool.Pool2dWorkload, int | None]:

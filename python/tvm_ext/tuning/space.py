@@ -33,7 +33,7 @@ from tvm.s_tir.meta_schedule.postproc import PyPostproc
 
 from ..kernels import conv2d as _conv
 from ..kernels import winograd as _winograd
-from .kinds import TaskKind
+from .kinds import TaskKind, fields_from_json
 
 PLAN_ATTR = "tvm_ext.conv2d_plan"
 
@@ -49,11 +49,7 @@ def describe_kernel(func: tvm.tirx.PrimFunc) -> tuple[_conv.Conv2dPlan, _conv.Ep
         return None
     data = json.loads(str(func.attrs[PLAN_ATTR]))
     plan = data["plan"]
-    fields = plan.pop("wl")
-    for k, v in fields.items():  # JSON arrays back to the workload's tuples
-        if isinstance(v, list):
-            fields[k] = tuple(v)
-    wl = _conv.Conv2dWorkload(**fields)
+    wl = _conv.Conv2dWorkload(**fields_from_json(plan.pop("wl")))
     return (_conv.Conv2dPlan(wl, **plan), _conv.Epilogue(**data["epilogue"]), data["lanes"], data["registers"])
 
 
