@@ -219,7 +219,8 @@ def test_channel_scale_folds_into_the_convolution():
                                                    ((10,), False)])
 def test_batch_norm_folds_after_a_convolution_with_a_bias(bias_shape, bias_first):
     """conv + c -> batch_norm (VGG-BN) folds into the convolution's weights and bias, c in either
-    operand order; a bias along W ((10,): not per channel) is left to stock TVM, still right."""
+    operand order; with a bias along W ((10,): not per channel) it is not folded but becomes a
+    per-channel scale and shift (the channel-affine kernel), still right."""
     rng = np.random.default_rng(13)
 
     def body(bb, x):
@@ -233,8 +234,9 @@ def test_batch_norm_folds_after_a_convolution_with_a_bias(bias_shape, bias_first
         return bb.emit(relax.op.nn.relu(relax.TupleGetItem(bn, 0)))
 
     mod = _graph((1, 8, 10, 10), body)
-    left = any(r.op == "nn.batch_norm" for r in tvm_ext.dispatch_report(mod, "llvm"))
-    assert left == (bias_shape == (10,))
+    report = tvm_ext.dispatch_report(mod, "llvm")
+    assert not any(r.op == "nn.batch_norm" for r in report)
+    assert any(r.kernel == "channel_affine" for r in report) == (bias_shape == (10,))
     xv = rng.standard_normal((1, 8, 10, 10)).astype("float32")
     assert rel_err(_run(tvm_ext.build(mod, "llvm"), xv), _run(tvm.compile(mod, TARGET), xv)) <= 1e-4
 
@@ -582,3 +584,35 @@ def test_a_static_batch_of_zero_images_builds():
     assert all("empty tensor" in r.reason for r in tvm_ext.dispatch_report(mod, "llvm"))
     xv = np.zeros((0, 8, 10, 10), "float32")
     assert _run(tvm_ext.build(mod, "llvm"), xv).shape == _run(tvm.compile(mod, TARGET), xv).shape == (0, 16, 1, 1)
+
+
+def test_training_mode_batch_norm_builds():
+    """A batch norm left in training mode (a model exported without .eval()): stock TVM compiles
+    it, and tvm_ext crashed (dlight's Reduction rule raised "is an output block" on its several
+    outputs; tvm_ext.dlight.Guarded hands it to ParallelVectorize). Same numbers as stock TVM."""
+    rng = np.random.default_rng(21)
+
+    def body(bb, x):
+        stats = [relax.const((np.abs(rng.standard_normal(8)) + 0.5).astype("float32")) for _ in range(4)]
+        bn = bb.emit(relax.op.nn.batch_norm(x, *stats, axis=1, training=True))
+        return bb.emit(relax.TupleGetItem(bn, 0))
+
+    mod = _graph((2, 8, 5, 5), body)
+    xv = rng.standard_normal((2, 8, 5, 5)).astype("float32")
+    assert rel_err(_run(tvm_ext.build(mod, "llvm"), xv), _run(tvm.compile(mod, TARGET), xv)) <= 1e-5
+
+
+def test_guarded_rule_gives_up_instead_of_raising():
+    from tvm import s_tir
+    from tvm.s_tir.dlight import ScheduleRule
+
+    from tvm_ext.dlight import Guarded
+
+    class Refusing(ScheduleRule):
+        def apply(self, func, target, tunable):
+            sch = s_tir.Schedule(func)
+            sch.get_sblock("no such block")  # raises a ScheduleError
+            return sch
+
+    func = tvm.te.create_prim_func([tvm.te.placeholder((4,), "float32")])
+    assert Guarded(Refusing()).apply(func, TARGET, False) is None

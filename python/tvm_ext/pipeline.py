@@ -22,6 +22,7 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu_pipeline
 from tvm.relax.backend.cuda import pipeline as cuda_pipeline
 from tvm.s_tir import dlight
 
+from .dlight import Guarded
 from .dlight.cpu import ParallelVectorize
 from .errors import UnsupportedError
 from .kernels.conv2d import KERNEL_ATTR
@@ -126,7 +127,7 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
                 + cpu_pipeline.library_dispatch_passes(resolved)
                 + fusion_passes(resolved)
                 + _lowering_passes(resolved, lower_to_kernels(resolved, database, winograd=winograd),
-                                   [dlight.cpu.GEMV(), dlight.cpu.Reduction(), ParallelVectorize()])
+                                   [Guarded(dlight.cpu.GEMV()), Guarded(dlight.cpu.Reduction()), ParallelVectorize()])
                 + cpu_pipeline.dataflow_lower_passes(resolved)
                 + cpu_pipeline.finalize_passes(resolved)
             )
@@ -147,8 +148,8 @@ def _cuda_pipeline(target: tvm.target.Target, tensor_cores: bool | str, winograd
                 + fusion_passes(target)
                 + _lowering_passes(target, lower_to_kernels(target, tensor_cores=tensor_cores,
                                                                              winograd=winograd),
-                                   [dlight.gpu.Matmul(), dlight.gpu.GEMV(), dlight.gpu.Reduction(),
-                                    dlight.gpu.GeneralReduction(), dlight.gpu.Fallback()])
+                                   [*map(Guarded, (dlight.gpu.Matmul(), dlight.gpu.GEMV(), dlight.gpu.Reduction(),
+                                                   dlight.gpu.GeneralReduction())), dlight.gpu.Fallback()])
                 + cuda_pipeline.dataflow_lower_passes(target)
                 + cuda_pipeline.finalize_passes(target)
             )
@@ -265,6 +266,14 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
                 calls = []
                 relax.analysis.post_order_visit(fused[expr.op].body,
                                                 lambda e: calls.append(e) if isinstance(e, relax.Call) else None)
+                if str(fused[expr.op].attrs["Composite"]).startswith("tvm_ext.channel_affine"):
+                    head, *rest = calls  # post order: the concatenation (or the scale, or shift) first
+                    shapes = decide(head, resolved, engine, winograd).shapes
+                    report.append(DispatchRow(head.op.name.removeprefix("relax."), shapes, "channel_affine",
+                                              "", runs))
+                    for call in rest:
+                        row(call, "channel_affine")
+                    return
                 conv = next(c for c in calls if isinstance(c.op, tvm.ir.Op) and c.op.name == "relax.nn.conv2d")
                 kernel = decide(conv, resolved, engine, winograd).kernel
                 matmul = from_matmul(expr.args[list(fused[expr.op].params).index(conv.args[0])])

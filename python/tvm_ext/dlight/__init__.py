@@ -1,5 +1,6 @@
 """Default schedules (dlight rules) for the ops tvm_ext does not serve with a kernel of its own."""
 
 from . import cpu
+from .guarded import Guarded
 
-__all__ = ["cpu"]
+__all__ = ["Guarded", "cpu"]

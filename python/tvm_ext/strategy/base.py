@@ -193,6 +193,7 @@ class Emitter(Protocol):
                suffix: str = "") -> relax.Expr:
         """conv2d (+ bias + residual -> activation) as kernel calls."""
 
-    def pool_or_activation(self, call: relax.Call, decision: Decision) -> relax.Expr:
-        """A pooling, global pooling, mean over H and W, activation or channel scale (a
-        squeeze-excitation gate) as a kernel call."""
+    def other_op(self, call: relax.Call, decision: Decision) -> relax.Expr:
+        """Any other op :func:`~.decide.decide` gives a kernel (a pooling, global pooling, mean
+        over H and W, activation, channel scale (a squeeze-excitation gate), concatenation or
+        layer norm over channels) as a kernel call."""

@@ -4,13 +4,17 @@ fallbacks). Constant weights are packed here, at build time."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import tvm
 from tvm import relax
 
 from ..errors import UnsupportedError
+from ..kernels import channel_affine as _affine
 from ..kernels import conv2d as _conv
 from ..kernels import elementwise as _elementwise
+from ..kernels import layer_norm as _layer_norm
 from ..kernels import layout as _layout
 from ..kernels import pool2d as _pool
 from ..kernels import winograd as _winograd
@@ -218,7 +222,53 @@ class CpuEmitter:
         out = self._call(func, f"tvm_ext_channel_scale_{'x'.join(map(str, shape))}", [source, scale], shape)
         return out if known is None else self.unpack(out, known_shape(image_shape(data), "channel_scale: the data")[1])
 
-    def pool_or_activation(self, call: relax.Call, decision: Decision) -> relax.Expr:
+    def channel_affine(self, inputs: list[relax.Expr], scale: np.ndarray | None = None,
+                       shift: np.ndarray | None = None, activation: Activation | None = None) -> relax.Expr:
+        """act(concat(inputs) * scale + shift) over channels (scale, shift: one value per channel
+        or one for all; each part optional) in one blocked pass
+        (:mod:`tvm_ext.kernels.channel_affine`). Inputs are read in the blocks their producers
+        wrote; those without a blocked form are packed first."""
+        shapes = [known_shape(image_shape(x), "channel_affine: an input") for x in inputs]
+        channels = [shape[1] for shape in shapes]
+        n, _, h, w = shapes[0]
+        known = [self.blocked(x) for x in inputs]
+        out_block = _affine.choose_out_block(channels, [k[1] for k in known if k is not None], self.isa.lanes)
+        sources = []
+        for x, k, c in zip(inputs, known, channels, strict=True):
+            sources.append(k if k is not None else (self.pack(x, math.gcd(c, out_block)), math.gcd(c, out_block)))
+        total = sum(channels)
+        affine = _affine.ChannelAffine(tuple((c, block) for c, (_, block) in zip(channels, sources, strict=True)),
+                                       (n, h, w), out_block, scale is not None, shift is not None,
+                                       None if activation is None else activation.name,
+                                       0.01 if activation is None else activation.alpha)
+        args = [source for source, _ in sources]
+        args += [relax.const(np.broadcast_to(v.reshape(-1), (total,)).astype(np.float32))
+                 for v in (scale, shift) if v is not None]
+        func = _affine.channel_affine_func(affine, self.isa.lanes)
+        out = self._call(func, f"tvm_ext_channel_affine_{affine.tag()}", args, affine.out_shape())
+        return self.unpack(out, total)
+
+    def _layer_norm(self, call: relax.Call) -> relax.Expr:
+        """A layer norm over the channels of an NCHW tensor, on its blocked form (packed first
+        where it has none): :mod:`tvm_ext.kernels.layer_norm`."""
+        data, gamma, beta = call.args[:3]
+        channels = known_shape(image_shape(data), "layer_norm: the data")[1]
+        known = self.blocked(data)
+        if known is None:
+            block = _affine.choose_out_block([channels], [], self.isa.lanes)
+            known = (self.pack(data, block), block)
+        attrs = call.attrs
+        norm = _layer_norm.LayerNorm(known_shape(image_shape(known[0]), "layer_norm: the blocked data"),
+                                     float(attrs.epsilon), bool(attrs.scale), bool(attrs.center))
+        args = [known[0], *([gamma] if norm.scale else []), *([beta] if norm.center else [])]
+        out = self._call(_layer_norm.layer_norm_func(norm), f"tvm_ext_layer_norm_{norm.tag()}", args, norm.shape)
+        return self.unpack(out, channels)
+
+    def other_op(self, call: relax.Call, decision: Decision) -> relax.Expr:
+        if decision.kernel == "channel_affine":  # a concatenation
+            return self.channel_affine(list(call.args[0].fields))
+        if decision.kernel == "layer_norm":
+            return self._layer_norm(call)
         if decision.kernel == "channel_scale":
             operands = channel_scale_operands(call)
             if operands is None:  # decide() gives channel_scale to such multiplies only

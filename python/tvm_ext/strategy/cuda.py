@@ -175,7 +175,7 @@ class CudaEmitter:
         out = _winograd.output_transform_func(plan, name + "_output")
         return self.nchw(self._call(out, name + "_output", [mm, *epilogue_args], plan.y_shape))
 
-    def pool_or_activation(self, call: relax.Call, decision: Decision) -> relax.Expr:
+    def other_op(self, call: relax.Call, decision: Decision) -> relax.Expr:
         data = call.args[0]
         if decision.kernel in ("global_avg_pool2d", "max_pool2d", "avg_pool2d"):
             source = self.chwn(data)

@@ -8,12 +8,12 @@ from tvm import relax
 
 from ..kernels import conv2d as _conv
 from ..kernels import winograd as _winograd
-from ..relax_info import dtype, image_shape, shape_text, static_shape, symbolic_batch
+from ..relax_info import dtype, image_shape, known_shape, shape_text, static_shape, symbolic_batch
 from ..target import vector_isa
 from .base import ACTIVATION_OPS, DATA_MOVEMENT_OPS, POOLS, Decision, channel_scale_operands, is_relu6, pool_workload
 from .cuda_engine import FUSED_ACTIVATIONS, conv2d_decision
 
-__all__ = ["decide", "epilogue_activation"]
+__all__ = ["channel_affine_reason", "decide", "epilogue_activation"]
 
 
 def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", winograd: bool = True) -> Decision:
@@ -29,6 +29,10 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
     scaled = channel_scale_operands(call) if op == "relax.multiply" else None
     if scaled is not None:
         return _decide_channel_scale(scaled, shapes, target)
+    if op == "relax.concat":
+        return _decide_concat(call, target)
+    if op == "relax.nn.layer_norm":
+        return _decide_layer_norm(call, shapes, target)
     if op in DATA_MOVEMENT_OPS:
         return Decision(op, shapes, None, "data movement only (a reshape is a view): stock TVM")
     if op != "relax.nn.conv2d":
@@ -93,6 +97,73 @@ def _shape_on(target: tvm.target.Target, tensor: relax.Expr) -> tuple | None:
 def _per_image(tensor: relax.Expr) -> str:
     batch = symbolic_batch(tensor)
     return "" if batch is None else f"per image over the symbolic batch {batch}"
+
+
+def channel_affine_reason(data: relax.Expr) -> str | None:
+    """Why :mod:`tvm_ext.kernels.channel_affine` cannot take tensor `data` (None if it can): an
+    NCHW tensor (:func:`_nchw_reason`) whose channels fill float32 vectors of 8 (fewer make
+    narrow vectors: ShuffleNet's 58-channel halves stay with stock TVM)."""
+    reason = _nchw_reason(data)
+    if reason is None and known_shape(image_shape(data), "an NCHW tensor")[1] % 8:
+        return f"{known_shape(image_shape(data), 'an NCHW tensor')[1]} channels are not a multiple of 8"
+    return reason
+
+
+def _nchw_reason(data: relax.Expr) -> str | None:
+    """Why `data` is not a float32 NCHW tensor of static shape (or a symbolic batch) with
+    elements, which the blocked kernels take; None if it is."""
+    shape = image_shape(data) if isinstance(data.ty, relax.TensorType) else None
+    if shape is None:
+        return _SYMBOLIC if isinstance(data.ty, relax.TensorType) else "not a tensor"
+    if dtype(data) != "float32":
+        return f"dtype {dtype(data)} is not float32"
+    if len(shape) != 4:
+        return f"a {len(shape)}-D tensor (NCHW only)"
+    if 0 in shape:
+        return "empty tensor (a dimension is 0): nothing to compute"
+    return None
+
+
+def _decide_concat(call: relax.Call, target: tvm.target.Target) -> Decision:
+    op, fields = "relax.concat", call.args[0]
+    if not isinstance(fields, relax.Tuple):
+        return Decision(op, (), None, "a concatenation of a tuple value, not of listed tensors")
+    shapes = tuple(shape_text(field) for field in fields.fields)
+    if target.kind.name != "llvm":
+        return Decision(op, shapes, None, "no CUDA concatenation kernel yet (data movement: stock TVM)")
+    if call.attrs.axis is None or int(call.attrs.axis) % 4 != 1:
+        return Decision(op, shapes, None, "a concatenation along an axis other than the channels")
+    for field in fields.fields:
+        reason = channel_affine_reason(field)
+        if reason is not None:
+            return Decision(op, shapes, None, f"an input: {reason}")
+    images = {_image_of(field) for field in (*fields.fields, call)}
+    batches = {str(symbolic_batch(field)) for field in (*fields.fields, call)}
+    if len(images) != 1 or len(batches) != 1:
+        return Decision(op, shapes, None, "inputs of different batches or images")
+    return Decision(op, shapes, "channel_affine", _per_image(fields.fields[0]))
+
+
+def _decide_layer_norm(call: relax.Call, shapes: tuple, target: tvm.target.Target) -> Decision:
+    op, data = "relax.nn.layer_norm", call.args[0]
+    if target.kind.name != "llvm":
+        return Decision(op, shapes, None, "no CUDA layer norm kernel yet")
+    reason = _nchw_reason(data)
+    if reason is not None:
+        return Decision(op, shapes, None, reason)
+    if [int(a) % 4 for a in call.attrs.axes] != [1]:
+        return Decision(op, shapes, None, "a layer norm over other axes than the channels "
+                                          "(ConvNeXt's channels-last one is moved to them on CPUs)")
+    channels = known_shape(image_shape(data), "layer_norm: the data")[1]
+    if any(dtype(arg) != "float32" or static_shape(arg) != (channels,) for arg in call.args[1:3]):
+        return Decision(op, shapes, None, "gamma and beta are not float32 vectors of one value per channel")
+    return Decision(op, shapes, "layer_norm", _per_image(data))
+
+
+def _image_of(tensor: relax.Expr) -> tuple | None:
+    """(N, H, W) of a 4-D tensor (one image's N for a symbolic batch)."""
+    shape = image_shape(tensor)
+    return None if shape is None or len(shape) != 4 else (shape[0], *shape[2:])
 
 
 def _decide_channel_scale(operands: tuple[relax.Expr, relax.Expr], shapes: tuple,

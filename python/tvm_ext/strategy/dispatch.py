@@ -19,7 +19,7 @@ from .cpu import CpuEmitter
 from .cuda import CudaEmitter
 from .cuda_engine import engine_for
 from .decide import decide
-from .fusion import epilogue_of
+from .fusion import affine_of, epilogue_of
 
 logger = logging.getLogger("tvm_ext")
 
@@ -49,9 +49,10 @@ def legalize_map(target: tvm.target.Target) -> dict:
         emitter = make_emitter(bb, target)
         if decision.plan is not None:
             return emitter.conv2d(call, call.args[0], decision)
-        return emitter.pool_or_activation(call, decision)
+        return emitter.other_op(call, decision)
 
-    return {op: legalize for op in ("relax.nn.conv2d", "relax.mean", *POOLS, *ACTIVATION_OPS)}
+    return {op: legalize for op in ("relax.nn.conv2d", "relax.mean", "relax.concat", "relax.nn.layer_norm", *POOLS,
+                                    *ACTIVATION_OPS)}
 
 
 def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: bool | str = False,
@@ -76,13 +77,19 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                     return call
                 if decision.plan is not None:
                     return self.emitter.conv2d(call, call.args[0], decision)
-                return self.emitter.pool_or_activation(call, decision)
+                return self.emitter.other_op(call, decision)
             if not isinstance(call.op, tvm.ir.GlobalVar):
                 return call
             func = self.mod_[call.op]
             if not isinstance(func, relax.Function) or "Composite" not in (func.attrs or {}):
                 return call
-            if not str(func.attrs["Composite"]).startswith("tvm_ext.conv2d"):
+            composite = str(func.attrs["Composite"])
+            if composite.startswith("tvm_ext.channel_affine") and isinstance(self.emitter, CpuEmitter):
+                inputs, scale, shift, activation = affine_of(func)
+                return self.emitter.channel_affine([call.args[i] for i in inputs],
+                                                   None if scale is None else scale.value.numpy(),
+                                                   None if shift is None else shift.value.numpy(), activation)
+            if not composite.startswith("tvm_ext.conv2d"):
                 return call
             conv, bias, residual, activation = epilogue_of(func)
             params = list(func.params)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from ..relax_info import dtype, image_shape, is_channel_bias, same_extent, symbolic_batch
+from ..relax_info import dtype, image_shape, is_channel_bias, known_shape, same_extent, symbolic_batch
 from ..transform import channels_last_as_nchw, fold_batch_norm, matmul_as_conv2d, recognise_silu
 from .base import ACTIVATION_OPS, Activation, activation_at
-from .decide import decide, epilogue_activation
+from .decide import channel_affine_reason, decide, epilogue_activation
 
-__all__ = ["epilogue_of", "fusion_passes", "fusion_patterns"]
+__all__ = ["affine_of", "epilogue_of", "fusion_passes", "fusion_patterns"]
 
 
 def reads_inside_or_leaks(ctx) -> bool:
@@ -37,6 +37,28 @@ def _same_batch(a: relax.Expr, b: relax.Expr) -> bool:
     if x is None or y is None:
         return x is None and y is None
     return same_extent(x, y)
+
+
+def _activation_pattern(x, act: str):
+    """The pattern of activation `act` (a key of ACTIVATION_OPS, "hardsigmoid" or "hardswish")
+    applied to pattern `x`; :func:`~.base.activation_at` checks the constants of a match."""
+    from tvm.relax.dpl import is_const, is_op, wildcard
+
+    def relu6_of_x_plus_3(x):  # clip(x + 3, 0, 6), or torch.export's two one-sided clips
+        clip = is_op("relax.clip")(is_op("relax.add")(x, is_const()), wildcard(), wildcard())
+        return clip | is_op("relax.clip")(clip, wildcard(), wildcard())
+
+    def hardsigmoid(x):  # clip(x + 3, 0, 6) / 6
+        return is_op("relax.divide")(relu6_of_x_plus_3(x), is_const())
+
+    if act == "relax.clip":
+        return is_op(act)(x, wildcard(), wildcard())
+    if act == "hardsigmoid":
+        return hardsigmoid(x)
+    if act == "hardswish":  # x * hardsigmoid(x), or torch.export's (x * clip(x + 3, 0, 6)) / 6
+        return (is_op("relax.multiply")(x, hardsigmoid(x))  # multiply matches either operand order
+                | is_op("relax.divide")(is_op("relax.multiply")(x, relu6_of_x_plus_3(x)), is_const()))
+    return is_op(act)(x)
 
 
 def fusion_patterns(target: tvm.target.Target) -> list:
@@ -72,17 +94,6 @@ def fusion_patterns(target: tvm.target.Target) -> list:
             return False
         return epilogue_activation(found[0].name, target).kernel is not None  # CUDA's maxDNN: relu, relu6
 
-    def relu6_of_x_plus_3(x):  # clip(x + 3, 0, 6), or torch.export's two one-sided clips
-        clip = is_op("relax.clip")(is_op("relax.add")(x, is_const()), wildcard(), wildcard())
-        return clip | is_op("relax.clip")(clip, wildcard(), wildcard())
-
-    def hardsigmoid(x):  # clip(x + 3, 0, 6) / 6; activation_at checks the constants
-        return is_op("relax.divide")(relu6_of_x_plus_3(x), is_const())
-
-    def hardswish(x):  # x * hardsigmoid(x), or torch.export's (x * clip(x + 3, 0, 6)) / 6
-        return (is_op("relax.multiply")(x, hardsigmoid(x))
-                | is_op("relax.divide")(is_op("relax.multiply")(x, relu6_of_x_plus_3(x)), is_const()))
-
     patterns = []
     for act in (*ACTIVATION_OPS, "hardsigmoid", "hardswish", None):
         for residual in (True, False):
@@ -98,21 +109,105 @@ def fusion_patterns(target: tvm.target.Target) -> list:
                 if residual:
                     annotations["residual"] = wildcard()
                     out = is_op("relax.add")(out, annotations["residual"])
-                if act == "relax.clip":
-                    out = is_op(act)(out, wildcard(), wildcard())
-                elif act == "hardsigmoid":
-                    out = hardsigmoid(out)
-                elif act == "hardswish":
-                    out = hardswish(out)  # multiply matches either operand order
-                elif act is not None:
-                    out = is_op(act)(out)
                 if act is not None:
-                    annotations["activation"] = out
+                    out = annotations["activation"] = _activation_pattern(out, act)
                 name = "tvm_ext.conv2d" + "_bias" * bias + "_residual" * residual
                 name += f"_{ACTIVATION_OPS.get(act, act)}" if act else ""
                 patterns.append(relax.transform.FusionPattern(name, out, annotations, check))
     patterns.sort(key=lambda p: -p.name.count("_"))
+    return patterns + _affine_patterns(target)
+
+
+def _affine_patterns(target: tvm.target.Target) -> list:
+    """[concat ->] [* scale] [+ shift] [-> activation], scale and shift one constant per channel
+    (DenseNet's concat -> batch norm -> relu; a batch norm after no convolution is a scale and
+    shift by then): one :mod:`tvm_ext.kernels.channel_affine` call. Tried after the convolution
+    patterns, so a convolution keeps its epilogue. CPUs only."""
+    from tvm.relax.dpl import is_const, is_op, wildcard
+
+    def check(ctx) -> bool:
+        if target.kind.name != "llvm" or reads_inside_or_leaks(ctx):
+            return False
+        head = ctx.annotated_expr["head"]
+        if isinstance(head, relax.Call) and isinstance(head.op, tvm.ir.Op) and head.op.name == "relax.concat":
+            if decide(head, target).kernel is None:
+                return False
+        elif channel_affine_reason(head) is not None:
+            return False
+        channels = known_shape(image_shape(head), "channel_affine: the data")[1]
+        for name in ("scale", "shift"):
+            constant = ctx.annotated_expr.get(name)
+            if constant is not None and not is_channel_bias(constant, channels):
+                return False
+        act = ctx.annotated_expr.get("activation")
+        bindings = ctx.matched_bindings
+        return act is None or activation_at(act, lambda e: bindings.get(e, e) if isinstance(e, relax.Var) else e) \
+            is not None
+
+    patterns = []
+    for concat in (True, False):
+        for scale, shift in ((True, True), (True, False), (False, True), (False, False)):
+            for act in (*ACTIVATION_OPS, None):
+                if not (scale or shift or (concat and act)):
+                    continue  # a concatenation alone is lowered as an op; an activation alone too
+                head = is_op("relax.concat")(wildcard()) if concat else wildcard()
+                annotations = {"head": head}
+                out = head
+                if scale:
+                    out = is_op("relax.multiply")(out, annotations.setdefault("scale", is_const()))
+                if shift:
+                    out = is_op("relax.add")(out, annotations.setdefault("shift", is_const()))
+                if act is not None:
+                    out = annotations["activation"] = _activation_pattern(out, act)
+                name = ("tvm_ext.channel_affine" + "_concat" * concat + "_scale" * scale + "_shift" * shift
+                        + (f"_{ACTIVATION_OPS[act]}" if act else ""))
+                patterns.append(relax.transform.FusionPattern(name, out, annotations, check))
+    patterns.sort(key=lambda p: -p.name.count("_"))
     return patterns
+
+
+def affine_of(func: relax.Function) -> tuple[list[int], tvm.ir.expr.GenericConst | None,
+                                             tvm.ir.expr.GenericConst | None, Activation | None]:
+    """Read a channel-affine composite: the params it concatenates (one if it does not), its
+    scale and shift constants and its activation. Either operand order of the multiply and the
+    add; anything else is an error, never a dropped operand."""
+    values = relax.analysis.get_var2val(func)
+    params = list(func.params)
+
+    def value_of(expr: relax.Expr) -> relax.Expr:
+        while isinstance(expr, relax.Var) and expr in values:
+            expr = values[expr]
+        return expr
+
+    def constant_operand(call: relax.Call) -> tuple[tvm.ir.expr.GenericConst, relax.Expr]:
+        for const, other in (call.args, call.args[::-1]):
+            if isinstance(const, tvm.ir.expr.GenericConst) and not isinstance(other, tvm.ir.expr.GenericConst):
+                return const, other
+        raise ValueError(f"tvm_ext: a channel-affine {call.op.name} has no one constant operand: {call}")
+
+    body = func.body.body if isinstance(func.body, relax.SeqExpr) else func.body
+    expr, scale, shift, activation = value_of(body), None, None, None
+    found = activation_at(expr, value_of)
+    if found is not None:
+        activation, expr = found[0], value_of(found[1])
+    if _is_op(expr, "relax.add"):
+        shift, expr = constant_operand(expr)
+        expr = value_of(expr)
+    if _is_op(expr, "relax.multiply"):
+        scale, expr = constant_operand(expr)
+        expr = value_of(expr)
+    if _is_op(expr, "relax.concat"):
+        fields = expr.args[0].fields if isinstance(expr.args[0], relax.Tuple) else [expr.args[0]]
+        inputs = [params.index(field) if field in params else -1 for field in fields]
+    else:
+        inputs = [params.index(expr) if expr in params else -1]
+    if -1 in inputs:
+        raise ValueError(f"tvm_ext: a channel-affine composite reads a value it does not take: {func}")
+    return inputs, scale, shift, activation
+
+
+def _is_op(expr: relax.Expr, *names: str) -> bool:
+    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name in names
 
 
 def epilogue_of(func: relax.Function) -> tuple[relax.Call, tvm.ir.expr.GenericConst | None, int | None,
@@ -162,7 +257,8 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     The pipeline runs these before lowering; the dispatch report runs them to say what fuses.
     FoldConstant first turns importer biases such as reshape(const) into constants.
     """
-    return [relax.transform.FoldConstant(), fold_batch_norm(), matmul_as_conv2d(), channels_last_as_nchw(),
+    return [relax.transform.FoldConstant(), fold_batch_norm(), matmul_as_conv2d(),
+            channels_last_as_nchw(layer_norm_over_channels=target.kind.name == "llvm"),
             recognise_silu(), relax.transform.FuseOpsByPattern(fusion_patterns(target), bind_constants=True)]
 
 

@@ -4,8 +4,9 @@ Each graph is drawn from a small grammar of what CNNs do: convolutions of every 
 (strides, paddings incl. asymmetric, dilations, groups, depthwise) with biases of every
 broadcastable shape in either operand order, batch norms, every activation tvm_ext fuses and
 the decompositions importers emit (hardswish, x * sigmoid(x)), pooling, adds and products with
-operands in both orders and values used two or three times, concat, split, squeeze-excitation,
-layer norm over channels, residual blocks, a flatten + dense head, sometimes a symbolic batch.
+operands in both orders and values used two or three times, concat (DenseNet's of several
+inputs, batch norm and activation too), split, squeeze-excitation, layer norm over channels,
+residual blocks, a flatten + dense head, sometimes a symbolic batch.
 While the Relax graph is emitted, the same computation runs in PyTorch in float64 on the same
 float32 weights and input, so the reference owes nothing to TVM. `tests/test_random_graphs.py`
 builds a few hundred; `bench/fuzz.py` runs as many as asked and prints a reproducer for each
@@ -261,11 +262,27 @@ class _Builder:
 
     def concat(self) -> _Value:
         a = self.pick()
+        if self.coin(0.5):
+            return self.dense_layer(a)
         partners = [v for v in self.values if len(v.shape) == 4 and v.shape[2:] == a.shape[2:]]
         b = self.choice(partners)
         self.steps.append(f"concat {a.shape} and {b.shape}")
         out = self.emit(relax.op.concat([a.var, b.var], axis=1), torch.cat([a.ref, b.ref], dim=1))
         return self.batch_norm(out) if self.coin(0.4) else out  # DenseNet: a batch norm after a concat
+
+    def dense_layer(self, a: _Value) -> _Value:
+        """DenseNet: features of whole vectors (8-32 channels, from shape-keeping convolutions),
+        concatenated, [batch norm], [activation] (the channel-affine kernel's input)."""
+        features = [a if a.shape[1] % 8 == 0 else self.conv(a, out_channels=8 * int(self.rng.integers(1, 5)),
+                                                             same=True)]
+        for _ in range(int(self.rng.integers(1, 4))):
+            features.append(self.conv(self.choice(features), out_channels=8 * int(self.rng.integers(1, 5)),
+                                      same=True))
+        self.steps.append(f"concat {' and '.join(str(v.shape) for v in features)}")
+        out = self.emit(relax.op.concat([v.var for v in features], axis=1), torch.cat([v.ref for v in features], 1))
+        if self.coin(0.6):
+            out = self.batch_norm(out)
+        return self.activation(out) if self.coin(0.6) else out
 
     def split(self) -> _Value:
         v = self.pick()

@@ -12,7 +12,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from ..relax_info import dtype, is_channel_bias, known_shape, static_shape
+from ..relax_info import dtype, image_shape, is_channel_bias, known_shape, static_shape
 
 __all__ = ["channels_last_as_nchw", "is_view"]
 
@@ -48,12 +48,13 @@ def is_view(source_shape: tuple, chain: list[relax.Call]) -> bool:
     return bool(np.array_equal(index.reshape(-1), np.arange(index.size)))
 
 
-def channels_last_as_nchw() -> tvm.transform.Pass:
+def channels_last_as_nchw(layer_norm_over_channels: bool = False) -> tvm.transform.Pass:
     """Local rewrites, repeated until none applies (static float32 shapes only; each keeps the
     value it rewrites, element for element):
 
     - a chain of reshapes and permute_dims that keeps its source's element order, with
-      transposes in it that cancel  ==>  one reshape of the source (or the source itself);
+      transposes in it that cancel, or reshapes back to its source's shape  ==>  one reshape of
+      the source (or the source itself);
     - an elementwise activation of a reshape or permute  ==>  the reshape or permute of the
       activation (it moves up to the convolution whose epilogue can apply it);
     - a 1x1, stride-1, unpadded convolution of reshape(x, (1, C, 1, H * W)), x of shape
@@ -64,9 +65,13 @@ def channels_last_as_nchw() -> tvm.transform.Pass:
     - (conv2d(x, W) + b) * s, s one constant per output channel (ConvNeXt's layer scale)  ==>
       conv2d(x, W * s) + b * s, in float64.
 
-    The layer norm stays channels-last (permute, layer_norm over the last axis, on stock TVM):
-    moved to NCHW (layer_norm over axis 1) it took 27 ms instead of 1 ms on 1x96x56x56 (stock
-    TVM's reduction over a strided axis), 1.1 s in ConvNeXt-tiny against 0.15 s.
+    - with `layer_norm_over_channels` (where tvm_ext has the kernel: LLVM CPUs), layer_norm over
+      the last axis of permute(x, NCHW -> NHWC)  ==>  the permute of layer_norm over axis 1 of x
+      (:mod:`tvm_ext.kernels.layer_norm`, in the blocked layout; the permutes then cancel).
+
+    Without it the layer norm stays channels-last (permute, layer_norm over the last axis, on
+    stock TVM): moved to NCHW it took 27 ms instead of 1 ms on 1x96x56x56 (stock TVM's
+    reduction over a strided axis), 1.1 s in ConvNeXt-tiny against 0.15 s.
     """
     from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
@@ -95,7 +100,11 @@ def channels_last_as_nchw() -> tvm.transform.Pass:
                 return orig
             source, chain = source_and_chain(orig)
             shape, out = static_shape(source), static_shape(orig)
-            if shape is None or out is None or (len(chain) == 1 and orig.op.name == "relax.reshape"):
+            if shape is None or out is None:
+                return orig
+            if shape == out and all(c.op.name == "relax.reshape" for c in chain):
+                return source  # reshapes back to where they started (a 1x1 convolution of an image)
+            if len(chain) == 1 and orig.op.name == "relax.reshape":
                 return orig
             # only transposes that cancel: a chain of views is one already (and a classifier's
             # flatten -> matmul_as_conv2d image stays recognisable as a dense layer in the report)
@@ -179,7 +188,26 @@ def channels_last_as_nchw() -> tvm.transform.Pass:
                                 conv_call.attrs)
             return relax.op.add(folded, relax.const((b * s).astype(np.float32).reshape(1, k, 1, 1)))
 
-        for pattern, rewriter in ((movement(), collapse), (act, activation_up), (conv, conv_of_image),
+        ln_input = is_op("relax.permute_dims")(wildcard())
+        norm = is_op("relax.nn.layer_norm")(ln_input, wildcard(), wildcard())
+
+        def layer_norm_to_channels(orig: relax.Expr, matched: dict) -> relax.Expr:
+            if not isinstance(orig, relax.Call):  # a binding the pattern matched through
+                return orig
+            move = matched[ln_input]
+            x, axes = move.args[0], move.attrs.axes
+            shape = image_shape(x)  # static, or a symbolic batch (the kernel runs image by image)
+            if shape is None or len(shape) != 4 or dtype(x) != "float32" or axes is None:
+                return orig
+            if [int(a) for a in axes] != [0, 2, 3, 1] or [int(a) % 4 for a in orig.attrs.axes] != [3]:
+                return orig
+            attrs = orig.attrs
+            normed = relax.op.nn.layer_norm(x, orig.args[1], orig.args[2], axes=[1], epsilon=float(attrs.epsilon),
+                                            center=bool(attrs.center), scale=bool(attrs.scale))
+            return relax.op.permute_dims(normed, [0, 2, 3, 1])
+
+        rules = [(norm, layer_norm_to_channels)] if layer_norm_over_channels else []
+        for pattern, rewriter in (*rules, (movement(), collapse), (act, activation_up), (conv, conv_of_image),
                                   (channel_op, channel_op_up), (scaled, fold_scale)):
             func = rewrite_call(pattern, rewriter, func)
             values = relax.analysis.get_var2val(func)

@@ -1,5 +1,6 @@
 """Inference batch norms (and per-channel constant scales) after a convolution with constant
-weights, folded into those weights at build time."""
+weights, folded into those weights at build time; any other inference batch norm becomes one
+scale and one shift per channel."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..relax_info import is_channel_bias, static_shape
+from ..relax_info import dtype, is_channel_bias, static_shape
 
 __all__ = ["fold_batch_norm"]
 
@@ -20,7 +21,10 @@ def fold_batch_norm() -> tvm.transform.Pass:
     Only NCHW/OIHW convolutions with constant weights and statistics, a bias `c` that is one
     constant per channel (VGG-BN's convolutions have one), batch norm over axis 1 in inference
     mode; anything else is left to stock legalization. A per-output-channel constant scale after
-    a convolution (conv2d(x, W) * s) folds the same way.
+    a convolution (conv2d(x, W) * s) folds the same way. Every other inference batch norm with
+    constant statistics on a static float32 tensor becomes x * s + t (s, t per channel, computed
+    in float64): one pass instead of stock TVM's normalisation, and a scale and shift the
+    channel-affine kernel applies.
     """
     from tvm.relax.dpl import is_const, is_op, is_tuple_get_item, rewrite_call, wildcard
 
@@ -68,11 +72,31 @@ def fold_batch_norm() -> tvm.transform.Pass:
         folded_w = relax.const((w * s[:, None, None, None]).astype(np.float32))
         return relax.Call(conv_call.op, [conv_call.args[0], folded_w], conv_call.attrs)
 
+    data, gamma_, beta_, mean_, var_ = wildcard(), is_const(), is_const(), is_const(), is_const()
+    lone_bn = is_op("relax.nn.batch_norm")(data, gamma_, beta_, mean_, var_)
+
+    def affine_rewriter(orig: relax.Expr, matched: dict) -> relax.Expr:
+        """batch_norm(x)[0] that follows no convolution  ==>  x * s + t, s and t per channel
+        (DenseNet's batch norms after concatenations: tvm_ext.kernels.channel_affine)."""
+        bn_call = matched[lone_bn]
+        attrs, shape = bn_call.attrs, static_shape(matched[data])
+        if shape is None or bool(attrs.training) or dtype(matched[data]) != "float32":
+            return orig
+        axis = int(attrs.axis) % len(shape)
+        g, b, m, v = (matched[p].value.numpy().astype(np.float64) for p in (gamma_, beta_, mean_, var_))
+        scale = (g if bool(attrs.scale) else np.ones_like(g)) / np.sqrt(v + float(attrs.epsilon))
+        shift = (b if bool(attrs.center) else np.zeros_like(b)) - m * scale
+        channel = [1] * len(shape)
+        channel[axis] = shape[axis]
+        return relax.op.add(relax.op.multiply(matched[data], relax.const(scale.astype(np.float32).reshape(channel))),
+                            relax.const(shift.astype(np.float32).reshape(channel)))
+
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.FoldBatchNorm")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         for gvar, func in mod.functions_items():
             if isinstance(func, relax.Function):
-                mod[gvar] = rewrite_call(scaled, scale_rewriter, rewrite_call(pattern, rewriter, func))
+                func = rewrite_call(scaled, scale_rewriter, rewrite_call(pattern, rewriter, func))
+                mod[gvar] = rewrite_call(is_tuple_get_item(lone_bn, 0), affine_rewriter, func)
         return mod
 
     return _pass
