@@ -508,14 +508,17 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
                     _segment(plan, name, width, start, row, y_tail if start else y,
                              lambda v_n, v_ob, v_oh, v_ow, v_o, start=start: [
                                  v_n, v_ob, v_oh + top, v_ow + (start + left), v_o], x, w)
-                if not epilogue.empty:
+                padded = plan.K_pad > wl.K
+                if not epilogue.empty or padded:
                     with T.serial(0, wl.OW) as ow, T.vectorized(0, plan.oc_bn) as o, T.sblock("epilogue"):
                         v_n, v_ob, v_oh = T.axis.remap("SSS", [n, ob, oh])
                         v_ow, v_o = T.axis.remap("SS", [ow, o])
                         index = [v_n, v_ob, v_oh + top, v_ow + left, v_o]
-                        T.buffer_store(y_epilogue, _epilogue_value(
-                            epilogue, y[tuple(index)], _load(bias, [v_ob, v_o]),
-                            _load(residual, [v_n, v_ob, v_oh, v_ow, v_o])), index)
+                        value = _epilogue_value(epilogue, y[tuple(index)], _load(bias, [v_ob, v_o]),
+                                                _load(residual, [v_n, v_ob, v_oh, v_ow, v_o]))
+                        if padded:  # the channels past K are zeros, whatever the input held (0 * inf)
+                            value = T.Select(v_ob * plan.oc_bn + v_o < wl.K, value, T.float32(0))
+                        T.buffer_store(y_epilogue, value, index)
                 # The zero border of a padded blocked output: each row's left and right columns
                 # by the task of the row, the rows above the first and below the last output row
                 # by loops of their own (after the parallel one: a few rows per output block).

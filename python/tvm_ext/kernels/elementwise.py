@@ -106,20 +106,22 @@ def flat_activation_func(name: str, shape, alpha: float, inner: int, outer_loop:
     return script.from_source(text).with_attr(KERNEL_ATTR, name)
 
 
-def channel_scale_func(shape, lanes: int) -> tirx.PrimFunc:
+def channel_scale_func(shape, lanes: int, channels: int | None = None) -> tirx.PrimFunc:
     """x * s with s one value per image and channel: squeeze-excitation's gate (EfficientNet,
     MobileNet-v3, RegNet-Y). `shape` is x's: NCHW (N, C, H, W), or blocked (N, C/c, H, W, c),
     which it keeps (an NCHW multiply between two blocked convolutions cost two layout copies);
-    s is (N, C, 1, 1). Parallel over images and channel blocks (or channels), vectorized along
-    the innermost axis."""
+    s is (N, C, 1, 1), C = `channels` (default: all of x's; fewer where x's last block is padded:
+    those are scaled by the last channel's gate, finite stays finite). Parallel over images and
+    channel blocks (or channels), vectorized along the innermost axis."""
     from tvm import s_tir, te
 
     shape = tuple(int(v) for v in shape)
     x = te.placeholder(shape, "float32", name="x")
-    channels = shape[1] * shape[4] if len(shape) == 5 else shape[1]
+    channels = channels or (shape[1] * shape[4] if len(shape) == 5 else shape[1])
     s = te.placeholder((shape[0], channels, 1, 1), "float32", name="s")
     if len(shape) == 5:
-        out = te.compute(shape, lambda n, cb, h, w, c: x[n, cb, h, w, c] * s[n, cb * shape[4] + c, 0, 0], name="out")
+        out = te.compute(shape, lambda n, cb, h, w, c: x[n, cb, h, w, c]
+                         * s[n, tirx.min(cb * shape[4] + c, channels - 1), 0, 0], name="out")
     else:
         out = te.compute(shape, lambda n, c, h, w: x[n, c, h, w] * s[n, c, 0, 0], name="out")
     sch = s_tir.Schedule(te.create_prim_func([x, s, out]))

@@ -97,25 +97,28 @@ def _unpack_tiled(N: int, CB: int, H: int, W: int, block: int, channels: int) ->
 
 
 def pack_nchwc_func(shape: Sequence[int], block: int, padding: Sequence[int] = (0, 0, 0, 0),
-                    dtype: str = "float32", user_input: bool = False) -> tirx.PrimFunc:
-    """NCHW `shape` -> (N, C/block, H+top+bottom, W+left+right, block), zeros in the border.
+                    dtype: str = "float32", user_input: bool = False, pad_channels: bool = False) -> tirx.PrimFunc:
+    """NCHW `shape` -> (N, ceil(C/block), H+top+bottom, W+left+right, block), zeros in the border.
 
     `user_input`: the source may be a NumPy array (16-byte aligned, not 64); see ops.
+    `pad_channels`: C need not be a multiple of the block; the last block's channels past C are
+    zeros.
     """
     N, C, H, W = (int(v) for v in shape)
-    if C % block:
+    if C % block and not pad_channels:
         raise ValueError(f"pack_nchwc: {C} channels are not a multiple of the block {block}")
     top, left, bottom, right = (int(p) for p in padding)
-    if _vector_tiles(block, dtype):
+    if _vector_tiles(block, dtype) and C % block == 0:
         return _pack_tiled(N, C, H, W, block, (top, left, bottom, right), USER_ALIGNMENT if user_input else 64)
     x = te.placeholder((N, C, H, W), dtype, name="data")
 
     def body(n, cb, h, w, c):
         ih, iw = h - top, w - left
-        inside = tirx.all(ih >= 0, ih < H, iw >= 0, iw < W)
-        return tirx.if_then_else(inside, x[n, cb * block + c, ih, iw], tirx.const(0.0, dtype))
+        inside = tirx.all(ih >= 0, ih < H, iw >= 0, iw < W, cb * block + c < C)
+        channel = tirx.min(cb * block + c, C - 1)  # in bounds where the select drops the value
+        return tirx.if_then_else(inside, x[n, channel, ih, iw], tirx.const(0.0, dtype))
 
-    out_shape = (N, C // block, H + top + bottom, W + left + right, block)
+    out_shape = (N, -(-C // block), H + top + bottom, W + left + right, block)
     xb = te.compute(out_shape, body, name="data_blocked")
     func = te.create_prim_func([x, xb])
     sch = s_tir.Schedule(_accept_user_alignment(func, "data") if user_input else func)

@@ -69,8 +69,13 @@ class CpuEmitter:
         self.database = database  # a MetaSchedule Database of tuned kernels, or None
         self.winograd = winograd
 
-    def blocked(self, expr: relax.Expr) -> tuple[relax.Expr, int] | None:
-        """(the blocked tensor, its channel block) behind an NCHW view, if there is one."""
+    def blocked(self, expr: relax.Expr, padded: bool = False) -> tuple[relax.Expr, int] | None:
+        """(the blocked tensor, its channel block) behind an NCHW view, if there is one.
+
+        `padded`: also one whose last block is filled up with channels past the view's (a
+        convolution of 72 channels in blocks of 16 writes 80; those 8 hold finite values,
+        zeros from a convolution). Only consumers that ignore them ask: a convolution (zero
+        weights for them), pooling and activations (one channel at a time)."""
         if not isinstance(expr, relax.Var):
             return None
         value = self.bb.lookup_binding(expr)
@@ -80,7 +85,7 @@ class CpuEmitter:
         blocked = value.args[1].fields[0]
         _, blocks, _, _, block = known_shape(image_shape(blocked), "unpack_nchwc: the blocked tensor")
         channels = known_shape(image_shape(expr), "unpack_nchwc: the NCHW view")[1]
-        if channels != blocks * block:  # channels filling the last block: not the same tensor
+        if channels != blocks * block and not (padded and (blocks - 1) * block < channels < blocks * block):
             return None
         return blocked, block
 
@@ -103,10 +108,12 @@ class CpuEmitter:
         return self._call_tir(_layout.unpack_nchwc_func(shape, channels), f"{_UNPACK}_{'x'.join(map(str, shape))}",
                               [blocked], (n, channels, h, w))
 
-    def pack(self, data: relax.Expr, block: int, padding=(0, 0, 0, 0)) -> relax.Var:
-        """`data` in blocks of `block` channels with a zero border, from its blocked form if it has one."""
+    def pack(self, data: relax.Expr, block: int, padding=(0, 0, 0, 0), padded: bool = False) -> relax.Var:
+        """`data` in blocks of `block` channels with a zero border, from its blocked form if it has
+        one. `padded`: the last block may be filled up with channels past data's (zeros, where
+        this packs it; see :meth:`blocked`)."""
         shape = image_shape(data)
-        known = self.blocked(data)
+        known = self.blocked(data, padded)
         pads = tuple(int(p) for p in padding)
         if known is not None and known[1] == block:
             if not any(pads):
@@ -117,9 +124,9 @@ class CpuEmitter:
                               [known[0]], (n, cb, h + pads[0] + pads[2], w + pads[1] + pads[3], c))
         shape = known_shape(shape, "pack_nchwc: the NCHW tensor")
         n, c, h, w = shape
-        return self._call(_layout.pack_nchwc_func(shape, block, pads),
+        return self._call(_layout.pack_nchwc_func(shape, block, pads, pad_channels=padded),
                           f"tvm_ext_pack_nchwc_{'x'.join(map(str, shape))}_{block}",
-                          [data], (n, c // block, h + pads[0] + pads[2], w + pads[1] + pads[3], block))
+                          [data], (n, -(-c // block), h + pads[0] + pads[2], w + pads[1] + pads[3], block))
 
     def _plan(self, plan: _conv.Conv2dPlan, data: relax.Expr) -> _conv.Conv2dPlan:
         """The plan re-blocked to read `data` in the blocks its producer wrote, when it can."""
@@ -135,23 +142,62 @@ class CpuEmitter:
             return _winograd.winograd_plan(wl, self.isa, ic_bn=block)
         return _conv.plan_conv2d(wl, self.isa, ic_bn=block)
 
+    def _read_padded(self, plan: _conv.Conv2dPlan, data: relax.Expr, weight: np.ndarray,
+                     bias: np.ndarray | None) -> tuple[_conv.Conv2dPlan, np.ndarray, np.ndarray | None] | None:
+        """The convolution of `plan` re-planned to read `data`'s blocked form whose last block is
+        padded (:meth:`blocked`): as a convolution of the padded channels whose weights for them
+        are zeros (a depthwise one computes them too: zero weights and bias), with the padded
+        weights and bias. None where `data` has no such form or the convolution is grouped."""
+        known = self.blocked(data, padded=True)
+        wl = plan.wl
+        if known is None or plan.kind == "direct":
+            return None
+        block = known[1]
+        channels = known_shape(image_shape(known[0]), "conv2d: the blocked data")[1] * block
+        if channels == wl.C or (wl.groups != 1 and not wl.depthwise):
+            return None
+        k, kh, kw = (wl.C, wl.KH, wl.KW) if wl.depthwise else (wl.K, wl.KH, wl.KW)
+        groups = channels if wl.depthwise else 1
+        k_padded = channels if wl.depthwise else k
+        padded_weight = np.zeros((k_padded, channels // groups, kh, kw), np.float32)
+        padded_weight[:k, : wl.C // wl.groups] = weight
+        if bias is not None and wl.depthwise:
+            bias = np.concatenate([bias.reshape(-1), np.zeros(channels - wl.C, np.float32)])
+        padded = _conv.Conv2dWorkload.make((wl.N, channels, wl.H, wl.W), padded_weight.shape, wl.stride, wl.padding,
+                                           wl.dilation, groups)
+        if wl.depthwise:
+            return _conv.plan_conv2d(padded, self.isa, n_r=block), padded_weight, bias
+        if plan.kind == "winograd" and not _winograd.eligible(padded):
+            return _winograd.winograd_plan(padded, self.isa, ic_bn=block), padded_weight, bias
+        return _conv.plan_conv2d(padded, self.isa, ic_bn=block), padded_weight, bias
+
     def conv2d(self, call: relax.Call, data: relax.Expr, decision: Decision, bias: np.ndarray | None = None,
                residual: relax.Expr | None = None, activation: Activation | None = None,
-               suffix: str = "") -> relax.Expr:
+               suffix: str = "", padded_out: bool = False) -> relax.Expr:
         """conv2d (+ bias + residual -> activation): blocked in and out wherever the layouts allow.
 
         Constant weights and biases are packed here; weights that are parameters are packed by
-        a kernel call at run time.
+        a kernel call at run time. With `padded_out` (its readers take padded blocks), an output
+        whose channels do not fill the last block is written blocked, padded past K with zeros
+        (the epilogue writes them), as ONNX Runtime's NCHWc layout does: MobileNet's 72 or 120
+        channels then run in whole vectors, read by the next convolution as they are. Without,
+        such an output is written in NCHW.
         """
-        plan = self._plan(_cpu_plan(decision), data)
-        if plan.kind == "winograd":
-            return self._winograd_conv2d(plan, call.args[1].value.numpy(), data, bias, residual, activation, suffix)
-        wl = plan.wl
-        blocked_out = plan.K_pad == wl.K  # padded channels would reach the next layer's reduction
-        tag = _tag(plan)
+        plan, channels = _cpu_plan(decision), _cpu_plan(decision).wl.K
         weight = call.args[1]
-        args = [self.pack(data, plan.ic_bn, wl.padding),
-                relax.const(_pack_constant_weight(plan, weight.value.numpy())) if isinstance(weight, tvm.ir.Constant)
+        constant = weight.value.numpy() if isinstance(weight, tvm.ir.Constant) else None
+        padded = None if constant is None else self._read_padded(plan, data, constant, bias)
+        if padded is not None:
+            plan, constant, bias = padded
+        else:
+            plan = self._plan(plan, data)
+        if plan.kind == "winograd" and constant is not None:
+            return self._winograd_conv2d(plan, constant, data, bias, residual, activation, suffix, channels)
+        wl = plan.wl
+        blocked_out = plan.K_pad == wl.K or (padded_out and plan.kind != "direct")  # direct: no zeros past K
+        tag = _tag(plan)
+        args = [self.pack(data, plan.ic_bn, wl.padding, padded=True),
+                relax.const(_pack_constant_weight(plan, constant)) if constant is not None
                 else self._call(_conv.pack_weight_func(plan), f"tvm_ext_pack_weight_{tag}", [weight],
                                 plan.weight_shape())]
         operands, epilogue = self._epilogue(plan, bias, residual, activation, blocked_out)
@@ -160,23 +206,23 @@ class CpuEmitter:
         func = self.conv_kernel(plan, epilogue)
         if not blocked_out:
             return self._call_tir(func, name, args, wl.out_shape)
-        return self.unpack(self._call(func, name, args, plan.out_shape()), wl.K)
+        return self.unpack(self._call(func, name, args, plan.out_shape()), channels)
 
     def _winograd_conv2d(self, plan: _conv.Conv2dPlan, weight: np.ndarray, data: relax.Expr,
                          bias: np.ndarray | None, residual: relax.Expr | None, activation: Activation | None,
-                         suffix: str) -> relax.Expr:
+                         suffix: str, channels: int) -> relax.Expr:
         """The three calls of a Winograd convolution: input transform, the a² GEMMs (the BRGEMM
         kernel, with the weights transformed and packed here), output transform + epilogue."""
-        wl, gemm, tag = plan.wl, _winograd.gemm_plan(plan, self.isa), _tag(plan)
+        gemm, tag = _winograd.gemm_plan(plan, self.isa), _tag(plan)
         tiles = self._call(_winograd.input_transform_func(plan), f"tvm_ext_winograd_input_{tag}",
-                           [self.pack(data, plan.ic_bn, _winograd.input_padding(plan))], gemm.data_shape())
+                           [self.pack(data, plan.ic_bn, _winograd.input_padding(plan), padded=True)], gemm.data_shape())
         weight = _pack_constant_weight(gemm, _winograd.transform_weight(plan, weight))
         products = self._call(self.conv_kernel(gemm, Epilogue()), f"tvm_ext_brgemm_conv2d_{_tag(gemm)}",
                               [tiles, relax.const(weight)], gemm.out_shape())
         operands, epilogue = self._epilogue(plan, bias, residual, activation)
         out = self._call(self.conv_kernel(plan, epilogue), f"tvm_ext_winograd_conv2d_{tag}{suffix}",
                          [products, *operands], plan.out_shape())
-        return self.unpack(out, wl.K)
+        return self.unpack(out, channels)
 
     def _epilogue(self, plan: _conv.Conv2dPlan, bias: np.ndarray | None, residual: relax.Expr | None,
                   activation: Activation | None, blocked_out: bool = True) -> tuple[list, Epilogue]:
@@ -188,7 +234,7 @@ class CpuEmitter:
             blocked[: plan.wl.K] = bias.reshape(-1)
             operands.append(relax.const(blocked.reshape(plan.OCB, plan.oc_bn)))
         if residual is not None:
-            operands.append(self.pack(residual, plan.oc_bn) if blocked_out else residual)
+            operands.append(self.pack(residual, plan.oc_bn, padded=True) if blocked_out else residual)
         return operands, Epilogue(bias=bias is not None, residual=residual is not None,
                                   activation=None if activation is None else activation.name,
                                   nchw_out=not blocked_out, alpha=0.01 if activation is None else activation.alpha)
@@ -215,12 +261,13 @@ class CpuEmitter:
 
     def _channel_scale(self, data: relax.Expr, scale: relax.Expr) -> relax.Expr:
         """data * scale, scale (N, C, 1, 1): in data's blocked layout where it has one."""
-        known = self.blocked(data)
+        known = self.blocked(data, padded=True)  # padded channels: scaled by the last channel's gate
         source = data if known is None else known[0]
         shape = known_shape(image_shape(source), "channel_scale: the data")
-        func = _elementwise.channel_scale_func(shape, self.isa.lanes)
-        out = self._call(func, f"tvm_ext_channel_scale_{'x'.join(map(str, shape))}", [source, scale], shape)
-        return out if known is None else self.unpack(out, known_shape(image_shape(data), "channel_scale: the data")[1])
+        channels = known_shape(image_shape(data), "channel_scale: the data")[1]
+        func = _elementwise.channel_scale_func(shape, self.isa.lanes, channels)
+        out = self._call(func, f"tvm_ext_channel_scale_{'x'.join(map(str, shape))}_{channels}", [source, scale], shape)
+        return out if known is None else self.unpack(out, channels)
 
     def channel_affine(self, inputs: list[relax.Expr], scale: np.ndarray | None = None,
                        shift: np.ndarray | None = None, activation: Activation | None = None) -> relax.Expr:
@@ -275,7 +322,7 @@ class CpuEmitter:
                 raise UnsupportedError(f"{decision.op} {decision.shapes}: not a multiply by one value per channel")
             return self._channel_scale(*operands)
         data = call.args[0]
-        known = self.blocked(data)
+        known = self.blocked(data, padded=True)  # one channel at a time: padded channels stay finite
         source, block = known if known is not None else (data, None)
         shape = known_shape(image_shape(source), f"{decision.op}: the data")
         data_shape = known_shape(image_shape(data), f"{decision.op}: the data")
@@ -283,7 +330,8 @@ class CpuEmitter:
         if decision.kernel == "global_avg_pool2d":
             func, out_shape = _pool.global_avg_pool2d_func(shape), (*shape[:2], 1, 1, *shape[4:])
         elif call.op.name in POOLS:
-            wl = pool_workload(call, data_shape)
+            padded_shape = data_shape if block is None else (data_shape[0], shape[1] * shape[4], *data_shape[2:])
+            wl = pool_workload(call, padded_shape)
             func = self.pool_kernel(wl, block)
             out_shape = (*shape[:2], wl.OH, wl.OW, *shape[4:])
         else:
@@ -291,11 +339,10 @@ class CpuEmitter:
             out_shape = shape
         name = f"tvm_ext_{decision.kernel}_{'x'.join(map(str, shape))}"
         out = self._call(func, name, [source], out_shape)
+        keeps_dims = call.op.name != "relax.mean" or len(call.ty.shape) == 4  # a mean may drop H and W
         if block is not None:
             out = self.unpack(out, channels)
-            if call.op.name != "relax.mean":
+            if keeps_dims:
                 return out
             out = self.bb.emit(out)
-        if call.op.name == "relax.mean":  # mean over H, W: a global pool without the unit axes
-            return relax.op.reshape(out, call.ty.shape)
-        return out
+        return out if keeps_dims else relax.op.reshape(out, call.ty.shape)

@@ -133,7 +133,7 @@ class CudaEmitter:
 
     def conv2d(self, call: relax.Call, data: relax.Expr, decision: Decision, bias: np.ndarray | None = None,
                residual: relax.Expr | None = None, activation: Activation | None = None,
-               suffix: str = "") -> relax.Expr:
+               suffix: str = "", padded_out: bool = False) -> relax.Expr:
         decided = _cuda_plan(decision)  # the plan the report names
         wl = decided.wl
         act = None if activation is None else activation.name

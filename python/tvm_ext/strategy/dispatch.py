@@ -68,6 +68,12 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
             self.mod_ = mod
             self.emitter: Emitter = make_emitter(self.builder_, target, database, tensor_cores, winograd)
             self.engine = engine_for(tensor_cores, target) if target.kind.name == "cuda" else "ffma"
+            self.padded_readers: set = set()  # of the function being lowered (_padded_readers)
+            self.padded_out = False  # whether the binding being lowered may be written padded
+
+        def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+            self.padded_out = binding.var in self.padded_readers
+            super().visit_var_binding_(binding)
 
         def visit_call_(self, call: relax.Call) -> relax.Expr:
             call = super().visit_call_(call)
@@ -76,7 +82,7 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                 if decision.kernel is None:
                     return call
                 if decision.plan is not None:
-                    return self.emitter.conv2d(call, call.args[0], decision)
+                    return self.emitter.conv2d(call, call.args[0], decision, padded_out=self.padded_out)
                 return self.emitter.other_op(call, decision)
             if not isinstance(call.op, tvm.ir.GlobalVar):
                 return call
@@ -101,13 +107,14 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
             return self.emitter.conv2d(
                 conv, conv.args[0], decide(conv, target, self.engine, winograd), bias=bias,
                 residual=None if residual is None else call.args[residual], activation=activation,
-                suffix=suffix)
+                suffix=suffix, padded_out=self.padded_out)
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.LowerToKernels")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         lowering = _Lower(mod)
         for gvar, func in mod.functions_items():
             if isinstance(func, relax.Function) and "Composite" not in (func.attrs or {}):
+                lowering.padded_readers = _padded_readers(mod, func)
                 lowering.builder_.update_func(gvar, lowering.visit_expr(func))
         lowered = relax.transform.DeadCodeElimination()(lowering.builder_.get())
         if isinstance(lowering.emitter, CpuEmitter):  # blocked CPU layouts: no padded copies
@@ -115,6 +122,38 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
         return _drop_unused_kernels(lowered)
 
     return _pass
+
+
+# ops that read a padded blocked tensor as it is (CpuEmitter.blocked(padded=True))
+_PADDED_READERS = {"relax.nn.conv2d", "relax.mean", "relax.multiply", *POOLS, *ACTIVATION_OPS}
+
+
+def _padded_readers(mod: tvm.IRModule, func: relax.Function) -> set:
+    """The variables of `func` that only ops reading padded blocks read (convolutions, fused or
+    not, pooling, activations, a squeeze-excitation's scale): a convolution whose output channels
+    do not fill its last block writes those padded. The others (a classifier's output, which a
+    reshape reads, or the graph's) it writes in NCHW itself, saving the unpack."""
+    users: dict = {}
+
+    def reads(value, user) -> None:
+        relax.analysis.post_order_visit(
+            value, lambda e: users.setdefault(e, []).append(user) if isinstance(e, relax.Var) else None)
+
+    body = func.body
+    for block in getattr(body, "blocks", []):
+        for binding in block.bindings:
+            reads(binding.value, binding.value)
+    reads(getattr(body, "body", body), None)
+
+    def accepts(user) -> bool:
+        if not isinstance(user, relax.Call):
+            return False
+        if isinstance(user.op, tvm.ir.Op):
+            return user.op.name in _PADDED_READERS
+        attrs = getattr(mod[user.op], "attrs", None) if isinstance(user.op, tvm.ir.GlobalVar) else None
+        return attrs is not None and str(attrs.get("Composite", "")).startswith("tvm_ext.conv2d")
+
+    return {var for var, readers in users.items() if all(accepts(user) for user in readers)}
 
 
 def _drop_unused_kernels(mod: tvm.IRModule) -> tvm.IRModule:
