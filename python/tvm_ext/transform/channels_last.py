@@ -5,7 +5,9 @@ between them and back to NCHW disappear; the layer norm stays channels-last."""
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 
 import numpy as np
 import tvm
@@ -207,11 +209,20 @@ def channels_last_as_nchw(layer_norm_over_channels: bool = False) -> tvm.transfo
             return relax.op.permute_dims(normed, [0, 2, 3, 1])
 
         rules = [(norm, layer_norm_to_channels)] if layer_norm_over_channels else []
-        for pattern, rewriter in (*rules, (movement(), collapse), (act, activation_up), (conv, conv_of_image),
-                                  (channel_op, channel_op_up), (scaled, fold_scale)):
-            func = rewrite_call(pattern, rewriter, func)
-            values = relax.analysis.get_var2val(func)
-        return func
+        rules += [(movement(), collapse), (act, activation_up), (conv, conv_of_image), (channel_op, channel_op_up),
+                  (scaled, fold_scale)]
+
+        def first_rule(orig: relax.Expr, matched: dict) -> relax.Expr:
+            """The first rule that matched and rewrites: one pass over the function for all of
+            them (a rewrite_call a rule took 0.12 s a call on ConvNeXt, 3.4 s of its build)."""
+            for pattern, rewriter in rules:
+                if pattern in matched:
+                    new = rewriter(orig, matched)
+                    if not new.same_as(orig):
+                        return new
+            return orig
+
+        return rewrite_call(functools.reduce(operator.or_, (pattern for pattern, _ in rules)), first_rule, func)
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.ChannelsLastAsNCHW")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
