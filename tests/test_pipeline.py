@@ -616,3 +616,20 @@ def test_guarded_rule_gives_up_instead_of_raising():
 
     func = tvm.te.create_prim_func([tvm.te.placeholder((4,), "float32")])
     assert Guarded(Refusing()).apply(func, TARGET, False) is None
+
+
+def test_matmul_over_more_axes_is_a_convolution():
+    """A Linear on an NHWC tensor ((N, H, W, C) @ (C, K) + b -> relu): its leading axes are the
+    rows of the GEMM, so it runs on the BRGEMM kernel like a 2-D one (random graphs' ConvNeXt
+    MLPs fell back before). Same numbers as stock TVM."""
+    rng = np.random.default_rng(23)
+
+    def body(bb, x):
+        y = bb.emit(relax.op.add(relax.op.matmul(x, _const(rng, 24, 40)), _const(rng, 40)))
+        return bb.emit(relax.op.nn.relu(y))
+
+    mod = _graph((2, 5, 7, 24), body)
+    report = tvm_ext.dispatch_report(mod, "llvm")
+    assert [r.kernel for r in report if r.op == "matmul"] == ["brgemm_conv2d"]
+    xv = rng.standard_normal((2, 5, 7, 24)).astype("float32")
+    assert rel_err(_run(tvm_ext.build(mod, "llvm"), xv), _run(tvm.compile(mod, TARGET), xv)) <= 1e-5

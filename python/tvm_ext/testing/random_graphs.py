@@ -318,9 +318,27 @@ class _Builder:
         (gamma, g), (beta, b) = self.const(c), self.const(c, scale=0.5)
         nhwc = self.bb.emit(relax.op.permute_dims(v.var, [0, 2, 3, 1]))
         normed = self.bb.emit(relax.op.nn.layer_norm(nhwc, gamma, beta, axes=[-1], epsilon=1e-6))
-        ref = F.layer_norm(v.ref.permute(0, 2, 3, 1), (c,), g, b, 1e-6).permute(0, 3, 1, 2)
+        ref = F.layer_norm(v.ref.permute(0, 2, 3, 1), (c,), g, b, 1e-6)
         self.steps.append(f"layer norm over the channels of {v.shape}")
-        return self.emit(relax.op.permute_dims(normed, [0, 3, 1, 2]), ref)
+        if self.coin(0.5):  # the rest of ConvNeXt's block, channels-last as torch.export writes it
+            normed, ref = self.channels_last_mlp(normed, ref, c)
+            return self.emit(relax.op.add(relax.op.permute_dims(normed, [0, 3, 1, 2]), v.var),
+                             ref.permute(0, 3, 1, 2) + v.ref)
+        return self.emit(relax.op.permute_dims(normed, [0, 3, 1, 2]), ref.permute(0, 3, 1, 2))
+
+    def channels_last_mlp(self, x: relax.Expr, ref: torch.Tensor, c: int) -> tuple[relax.Expr, torch.Tensor]:
+        """Linear(c, 4c) -> GELU -> Linear(4c, c) -> layer scale on an NHWC tensor (ConvNeXt)."""
+        (w1, w1_ref), (b1, b1_ref) = self.const(c, 4 * c, scale=c ** -0.5), self.const(4 * c, scale=0.5)
+        (w2, w2_ref), (b2, b2_ref) = self.const(4 * c, c, scale=(4 * c) ** -0.5), self.const(c, scale=0.5)
+        (gamma, g) = self.const(c, scale=0.5)
+        approximate = self.coin(0.3)
+        hidden = self.bb.emit(relax.op.add(relax.op.matmul(x, w1), b1))
+        hidden = self.bb.emit(relax.op.nn.gelu_tanh(hidden) if approximate else relax.op.nn.gelu(hidden))
+        out = self.bb.emit(relax.op.multiply(relax.op.add(relax.op.matmul(hidden, w2), b2), gamma))
+        h = F.gelu(ref @ w1_ref + b1_ref, approximate="tanh" if approximate else "none")
+        self.steps.append(f"  linear {c} -> {4 * c}, gelu{'_tanh' if approximate else ''}, linear {4 * c} -> {c}, "
+                          "layer scale, permute back, residual add")
+        return out, (h @ w2_ref + b2_ref) * g
 
     def dense_head(self) -> _Value:
         v = self.pick()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import tvm
 from tvm import relax
@@ -12,7 +14,8 @@ __all__ = ["matmul_as_conv2d"]
 
 
 def matmul_as_conv2d() -> tvm.transform.Pass:
-    """x (M, K) @ W (K, N) [+ b (N,) [-> relu]]  ==>  conv2d over a 1 x M image of K channels.
+    """x (M, K) @ W (K, N) [+ b (N,) [-> relu]]  ==>  conv2d over a 1 x M image of K channels
+    (x of more axes, (..., K): its leading axes flattened into the M rows, as a Linear on NHWC).
 
     The rows of x become the pixels of one image (the microkernel's m_r dimension, so each
     weight vector loaded is reused across rows) and W (constant) a 1x1 filter bank, transposed
@@ -41,9 +44,14 @@ def matmul_as_conv2d() -> tvm.transform.Pass:
         x = call.args[0]
         x_shape, w_shape = static_shape(x), static_shape(call.args[1])
         dtypes = {dtype(x), dtype(call.args[1])}
-        if x_shape is None or w_shape is None or len(x_shape) != 2 or len(w_shape) != 2 or dtypes != {"float32"}:
+        if x_shape is None or w_shape is None or len(x_shape) < 2 or len(w_shape) != 2 or dtypes != {"float32"}:
             return orig
-        (m, k), n = x_shape, w_shape[1]
+        k, n = w_shape
+        m = math.prod(x_shape[:-1])  # (..., K) @ (K, N): the leading axes are rows (a Linear on NHWC)
+        if x_shape[-1] != k or m == 0:
+            return orig
+        if len(x_shape) > 2:
+            x = relax.op.reshape(x, (m, k))
         b = matched.get(bias)
         if b is not None and static_shape(b) not in ((n,), (1, n)):
             return orig
@@ -53,7 +61,8 @@ def matmul_as_conv2d() -> tvm.transform.Pass:
             y = relax.op.add(y, relax.const(b.value.numpy().reshape(1, n, 1, 1)))
         if relu in matched:
             y = relax.op.nn.relu(y)
-        return relax.op.permute_dims(relax.op.reshape(y, (n, m)), [1, 0])
+        rows = relax.op.permute_dims(relax.op.reshape(y, (n, m)), [1, 0])
+        return rows if len(x_shape) == 2 else relax.op.reshape(rows, (*x_shape[:-1], n))
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.MatmulAsConv2d")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
