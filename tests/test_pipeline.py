@@ -633,3 +633,26 @@ def test_matmul_over_more_axes_is_a_convolution():
     assert [r.kernel for r in report if r.op == "matmul"] == ["brgemm_conv2d"]
     xv = rng.standard_normal((2, 5, 7, 24)).astype("float32")
     assert rel_err(_run(tvm_ext.build(mod, "llvm"), xv), _run(tvm.compile(mod, TARGET), xv)) <= 1e-5
+
+
+def test_cpu_build_skips_gpu_only_tir_passes_and_keeps_the_users_context():
+    """An LLVM build runs without TVM's GPU-only TIR passes (they walked every expression: a
+    quarter of a GELU convolution's lowering), inside the user's PassContext: its instruments
+    see the passes, and what it disables stays disabled."""
+
+    @tvm.instrument.pass_instrument
+    class Names:
+        def __init__(self):
+            self.seen = set()
+
+        def run_before_pass(self, _mod, info):
+            self.seen.add(info.name)
+
+    names = Names()
+    mod = _graph((1, 16, 8, 8), lambda bb, x: bb.emit(relax.op.nn.relu(x)))
+    with tvm.transform.PassContext(opt_level=3, instruments=[names], disabled_pass=["tirx.CommonSubexprElim"]):
+        ex = tvm_ext.build(mod, "llvm")
+    assert "tirx.FlattenBuffer" in names.seen and "tirx.VectorizeLoop" in names.seen
+    assert not names.seen & {"s_tir.InjectPermutedLayout", "s_tir.InjectVirtualThread", "tirx.CommonSubexprElim"}
+    xv = np.random.default_rng(24).standard_normal((1, 16, 8, 8)).astype("float32")
+    np.testing.assert_array_equal(_run(ex, xv), np.maximum(xv, 0))
