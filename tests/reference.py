@@ -1,4 +1,5 @@
-"""Float64 NumPy references the tests compare against, and the seeded weights of their graphs."""
+"""Float64 NumPy references the tests compare against, and the seeded weights and one-input
+Relax graphs they build."""
 
 from __future__ import annotations
 
@@ -10,6 +11,19 @@ def random_const(rng: np.random.Generator, *shape: int, scale: float = 0.1):
     from tvm import relax
 
     return relax.const((rng.standard_normal(shape) * scale).astype(np.float32))
+
+
+def one_input_graph(shape, body):
+    """`main(x: float32 tensor of shape)` whose dataflow block is `body(bb, x)` (its output)."""
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(body(bb, x))
+        bb.emit_func_output(out)
+    return bb.get()
 
 
 def conv2d_nchw(x, w, bias=None, stride=(1, 1), padding=(0, 0, 0, 0), dilation=(1, 1), groups=1):

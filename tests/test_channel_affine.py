@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from reference import rel_err
+from reference import one_input_graph, rel_err
 from tvm import relax
 
 import tvm_ext
@@ -81,14 +81,7 @@ def test_output_block():
     assert choose_out_block([12, 12], [], 16) == 8
 
 
-def _graph(shape, body) -> tvm.IRModule:
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType(shape, "float32"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            out = bb.emit_output(body(bb, x))
-        bb.emit_func_output(out)
-    return bb.get()
+_graph = one_input_graph
 
 
 def _const(rng, *shape, positive=False):

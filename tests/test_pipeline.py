@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from reference import rel_err
+from reference import one_input_graph, rel_err
 from tvm import relax
 
 import tvm_ext
@@ -47,15 +47,7 @@ def _small_cnn(layout_of_second_conv: str = "NCHW") -> tvm.IRModule:
     return bb.get()
 
 
-def _graph(shape, body) -> tvm.IRModule:
-    """`main(x: float32 tensor of shape)` whose dataflow block is `body(bb, x)` (its output)."""
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType(shape, "float32"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            out = bb.emit_output(body(bb, x))
-        bb.emit_func_output(out)
-    return bb.get()
+_graph = one_input_graph
 
 
 def _run(ex, x: np.ndarray) -> np.ndarray:

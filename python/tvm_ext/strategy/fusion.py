@@ -3,6 +3,8 @@ function, which :mod:`.dispatch` lowers to one kernel call; and the reader of su
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import tvm
 from tvm import relax
 
@@ -171,13 +173,8 @@ def affine_of(func: relax.Function) -> tuple[list[int], tvm.ir.expr.GenericConst
     """Read a channel-affine composite: the params it concatenates (one if it does not), its
     scale and shift constants and its activation. Either operand order of the multiply and the
     add; anything else is an error, never a dropped operand."""
-    values = relax.analysis.get_var2val(func)
-    params = list(func.params)
-
-    def value_of(expr: relax.Expr) -> relax.Expr:
-        while isinstance(expr, relax.Var) and expr in values:
-            expr = values[expr]
-        return expr
+    params, value_of, expr, activation = _read_from_output(func)
+    scale = shift = None
 
     def constant_operand(call: relax.Call) -> tuple[tvm.ir.expr.GenericConst, relax.Expr]:
         for const, other in (call.args, call.args[::-1]):
@@ -185,11 +182,6 @@ def affine_of(func: relax.Function) -> tuple[list[int], tvm.ir.expr.GenericConst
                 return const, other
         raise ValueError(f"tvm_ext: a channel-affine {call.op.name} has no one constant operand: {call}")
 
-    body = func.body.body if isinstance(func.body, relax.SeqExpr) else func.body
-    expr, scale, shift, activation = value_of(body), None, None, None
-    found = activation_at(expr, value_of)
-    if found is not None:
-        activation, expr = found[0], value_of(found[1])
     if _is_op(expr, "relax.add"):
         shift, expr = constant_operand(expr)
         expr = value_of(expr)
@@ -210,6 +202,25 @@ def _is_op(expr: relax.Expr, *names: str) -> bool:
     return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name in names
 
 
+def _read_from_output(func: relax.Function) -> tuple[list, Callable[[relax.Expr], relax.Expr], relax.Expr,
+                                                     Activation | None]:
+    """A composite's params, a reader looking through its bindings, and what it returns: the
+    activation it ends with (if any) and that activation's input (else the returned value)."""
+    values = relax.analysis.get_var2val(func)
+
+    def value_of(expr: relax.Expr) -> relax.Expr:
+        while isinstance(expr, relax.Var) and expr in values:
+            expr = values[expr]
+        return expr
+
+    body = func.body.body if isinstance(func.body, relax.SeqExpr) else func.body
+    expr = value_of(body)
+    found = activation_at(expr, value_of)
+    if found is None:
+        return list(func.params), value_of, expr, None
+    return list(func.params), value_of, value_of(found[1]), found[0]
+
+
 def epilogue_of(func: relax.Function) -> tuple[relax.Call, tvm.ir.expr.GenericConst | None, int | None,
                                                Activation | None]:
     """Read a fused composite function: its conv call, bias constant, residual param, activation.
@@ -217,24 +228,10 @@ def epilogue_of(func: relax.Function) -> tuple[relax.Call, tvm.ir.expr.GenericCo
     Walked from the output, so an add's operands may come in either order (TVM matches add as
     commutative: RegNet's `x + f(x)` puts the shortcut first). Anything else is an error, never
     a dropped operand."""
-    values = relax.analysis.get_var2val(func)
-    params = list(func.params)
-
-    def value_of(expr: relax.Expr) -> relax.Expr:
-        while isinstance(expr, relax.Var) and expr in values:
-            expr = values[expr]
-        return expr
-
-    def is_op(expr: relax.Expr, *names: str) -> bool:
-        return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name in names
-
-    body = func.body.body if isinstance(func.body, relax.SeqExpr) else func.body
-    expr, bias, residual, activation = value_of(body), None, None, None
-    found = activation_at(expr, value_of)
-    if found is not None:
-        activation, expr = found[0], value_of(found[1])
-    while is_op(expr, "relax.add"):
-        chain = [arg for arg in expr.args if is_op(value_of(arg), "relax.add", "relax.nn.conv2d")
+    params, value_of, expr, activation = _read_from_output(func)
+    bias, residual = None, None
+    while _is_op(expr, "relax.add"):
+        chain = [arg for arg in expr.args if _is_op(value_of(arg), "relax.add", "relax.nn.conv2d")
                  and not isinstance(arg, tvm.ir.expr.GenericConst) and arg not in params]
         if len(chain) != 1:
             raise ValueError(f"tvm_ext: a fused epilogue add has {len(chain)} operands computed inside it: {expr}")
@@ -246,7 +243,7 @@ def epilogue_of(func: relax.Function) -> tuple[relax.Call, tvm.ir.expr.GenericCo
         else:
             raise ValueError(f"tvm_ext: a fused epilogue adds an operand it cannot read: {other}")
         expr = value_of(chain[0])
-    if not is_op(expr, "relax.nn.conv2d"):
+    if not _is_op(expr, "relax.nn.conv2d"):
         raise ValueError(f"tvm_ext: a fused epilogue does not start at a convolution: {expr}")
     return expr, bias, residual, activation
 
