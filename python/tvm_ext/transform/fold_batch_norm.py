@@ -8,7 +8,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..relax_info import dtype, is_channel_bias, static_shape
+from ..relax_info import dtype, image_shape, is_channel_bias, static_shape
 
 __all__ = ["fold_batch_norm"]
 
@@ -79,10 +79,12 @@ def fold_batch_norm() -> tvm.transform.Pass:
         """batch_norm(x)[0] that follows no convolution  ==>  x * s + t, s and t per channel
         (DenseNet's batch norms after concatenations: tvm_ext.kernels.channel_affine)."""
         bn_call = matched[lone_bn]
-        attrs, shape = bn_call.attrs, static_shape(matched[data])
+        attrs, shape = bn_call.attrs, image_shape(matched[data])  # static, or a symbolic batch
         if shape is None or bool(attrs.training) or dtype(matched[data]) != "float32":
             return orig
         axis = int(attrs.axis) % len(shape)
+        if axis == 0 and static_shape(matched[data]) is None:  # normalising over a symbolic axis
+            return orig
         g, b, m, v = (matched[p].value.numpy().astype(np.float64) for p in (gamma_, beta_, mean_, var_))
         scale = (g if bool(attrs.scale) else np.ones_like(g)) / np.sqrt(v + float(attrs.epsilon))
         shift = (b if bool(attrs.center) else np.zeros_like(b)) - m * scale
