@@ -22,9 +22,9 @@ def fold_batch_norm() -> tvm.transform.Pass:
     constant per channel (VGG-BN's convolutions have one), batch norm over axis 1 in inference
     mode; anything else is left to stock legalization. A per-output-channel constant scale after
     a convolution (conv2d(x, W) * s) folds the same way. Every other inference batch norm with
-    constant statistics on a static float32 tensor becomes x * s + t (s, t per channel, computed
-    in float64): one pass instead of stock TVM's normalisation, and a scale and shift the
-    channel-affine kernel applies.
+    constant statistics on a float32 tensor (static, or a symbolic batch) becomes x * s + t
+    (s, t per channel, computed in float64): one pass instead of stock TVM's normalisation, and
+    a scale and shift the channel-affine kernel applies.
     """
     from tvm.relax.dpl import is_const, is_op, is_tuple_get_item, rewrite_call, wildcard
 
