@@ -177,6 +177,23 @@ def pool_workload(call: relax.Call, shape: tuple) -> _pool.Pool2dWorkload:
                                      bool(attrs.ceil_mode), bool(attrs.count_include_pad))
 
 
+def readers_of(func: relax.Function) -> dict[relax.Var, list]:
+    """Each variable of `func` and what reads it, once a read: the value of a binding, or None
+    for the function's result."""
+    readers: dict[relax.Var, list] = {}
+
+    def reads(value, reader) -> None:
+        relax.analysis.post_order_visit(
+            value, lambda e: readers.setdefault(e, []).append(reader) if isinstance(e, relax.Var) else None)
+
+    body = func.body
+    for block in body.blocks:
+        for binding in block.bindings:
+            reads(binding.value, binding.value)
+    reads(body.body, None)
+    return readers
+
+
 def add_kernel(bb: relax.BlockBuilder, func: tvm.tirx.PrimFunc, name: str) -> tvm.ir.GlobalVar:
     """`func` added to the module as an opaque kernel (FuseOps leaves it alone)."""
     return bb.add_func(func.with_attr("op_pattern", OPAQUE), name)

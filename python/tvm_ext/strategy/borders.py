@@ -26,6 +26,7 @@ from ..kernels import conv2d as _conv
 from ..kernels.batch_loop import BATCHED_ATTR, batch_loop
 from ..kernels.layout import PADDING_ATTR
 from ..tuning import space as _space
+from .base import readers_of
 
 logger = logging.getLogger("tvm_ext")
 
@@ -49,24 +50,9 @@ class _Border:
     epilogue: _conv.Epilogue  # with out_pad set
 
 
-def _uses(func: relax.Function) -> Counter:
-    """How often each variable is read in `func` (bindings' values and the returned value)."""
-    uses: Counter = Counter()
-
-    def count(expr) -> None:
-        relax.analysis.post_order_visit(expr, lambda e: uses.update([e]) if isinstance(e, relax.Var) else None)
-
-    body = func.body
-    for block in body.blocks:
-        for binding in block.bindings:
-            count(binding.value)
-    count(body.body)
-    return uses
-
-
 def _padded_producers(mod: tvm.IRModule, func: relax.Function) -> dict[relax.Var, _Border]:
     """conv output var -> its :class:`_Border`, for convolutions whose output only a pad reads."""
-    uses = _uses(func)
+    uses = Counter({var: len(readers) for var, readers in readers_of(func).items()})
     bindings = relax.analysis.get_var2val(func)
     found = {}
     for var, value in bindings.items():

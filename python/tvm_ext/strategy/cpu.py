@@ -183,7 +183,8 @@ class CpuEmitter:
         channels then run in whole vectors, read by the next convolution as they are. Without,
         such an output is written in NCHW.
         """
-        plan, channels = _cpu_plan(decision), _cpu_plan(decision).wl.K
+        plan = _cpu_plan(decision)
+        channels = plan.wl.K  # the NCHW view's: a depthwise convolution reading padded blocks computes more
         weight = call.args[1]
         constant = weight.value.numpy() if isinstance(weight, tvm.ir.Constant) else None
         padded = None if constant is None else self._read_padded(plan, data, constant, bias)

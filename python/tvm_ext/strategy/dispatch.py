@@ -13,7 +13,7 @@ from tvm import relax
 
 from ..kernels import conv2d as _conv
 from ..relax_info import known_shape, static_shape
-from .base import ACTIVATION_OPS, POOLS, Emitter
+from .base import ACTIVATION_OPS, POOLS, Emitter, readers_of
 from .borders import write_borders
 from .cpu import CpuEmitter
 from .cuda import CudaEmitter
@@ -133,18 +133,6 @@ def _padded_readers(mod: tvm.IRModule, func: relax.Function) -> set:
     not, pooling, activations, a squeeze-excitation's scale): a convolution whose output channels
     do not fill its last block writes those padded. The others (a classifier's output, which a
     reshape reads, or the graph's) it writes in NCHW itself, saving the unpack."""
-    users: dict = {}
-
-    def reads(value, user) -> None:
-        relax.analysis.post_order_visit(
-            value, lambda e: users.setdefault(e, []).append(user) if isinstance(e, relax.Var) else None)
-
-    body = func.body
-    for block in getattr(body, "blocks", []):
-        for binding in block.bindings:
-            reads(binding.value, binding.value)
-    reads(getattr(body, "body", body), None)
-
     def accepts(user) -> bool:
         if not isinstance(user, relax.Call):
             return False
@@ -153,7 +141,7 @@ def _padded_readers(mod: tvm.IRModule, func: relax.Function) -> set:
         attrs = getattr(mod[user.op], "attrs", None) if isinstance(user.op, tvm.ir.GlobalVar) else None
         return attrs is not None and str(attrs.get("Composite", "")).startswith("tvm_ext.conv2d")
 
-    return {var for var, readers in users.items() if all(accepts(user) for user in readers)}
+    return {var for var, readers in readers_of(func).items() if all(accepts(reader) for reader in readers)}
 
 
 def _drop_unused_kernels(mod: tvm.IRModule) -> tvm.IRModule:
