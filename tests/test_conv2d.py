@@ -104,7 +104,7 @@ def test_random_space_is_covered():
                                stride=cfg["stride"], padding=cfg["padding"], dilation=cfg["dilation"],
                                groups=cfg["groups"])
         kinds.add(plan.kind)
-    assert kinds == {"brgemm", "depthwise", "direct"}
+    assert kinds == {"brgemm", "depthwise", "grouped", "direct"}
     assert any(c["stride"] == 4 for c in RANDOM) and any(c["dilation"] > 1 for c in RANDOM)
     assert any(c["N"] > 1 for c in RANDOM) and any(c["K"] % 8 for c in RANDOM)
     assert any(isinstance(c["padding"], tuple) and len(c["padding"]) == 4 for c in RANDOM)

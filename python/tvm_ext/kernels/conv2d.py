@@ -12,9 +12,9 @@ epilogue that writes NCHW.
 
 Depthwise convolution (one input channel per group) has no reduction over channels to batch, so
 it gets its own microkernel (:mod:`tvm_ext.intrin.cpu_depthwise`: pixels x the channel block in
-registers over the filter); groups whose channels do not fill a vector block, and every other
-case outside the tensorized paths, use the direct (untensorized) schedule, with the reason
-logged.
+registers over the filter); so do groups of 2-8 channels in and out ("grouped": several groups
+to a vector). Other groups whose channels do not fill a vector block, and every other case
+outside the tensorized paths, use the direct (untensorized) schedule, with the reason logged.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class Conv2dPlan:
     """How a workload maps onto the blocked layouts and the microkernel."""
 
     wl: Conv2dWorkload
-    kind: str  # "brgemm", "depthwise" or "direct"
+    kind: str  # "brgemm", "depthwise", "grouped" or "direct"
     ic_bn: int  # channels per input block (x)
     oc_bn: int  # channels per output block (y); n_r of the microkernel
     m_r: int  # output pixels per microkernel call
@@ -183,6 +183,8 @@ class Conv2dPlan:
         wl = self.wl
         if self.kind == "depthwise":
             return (self.OCB, wl.KH, wl.KW, self.oc_bn)
+        if self.kind == "grouped":  # per output block, the weights of each channel of a group
+            return (self.OCB, wl.KH, wl.KW, wl.C // wl.groups, self.oc_bn)
         return (self.OCB, (wl.C // wl.groups) // self.ic_bn, wl.KH, wl.KW, self.ic_bn, self.oc_bn)
 
     def out_shape(self) -> tuple[int, ...]:
@@ -200,13 +202,13 @@ class Conv2dPlan:
         needs a predicate. Untensorized kinds have one segment.
         """
         ow = self.wl.OW
-        tail = ow % self.m_r if self.kind in ("brgemm", "depthwise") else 0
+        tail = ow % self.m_r if self.kind in ("brgemm", "depthwise", "grouped") else 0
         if tail == 0 or tail == ow:
             return [("conv", ow, 0)]
         return [("conv", ow - tail, 0), ("conv_tail", tail, ow - tail)]
 
     def reduce_axes(self) -> list[str]:
-        return ["kh", "kw"] if self.kind == "depthwise" else ["icb", "kh", "kw", "ic"]
+        return {"depthwise": ["kh", "kw"], "grouped": ["kh", "kw", "ic"]}.get(self.kind, ["icb", "kh", "kw", "ic"])
 
     def channel_pad_bytes(self) -> int:
         """Bytes of zero output channels added to fill the last block."""
@@ -255,6 +257,9 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
     if wl.depthwise:
         oc_bn = n_r or _largest_divisor(wl.C, 4 * lanes, lanes) or _largest_divisor(wl.C, 4 * lanes)
         return Conv2dPlan(wl, "depthwise", oc_bn, oc_bn, m_r or min(wl.OW, depthwise_m_r(oc_bn, lanes)))
+    if wl.groups > 1 and Cg == Kg < lanes and lanes % Kg == 0 and wl.C % lanes == 0:
+        oc_bn = n_r or _largest_divisor(wl.C, lanes, lanes)
+        return Conv2dPlan(wl, "grouped", oc_bn, oc_bn, m_r or min(wl.OW, depthwise_m_r(oc_bn, lanes)))
     if wl.groups > 1 and Kg % lanes:
         ic = _largest_divisor(Cg, 16)
         kb = _largest_divisor(Kg, 64)
@@ -388,7 +393,8 @@ def _segment(plan: Conv2dPlan, name: str, width: int, start: int, row: tuple, ou
     `out`[out_index(v_n, v_ob, v_oh, v_ow, v_o)]."""
     wl = plan.wl
     (sh, sw), (dh, dw) = wl.stride, wl.dilation
-    extents = {"icb": (wl.C // wl.groups) // plan.ic_bn, "kh": wl.KH, "kw": wl.KW, "ic": plan.ic_bn}
+    extents = {"icb": (wl.C // wl.groups) // plan.ic_bn, "kh": wl.KH, "kw": wl.KW,
+               "ic": wl.C // wl.groups if plan.kind == "grouped" else plan.ic_bn}
     axes = plan.reduce_axes()
     with T.grid(width, plan.oc_bn, *(extents[axis] for axis in axes)) as (ow, o, *reduce), T.sblock(name):
         IRBuilder.name_many(["ow", "o", *axes], [ow, o, *reduce])
@@ -400,6 +406,9 @@ def _segment(plan: Conv2dPlan, name: str, width: int, start: int, row: tuple, ou
         h, col = v_oh * sh + v["kh"] * dh, (v_ow + start) * sw + v["kw"] * dw
         if plan.kind == "depthwise":
             product = x[v_n, v_ob, h, col, v_o] * w[v_ob, v["kh"], v["kw"], v_o]
+        elif plan.kind == "grouped":  # channel ic of the group of output channel v_o
+            group = wl.C // wl.groups
+            product = x[v_n, v_ob, h, col, v_o // group * group + v["ic"]] * w[v_ob, v["kh"], v["kw"], v["ic"], v_o]
         else:
             icb = v["icb"]
             if wl.groups > 1:
@@ -661,7 +670,7 @@ def schedule_conv2d_blocked(sch: s_tir.Schedule, plan: Conv2dPlan, lanes: int, t
         if not tunable:
             tensorize_brgemm_segments(sch, plan, lanes)
         return
-    if plan.kind == "depthwise" and plan.oc_bn % lanes == 0:
+    if plan.kind in ("depthwise", "grouped") and plan.oc_bn % lanes == 0:
         tensorize_depthwise_segments(sch, plan, lanes)
         return
     for name, _, _ in plan.row_segments():
@@ -674,14 +683,16 @@ def schedule_conv2d_blocked(sch: s_tir.Schedule, plan: Conv2dPlan, lanes: int, t
 
 def tensorize_depthwise_segments(sch: s_tir.Schedule, plan: Conv2dPlan, lanes: int) -> None:
     """Split each row segment into tiles of m_r pixels x the whole channel block and tensorize
-    them with the depthwise microkernel (:mod:`tvm_ext.intrin.cpu_depthwise`)."""
+    them with the depthwise microkernel (:mod:`tvm_ext.intrin.cpu_depthwise`; a grouped plan's
+    with its group size)."""
     wl = plan.wl
+    group = 1 if plan.kind == "depthwise" else wl.C // wl.groups
     for name, width, _ in plan.row_segments():
         block = sch.get_sblock(name)
-        ow = sch.get_loops(block)[-4]
+        ow = sch.get_loops(block)[-2 - len(plan.reduce_axes())]
         m_r = min(plan.m_r, width)
         _, ow_inner = sch.split(ow, [None, m_r], preserve_unit_iters=True)
-        tile = DepthwiseTile(m_r, plan.oc_bn, lanes, (wl.KH, wl.KW), wl.stride[1], wl.dilation)
+        tile = DepthwiseTile(m_r, plan.oc_bn, lanes, (wl.KH, wl.KW), wl.stride[1], wl.dilation, group=group)
         sch.tensorize(ow_inner, get_depthwise_intrin(tile))
         _drop_init(sch, sch.get_sblock(f"{name}_o"))
 
@@ -767,6 +778,8 @@ def pack_weight_array(plan: Conv2dPlan, weight: np.ndarray) -> np.ndarray:
     c, kh, kw = weight.shape[1:]
     if plan.kind == "depthwise":
         blocked = padded.reshape(k // plan.oc_bn, plan.oc_bn, kh, kw).transpose(0, 2, 3, 1)
+    elif plan.kind == "grouped":
+        blocked = padded.reshape(k // plan.oc_bn, plan.oc_bn, c, kh, kw).transpose(0, 3, 4, 2, 1)
     else:
         blocked = padded.reshape(k // plan.oc_bn, plan.oc_bn, c // plan.ic_bn, plan.ic_bn, kh, kw)
         blocked = blocked.transpose(0, 2, 4, 5, 3, 1)
@@ -774,14 +787,18 @@ def pack_weight_array(plan: Conv2dPlan, weight: np.ndarray) -> np.ndarray:
 
 
 def pack_weight_func(plan: Conv2dPlan) -> tirx.PrimFunc:
-    """OIHW -> O/y, I/x, KH, KW, x, y (depthwise: O/y, KH, KW, y); missing output channels are zero."""
+    """OIHW -> O/y, I/x, KH, KW, x, y (depthwise: O/y, KH, KW, y; grouped: O/y, KH, KW, I/groups,
+    y); missing output channels are zero."""
     wl = plan.wl
-    if (plan.kind != "depthwise" and wl.dtype == "float32" and plan.oc_bn % 8 == 0
+    if (plan.kind not in ("depthwise", "grouped") and wl.dtype == "float32" and plan.oc_bn % 8 == 0
             and (plan.ic_bn * wl.KH * wl.KW) % 8 == 0):
         return _pack_weight_tiled(plan)
     w = te.placeholder((wl.K, wl.C // wl.groups, wl.KH, wl.KW), wl.dtype, name="weight")
     if plan.kind == "depthwise":
         wb = te.compute(plan.weight_shape(), lambda ob, r, s, o: w[ob * plan.oc_bn + o, 0, r, s],
+                        name="weight_blocked")
+    elif plan.kind == "grouped":
+        wb = te.compute(plan.weight_shape(), lambda ob, r, s, i, o: w[ob * plan.oc_bn + o, i, r, s],
                         name="weight_blocked")
     else:
         def body(ob, ib, r, s, i, o):
@@ -792,7 +809,7 @@ def pack_weight_func(plan: Conv2dPlan) -> tirx.PrimFunc:
         wb = te.compute(plan.weight_shape(), body, name="weight_blocked")
     sch = s_tir.Schedule(_accept_user_alignment(te.create_prim_func([w, wb]), "weight"))
     loops = sch.get_loops(sch.get_sblock("weight_blocked"))
-    if plan.kind == "depthwise":
+    if plan.kind in ("depthwise", "grouped"):
         sch.parallel(loops[0])
     else:
         ob, ib, r, s, i, o = loops

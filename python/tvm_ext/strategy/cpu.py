@@ -136,6 +136,9 @@ class CpuEmitter:
         wl, block = plan.wl, known[1]
         if plan.kind == "depthwise":
             return _conv.plan_conv2d(wl, self.isa, n_r=block)
+        if plan.kind == "grouped":  # its blocks must hold whole groups and whole vectors
+            whole = block % (wl.C // wl.groups) == 0 and block % self.isa.lanes == 0
+            return _conv.plan_conv2d(wl, self.isa, n_r=block) if whole else plan
         if (wl.C // wl.groups) % block:
             return plan
         if plan.kind == "winograd":
