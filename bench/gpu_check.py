@@ -164,7 +164,7 @@ class EmulatedDevice(CudaDevice):
     baseline = "torch CPU"
 
     def kernel(self, launch: dict, cubin: Path, tensors: dict):
-        from tvm_ext.kernels.cuda.ptx import kernel_params
+        from tvm_ext.kernels.cuda.toolchain import kernel_params
         from tvm_ext.testing.cuda_emulator import run_kernel
 
         source = cubin.with_suffix("").with_suffix(".cu").read_text()

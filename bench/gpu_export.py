@@ -36,14 +36,14 @@ def load_layers(name: str) -> list[dict]:
 def sass_loop(source: str, arch: str) -> dict:
     """The k loop's SASS instruction mix for `arch` (nvcc and nvdisasm here): what bounds the
     share of the FFMA peak the kernel can reach, to read next to what the GPU measures."""
-    from tvm_ext.kernels.cuda import ptx
+    from tvm_ext.kernels.cuda import toolchain
 
     arch = wgmma_arch(source, arch)
-    loop = ptx.sass_loop_instructions(ptx.disassemble(ptx.compile_source(source, arch, "cubin")))
+    loop = toolchain.sass_loop_instructions(toolchain.disassemble(toolchain.compile_source(source, arch, "cubin")))
     mix = {"arch": arch, "instructions": sum(loop.values()), "ffma": loop["FFMA"], "hmma": loop["HMMA"],
            "hgmma": loop["HGMMA"], "lds": loop["LDS"]}
     if loop["HGMMA"]:  # whether ptxas waits for every wgmma right after issuing it (C7513 and kin)
-        mix["serialized_wgmma"] = ptx.ptxas_resources(source, arch)["serialized_wgmma"]
+        mix["serialized_wgmma"] = toolchain.ptxas_resources(source, arch)["serialized_wgmma"]
     return mix
 
 

@@ -30,7 +30,7 @@ import tvm
 import tvm_ext
 from tvm_ext.intrin.cuda import ThreadTile, get_outer_product_intrin
 from tvm_ext.kernels.conv2d import Conv2dWorkload
-from tvm_ext.kernels.cuda import maxdnn, ptx
+from tvm_ext.kernels.cuda import maxdnn, toolchain
 from tvm_ext.testing.maxdnn import emulate, emulate_winograd
 
 
@@ -60,31 +60,32 @@ def main(small: bool = False) -> None:
           f"__syncthreads: {source.count('__syncthreads')} for {plan.code_steps} k steps written out")
 
     # 3. Machine code.
-    if ptx.have_nvcc():
-        counts = ptx.ptx_instructions(ptx.compile_source(source, "sm_90").decode())
+    if toolchain.have_nvcc():
+        counts = toolchain.ptx_instructions(toolchain.compile_source(source, "sm_90").decode())
         fma = sum(v for op, v in counts.items() if op.startswith("fma.rn"))
         print(f"\n3. sm_90 PTX: {fma} FFMA ({fma // plan.code_steps // plan.tile.k_step} per thread per k), "
               f"{counts['ld.shared.v4.f32']} ld.shared.v4.f32, {counts['ld.global.nc.v4.f32']} ld.global.nc.v4.f32, "
               f"{counts['bar.sync']} bar.sync")
-        print(f"   ptxas: {ptx.ptxas_resources(source, 'sm_90')}")
-        loop = ptx.main_loop_instructions(ptx.compile_source(source, "sm_90").decode())
+        print(f"   ptxas: {toolchain.ptxas_resources(source, 'sm_90')}")
+        loop = toolchain.main_loop_instructions(toolchain.compile_source(source, "sm_90").decode())
         loop_fma = sum(v for op, v in loop.items() if op.startswith("fma.rn"))
         print(f"   the k loop issues {sum(loop.values())} PTX instructions per pair of k steps, "
               f"{loop_fma} of them FFMA ({100 * loop_fma / sum(loop.values()):.0f}%)")
-        if ptx.find_nvdisasm() is not None:  # what the GPU issues: one warp instruction a cycle
-            sass = ptx.sass_loop_instructions(ptx.disassemble(ptx.compile_source(source, "sm_90", "cubin")))
+        if toolchain.find_nvdisasm() is not None:  # what the GPU issues: one warp instruction a cycle
+            cubin = toolchain.compile_source(source, "sm_90", "cubin")
+            sass = toolchain.sass_loop_instructions(toolchain.disassemble(cubin))
             print(f"   in SASS: {sum(sass.values())} instructions, {sass['FFMA']} FFMA "
                   f"({100 * sass['FFMA'] / sum(sass.values()):.1f}%: the most of the FFMA peak it can reach)")
         # The tensor-core variant: the same block, its compute as mma.sync m16n8k8 (tf32) per warp.
         tc_plan = maxdnn.MaxDNNPlan.make(wl, maxdnn.BlockTile(engine="mma_tf32"), plan.epilogue)
-        tc_counts = ptx.ptx_instructions(ptx.compile_source(maxdnn.cuda_source(tc_plan), "sm_90").decode())
+        tc_counts = toolchain.ptx_instructions(toolchain.compile_source(maxdnn.cuda_source(tc_plan), "sm_90").decode())
         mma = sum(v for op, v in tc_counts.items() if op.startswith("mma.sync"))
         print(f"   tensor-core tile: {mma} mma.sync.m16n8k8.tf32 ({mma // tc_plan.code_steps} per warp per k step)")
         # Hopper: one warpgroup issues wgmma m64nNk8 per 64-column slab, N = the block's rows; its B
         # operand (the weights' tile) is read by the tensor cores from shared memory via a descriptor.
         wg_plan = maxdnn.MaxDNNPlan.make(wl, maxdnn.choose_tile(wl.K, "wgmma_tf32"), plan.epilogue)
         wg_source = maxdnn.cuda_source(wg_plan, "cuda -arch=sm_90a")
-        wg_counts = ptx.ptx_instructions(ptx.compile_source(wg_source, "sm_90a").decode())
+        wg_counts = toolchain.ptx_instructions(toolchain.compile_source(wg_source, "sm_90a").decode())
         wgmma = sum(v for op, v in wg_counts.items() if op.startswith("wgmma.mma_async"))
         print(f"   wgmma tile {wg_plan.tile.rows}x{wg_plan.tile.cols}: {wgmma} "
               f"{wg_plan.tile.wgmma.opcode(wg_plan.tile.rows)} ({wgmma // wg_plan.code_steps} per k step), "
@@ -131,7 +132,7 @@ def main(small: bool = False) -> None:
     if not small:
         start = time.perf_counter()
         ex = tvm_ext.build(mod, "cuda -arch=sm_90")
-        kernels = ptx.kernel_names(ptx.executable_cuda_source(ex))
+        kernels = toolchain.kernel_names(toolchain.executable_cuda_source(ex))
         print(f"   built in {time.perf_counter() - start:.0f} s: {len(kernels)} CUDA kernels, "
               f"{sum('maxdnn' in k for k in kernels)} of them maxDNN convolutions")
     winograd(small_wl, x, w, bias, ref)

@@ -470,7 +470,7 @@ class _CudaConv2dKernel:
 
     def __init__(self, wl: _conv.Conv2dWorkload, target: tvm.target.Target, bias: bool):
         from .kernels.cuda import maxdnn as cuda_conv
-        from .kernels.cuda.ptx import build_for_device
+        from .kernels.cuda.toolchain import build_for_device
 
         self.device = tvm.cuda(0)
         if not self.device.exist:

@@ -173,7 +173,7 @@ def build(mod: tvm.IRModule, target: TargetLike = None, database=None,
         with _without_gpu_passes():
             return tvm.compile(mod, resolved, relax_pipeline=relax_pipeline)
     if resolved.kind.name == "cuda":
-        from .kernels.cuda.ptx import cuda_source_only, prepare_device_compile
+        from .kernels.cuda.toolchain import cuda_source_only, prepare_device_compile
 
         if not tvm.cuda(0).exist:
             with cuda_source_only():  # no GPU: the executable carries the kernels' CUDA C, to inspect

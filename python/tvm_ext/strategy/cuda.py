@@ -16,7 +16,7 @@ convolution rule is :mod:`.cuda_engine`); this module is the CUDA emitter:
   for bf16 wgmma rounded and packed in pairs) or transformed (Winograd's U) here, at build time,
   in NumPy; weights that are inputs are re-laid out by graph ops (and a pairing kernel);
 - pooling, global pooling and activations run the memory-bound kernels of
-  :mod:`tvm_ext.kernels.cuda.simple`, in CHWN where their input is.
+  :mod:`tvm_ext.kernels.cuda.memory_bound`, in CHWN where their input is.
 
 Depthwise convolutions stay with stock TVM: one filter per group leaves 63 of a tile's 64 rows
 empty, which is a correct but poor use of the maxDNN tile.
@@ -30,7 +30,7 @@ from tvm import relax
 
 from ..errors import UnsupportedError
 from ..kernels.cuda import maxdnn as _maxdnn
-from ..kernels.cuda import simple as _simple
+from ..kernels.cuda import memory_bound as _memory_bound
 from ..kernels.cuda import winograd as _winograd
 from .base import OPAQUE, Activation, Decision, alpha, pool_workload
 
@@ -86,16 +86,16 @@ class CudaEmitter:
         if known is not None:
             return known
         shape = _shape(expr)
-        out = tuple(shape[a] for a in _simple.NCHW_TO_CHWN)
-        func = _simple.transpose_func(shape, _simple.NCHW_TO_CHWN, "nchw_to_chwn")
+        out = tuple(shape[a] for a in _memory_bound.NCHW_TO_CHWN)
+        func = _memory_bound.transpose_func(shape, _memory_bound.NCHW_TO_CHWN, "nchw_to_chwn")
         return self._call(func, _name("nchw_to_chwn", shape), [expr], out)
 
     def nchw(self, chwn: relax.Expr) -> relax.Call:
         """The NCHW view of a CHWN result (a call the caller binds; our kernels look through it)."""
         shape = _shape(chwn)
-        out = tuple(shape[a] for a in _simple.CHWN_TO_NCHW)
+        out = tuple(shape[a] for a in _memory_bound.CHWN_TO_NCHW)
         name = _name(_TO_NCHW.removeprefix("tvm_ext_"), shape)
-        func = _simple.transpose_func(shape, _simple.CHWN_TO_NCHW, "chwn_to_nchw")
+        func = _memory_bound.transpose_func(shape, _memory_bound.CHWN_TO_NCHW, "chwn_to_nchw")
         gvar = self.bb.add_func(func.with_attr("op_pattern", OPAQUE), name)
         return relax.call_tir(gvar, [chwn], relax.TensorType(out, "float32"))
 
@@ -128,7 +128,7 @@ class CudaEmitter:
         if per == 1:
             return self.bb.emit(relax.op.reshape(packed, plan.weight_shape))
         values = self.bb.emit(relax.op.reshape(packed, (*plan.weight_shape[:-1], plan.weight_shape[-1] * per)))
-        func = _simple.bf16_pairs_func(_shape(values))
+        func = _memory_bound.bf16_pairs_func(_shape(values))
         return self._call(func, _name("bf16_pairs", _shape(values)), [values], plan.weight_shape)
 
     def conv2d(self, call: relax.Call, data: relax.Expr, decision: Decision, bias: np.ndarray | None = None,
@@ -181,10 +181,10 @@ class CudaEmitter:
             source = self.chwn(data)
             shape = _shape(source)
             if decision.kernel == "global_avg_pool2d":
-                func, out = _simple.global_avg_pool2d_chwn_func(shape), (shape[0], 1, 1, shape[3])
+                func, out = _memory_bound.global_avg_pool2d_chwn_func(shape), (shape[0], 1, 1, shape[3])
             else:
                 wl = pool_workload(call, _shape(data))
-                func, out = _simple.pool2d_chwn_func(wl), (wl.C, wl.OH, wl.OW, wl.N)
+                func, out = _memory_bound.pool2d_chwn_func(wl), (wl.C, wl.OH, wl.OW, wl.N)
             result = self.nchw(self._call(func, _name(decision.kernel, shape, out), [source], out))
             if call.op.name == "relax.mean":  # mean over H, W: a global pool without the unit axes
                 return relax.op.reshape(self.bb.emit(result), _shape(call))
@@ -193,6 +193,6 @@ class CudaEmitter:
         source = chwn if chwn is not None else data
         shape = _shape(source)
         kernel = decision.chosen_kernel
-        func = _simple.activation_func(kernel, shape, alpha(call))
+        func = _memory_bound.activation_func(kernel, shape, alpha(call))
         out = self._call(func, _name(kernel, shape), [source], shape)
         return self.nchw(out) if chwn is not None else out

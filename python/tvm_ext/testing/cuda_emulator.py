@@ -45,7 +45,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..kernels.cuda.ptx import kernel_names, kernel_params
+from ..kernels.cuda.toolchain import kernel_names, kernel_params
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 

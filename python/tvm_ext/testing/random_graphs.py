@@ -8,9 +8,9 @@ operands in both orders and values used two or three times, concat (DenseNet's o
 inputs, batch norm and activation too), split, squeeze-excitation, layer norm over channels,
 residual blocks, a flatten + dense head, sometimes a symbolic batch.
 While the Relax graph is emitted, the same computation runs in PyTorch in float64 on the same
-float32 weights and input, so the reference owes nothing to TVM. `tests/test_random_graphs.py`
-builds a few hundred; `bench/fuzz.py` runs as many as asked and prints a reproducer for each
-failure. PyTorch is a test extra: importing this module needs it.
+float32 weights and input, so the reference owes nothing to TVM.
+`tests/integration/test_random_graphs.py` builds a few hundred; `bench/fuzz.py` runs as many as
+asked and prints a reproducer for each failure. PyTorch is a test extra: importing this module needs it.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import tvm_ffi
 from tvm import relax
 
 from ..kernels.conv2d import KERNEL_ATTR
-from ..kernels.cuda.ptx import generate_source, kernel_names, kernel_params
+from ..kernels.cuda.toolchain import generate_source, kernel_names, kernel_params
 from .cuda_emulator import run_kernel
 
 _THREAD = re.compile(r'T\.thread_binding\((\d+), thread="(blockIdx|threadIdx)\.([xyz])"\)')

@@ -45,8 +45,8 @@ from .. import winograd as _cpu
 from ..conv2d import KERNEL_ATTR, Conv2dWorkload, param_buffer
 from ..winograd import weighted_sum
 from . import maxdnn as _maxdnn
-from .ptx import generate_source
-from .simple import THREADS
+from .memory_bound import THREADS
+from .toolchain import generate_source
 
 KERNEL_NAME = "winograd_conv2d"  # the three kernels: <symbol>_input, <symbol>_gemm, <symbol>_output
 STAGES = ("input", "gemm", "output")
@@ -345,7 +345,7 @@ def kernel_arrays(plan: WinogradPlan, x: np.ndarray, w: np.ndarray, bias: np.nda
 def run_on_gpu(plan: WinogradPlan, arrays: dict[str, np.ndarray], target="cuda") -> np.ndarray:
     """Run the three kernels on this machine's GPU (the CPU emulator's counterpart:
     :func:`tvm_ext.testing.maxdnn.emulate_winograd`); returns y."""
-    from .ptx import build_for_device
+    from .toolchain import build_for_device
 
     executable = build_for_device(winograd_module(plan), resolve_target(target))
     device = tvm.cuda(0)
@@ -358,7 +358,7 @@ def run_on_gpu(plan: WinogradPlan, arrays: dict[str, np.ndarray], target="cuda")
 def cuda_param_order(plan: WinogradPlan, source: str, stage: str) -> list[str]:
     """The tensors of :meth:`WinogradPlan.shapes` behind each argument of kernel `stage`, in the
     CUDA function's order (TVM sorts them): whoever launches the CUDA C directly passes them so."""
-    from .ptx import kernel_params
+    from .toolchain import kernel_params
 
     params = plan.stage_params()[stage]
     return [params[name.removesuffix("_ptr")] for _, name in kernel_params(source, f"{KERNEL_NAME}_{stage}_kernel")]

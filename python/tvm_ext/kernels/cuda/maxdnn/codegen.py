@@ -19,8 +19,9 @@ from ....intrin.cuda import get_outer_product_intrin
 from ....target import resolve_target
 from ... import script
 from ...conv2d import KERNEL_ATTR
-from ..ptx import generate_source
-from .operands import OperandWriter, bf16_pair_text
+from ..toolchain import generate_source
+from .engines import Engine, engine_for
+from .operands import OperandWriter
 from .plan import FLAT_PARAMS, KERNEL_NAME, Epilogue, MaxDNNPlan
 from .split_k import REDUCE_SUFFIX, split_reduce_func
 
@@ -36,129 +37,17 @@ def _clamp_text(value: str, vec: int, upper: float | None) -> str:
 
 
 class Generator(OperandWriter):
-    """Emits the kernel for one plan (the algorithm: :mod:`tvm_ext.kernels.cuda.maxdnn`)."""
+    """Emits the kernel for one plan (the algorithm: :mod:`tvm_ext.kernels.cuda.maxdnn`); what
+    its compute engine writes (FFMA, mma.sync or wgmma) is its :attr:`engine`'s
+    (:mod:`.engines`), chosen once from the plan's tile."""
+
+    def __init__(self, plan: MaxDNNPlan):
+        super().__init__(plan)
+        self.updates: list[str] = []  # the FFMA updates' blocks, tensorized by maxdnn_conv2d_func
+        self.engine: Engine = engine_for(self)
 
     def sync(self) -> None:
         self.e('T.evaluate(T.tvm_storage_sync("shared"))')
-
-    def compute(self, buf: int, name: str) -> None:
-        t, e = self.t, self.e
-        tt = t.thread_tile()
-        with e.block(f"for kk, i0, i1, j0, j1 in T.grid({t.k_step}, {tt.rows // t.vec}, {t.vec}, "
-                     f"{tt.cols // t.vec}, {t.vec}):"):
-            with e.block(f'with T.sblock("{name}"):'):
-                e(f"vty = T.axis.spatial({t.threads_m}, tid // {t.threads_n})")
-                e(f"vtx = T.axis.spatial({t.threads_n}, tid % {t.threads_n})")
-                e(f"vk = T.axis.reduce({t.k_step}, kk)")
-                e('vi0, vi1, vj0, vj1 = T.axis.remap("SSSS", [i0, i1, j0, j1])')
-                c = f"vi0 * {t.vec} + vi1, vj0 * {t.vec} + vj1"
-                e(f"acc[{c}] = acc[{c}] + A_sh{buf}[vk, vty * {t.vec} + vi0 * {tt.row_gap} + vi1] * "
-                  f"B_sh{buf}[vk, vtx * {t.vec} + vj0 * {tt.col_gap} + vj1]")
-
-    def compute_mma(self, buf: int) -> None:
-        """One k step on the tensor cores: a warp's warp_rows x cols slab as warp_rows/16 x cols/8
-        mma.sync, its fragments loaded from shared memory in the layouts of :class:`MmaShape`.
-
-        The mma's row and column indices are a permutation of the tile's (:meth:`BlockTile.mma_row`,
-        :meth:`BlockTile.mma_col`; the output staging undoes it) that puts side by side the values a
-        lane needs from one shared row, so that it loads them as one vector (:attr:`BlockTile.mma_chunks`).
-        tf32 takes the registers as loaded: an A fragment's rows g and g + 8 are one 64-bit load
-        into the register pair the mma reads (its B registers come from two k rows: 32-bit loads).
-        bf16 packs two k rows into each register anyway: its loads are 128-bit, into `a_val` and
-        `b_val`, then packed."""
-        t, e, mma = self.t, self.e, self.t.mma_shape
-        mt, nt = t.mma_tiles
-        half, per = mma.k // 2, mma.per_reg
-        ca, cb = t.mma_chunks
-        a_base = f"warp * {t.warp_rows} + "
-        if per == 1:
-            with e.block(f"for mi in T.unroll({mt}):"):
-                for kh in range(2):  # A registers j, j + 1 = rows g, g + 8 of k-half j // 2
-                    e(f"a_val[T.ramp(mi * 4 + {2 * kh}, 1, 2)] = "
-                      f"{self.shared_at('A', buf, f'tq + {kh * half}', a_base + t.mma_row('mi * 2', 'gq'), 2)}")
-                # a copy nvcc does not issue (the same registers); TVM would declare `af` float2
-                # if the load wrote it, and offset the mma's pointer into it in float2 units
-                with e.block("for j in T.unroll(4):"):
-                    e("af[mi * 4 + j] = a_val[mi * 4 + j]")
-            with e.block(f"for ni in T.unroll({nt}):"):
-                with e.block("for j in T.unroll(2):"):
-                    e(f"bf[ni * 2 + j] = {self.shared_at('B', buf, f'tq + j * {half}', t.mma_col('ni', 'gq'))}")
-        else:
-            for operand, count, chunk, base in (("a", 2 * mt, ca, a_base), ("b", nt, cb, "")):
-                for kh in range(2):  # the 2 x per k rows a lane reads, `chunk` values a load
-                    for el in range(per):
-                        at = (kh * per + el) * count
-                        for q in range(count // chunk):
-                            col = f"{base}{q * 8 * chunk} + gq * {chunk}"
-                            e(f"{operand}_val[T.ramp({at + q * chunk}, 1, {chunk})] = "
-                              f"{self.shared_at(operand.upper(), buf, f'tq * {per} + {el + kh * half}', col, chunk)}")
-
-            def packed(operand: str, count: int, kh: int, v: int) -> str:
-                return bf16_pair_text(*(f"{operand}_val[{(kh * per + el) * count + v}]" for el in range(per)))
-
-            for mi in range(mt):
-                for j in range(4):  # A register j: rows g + 8 (j % 2), k-half j // 2
-                    e(f"af[{mi * 4 + j}] = {packed('a', 2 * mt, j // 2, 2 * mi + j % 2)}")
-            for ni in range(nt):
-                for j in range(2):  # B register j: k-half j
-                    e(f"bf[{ni * 2 + j}] = {packed('b', nt, j, ni)}")
-        with e.block(f"for mi in T.unroll({mt}):"):
-            with e.block(f"for ni in T.unroll({nt}):"):
-                e(f'T.evaluate(T.ptx_legacy.mma("{mma.shape}", "row", "col", "{mma.ptx_type}", "{mma.ptx_type}", '
-                  f'"fp32", af.data, mi * 4, bf.data, ni * 2, acc.data, (mi * {nt} + ni) * 4, False, '
-                  'dtype="float32"))')
-
-    def compute_wgmma(self, buf: int, slot: int = 0) -> None:
-        """One k step on Hopper's tensor cores: per 64-column slab one asynchronous wgmma of the
-        whole warpgroup, N = the block's rows. Its A operand is the slab's data (the im2col tile),
-        from registers in the layout of :class:`WgmmaShape` (where groups stay in flight, the set
-        of ring slot `slot`, gathered there two steps before); its B operand the weights' tile,
-        which the tensor cores read from shared memory through a descriptor: of buffer `buf` (in
-        flight: of the ring's slot `buf`). The caller waits for the group before the tile or
-        registers change."""
-        t, e, wg = self.t, self.e, self.t.wgmma_shape
-        half = wg.k // 2
-        base = self.fragment_base(slot)
-        desc = f"desc[{buf}]"
-        if self.plan.wgmma_in_flight:  # the start address (16-byte units, the low bits) moved to the slot
-            desc = f"desc[0] + T.uint64({buf * t.weight_words * 4 // 16})"
-        if not self.plan.gathers_fragments:
-            per = wg.per_reg
-            with e.block(f"for sl in T.unroll({t.slabs}):"):
-                # A[16 warp + g + 8 (j % 2)][t per + e + k/2 (j // 2)]
-                with e.block("for j in T.unroll(4):"):
-                    at = [self.shared_at("B", buf, f"tq{f' * {per} + {el}' if per > 1 else ''} + j // 2 * {half}",
-                                         "sl * 64 + warp * 16 + gq + j % 2 * 8") for el in range(per)]
-                    bits = f'T.reinterpret("uint32", {at[0]})' if per == 1 else bf16_pair_text(*at)
-                    e(f"af[{base} + sl * 4 + j] = {bits}")
-        e('T.ptx["wgmma.fence.sync.aligned"]()')
-        per_slab = t.rows // 2
-        for sl in range(t.slabs):
-            d = ", ".join(f"acc[{sl * per_slab + i}]" for i in range(per_slab))
-            a = ", ".join(f"af[{base + sl * 4 + j}]" for j in range(4))
-            e(f'T.ptx["{wg.opcode(t.rows)}"]({d}, {a}, {desc}, T.bool(True), {wg.immediates})')
-        e('T.ptx["wgmma.commit_group.sync.aligned"]()')
-
-    def stage_accumulators(self) -> None:
-        """Each thread's accumulators into the block's output tile in shared memory."""
-        t, e = self.t, self.e
-        if t.wgmma is not None:  # D[16 warp + g + 8h][8c + 2t + b] of slab sl: row = channel
-            with e.block(f"for sl, c, h, b in T.grid({t.slabs}, {t.rows // 8}, 2, 2):"):
-                e(f"O_sh[c * 8 + tq * 2 + b, sl * 64 + warp * 16 + gq + h * 8] = "
-                  f"acc[sl * {t.rows // 2} + c * 4 + h * 2 + b]")
-            return
-        if t.mma is not None:
-            mt, nt = t.mma_tiles
-            with e.block(f"for mi, ni, h, b in T.grid({mt}, {nt}, 2, 2):"):  # C[g + 8h][2t + b] of tile (mi, ni)
-                e(f"O_sh[warp * {t.warp_rows} + {t.mma_row('mi * 2 + h', 'gq')}, {t.mma_col('ni', 'tq * 2 + b')}] = "
-                  f"acc[(mi * {nt} + ni) * 4 + h * 2 + b]")
-            return
-        tt = t.thread_tile()
-        for i in range(tt.rows):
-            row = f"ty * {t.vec} + {i // t.vec * tt.row_gap + i % t.vec}"
-            for h in range(tt.cols // t.vec):
-                e(f"O_sh[{row}, T.ramp(tx * {t.vec} + {h * tt.col_gap}, 1, {t.vec})] = "
-                  f"acc[{i}, T.ramp({h * t.vec}, 1, {t.vec})]")
 
     def step(self, kt: str, buf: int, prefetch: bool, at: tuple[str | None, str] | None = None,
              when: str | None = None) -> None:
@@ -167,18 +56,10 @@ class Generator(OperandWriter):
         if prefetch:
             with self.only_if(when):
                 self.load_global(f"({kt} + 1)", at)
-        source = self.source_buffer(buf, 1 - buf)
-        if self.t.wgmma is not None:
-            self.compute_wgmma(source)
-        elif self.t.mma is not None:
-            self.compute_mma(source)
-        else:
-            self.compute(source, f"update{len(self.updates)}")
-            self.updates.append(f"update{len(self.updates)}")
+        self.engine.compute(self.source_buffer(buf, 1 - buf))
         if prefetch:
             self.store_prefetched(1 - buf, f"({kt} + 1)", when)
-        if self.t.wgmma is not None:  # the tensor cores worked through the store;
-            self.e('T.ptx["wgmma.wait_group.sync.aligned"](0)')  # the buffer and registers are free now
+        self.engine.end_step()
         self.sync()
 
     def step_in_flight(self, kt: str, slot: int) -> None:
@@ -193,7 +74,7 @@ class Generator(OperandWriter):
         register of one is defined while a group is in flight between the copy and the issue."""
         e, ring = self.e, self.ring
         end = self.slice_end()
-        self.compute_wgmma(self.source_buffer(slot, (slot + 1) % ring), slot)
+        self.engine.compute(self.source_buffer(slot, (slot + 1) % ring), slot)
         e('T.ptx["wgmma.wait_group.sync.aligned"](1)')
         with self.only_if(f"{kt} + 2 < {end}"):
             self.load_global(f"({kt} + 2)", regs=(slot + 2) % ring)
@@ -308,10 +189,8 @@ class Generator(OperandWriter):
         split = self.plan.splits > 1
         if split:
             ep = Epilogue()
-        if self.plan.wgmma_in_flight:  # the last step's group, in every thread before the output
-            e('T.ptx["wgmma.wait_group.sync.aligned"](0)')  # tile (TVM may lay it over the ring)
-            self.sync()
-        self.stage_accumulators()
+        self.engine.end_k_loop()
+        self.engine.stage_accumulators()
         e('T.evaluate(T.tvm_storage_sync("shared"))')
         per_row = t.cols // t.vec
         vec = t.vec if self.plan.vector_y else 1
@@ -341,7 +220,7 @@ class Generator(OperandWriter):
     def text(self, symbol: str) -> str:
         plan, t, e = self.plan, self.t, self.e
         shapes = plan.shapes()
-        self.updates: list[str] = []
+        self.updates.clear()
         params = list(shapes)
         e("# from tvm.script import tirx as T")
         e("@T.prim_func(s_tir=True)")
@@ -373,26 +252,7 @@ class Generator(OperandWriter):
             # Declared (allocated) here, under the thread loops: block allocations would be
             # hoisted out of the kernel, and a block here would hide `tid` from blockize.
             self.declare_shared()
-            if t.wgmma is not None:
-                e(f'acc = T.decl_buffer(({t.slabs * t.rows // 2},), "float32", scope="local")')
-                sets = self.ring if plan.wgmma_in_flight else 1  # one per ring slot
-                e(f'af = T.decl_buffer(({sets * t.slabs * 4},), "uint32", scope="local")')
-                if plan.gathers_fragments:  # a step's gathered values, before the dead columns' zeros
-                    e(f'fv = T.decl_buffer(({t.slabs * 4 * t.wgmma.per_reg},), "float32", scope="local")')
-                e(f'desc = T.decl_buffer(({1 if plan.wgmma_in_flight else 2},), "uint64", scope="local")')
-            elif t.mma is not None:
-                mt, nt = t.mma_tiles
-                reg = "float32" if t.mma.per_reg == 1 else "uint32"
-                e(f'acc = T.decl_buffer(({mt * nt * 4},), "float32", scope="local")')
-                e(f'af = T.decl_buffer(({mt * 4},), "{reg}", scope="local")')
-                e(f'bf = T.decl_buffer(({nt * 2},), "{reg}", scope="local")')
-                # the fragments' values as loaded from shared memory (bf16: before packing)
-                e(f'a_val = T.decl_buffer(({2 * t.mma.per_reg * 2 * mt},), "float32", scope="local")')
-                if t.mma.per_reg > 1:
-                    e(f'b_val = T.decl_buffer(({2 * t.mma.per_reg * nt},), "float32", scope="local")')
-            else:  # FFMA
-                tt = t.thread_tile()
-                e(f'acc = T.decl_buffer(({tt.rows}, {tt.cols}), "float32", scope="local")')
+            self.engine.declare_registers()
             nb = len(self.slots(t.k_step * t.cols // t.vec))
             sets = self.ring if plan.wgmma_in_flight else 1  # the weights two steps ahead: per ring slot
             e(f'a_pre = T.decl_buffer(({sets * self.weight_regs},), "float32", scope="local")')
@@ -401,25 +261,7 @@ class Generator(OperandWriter):
             if plan.splits > 1:  # blockIdx.z: the group and the slice of the reduction
                 e(f"g: T.let = gz // {plan.splits}")
                 e(f"sp: T.let = gz % {plan.splits}")
-            if t.mma is not None or t.wgmma is not None:
-                e("warp: T.let = tid // 32")
-                e("gq: T.let = tid % 32 // 4")
-                e("tq: T.let = tid % 4")
-                accumulators = t.slabs * t.rows // 2 if t.wgmma is not None else t.mma_tiles[0] * t.mma_tiles[1] * 4
-                with e.block(f"for i in T.serial({accumulators}):"):
-                    e("acc[i] = T.float32(0)")
-                if t.wgmma is not None:  # LBO and SBO in 16-byte units, no swizzle
-                    # the ring's, moved per slot; else each buffer's (a single step uses one)
-                    tiles = ["A_ring"] if plan.wgmma_in_flight else ["A_sh0", "A_sh1"][:self.slice_steps()]
-                    for buf, tile in enumerate(tiles):
-                        e(f"T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[{buf}]), "
-                          f"T.address_of({tile}[0]), {t.wgmma.lbo // 16}, {t.wgmma.sbo // 16}, 0)")
-            else:
-                e(f"ty: T.let = tid // {t.threads_n}")
-                e(f"tx: T.let = tid % {t.threads_n}")
-                tt = t.thread_tile()
-                with e.block(f"for i, j in T.grid({tt.rows}, {tt.cols}):"):
-                    e("acc[i, j] = T.float32(0)")
+            self.engine.prologue()
             self.b_columns()
             first = self.first_step()
             first_kt = self.first_kt()

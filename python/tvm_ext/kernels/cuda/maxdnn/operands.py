@@ -1,9 +1,9 @@
 """How the maxDNN kernel's operands move, as TVMScript text: global memory -> prefetch registers ->
 double-buffered shared tiles (and, for wgmma, fragments gathered straight into registers).
 
-The base of the generator (:class:`~.codegen.Generator`, which adds the compute, the k loop and the
-output): the data movement is half of the kernel's text and has its own state (the per-tap gather
-offsets, the load sites' names), so it reads on its own.
+The base of the generator (:class:`~.codegen.Generator`, which adds the k loop, the output and,
+through its engine (:mod:`.engines`), the compute): the data movement is half of the kernel's text
+and has its own state (the per-tap gather offsets, the load sites' names), so it reads on its own.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ptx import kernel_params
+from ..toolchain import kernel_params
 from .plan import FLAT_PARAMS, MaxDNNPlan
 
 

@@ -23,7 +23,7 @@ def split_reduce_func(plan: MaxDNNPlan, symbol: str = KERNEL_NAME + REDUCE_SUFFI
     Parameters as :meth:`MaxDNNPlan.reduce_shapes`."""
     from tvm import te
 
-    from ..simple import bind_threads
+    from ..memory_bound import bind_threads
 
     shapes, ep = plan.reduce_shapes(), plan.epilogue
     if not shapes:
@@ -55,6 +55,6 @@ def split_reduce_func(plan: MaxDNNPlan, symbol: str = KERNEL_NAME + REDUCE_SUFFI
 
 def reduce_launch(plan: MaxDNNPlan) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """(grid, block) of :func:`split_reduce_func`'s kernel: one thread per output element."""
-    from ..simple import THREADS
+    from ..memory_bound import THREADS
 
     return (-(-math.prod(plan.y_shape) // THREADS), 1, 1), (THREADS, 1, 1)

@@ -386,7 +386,7 @@ def _kernel_calls(mod: tvm.IRModule, target: tvm.target.Target = TARGET, winogra
 def test_activations_stay_blocked_between_kernels(mcpu, unpacks):
     """ResNet-18: layouts change only at the edges of the convolution stack (the image in, the
     pooled features out) and around the classifier (its input is a reshaped matrix). Lowered for
-    AVX2 and AVX-512 whatever the host. Direct convolutions here (Winograd: tests/test_winograd.py)."""
+    AVX2 and AVX-512 whatever the host. Direct convolutions here (Winograd: tests/kernels/test_winograd.py)."""
     from tvm_ext import models
 
     calls = _kernel_calls(models.get("resnet18")[0], tvm_ext.resolve_target(f"llvm -mcpu={mcpu}"), winograd=False)

@@ -13,7 +13,7 @@ import pytest
 import tvm_ext
 from tvm_ext import cli, models
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

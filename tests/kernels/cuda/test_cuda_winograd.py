@@ -16,7 +16,7 @@ from tvm import relax
 import tvm_ext
 from tvm_ext.kernels.conv2d import Conv2dWorkload
 from tvm_ext.kernels.cuda import maxdnn as cc
-from tvm_ext.kernels.cuda import ptx
+from tvm_ext.kernels.cuda import toolchain
 from tvm_ext.kernels.cuda import winograd as cw
 from tvm_ext.models.torch_reference import to_torch
 from tvm_ext.strategy import cuda_engine
@@ -24,7 +24,7 @@ from tvm_ext.testing import cuda_emulator
 from tvm_ext.testing import maxdnn as tm
 from tvm_ext.testing.relax_emulator import emulated_executable, lower
 
-needs_nvcc = pytest.mark.skipif(not ptx.have_nvcc(), reason="nvcc is not installed")
+needs_nvcc = pytest.mark.skipif(not toolchain.have_nvcc(), reason="nvcc is not installed")
 needs_gxx = pytest.mark.skipif(not cuda_emulator.have_compiler(), reason="g++ is not installed")
 TARGET = "cuda -arch=sm_90"
 
@@ -203,10 +203,10 @@ def test_machine_code(arch):
     plan = cw.WinogradPlan.make(wl, epilogue=cc.Epilogue(bias=True, activation="relu"))
     source = cw.cuda_source(plan, {"kind": "cuda", "arch": arch})
     assert [f"{cw.KERNEL_NAME}_{stage}_kernel" for stage in cw.STAGES] == [
-        name for name in ptx.kernel_names(source) if name.startswith(cw.KERNEL_NAME)]
-    ops_count = ptx.ptx_instructions(ptx.compile_source(source, arch).decode())
+        name for name in toolchain.kernel_names(source) if name.startswith(cw.KERNEL_NAME)]
+    ops_count = toolchain.ptx_instructions(toolchain.compile_source(source, arch).decode())
     assert ops_count["ld.global.nc.v4.f32"] > 0 and ops_count["ld.shared.v4.f32"] > 0
-    resources = ptx.ptxas_resources(source, arch)
+    resources = toolchain.ptxas_resources(source, arch)
     assert resources["spill_stores"] == resources["spill_loads"] == resources["stack"] == 0
     assert cw.cuda_param_order(plan, source, "gemm") == ["w", "v", "mm"]  # TVM orders them by name
     assert cw.cuda_param_order(plan, source, "output") == ["bias", "mm", "y"]

@@ -310,9 +310,17 @@ def _kill_session(proc) -> None:
     proc.wait()
 
 
+def _test_paths() -> list[str]:
+    """What a tuning script in a subprocess puts on sys.path to import this file (and its reference)."""
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    return [str(here), str(here.parent)]
+
+
 _TUNE_UNTIL_KILLED = """
 import sys
-sys.path.insert(0, {tests!r})
+sys.path[:0] = {tests!r}  # test_tuning's folder and tests/ (reference)
 import tvm, tvm_ext
 from test_tuning import _net
 tvm_ext.tune(_net(repeated=0), tvm.target.Target({{"kind": "llvm", "mcpu": "znver3"}}), {work_dir!r}, max_trials=64,
@@ -327,10 +335,9 @@ def test_sigkill_loses_no_finished_trial_and_the_rerun_continues(tmp_path):
     import subprocess
     import sys
     import time
-    from pathlib import Path
 
     work_dir = tmp_path / "records"
-    script = _TUNE_UNTIL_KILLED.format(tests=str(Path(__file__).parent), work_dir=str(work_dir))
+    script = _TUNE_UNTIL_KILLED.format(tests=_test_paths(), work_dir=str(work_dir))
     # A session of its own: the kill takes the run's builder and runner workers with it.
     child = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "TVM_NUM_THREADS": "1"},
                              start_new_session=True)
@@ -639,7 +646,7 @@ def test_a_bad_images_per_call_fails_before_compiling(images_per_call, monkeypat
 
 _TUNE_WITH_A_SLOW_BUILD = """
 import os, sys, time
-sys.path.insert(0, {tests!r})
+sys.path[:0] = {tests!r}  # test_tuning's folder and tests/ (reference)
 import tvm, tvm_ext
 from tvm_ext.tuning import tuner
 from test_tuning import _net
@@ -688,10 +695,9 @@ def test_a_killed_tune_takes_its_workers_with_it(tmp_path):
     import signal
     import subprocess
     import time
-    from pathlib import Path
 
     marker = tmp_path / "building"
-    script = _TUNE_WITH_A_SLOW_BUILD.format(tests=str(Path(__file__).parent), marker=str(marker),
+    script = _TUNE_WITH_A_SLOW_BUILD.format(tests=_test_paths(), marker=str(marker),
                                             work_dir=str(tmp_path / "records"))
     child = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "TVM_NUM_THREADS": "1"},
                              start_new_session=True)

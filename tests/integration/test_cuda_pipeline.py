@@ -10,7 +10,7 @@ from reference import conv2d_nchw, random_const, rel_err
 from tvm import relax
 
 import tvm_ext
-from tvm_ext.kernels.cuda.ptx import executable_cuda_source
+from tvm_ext.kernels.cuda.toolchain import executable_cuda_source
 from tvm_ext.models.torch_reference import to_torch
 from tvm_ext.testing import cuda_emulator
 from tvm_ext.testing.relax_emulator import dynamic_shared_bytes, emulated_executable, launch_shape, lower
@@ -129,7 +129,7 @@ def test_network_on_tensor_cores():
 
 
 def _sources(lowered: tvm.IRModule) -> list[str]:
-    from tvm_ext.kernels.cuda.ptx import generate_source
+    from tvm_ext.kernels.cuda.toolchain import generate_source
     from tvm_ext.target import resolve_target
 
     return [generate_source(func, resolve_target(TARGET)) for gvar, func in lowered.functions_items()
@@ -147,6 +147,22 @@ def test_network_on_the_gpu(tensor_cores):
     out = vm["main"](tvm.runtime.tensor(x, tvm.cuda())).numpy()
     ref = to_torch(mod, torch.float64)(torch.from_numpy(x).double()).numpy()
     assert rel_err(out, ref) < (1e-2 if tensor_cores else 1e-4)
+
+
+needs_hopper = pytest.mark.skipif(not tvm.cuda(0).exist or tvm.cuda(0).compute_version != "9.0",
+                                  reason="no Hopper GPU")
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_network_on_wgmma_on_the_gpu():
+    mod = _net(4)
+    ex = tvm_ext.build(mod, "cuda -arch=sm_90a", tensor_cores="wgmma_tf32")
+    vm = relax.VirtualMachine(ex, tvm.cuda())
+    x = np.random.default_rng(1).standard_normal((4, 3, 16, 14)).astype(np.float32)
+    out = vm["main"](tvm.runtime.tensor(x, tvm.cuda())).numpy()
+    ref = to_torch(mod, torch.float64)(torch.from_numpy(x).double()).numpy()
+    assert 1e-6 < rel_err(out, ref) < 1e-2
 
 
 @needs_gxx

@@ -17,7 +17,7 @@ from tvm import relax
 import tvm_ext
 from tvm_ext.tuning.records import open_database, read_database, shipped_database
 
-SHIPPED = Path(__file__).resolve().parents[1] / "python" / "tvm_ext" / "schedules" / "llvm-znver4"
+SHIPPED = Path(__file__).resolve().parents[2] / "python" / "tvm_ext" / "schedules" / "llvm-znver4"
 WORKLOADS, RECORDS = "database_workload.json", "database_tuning_record.json"
 
 
@@ -211,7 +211,7 @@ def test_refresh_moves_records_to_the_workloads_this_version_generates(tmp_path,
 
 
 def test_shipped_records_are_package_data_found_without_the_repository(tmp_path, monkeypatch):
-    """The shipped records live in the package (an installed wheel has them, tests/test_packaging.py);
+    """The shipped records live in the package (an installed wheel has them, tests/integration/test_packaging.py);
     $TVM_EXT_SCHEDULES replaces them."""
     from tvm_ext.tuning.records import schedules_root, shipped_records_dir, shipped_target_keys
 

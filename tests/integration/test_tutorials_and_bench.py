@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str, timeout: int = 600, env: dict | None = None) -> str:
@@ -36,9 +36,9 @@ def test_tutorial_04_cuda_maxdnn_tile():
     assert float(out.split("F(4x4, 3x3) on the small layer")[1].split("NumPy ")[1].split()[0]) < 1e-4
     for engine in ("wgmma_tf32", "wgmma_bf16"):  # tensor-core reads: about 1e-4 and 1e-3 off fp32
         assert 1e-5 < float(out.split(f"the {engine} tile on the emulator: relative error ")[1].split()[0]) < 1e-2
-    from tvm_ext.kernels.cuda import ptx
+    from tvm_ext.kernels.cuda import toolchain
 
-    if ptx.have_nvcc() and ptx.find_nvdisasm():  # the k loop's SASS: FFMA-bound
+    if toolchain.have_nvcc() and toolchain.find_nvdisasm():  # the k loop's SASS: FFMA-bound
         share = float(out.split("in SASS: ")[1].split("(")[1].split("%")[0])
         assert share >= 93.5  # 16 x 8 threads (8 x 8: 91%)
 
@@ -183,10 +183,10 @@ def test_gpu_check_pipeline_without_gpu(tmp_path):
     """What the GPU check does before it needs a GPU: export the CUDA C, compile it with nvcc."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not installed")
-    from tvm_ext.kernels.cuda import ptx
+    from tvm_ext.kernels.cuda import toolchain
 
     args = ["--out", str(tmp_path), "--sets", "overfeat", "--batch", "4", "--layers", "1"]
-    sass = ptx.find_nvdisasm() is not None
+    sass = toolchain.find_nvdisasm() is not None
     out = _run("bench/gpu_export.py", *args, *(["--sass"] if sass else []))
     assert "overfeat_conv1_ffma" in out and "tile 96x128 grid (98, 1, 1) threads 12x8" in out  # 96 filters
     assert "overfeat_conv1_ffma_maxdnn" in out and "tile 64x64 grid (196, 2, 1) threads 8x8" in out

@@ -4,7 +4,7 @@
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "python" / "tvm_ext"
+PACKAGE = Path(__file__).resolve().parents[2] / "python" / "tvm_ext"
 
 # Lowest first. tuning.tuner (the search) sits above the pipeline it tunes; the rest of tuning/
 # (record I/O, design spaces) below the strategy that reads records.

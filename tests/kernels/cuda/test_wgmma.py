@@ -15,14 +15,14 @@ import subprocess
 import numpy as np
 import pytest
 import tvm
+from maxdnn_cases import _as_read, _fails, _inputs, _reference, _without_first_loop_barrier
 from reference import conv2d_nchw, rel_err
-from test_cuda import _as_read, _fails, _inputs, _reference, _without_first_loop_barrier
 from tvm import relax
 
 import tvm_ext
 from tvm_ext.kernels.conv2d import Conv2dWorkload
 from tvm_ext.kernels.cuda import maxdnn as cc
-from tvm_ext.kernels.cuda import ptx
+from tvm_ext.kernels.cuda import toolchain
 from tvm_ext.strategy.cuda_engine import engine_for
 from tvm_ext.testing import cuda_emulator
 from tvm_ext.testing import maxdnn as tm
@@ -31,7 +31,7 @@ from tvm_ext.testing.relax_emulator import dynamic_shared_bytes, emulated_execut
 ENGINE = "wgmma_tf32"
 BF16 = "wgmma_bf16"
 TARGET = "cuda -arch=sm_90a"
-needs_nvcc = pytest.mark.skipif(not ptx.have_nvcc(), reason="nvcc is not installed")
+needs_nvcc = pytest.mark.skipif(not toolchain.have_nvcc(), reason="nvcc is not installed")
 needs_gxx = pytest.mark.skipif(not cuda_emulator.have_compiler(), reason="g++ is not installed")
 
 
@@ -249,22 +249,23 @@ def test_pack_wgmma_weight_bf16_pairs():
 def test_bf16_pairs_kernel_packs_as_numpy():
     """The graph's packing of bf16 weight pairs (weights that are inputs) gives NumPy's bits
     (constant weights), ties to even included: the same weights whichever way they arrive."""
-    from tvm_ext.kernels.cuda import simple
-    from tvm_ext.kernels.cuda.ptx import generate_source
+    from tvm_ext.kernels.cuda import memory_bound
+    from tvm_ext.kernels.cuda.toolchain import generate_source
 
     x = np.random.default_rng(3).standard_normal((3, 10)).astype(np.float32)
     # halfway cases: bit 16 even (rounds down), odd (up), negative, and one that rounds to inf
     x.view(np.uint32)[0, :4] = [0x3F808000, 0x3F818000, 0xBF818000, 0x7F7F8000]
     x.view(np.uint32)[1, :2] = [0x7F800001, 0xFFC00000]  # NaNs (one that rounding would make inf)
-    source = generate_source(tvm.IRModule({"main": simple.bf16_pairs_func(x.shape)}), tvm_ext.resolve_target(TARGET))
+    source = generate_source(tvm.IRModule({"main": memory_bound.bf16_pairs_func(x.shape)}),
+                             tvm_ext.resolve_target(TARGET))
     out = np.full((3, 5), np.nan, np.float32)
-    cuda_emulator.run_kernel(source, "main_kernel", (1, 1, 1), (simple.THREADS, 1, 1), {"data": x, "output": out})
+    cuda_emulator.run_kernel(source, "main_kernel", (1, 1, 1), (memory_bound.THREADS, 1, 1), {"data": x, "output": out})
     want = cc.bf16_pairs(x)
     assert want.view(np.uint32)[0, :2].tolist() == [0x3F823F80, 0x7F80BF82]  # (0x7F80: inf)
     assert want.view(np.uint32)[1, 0] == 0x7FFF7FFF  # CUDA's NaN
     np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
     with pytest.raises(ValueError, match="not pairs"):
-        simple.bf16_pairs_func((3, 5))
+        memory_bound.bf16_pairs_func((3, 5))
 
 
 def test_wgmma_tile_validation_and_choice():
@@ -308,8 +309,8 @@ def test_dynamic_shared_memory():
     assert plan.operand_tiles == {"A": 128 * 8}  # gathered fragments: only the weights' tile
     source = cc.cuda_source(plan, TARGET)
     assert len(re.findall(r"extern __shared__", source)) == 1
-    assert ptx.ptxas_resources(source, "sm_90a")["shared"] == cc.WGMMA_RING * 4 * 128 * 8  # the weights' ring
-    with ptx.cuda_source_only():
+    assert toolchain.ptxas_resources(source, "sm_90a")["shared"] == cc.WGMMA_RING * 4 * 128 * 8  # the weights' ring
+    with toolchain.cuda_source_only():
         host = tvm.compile(cc.plan_module(plan), target=tvm_ext.resolve_target(TARGET)).mod.inspect_source("ll")
     assert f"store i64 {plan.dynamic_shared_bytes}," in host  # the launch's dynamic shared memory
     assert dynamic_shared_bytes(cc.maxdnn_conv2d_func(plan)) == plan.dynamic_shared_bytes
@@ -351,8 +352,8 @@ def test_wgmma_machine_code(gather, engine):
     t = plan.tile
     assert (t.rows, t.cols, plan.tap_loop, plan.gathers_fragments) == (128, 128, True, gather)
     source = cc.cuda_source(plan, TARGET)
-    ptx_text = ptx.compile_source(source, "sm_90a").decode()
-    ops_count = ptx.ptx_instructions(ptx_text)
+    ptx_text = toolchain.compile_source(source, "sm_90a").decode()
+    ops_count = toolchain.ptx_instructions(ptx_text)
     assert ops_count[t.wgmma.opcode(t.rows)] == t.slabs * plan.code_steps
     assert unfenced_shared_stores(ptx_text) == 0
     for op in ("wgmma.fence.sync.aligned", "wgmma.commit_group.sync.aligned"):
@@ -366,12 +367,12 @@ def test_wgmma_machine_code(gather, engine):
     scalar = "ld.global.nc.u32" if per == 1 else "ld.global.nc.f32"
     assert (ops_count[scalar] > 0) == gather
     assert (ops_count["ld.shared.u32" if per == 1 else "ld.shared.f32"] == 0) == gather
-    resources = ptx.ptxas_resources(source, "sm_90a")
+    resources = toolchain.ptxas_resources(source, "sm_90a")
     assert resources["spill_stores"] == resources["spill_loads"] == resources["stack"] == 0
     assert resources["serialized_wgmma"] == 0
-    if ptx.find_nvdisasm() is not None:
-        sass = ptx.disassemble(ptx.compile_source(source, "sm_90a", "cubin"))
-        loop = ptx.sass_loop_instructions(sass)
+    if toolchain.find_nvdisasm() is not None:
+        sass = toolchain.disassemble(toolchain.compile_source(source, "sm_90a", "cubin"))
+        loop = toolchain.sass_loop_instructions(sass)
         steps = cc.WGMMA_RING if plan.wgmma_in_flight else 2  # a loop iteration: the ring's slots, or a pair
         assert loop["HGMMA"] == steps * t.slabs and loop["BAR"] == steps
         assert loop["LDS"] == (0 if gather else steps * 4 * t.slabs * per)
@@ -402,9 +403,9 @@ def test_wgmma_in_flight_is_not_serialized(x_shape, w_shape, splits, engine):
     plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(wl.K, engine), splits=splits)
     assert plan.wgmma_in_flight
     source = cc.cuda_source(plan, TARGET)
-    resources = ptx.ptxas_resources(source, "sm_90a")
+    resources = toolchain.ptxas_resources(source, "sm_90a")
     assert resources["serialized_wgmma"] == 0 and resources["spill_stores"] == 0, resources
-    assert unfenced_shared_stores(ptx.compile_source(source, "sm_90a").decode()) == 0
+    assert unfenced_shared_stores(toolchain.compile_source(source, "sm_90a").decode()) == 0
 
 
 @needs_gxx
@@ -445,29 +446,12 @@ needs_hopper = pytest.mark.skipif(not tvm.cuda(0).exist or tvm.cuda(0).compute_v
 
 @pytest.mark.gpu
 @needs_hopper
-def test_network_on_wgmma_on_the_gpu():
-    import torch
-    from test_cuda_pipeline import _net
-
-    from tvm_ext.models.torch_reference import to_torch
-
-    mod = _net(4)
-    ex = tvm_ext.build(mod, TARGET, tensor_cores="wgmma_tf32")
-    vm = relax.VirtualMachine(ex, tvm.cuda())
-    x = np.random.default_rng(1).standard_normal((4, 3, 16, 14)).astype(np.float32)
-    out = vm["main"](tvm.runtime.tensor(x, tvm.cuda())).numpy()
-    ref = to_torch(mod, torch.float64)(torch.from_numpy(x).double()).numpy()
-    assert 1e-6 < rel_err(out, ref) < 1e-2
-
-
-@pytest.mark.gpu
-@needs_hopper
 def test_wgmma_on_the_gpu():
     wl = Conv2dWorkload.make((8, 16, 12, 12), (64, 16, 3, 3), padding=1)
     plan = cc.MaxDNNPlan.make(wl, cc.choose_tile(64, ENGINE), cc.Epilogue(bias=True, activation="relu"))
     x, w, bias, _ = _inputs(wl, plan.epilogue)
     arrays = cc.kernel_arrays(plan, x, w, bias)
-    lib = ptx.build_for_device(cc.plan_module(plan), tvm_ext.resolve_target(TARGET))
+    lib = toolchain.build_for_device(cc.plan_module(plan), tvm_ext.resolve_target(TARGET))
     dev = tvm.cuda()
     args = {name: tvm.runtime.tensor(arrays[name], dev) for name in plan.shapes()}
     lib["main"](*args.values())
@@ -488,7 +472,7 @@ def test_a_whole_network_builds_for_hopper():
              if row.op == "nn.conv2d"]
     assert convs and all("wgmma_tf32 tile" in row.reason for row in convs)
     ex = tvm_ext.build(mod, "nvidia/nvidia-h100", tensor_cores="wgmma_tf32")
-    source = ptx.executable_cuda_source(ex)
+    source = toolchain.executable_cuda_source(ex)
     assert "wgmma.mma_async.sync.aligned.m64n" in source
-    resources = ptx.ptxas_resources(source, "sm_90a")
+    resources = toolchain.ptxas_resources(source, "sm_90a")
     assert resources["spill_stores"] == resources["spill_loads"] == resources["stack"] == 0

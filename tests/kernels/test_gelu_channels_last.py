@@ -226,8 +226,8 @@ def test_cuda_activation_kernels_on_the_emulator(name):
     """CUDA's standalone activation kernels (GELU's now the polynomial erf, the exp let-bound):
     the CUDA C TVM generates, run on the CPU emulator, against float64 PyTorch, with zeros,
     large values, infinities and NaN."""
-    from tvm_ext.kernels.cuda.ptx import generate_source
-    from tvm_ext.kernels.cuda.simple import THREADS, activation_func
+    from tvm_ext.kernels.cuda.memory_bound import THREADS, activation_func
+    from tvm_ext.kernels.cuda.toolchain import generate_source
 
     rng = np.random.default_rng(5)
     specials = [0.0, -0.0, 1e-30, -9.0, 9.0, 30.0, -30.0, np.inf, -np.inf, np.nan]
