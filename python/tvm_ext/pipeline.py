@@ -26,6 +26,7 @@ from .dlight import Guarded
 from .dlight.cpu import ParallelVectorize
 from .errors import UnsupportedError
 from .kernels.conv2d import KERNEL_ATTR
+from .relax_info import static_shape
 from .strategy.base import Decision
 from .strategy.cuda_engine import engine_for
 from .strategy.decide import decide
@@ -258,11 +259,16 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
         plumbing = _split_plumbing(func, bindings, stages) if name == "main" else []
 
         def from_matmul(data: relax.Expr) -> bool:
-            """Whether a convolution of `data` is one matmul_as_conv2d made: its image is a reshape
-            of a transposed matrix."""
+            """Whether a convolution of `data` is one matmul_as_conv2d made: its image is a (K, M)
+            matrix transposed and reshaped to (1, K, 1, M). (ShuffleNet's channel shuffle, a
+            reshape of a transposed 5-D tensor, is an image: reported as a matmul before.)"""
             image = bindings.get(data) if isinstance(data, relax.Var) else None
             source = image.args[0] if _is_call_to(image, "relax.reshape") else None
-            return _is_call_to(bindings.get(source) if isinstance(source, relax.Var) else None, "relax.permute_dims")
+            transposed = bindings.get(source) if isinstance(source, relax.Var) else None
+            if not _is_call_to(transposed, "relax.permute_dims") or len(transposed.args[0].ty.shape) != 2:
+                return False
+            dims = static_shape(data)
+            return dims is not None and len(dims) == 4 and dims[0] == 1 and dims[2] == 1
 
         def row(call: relax.Call, fused_into: str | None = None, matmul: bool = False) -> None:
             decision = decide(call, resolved, engine, winograd)

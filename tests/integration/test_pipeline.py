@@ -648,3 +648,23 @@ def test_cpu_build_skips_gpu_only_tir_passes_and_keeps_the_users_context():
     assert not names.seen & {"s_tir.InjectPermutedLayout", "s_tir.InjectVirtualThread", "tirx.CommonSubexprElim"}
     xv = np.random.default_rng(24).standard_normal((1, 16, 8, 8)).astype("float32")
     np.testing.assert_array_equal(_run(ex, xv), np.maximum(xv, 0))
+
+
+def test_channel_shuffle_before_a_convolution_is_no_matmul_in_the_report():
+    """ShuffleNet's channel shuffle (reshape -> transpose -> reshape) before a depthwise
+    convolution: the report named the convolution a matmul (the image a reshape of a transpose,
+    as matmul_as_conv2d writes one) with made-up shapes."""
+    rng = np.random.default_rng(29)
+
+    def body(bb, x):
+        y = bb.emit(relax.op.reshape(x, (1, 2, 8, 6, 6)))
+        y = bb.emit(relax.op.reshape(relax.op.permute_dims(y, [0, 2, 1, 3, 4]), (1, 16, 6, 6)))
+        return bb.emit(relax.op.nn.conv2d(y, _const(rng, 16, 1, 3, 3), padding=(1, 1), groups=16))
+
+    mod = _graph((1, 16, 6, 6), body)
+    report = tvm_ext.dispatch_report(mod, "llvm")
+    convs = [r for r in report if r.kernel == "depthwise_conv2d"]
+    assert [(r.op, r.shapes) for r in convs] == [("nn.conv2d", ((1, 16, 6, 6), (16, 1, 3, 3)))]
+    assert not [r for r in report if r.op == "matmul"]
+    xv = rng.standard_normal((1, 16, 6, 6)).astype("float32")
+    assert rel_err(_run(tvm_ext.build(mod, "llvm"), xv), _run(tvm.compile(mod, TARGET), xv)) <= 1e-5
