@@ -12,6 +12,7 @@ otherwise keep every kernel and every convolution's workspace for good.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import operator
@@ -362,15 +363,18 @@ class _Conv2dKernel:
     def __init__(self, plan: _conv.Conv2dPlan, target: tvm.target.Target, bias: bool):
         lanes = vector_isa(target).lanes
         epilogue = _conv.Epilogue(bias=bias, nchw_out=True)
+        if _conv.nchw_input_reason(plan) is None:  # the kernel reads the NCHW array: no packing copy
+            plan = dataclasses.replace(plan, nchw_in=True)
         self.plan = plan
-        self.pack_data = _build(_layout.pack_data_func(plan), target)
+        self.pack_data = None if plan.nchw_in else _build(_layout.pack_data_func(plan), target)
         self.pack_weight = _build(_conv.pack_weight_func(plan), target)
         self.conv = _build(_conv.conv2d_blocked_kernel(plan, lanes, epilogue), target)
         self.out_shape = plan.wl.out_shape
-        self.data = _as_tvm(aligned_empty(plan.data_shape()))
+        self.data = None if plan.nchw_in else _as_tvm(aligned_empty(plan.data_shape()))
         self.weight = _as_tvm(aligned_empty(plan.weight_shape()))
         self.bias = _as_tvm(np.zeros((plan.OCB, plan.oc_bn), np.float32)) if bias else None
-        self.nbytes = (3 * _KERNEL_BYTES + _nbytes(plan.data_shape()) + _nbytes(plan.weight_shape())
+        self.nbytes = (3 * _KERNEL_BYTES + (0 if plan.nchw_in else _nbytes(plan.data_shape()))
+                       + _nbytes(plan.weight_shape())
                        + (_nbytes((plan.OCB, plan.oc_bn)) if bias else 0))
         self.lock = threading.Lock()  # the workspace belongs to one call at a time
 
@@ -389,11 +393,14 @@ class _Conv2dKernel:
         """`w`: OIHW weights (packed here), or weights :meth:`packed_weight` packed already."""
         out = aligned_empty(self.out_shape)
         with self.lock:
-            self.pack_data(_as_tvm(x, _conv.USER_ALIGNMENT), self.data)
+            data = _as_tvm(x, _conv.USER_ALIGNMENT)
+            if self.pack_data is not None:
+                self.pack_data(data, self.data)
+                data = self.data
             if isinstance(w, np.ndarray):
                 self.pack_weight(_as_tvm(w, _conv.USER_ALIGNMENT), self.weight)
                 w = self.weight
-            args = [self.data, w]
+            args = [data, w]
             if self.bias is not None:
                 if bias is None:  # the kernel's signature has a bias (_conv_kernel's key says so)
                     raise ValueError("conv2d: this kernel adds a bias and none was given")

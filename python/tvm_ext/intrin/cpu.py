@@ -173,11 +173,13 @@ def default_tile(isa: VectorISA, n_choices: list[int], width: int) -> tuple[int,
 # a small tuning test). Built, a pair takes milliseconds; the IR is the same.
 
 
-def operand_buffer(handle: tirx.Var, shape, dtype: str, strided: bool) -> tirx.Buffer:
+def operand_buffer(handle: tirx.Var, shape, dtype: str, strided: bool, unit_last: bool = True) -> tirx.Buffer:
     """The buffer of a microkernel operand passed as `handle` (named in capitals); `strided`: any
-    strides but a unit last one (an implementation runs on views of larger tensors)."""
+    strides but a unit last one (an implementation runs on views of larger tensors), or any at
+    all without `unit_last` (an operand only ever read element by element)."""
     name = handle.name
-    strides = [tirx.Var(f"s{name}{i}", "int32") for i in range(len(shape) - 1)] + [1] if strided else None
+    last = [1] if unit_last else [tirx.Var(f"s{name}{len(shape) - 1}", "int32")]
+    strides = [tirx.Var(f"s{name}{i}", "int32") for i in range(len(shape) - 1)] + last if strided else None
     return IRBuilder.name(name.upper(), T.match_buffer(handle, shape, dtype, offset_factor=1, strides=strides))
 
 
@@ -185,7 +187,9 @@ def _signature(spec: BRGEMM, strided: bool) -> tuple[tuple, tirx.Buffer, tirx.Bu
     """Parameters (a, b, c, then each batch extent above one) and buffers: (batch, A, B, C).
 
     An extent of one stays literal; a larger one is a scalar parameter (see :func:`_family`).
-    `strided`: the buffers take any strides (the implementation runs on views of larger tensors).
+    `strided`: the buffers take any strides (the implementation runs on views of larger tensors);
+    A's channels too, as it is only broadcast element by element: a convolution reads NCHW data
+    as a view of blocks whose channels lie a plane apart (:attr:`~tvm_ext.kernels.conv2d.Conv2dPlan.nchw_in`).
     """
     handles = [T.arg(name, T.handle()) for name in "abc"]
     batch = tuple(T.arg(f"b{i}", T.int32()) if b > 1 else 1 for i, b in enumerate(spec.batch))
@@ -193,7 +197,7 @@ def _signature(spec: BRGEMM, strided: bool) -> tuple[tuple, tirx.Buffer, tirx.Bu
     dh, dw = spec.dilation
     shapes = ((b0, (b1 - 1) * dh + 1, (spec.m_r - 1) * spec.stride + (b2 - 1) * dw + 1, spec.k),
               (b0, b1, b2, spec.k, spec.n_r), (spec.m_r, spec.n_r))
-    return (batch, *(operand_buffer(handle, shape, spec.dtype, strided)
+    return (batch, *(operand_buffer(handle, shape, spec.dtype, strided, unit_last=handle.name != "a")
                      for handle, shape in zip(handles, shapes, strict=True)))
 
 

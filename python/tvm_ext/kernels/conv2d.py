@@ -161,6 +161,10 @@ class Conv2dPlan:
     # "ob_n_oh": output block outer, then the images, then their rows: a block's weights are
     # reused over every image of the call, for small images (:data:`IMAGES_INSIDE_BLOCKS`).
     row_order: str = "ob_oh"
+    # Read the data in NCHW, as a view of channel blocks a plane apart (no packing copy): for
+    # convolutions without padding (the packed input carries the zero border), on the BRGEMM,
+    # which broadcasts its input element by element (:func:`nchw_input_reason`).
+    nchw_in: bool = False
 
     @property
     def K_pad(self) -> int:
@@ -176,8 +180,17 @@ class Conv2dPlan:
         return self.K_pad // self.oc_bn
 
     def data_shape(self) -> tuple[int, ...]:
-        """Blocked, padded input: N, C/x, H+pads, W+pads, x."""
+        """Blocked, padded input: N, C/x, H+pads, W+pads, x (NCHW with :attr:`nchw_in`)."""
+        if self.nchw_in:
+            return (self.wl.N, self.wl.C, self.wl.H, self.wl.W)
         return (self.wl.N, self.ICB, self.wl.HP, self.wl.WP, self.ic_bn)
+
+    def data_view(self, data: tirx.Buffer) -> tirx.Buffer:
+        """The kernel's blocked view (N, C/x, H, W, x) of its NCHW `data` (:attr:`nchw_in`)."""
+        wl, plane = self.wl, self.wl.H * self.wl.W
+        return IRBuilder.name("X_blocks", T.decl_buffer(
+            (wl.N, self.ICB, wl.H, wl.W, self.ic_bn), "float32", data=data.data,
+            strides=(wl.C * plane, self.ic_bn * plane, wl.W, 1, plane)))
 
     def weight_shape(self) -> tuple[int, ...]:
         wl = self.wl
@@ -295,6 +308,15 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
         else:
             row_order = "ob_oh"
     return Conv2dPlan(wl, "brgemm", ic, tile[1], tile[0], row_order=row_order)
+
+
+def nchw_input_reason(plan: Conv2dPlan) -> str | None:
+    """Why `plan` cannot read its data in NCHW (:attr:`Conv2dPlan.nchw_in`), or None if it can."""
+    if plan.kind != "brgemm":
+        return f"a {plan.kind} convolution reads channel vectors"
+    if any(plan.wl.padding):
+        return "padding: the blocked copy carries the zero border"
+    return None
 
 
 # Activations as TVMScript expressions of the value {v} (and {alpha}, leaky_relu's slope): the
@@ -486,7 +508,8 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
     top, left, bottom, right = epilogue.out_pad
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("conv")
-        x = param_buffer("x", plan.data_shape())
+        # NCHW data may be a user's array (NumPy aligns to 16 bytes): it is only broadcast, element by element
+        x = param_buffer("x", plan.data_shape(), align=USER_ALIGNMENT if plan.nchw_in else -1)
         w = param_buffer("w", plan.weight_shape())
         bias = param_buffer("b", (plan.OCB, plan.oc_bn)) if epilogue.bias else None
         residual_shape = wl.out_shape if epilogue.nchw_out else plan.out_shape()
@@ -502,6 +525,8 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
             # it. A border (out_pad) is written by blocks of its own, through a third alias.
             y = param_buffer("y", epilogue.out_shape(plan))
             y_tail, y_epilogue, y_border = (_alias(name, y) for name in ("Y_tail", "Y_epilogue", "Y_border"))
+        if plan.nchw_in:  # after the parameters: a declared buffer opens a frame
+            x = plan.data_view(x)
         with T.grid(wl.N, plan.OCB, wl.OH) as row:
             IRBuilder.name_many(["n", "ob", "oh"], row)
             n, ob, oh = row

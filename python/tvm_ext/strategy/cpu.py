@@ -4,6 +4,7 @@ fallbacks). Constant weights are packed here, at build time."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -34,7 +35,7 @@ def _tag(plan: _conv.Conv2dPlan) -> str:
     wl = plan.wl
     return (f"{wl.N}x{wl.C}x{wl.H}x{wl.W}_{wl.K}x{wl.KH}x{wl.KW}_s{wl.stride[0]}x{wl.stride[1]}"
             f"_p{'x'.join(map(str, wl.padding))}_d{wl.dilation[0]}x{wl.dilation[1]}_g{wl.groups}"
-            f"_x{plan.ic_bn}y{plan.oc_bn}")
+            f"_x{plan.ic_bn}y{plan.oc_bn}{'_nchw' if plan.nchw_in else ''}")
 
 
 def _cpu_plan(decision: Decision) -> _conv.Conv2dPlan:
@@ -197,10 +198,12 @@ class CpuEmitter:
             plan = self._plan(plan, data)
         if plan.kind == "winograd" and constant is not None:
             return self._winograd_conv2d(plan, constant, data, bias, residual, activation, suffix, channels)
+        if self.blocked(data, padded=True) is None and _conv.nchw_input_reason(plan) is None:
+            plan = dataclasses.replace(plan, nchw_in=True)  # read as it is: no packing copy
         wl = plan.wl
         blocked_out = plan.K_pad == wl.K or (padded_out and plan.kind != "direct")  # direct: no zeros past K
         tag = _tag(plan)
-        args = [self.pack(data, plan.ic_bn, wl.padding, padded=True),
+        args = [data if plan.nchw_in else self.pack(data, plan.ic_bn, wl.padding, padded=True),
                 relax.const(_pack_constant_weight(plan, constant)) if constant is not None
                 else self._call(_conv.pack_weight_func(plan), f"tvm_ext_pack_weight_{tag}", [weight],
                                 plan.weight_shape())]

@@ -39,7 +39,10 @@ PLAN_ATTR = "tvm_ext.conv2d_plan"
 
 
 def _describe(plan: _conv.Conv2dPlan, epilogue: _conv.Epilogue, lanes: int, registers: int) -> str:
-    return json.dumps({"plan": dataclasses.asdict(plan), "epilogue": dataclasses.asdict(epilogue),
+    described = dataclasses.asdict(plan)
+    if not plan.nchw_in:  # unnamed by default: the workloads of records tuned before it keep their text
+        del described["nchw_in"]
+    return json.dumps({"plan": described, "epilogue": dataclasses.asdict(epilogue),
                        "lanes": lanes, "registers": registers}, sort_keys=True)
 
 
