@@ -37,6 +37,8 @@ def _activation(name: str | None, x: np.ndarray) -> np.ndarray:
     (((12, 4), (20, 4)), 16, True, False, "leaky_relu"),           # chunks of 4 channels: narrow vectors
     (((48, 16),), 16, False, True, "relu6"),                       # one input: a batch norm after no convolution
     (((32, 32),) * 9, 32, True, True, "gelu"),                     # many inputs: the binary search over them
+    (((58, 1), (58, 1)), 1, False, False, None),                   # planar (NCHW in and out): ShuffleNet's
+    (((6, 1), (10, 1), (3, 1)), 1, True, True, "gelu"),            # planar, odd channels, the activation after
 ])
 def test_kernel_matches_numpy(inputs, out_block, scale, shift, activation):
     rng = np.random.default_rng(len(inputs) * 100 + out_block)
@@ -207,3 +209,38 @@ def test_batch_norm_after_no_convolution_becomes_scale_and_shift():
         if not training:
             x = rng.standard_normal((2, 8, 5, 5)).astype(np.float32)
             assert rel_err(_run(tvm.compile(folded, "llvm"), x), _run(tvm.compile(mod, "llvm"), x)) < 1e-6
+
+
+def test_concatenation_of_nchw_tensors_stays_nchw():
+    """ShuffleNet's unit: split -> 1x1 convolution of 40 channels (written in NCHW: 40 fill no
+    block of 16 or 48) -> concat with the other half -> channel shuffle. Neither input has a
+    blocked form: the concatenation reads and writes NCHW, with no pack or unpack around it
+    (there were two packs and an unpack, three copies of what stock TVM's concatenation copies
+    once: ShuffleNet's 232-channel halves)."""
+    rng = np.random.default_rng(8)
+
+    def body(bb, x):
+        halves = bb.emit(relax.op.split(x, 2, axis=1))
+        left, right = bb.emit(relax.TupleGetItem(halves, 0)), bb.emit(relax.TupleGetItem(halves, 1))
+        w = relax.const((rng.standard_normal((40, 40, 1, 1)) * 0.2).astype(np.float32))
+        right = bb.emit(relax.op.nn.relu(relax.op.nn.conv2d(right, w)))
+        y = bb.emit(relax.op.concat([left, right], axis=1))
+        y = bb.emit(relax.op.reshape(y, (1, 2, 40, 7, 7)))
+        return bb.emit(relax.op.reshape(relax.op.permute_dims(y, [0, 2, 1, 3, 4]), (1, 80, 7, 7)))
+
+    mod = one_input_graph((1, 80, 7, 7), body)
+    report = tvm_ext.dispatch_report(mod, TARGET)
+    assert [r.kernel for r in report if r.op == "concat"] == ["channel_affine"]
+    from tvm_ext.strategy.dispatch import lower_to_kernels
+    from tvm_ext.strategy.fusion import fusion_passes
+
+    with TARGET:
+        lowered = tvm.transform.Sequential(fusion_passes(TARGET) + [lower_to_kernels(TARGET)])(mod)
+    calls = []
+    relax.analysis.post_order_visit(lowered["main"], lambda e: calls.append(e.args[0].name_hint) if (
+        isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir") else None)
+    assert [c for c in calls if "channel_affine" in c] == ["tvm_ext_channel_affine_1x7x7_40b1_40b1_o1"]
+    assert not [c for c in calls if "pack_nchwc" in c], calls
+    x = rng.standard_normal((1, 80, 7, 7)).astype(np.float32)
+    run = lambda ex: relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()  # noqa: E731
+    assert rel_err(run(tvm_ext.build(mod, TARGET)), run(tvm.compile(mod, "llvm"))) < 1e-5

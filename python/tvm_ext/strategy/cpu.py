@@ -281,15 +281,21 @@ class CpuEmitter:
         """act(concat(inputs) * scale + shift) over channels (scale, shift: one value per channel
         or one for all; each part optional) in one blocked pass
         (:mod:`tvm_ext.kernels.channel_affine`). Inputs are read in the blocks their producers
-        wrote; those without a blocked form are packed first."""
+        wrote; those without a blocked form are packed first. If none has one, all are read and
+        the output written in NCHW (blocks of one channel: views, no copies)."""
         shapes = [known_shape(image_shape(x), "channel_affine: an input") for x in inputs]
         channels = [shape[1] for shape in shapes]
         n, _, h, w = shapes[0]
         known = [self.blocked(x) for x in inputs]
-        out_block = _affine.choose_out_block(channels, [k[1] for k in known if k is not None], self.isa.lanes)
+        planar = all(k is None for k in known)
+        out_block = 1 if planar else _affine.choose_out_block(channels, [k[1] for k in known if k is not None],
+                                                              self.isa.lanes)
         sources = []
         for x, k, c in zip(inputs, known, channels, strict=True):
-            sources.append(k if k is not None else (self.pack(x, math.gcd(c, out_block)), math.gcd(c, out_block)))
+            if planar:
+                sources.append((self.bb.emit(relax.op.expand_dims(x, [4])), 1))
+            else:
+                sources.append(k if k is not None else (self.pack(x, math.gcd(c, out_block)), math.gcd(c, out_block)))
         total = sum(channels)
         affine = _affine.ChannelAffine(tuple((c, block) for c, (_, block) in zip(channels, sources, strict=True)),
                                        (n, h, w), out_block, scale is not None, shift is not None,
@@ -300,7 +306,7 @@ class CpuEmitter:
                  for v in (scale, shift) if v is not None]
         func = _affine.channel_affine_func(affine, self.isa.lanes)
         out = self._call(func, f"tvm_ext_channel_affine_{affine.tag()}", args, affine.out_shape())
-        return self.unpack(out, total)
+        return relax.op.squeeze(out, [4]) if planar else self.unpack(out, total)
 
     def _layer_norm(self, call: relax.Call) -> relax.Expr:
         """A layer norm over the channels of an NCHW tensor, on its blocked form (packed first
