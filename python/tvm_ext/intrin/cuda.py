@@ -213,10 +213,10 @@ class WgmmaShape:
         return 4 * self.per_reg
 
     @property
-    def immediates(self) -> str:
+    def immediates(self) -> tuple[int, ...]:
         """The instruction's immediate operands after scale-d: scale-a, scale-b (1: no negation)
         and, for 16-bit types, B's transpose (0: K-major, as packed)."""
-        return "1, 1, 0" if self.transposes else "1, 1"
+        return (1, 1, 0) if self.transposes else (1, 1)
 
 
 WGMMA_SHAPES = {

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..kernels.cuda import winograd as _winograd
 from ..kernels.cuda.maxdnn import codegen as _codegen
+from ..kernels.cuda.maxdnn.operands import Cond, Expr
 from ..kernels.cuda.maxdnn.plan import FLAT_PARAMS, KERNEL_NAME, MaxDNNPlan
 from ..kernels.cuda.maxdnn.split_k import REDUCE_SUFFIX, reduce_launch
 from .cuda_emulator import run_kernel
@@ -31,7 +32,7 @@ class WrongBuffer(_codegen.Generator):
 class NoStore(_codegen.Generator):
     """Never moves the prefetched tiles into shared memory (the prologue's first tile still is)."""
 
-    def store_prefetched(self, buf: int, kt: str, when: str | None) -> None:
+    def store_prefetched(self, buf: int, kt: Expr, when: Cond | None) -> None:
         pass
 
 

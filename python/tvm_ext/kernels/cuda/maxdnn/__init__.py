@@ -55,8 +55,8 @@ dynamic shared memory (:attr:`MaxDNNPlan.dynamic_shared_bytes`).
 
 The package, one concern a module: :mod:`.tile` (the block tile and its choice), :mod:`.plan`
 (a workload's plan, split-K's choice), :mod:`.operands`, :mod:`.codegen` and :mod:`.engines` (the
-kernel's TVMScript text: the operands' movement; the k loop and output, and the PrimFunc and CUDA C
-built from it; each compute engine's part: FFMA, mma.sync, wgmma), :mod:`.split_k` (split-K's
+kernel, built with TVM's IRBuilder: the operands' movement; the k loop and output, and the PrimFunc
+and CUDA C; each compute engine's part: FFMA, mma.sync, wgmma), :mod:`.split_k` (split-K's
 reduce kernel) and :mod:`.pack` (host-side arrays in the kernel's layouts). The names below are
 its API; running a plan on the CPU emulator, and the tests' deliberately broken kernels, are in
 :mod:`tvm_ext.testing.maxdnn`.

@@ -1,9 +1,9 @@
-"""The maxDNN kernel's compute engines: what FFMA, mma.sync and wgmma write into the kernel's text.
+"""The maxDNN kernel's compute engines: what FFMA, mma.sync and wgmma build into the kernel.
 
 The generator (:class:`~.codegen.Generator`) writes the parts every engine shares (the operands'
 movement, the k loop, the output's epilogue) and hands the rest to one :class:`Engine`, chosen
 once from the plan's tile (:func:`engine_for`). An engine reads what :class:`Host` lists of its
-generator and writes, through the generator's emitter, in this order:
+generator and builds, in the generator's open IRBuilder frame (``T.*``), in this order:
 
 - :meth:`Engine.declare_registers`: its local buffers (accumulators, fragments, descriptors);
 - :meth:`Engine.prologue`: the thread's coordinates in the tile, the accumulators zeroed (and
@@ -19,9 +19,12 @@ A new engine is a new subclass and an entry in :func:`engine_for`.
 from __future__ import annotations
 
 import abc
-from typing import Protocol
+from typing import Any, Protocol
 
-from .operands import Emitter, bf16_pair_text
+from tvm.script.ir_builder import IRBuilder
+from tvm.tirx.script import builder as T
+
+from .operands import Expr, bf16_pair, evaluate, ramp, store, terms
 from .plan import MaxDNNPlan
 from .tile import BlockTile
 
@@ -31,11 +34,16 @@ class Host(Protocol):
 
     plan: MaxDNNPlan
     t: BlockTile
-    e: Emitter
+    v: dict[str, Any]  # the kernel's names bound so far: variables, buffers
     ring: int  # wgmma in flight: the weights' ring's slots
-    updates: list[str]  # FFMA: the names of the update blocks written so far
+    updates: list[str]  # FFMA: the names of the update blocks built so far
 
-    def shared_at(self, name: str, buf: int, row: str, col: str, lanes: int = 1) -> str: ...
+    def let(self, name: str, value: Expr) -> Any: ...
+
+    def buffer(self, name: str, shape: tuple, dtype: str = "float32", scope: str = "global",
+               **kwargs: Any) -> Any: ...
+
+    def load_shared(self, name: str, buf: int, row: Expr, col: Any, lanes: int = 1) -> Expr: ...
 
     def fragment_base(self, slot: int) -> int: ...
 
@@ -44,11 +52,15 @@ class Host(Protocol):
     def sync(self) -> None: ...
 
 
+def _wgmma_wait(groups: int) -> None:
+    evaluate(T.ptx["wgmma.wait_group.sync.aligned"](groups))
+
+
 class Engine(abc.ABC):
-    """How one engine computes the block's tile: the text it adds to its generator's kernel."""
+    """How one engine computes the block's tile: what it adds to its generator's kernel."""
 
     def __init__(self, gen: Host):
-        self.gen, self.plan, self.t, self.e = gen, gen.plan, gen.t, gen.e
+        self.gen, self.plan, self.t, self.v = gen, gen.plan, gen.t, gen.v
 
     @abc.abstractmethod
     def declare_registers(self) -> None:
@@ -84,40 +96,43 @@ class Ffma(Engine):
 
     def declare_registers(self) -> None:
         tt = self.t.thread_tile()
-        self.e(f'acc = T.decl_buffer(({tt.rows}, {tt.cols}), "float32", scope="local")')
+        self.gen.buffer("acc", (tt.rows, tt.cols), scope="local")
 
     def prologue(self) -> None:
-        t, e = self.t, self.e
-        e(f"ty: T.let = tid // {t.threads_n}")
-        e(f"tx: T.let = tid % {t.threads_n}")
+        t, gen, tid = self.t, self.gen, self.v["tid"]
+        gen.let("ty", tid // t.threads_n)
+        gen.let("tx", tid % t.threads_n)
         tt = t.thread_tile()
-        with e.block(f"for i, j in T.grid({tt.rows}, {tt.cols}):"):
-            e("acc[i, j] = T.float32(0)")
+        with T.grid(tt.rows, tt.cols) as (i, j):
+            IRBuilder.name_many(["i", "j"], [i, j])
+            store(self.v["acc"], T.float32(0), i, j)
 
     def compute(self, buf: int, slot: int = 0) -> None:
-        t, e, updates = self.t, self.e, self.gen.updates
+        t, v, updates = self.t, self.v, self.gen.updates
         name = f"update{len(updates)}"
         tt = t.thread_tile()
-        with e.block(f"for kk, i0, i1, j0, j1 in T.grid({t.k_step}, {tt.rows // t.vec}, {t.vec}, "
-                     f"{tt.cols // t.vec}, {t.vec}):"):
-            with e.block(f'with T.sblock("{name}"):'):
-                e(f"vty = T.axis.spatial({t.threads_m}, tid // {t.threads_n})")
-                e(f"vtx = T.axis.spatial({t.threads_n}, tid % {t.threads_n})")
-                e(f"vk = T.axis.reduce({t.k_step}, kk)")
-                e('vi0, vi1, vj0, vj1 = T.axis.remap("SSSS", [i0, i1, j0, j1])')
-                c = f"vi0 * {t.vec} + vi1, vj0 * {t.vec} + vj1"
-                e(f"acc[{c}] = acc[{c}] + A_sh{buf}[vk, vty * {t.vec} + vi0 * {tt.row_gap} + vi1] * "
-                  f"B_sh{buf}[vk, vtx * {t.vec} + vj0 * {tt.col_gap} + vj1]")
+        tid, acc = v["tid"], v["acc"]
+        with T.grid(t.k_step, tt.rows // t.vec, t.vec, tt.cols // t.vec, t.vec) as loops, T.sblock(name):
+            kk, i0, i1, j0, j1 = IRBuilder.name_many(["kk", "i0", "i1", "j0", "j1"], loops)
+            vty = IRBuilder.name("vty", T.axis.spatial(t.threads_m, tid // t.threads_n))
+            vtx = IRBuilder.name("vtx", T.axis.spatial(t.threads_n, tid % t.threads_n))
+            vk = IRBuilder.name("vk", T.axis.reduce(t.k_step, kk))
+            vi0, vi1, vj0, vj1 = IRBuilder.name_many(["vi0", "vi1", "vj0", "vj1"],
+                                                    T.axis.remap("SSSS", [i0, i1, j0, j1]))
+            at = (vi0 * t.vec + vi1, vj0 * t.vec + vj1)
+            a = v[f"A_sh{buf}"][vk, vty * t.vec + vi0 * tt.row_gap + vi1]
+            b = v[f"B_sh{buf}"][vk, vtx * t.vec + vj0 * tt.col_gap + vj1]
+            store(acc, acc[vi0 * t.vec + vi1, vj0 * t.vec + vj1] + a * b, *at)
         updates.append(name)
 
     def stage_accumulators(self) -> None:
-        t, e = self.t, self.e
+        t, v = self.t, self.v
         tt = t.thread_tile()
         for i in range(tt.rows):
-            row = f"ty * {t.vec} + {i // t.vec * tt.row_gap + i % t.vec}"
+            row = v["ty"] * t.vec + (i // t.vec * tt.row_gap + i % t.vec)
             for h in range(tt.cols // t.vec):
-                e(f"O_sh[{row}, T.ramp(tx * {t.vec} + {h * tt.col_gap}, 1, {t.vec})] = "
-                  f"acc[{i}, T.ramp({h * t.vec}, 1, {t.vec})]")
+                store(v["O_sh"], v["acc"][i, ramp(h * t.vec, t.vec)], row,
+                      ramp(v["tx"] * t.vec + h * tt.col_gap, t.vec))
 
 
 class _TensorCores(Engine):
@@ -130,12 +145,12 @@ class _TensorCores(Engine):
         """float32 accumulators per thread."""
 
     def prologue(self) -> None:
-        e = self.e
-        e("warp: T.let = tid // 32")
-        e("gq: T.let = tid % 32 // 4")
-        e("tq: T.let = tid % 4")
-        with e.block(f"for i in T.serial({self.accumulators}):"):
-            e("acc[i] = T.float32(0)")
+        gen, tid = self.gen, self.v["tid"]
+        gen.let("warp", tid // 32)
+        gen.let("gq", tid % 32 // 4)
+        gen.let("tq", tid % 4)
+        with T.serial(self.accumulators) as i:
+            store(self.v["acc"], T.float32(0), IRBuilder.name("i", i))
 
 
 class MmaSync(_TensorCores):
@@ -148,16 +163,16 @@ class MmaSync(_TensorCores):
         return mt * nt * 4
 
     def declare_registers(self) -> None:
-        t, e, mma = self.t, self.e, self.t.mma_shape
+        t, gen, mma = self.t, self.gen, self.t.mma_shape
         mt, nt = t.mma_tiles
         reg = "float32" if mma.per_reg == 1 else "uint32"
-        e(f'acc = T.decl_buffer(({self.accumulators},), "float32", scope="local")')
-        e(f'af = T.decl_buffer(({mt * 4},), "{reg}", scope="local")')
-        e(f'bf = T.decl_buffer(({nt * 2},), "{reg}", scope="local")')
+        gen.buffer("acc", (self.accumulators,), scope="local")
+        gen.buffer("af", (mt * 4,), reg, scope="local")
+        gen.buffer("bf", (nt * 2,), reg, scope="local")
         # the fragments' values as loaded from shared memory (bf16: before packing)
-        e(f'a_val = T.decl_buffer(({2 * mma.per_reg * 2 * mt},), "float32", scope="local")')
+        gen.buffer("a_val", (2 * mma.per_reg * 2 * mt,), scope="local")
         if mma.per_reg > 1:
-            e(f'b_val = T.decl_buffer(({2 * mma.per_reg * nt},), "float32", scope="local")')
+            gen.buffer("b_val", (2 * mma.per_reg * nt,), scope="local")
 
     def compute(self, buf: int, slot: int = 0) -> None:
         """One k step on the tensor cores: a warp's warp_rows x cols slab as warp_rows/16 x cols/8
@@ -170,54 +185,63 @@ class MmaSync(_TensorCores):
         into the register pair the mma reads (its B registers come from two k rows: 32-bit loads).
         bf16 packs two k rows into each register anyway: its loads are 128-bit, into `a_val` and
         `b_val`, then packed."""
-        t, e, mma, shared_at = self.t, self.e, self.t.mma_shape, self.gen.shared_at
+        t, v, mma, load_shared = self.t, self.v, self.t.mma_shape, self.gen.load_shared
         mt, nt = t.mma_tiles
         half, per = mma.k // 2, mma.per_reg
         ca, cb = t.mma_chunks
-        a_base = f"warp * {t.warp_rows} + "
+        warp, gq, tq = v["warp"], v["gq"], v["tq"]
+        af, bf = v["af"], v["bf"]
         if per == 1:
-            with e.block(f"for mi in T.unroll({mt}):"):
+            with T.unroll(mt) as mi:
+                IRBuilder.name("mi", mi)
                 for kh in range(2):  # A registers j, j + 1 = rows g, g + 8 of k-half j // 2
-                    e(f"a_val[T.ramp(mi * 4 + {2 * kh}, 1, 2)] = "
-                      f"{shared_at('A', buf, f'tq + {kh * half}', a_base + t.mma_row('mi * 2', 'gq'), 2)}")
+                    store(v["a_val"], load_shared("A", buf, tq + kh * half,
+                                                  [warp * t.warp_rows, *t.mma_row(mi * 2, gq)], 2),
+                          ramp(mi * 4 + 2 * kh, 2))
                 # a copy nvcc does not issue (the same registers); TVM would declare `af` float2
                 # if the load wrote it, and offset the mma's pointer into it in float2 units
-                with e.block("for j in T.unroll(4):"):
-                    e("af[mi * 4 + j] = a_val[mi * 4 + j]")
-            with e.block(f"for ni in T.unroll({nt}):"):
-                with e.block("for j in T.unroll(2):"):
-                    e(f"bf[ni * 2 + j] = {shared_at('B', buf, f'tq + j * {half}', t.mma_col('ni', 'gq'))}")
+                with T.unroll(4) as j:
+                    IRBuilder.name("j", j)
+                    store(af, v["a_val"][mi * 4 + j], mi * 4 + j)
+            with T.unroll(nt) as ni:
+                IRBuilder.name("ni", ni)
+                with T.unroll(2) as j:
+                    IRBuilder.name("j", j)
+                    store(bf, load_shared("B", buf, tq + j * half, t.mma_col(ni, gq)), ni * 2 + j)
         else:
-            for operand, count, chunk, base in (("a", 2 * mt, ca, a_base), ("b", nt, cb, "")):
+            for operand, count, chunk, base in (("a", 2 * mt, ca, [warp * t.warp_rows]), ("b", nt, cb, [])):
                 for kh in range(2):  # the 2 x per k rows a lane reads, `chunk` values a load
                     for el in range(per):
                         at = (kh * per + el) * count
                         for q in range(count // chunk):
-                            col = f"{base}{q * 8 * chunk} + gq * {chunk}"
-                            e(f"{operand}_val[T.ramp({at + q * chunk}, 1, {chunk})] = "
-                              f"{shared_at(operand.upper(), buf, f'tq * {per} + {el + kh * half}', col, chunk)}")
+                            col = [*base, q * 8 * chunk, gq * chunk]
+                            store(v[f"{operand}_val"],
+                                  load_shared(operand.upper(), buf, tq * per + (el + kh * half), col, chunk),
+                                  ramp(at + q * chunk, chunk))
 
-            def packed(operand: str, count: int, kh: int, v: int) -> str:
-                return bf16_pair_text(*(f"{operand}_val[{(kh * per + el) * count + v}]" for el in range(per)))
+            def packed(operand: str, count: int, kh: int, i: int) -> Expr:
+                values = v[f"{operand}_val"]
+                return bf16_pair(*(values[(kh * per + el) * count + i] for el in range(per)))
 
             for mi in range(mt):
                 for j in range(4):  # A register j: rows g + 8 (j % 2), k-half j // 2
-                    e(f"af[{mi * 4 + j}] = {packed('a', 2 * mt, j // 2, 2 * mi + j % 2)}")
+                    store(af, packed("a", 2 * mt, j // 2, 2 * mi + j % 2), mi * 4 + j)
             for ni in range(nt):
                 for j in range(2):  # B register j: k-half j
-                    e(f"bf[{ni * 2 + j}] = {packed('b', nt, j, ni)}")
-        with e.block(f"for mi in T.unroll({mt}):"):
-            with e.block(f"for ni in T.unroll({nt}):"):
-                e(f'T.evaluate(T.ptx_legacy.mma("{mma.shape}", "row", "col", "{mma.ptx_type}", "{mma.ptx_type}", '
-                  f'"fp32", af.data, mi * 4, bf.data, ni * 2, acc.data, (mi * {nt} + ni) * 4, False, '
-                  'dtype="float32"))')
+                    store(bf, packed("b", nt, j, ni), ni * 2 + j)
+        with T.unroll(mt) as mi, T.unroll(nt) as ni:
+            IRBuilder.name_many(["mi", "ni"], [mi, ni])
+            evaluate(T.ptx_legacy.mma(mma.shape, "row", "col", mma.ptx_type, mma.ptx_type, "fp32", af.data, mi * 4,
+                                      bf.data, ni * 2, v["acc"].data, (mi * nt + ni) * 4, False, dtype="float32"))
 
     def stage_accumulators(self) -> None:
-        t, e = self.t, self.e
+        t, v = self.t, self.v
         mt, nt = t.mma_tiles
-        with e.block(f"for mi, ni, h, b in T.grid({mt}, {nt}, 2, 2):"):  # C[g + 8h][2t + b] of tile (mi, ni)
-            e(f"O_sh[warp * {t.warp_rows} + {t.mma_row('mi * 2 + h', 'gq')}, {t.mma_col('ni', 'tq * 2 + b')}] = "
-              f"acc[(mi * {nt} + ni) * 4 + h * 2 + b]")
+        with T.grid(mt, nt, 2, 2) as loops:  # C[g + 8h][2t + b] of tile (mi, ni)
+            mi, ni, h, b = IRBuilder.name_many(["mi", "ni", "h", "b"], loops)
+            store(v["O_sh"], v["acc"][(mi * nt + ni) * 4 + h * 2 + b],
+                  terms(v["warp"] * t.warp_rows, *t.mma_row(mi * 2 + h, v["gq"])),
+                  terms(*t.mma_col(ni, v["tq"] * 2 + b)))
 
 
 class Wgmma(_TensorCores):
@@ -229,23 +253,23 @@ class Wgmma(_TensorCores):
         return self.t.slabs * self.t.rows // 2
 
     def declare_registers(self) -> None:
-        plan, t, e = self.plan, self.t, self.e
-        e(f'acc = T.decl_buffer(({self.accumulators},), "float32", scope="local")')
-        sets = self.gen.ring if plan.wgmma_in_flight else 1  # one per ring slot
-        e(f'af = T.decl_buffer(({sets * t.slabs * 4},), "uint32", scope="local")')
+        plan, t, gen = self.plan, self.t, self.gen
+        gen.buffer("acc", (self.accumulators,), scope="local")
+        sets = gen.ring if plan.wgmma_in_flight else 1  # one per ring slot
+        gen.buffer("af", (sets * t.slabs * 4,), "uint32", scope="local")
         if plan.gathers_fragments:  # a step's gathered values, before the dead columns' zeros
-            e(f'fv = T.decl_buffer(({t.slabs * 4 * t.wgmma_shape.per_reg},), "float32", scope="local")')
-        e(f'desc = T.decl_buffer(({1 if plan.wgmma_in_flight else 2},), "uint64", scope="local")')
+            gen.buffer("fv", (t.slabs * 4 * t.wgmma_shape.per_reg,), scope="local")
+        gen.buffer("desc", (1 if plan.wgmma_in_flight else 2,), "uint64", scope="local")
 
     def prologue(self) -> None:
         super().prologue()
-        plan, wg = self.plan, self.t.wgmma_shape
+        plan, wg, v = self.plan, self.t.wgmma_shape, self.v
         # LBO and SBO in 16-byte units, no swizzle; the ring's, moved per slot; else each
         # buffer's (a single step uses one)
         tiles = ["A_ring"] if plan.wgmma_in_flight else ["A_sh0", "A_sh1"][:self.gen.slice_steps()]
         for buf, tile in enumerate(tiles):
-            self.e(f"T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc[{buf}]), "
-                   f"T.address_of({tile}[0]), {wg.lbo // 16}, {wg.sbo // 16}, 0)")
+            evaluate(T.cuda.wgmma.encode_matrix_descriptor(T.address_of(v["desc"][buf]), T.address_of(v[tile][0]),
+                                                           wg.lbo // 16, wg.sbo // 16, 0))
 
     def compute(self, buf: int, slot: int = 0) -> None:
         """One k step on Hopper's tensor cores: per 64-column slab one asynchronous wgmma of the
@@ -255,44 +279,49 @@ class Wgmma(_TensorCores):
         which the tensor cores read from shared memory through a descriptor: of buffer `buf` (in
         flight: of the ring's slot `buf`). The caller waits for the group before the tile or
         registers change."""
-        t, e, wg = self.t, self.e, self.t.wgmma_shape
+        t, v, wg = self.t, self.v, self.t.wgmma_shape
         half = wg.k // 2
         base = self.gen.fragment_base(slot)
-        desc = f"desc[{buf}]"
-        if self.plan.wgmma_in_flight:  # the start address (16-byte units, the low bits) moved to the slot
-            desc = f"desc[0] + T.uint64({buf * t.weight_words * 4 // 16})"
+        af, acc = v["af"], v["acc"]
         if not self.plan.gathers_fragments:
             per = wg.per_reg
-            with e.block(f"for sl in T.unroll({t.slabs}):"):
+            warp, gq, tq = v["warp"], v["gq"], v["tq"]
+            with T.unroll(t.slabs) as sl:
+                IRBuilder.name("sl", sl)
                 # A[16 warp + g + 8 (j % 2)][t per + e + k/2 (j // 2)]
-                with e.block("for j in T.unroll(4):"):
-                    at = [self.gen.shared_at("B", buf, f"tq{f' * {per} + {el}' if per > 1 else ''} + j // 2 * {half}",
-                                             "sl * 64 + warp * 16 + gq + j % 2 * 8") for el in range(per)]
-                    bits = f'T.reinterpret("uint32", {at[0]})' if per == 1 else bf16_pair_text(*at)
-                    e(f"af[{base} + sl * 4 + j] = {bits}")
-        e('T.ptx["wgmma.fence.sync.aligned"]()')
+                with T.unroll(4) as j:
+                    IRBuilder.name("j", j)
+                    at = [self.gen.load_shared("B", buf, (tq * per + el if per > 1 else tq) + j // 2 * half,
+                                               [sl * 64, warp * 16, gq, j % 2 * 8]) for el in range(per)]
+                    bits = T.reinterpret("uint32", at[0]) if per == 1 else bf16_pair(*at)
+                    store(af, bits, base + sl * 4 + j)
+        evaluate(T.ptx["wgmma.fence.sync.aligned"]())
         per_slab = t.rows // 2
         for sl in range(t.slabs):
-            d = ", ".join(f"acc[{sl * per_slab + i}]" for i in range(per_slab))
-            a = ", ".join(f"af[{base + sl * 4 + j}]" for j in range(4))
-            e(f'T.ptx["{wg.opcode(t.rows)}"]({d}, {a}, {desc}, T.bool(True), {wg.immediates})')
-        e('T.ptx["wgmma.commit_group.sync.aligned"]()')
+            # the start address (16-byte units, the low bits) moved to the ring's slot
+            desc = (v["desc"][0] + T.uint64(buf * t.weight_words * 4 // 16) if self.plan.wgmma_in_flight
+                    else v["desc"][buf])
+            evaluate(T.ptx[wg.opcode(t.rows)](*(acc[sl * per_slab + i] for i in range(per_slab)),
+                                              *(af[base + sl * 4 + j] for j in range(4)), desc, T.bool(True),
+                                              *wg.immediates))
+        evaluate(T.ptx["wgmma.commit_group.sync.aligned"]())
 
     def end_step(self) -> None:
         # the tensor cores worked through the store; the buffer and registers are free now
-        self.e('T.ptx["wgmma.wait_group.sync.aligned"](0)')
+        _wgmma_wait(0)
 
     def end_k_loop(self) -> None:
         if self.plan.wgmma_in_flight:  # the last step's group, in every thread before the output
-            self.e('T.ptx["wgmma.wait_group.sync.aligned"](0)')  # tile (TVM may lay it over the ring)
+            _wgmma_wait(0)  # tile (TVM may lay it over the ring)
             self.gen.sync()
 
     def stage_accumulators(self) -> None:
-        t, e = self.t, self.e
+        t, v = self.t, self.v
         # D[16 warp + g + 8h][8c + 2t + b] of slab sl: row = channel
-        with e.block(f"for sl, c, h, b in T.grid({t.slabs}, {t.rows // 8}, 2, 2):"):
-            e(f"O_sh[c * 8 + tq * 2 + b, sl * 64 + warp * 16 + gq + h * 8] = "
-              f"acc[sl * {t.rows // 2} + c * 4 + h * 2 + b]")
+        with T.grid(t.slabs, t.rows // 8, 2, 2) as loops:
+            sl, c, h, b = IRBuilder.name_many(["sl", "c", "h", "b"], loops)
+            store(v["O_sh"], v["acc"][sl * (t.rows // 2) + c * 4 + h * 2 + b],
+                  c * 8 + v["tq"] * 2 + b, sl * 64 + v["warp"] * 16 + v["gq"] + h * 8)
 
 
 def engine_for(gen: Host) -> Engine:

@@ -8,6 +8,7 @@ kernel; the tensor-core instructions it is made of are data in :mod:`tvm_ext.int
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from ....intrin.cuda import MMA_SHAPES, WGMMA_SHAPES, MmaShape, ThreadTile, WgmmaShape
 
@@ -99,16 +100,18 @@ class BlockTile:
 
         return chunk(2 * mt), chunk(nt)
 
-    def mma_row(self, v: str, g: str) -> str:
+    def mma_row(self, v: Any, g: Any) -> tuple[Any, Any, Any]:
         """The row of a warp's slab behind mma row g + 8 (v % 2) of m16 tile v // 2: lane group g's
-        values v = 0 .. 2 mt - 1 side by side, in chunks of :attr:`mma_chunks`."""
+        values v = 0 .. 2 mt - 1 side by side, in chunks of :attr:`mma_chunks`. The summands of
+        the row (expressions of the kernel's variables), in order."""
         c = self.mma_chunks[0]
-        return f"({v}) // {c} * {8 * c} + ({g}) * {c} + ({v}) % {c}"
+        return v // c * (8 * c), g * c, v % c
 
-    def mma_col(self, ni: str, n: str) -> str:
-        """The tile column behind column n of n8 tile ni (B's lane group n = g, C's n = 2t + b)."""
+    def mma_col(self, ni: Any, n: Any) -> tuple[Any, Any, Any]:
+        """The tile column behind column n of n8 tile ni (B's lane group n = g, C's n = 2t + b):
+        its summands, as :meth:`mma_row`'s."""
         c = self.mma_chunks[1]
-        return f"({ni}) // {c} * {8 * c} + ({n}) * {c} + ({ni}) % {c}"
+        return ni // c * (8 * c), n * c, ni % c
 
     def thread_tile(self) -> ThreadTile:
         return ThreadTile(
