@@ -373,8 +373,8 @@ def test_pack_weight_is_the_blocked_layout(x_shape, w_shape, groups):
 
 @pytest.mark.parametrize("shape, stride", [((1, 32, 14, 14), 2), ((2, 16, 15, 13), (2, 3)), ((1, 8, 7, 7), 3)])
 def test_strided_pointwise_convolution_reads_only_the_pixels_it_uses(shape, stride):
-    """A strided 1x1 convolution runs on the subsampled input at stride 1 (a quarter of the
-    packing at stride 2): same result as PyTorch, for conv2d and the prepacked Conv2d."""
+    """A strided 1x1 convolution reads every stride-th pixel of the NCHW input in place (no
+    packing): same result as PyTorch, for conv2d and the prepacked Conv2d."""
     rng = np.random.default_rng(21)
     x = rng.standard_normal(shape).astype(np.float32)
     w = rng.standard_normal((24, shape[1], 1, 1)).astype(np.float32)
