@@ -7,7 +7,7 @@ from .pipeline import build, dispatch_report, pipeline
 from .target import resolve_target, vector_isa
 from .tuning import tune
 
-__version__ = "0.5.15"
+__version__ = "0.5.16"
 __all__ = [
     "UnsupportedError",
     "build",
