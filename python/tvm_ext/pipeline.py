@@ -25,7 +25,7 @@ from tvm.s_tir import dlight
 from .dlight import Guarded
 from .dlight.cpu import ParallelVectorize
 from .errors import UnsupportedError
-from .kernels.conv2d import KERNEL_ATTR
+from .kernels.common import KERNEL_ATTR
 from .relax_info import static_shape
 from .strategy.base import Decision
 from .strategy.cuda_engine import engine_for

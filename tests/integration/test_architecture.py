@@ -101,3 +101,19 @@ def test_the_checks_see_a_cycle_and_an_upward_import():
     assert _cycles(graph) == [["tvm_ext.kernels.a", "tvm_ext.strategy.b"]]
     assert _layer("tvm_ext.strategy.b") > _layer("tvm_ext.kernels.a")
     assert "tvm_ext.strategy.dispatch" in import_graph()["tvm_ext.pipeline"]
+
+
+def private_imports(sources: dict[str, str]) -> list[tuple[str, str]]:
+    """(module, name) for each private name (one leading underscore) a module imports from
+    another tvm_ext module: what a module shares is public, the rest stays in it."""
+    found = []
+    for name, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("tvm_ext")):
+                found += [(name, a.name) for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_private_name_crosses_modules():
+    assert private_imports({name: path.read_text() for name, path in _modules().items()}) == []
+    assert private_imports({"m": "from .conv2d import _pair, KERNEL_ATTR\nfrom . import __version__"}) == [("m", "_pair")]

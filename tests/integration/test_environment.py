@@ -45,7 +45,7 @@ def test_import_does_not_load_stock_tensor_intrinsics():
 
 def test_every_kernel_has_a_unique_symbol_and_attribute():
     """te.create_prim_func names every function `main`; two kernels must still link together."""
-    from tvm_ext.kernels.conv2d import KERNEL_ATTR
+    from tvm_ext.kernels.common import KERNEL_ATTR
     from tvm_ext.kernels.elementwise import activation_func
     from tvm_ext.kernels.pool2d import Pool2dWorkload, pool2d_func
 

@@ -122,7 +122,7 @@ def test_resnet50_plans_no_workspace_beyond_activations():
     more than its register tile's accumulators (no im2col, no packing buffer at run time)."""
     from tvm.s_tir.analysis import calculate_allocated_bytes
 
-    from tvm_ext.kernels.conv2d import KERNEL_ATTR
+    from tvm_ext.kernels.common import KERNEL_ATTR
 
     mod, _ = models.get("resnet50")
     ours = tvm_ext.pipeline(TARGET)(mod)

@@ -11,7 +11,7 @@ from tvm import relax
 
 import tvm_ext
 from tvm_ext.dlight.cpu import ParallelVectorize
-from tvm_ext.kernels.conv2d import KERNEL_ATTR
+from tvm_ext.kernels.common import KERNEL_ATTR
 from tvm_ext.strategy.dispatch import lower_to_kernels
 from tvm_ext.strategy.fusion import fusion_passes
 from tvm_ext.transform.split_batch import runs_per_inference, split_batch

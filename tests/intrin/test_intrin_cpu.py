@@ -20,14 +20,8 @@ from tvm_ext.intrin.cpu import (
     tile_efficiency,
 )
 from tvm_ext.intrin.cpu_depthwise import DepthwiseTile, get_depthwise_intrin
-from tvm_ext.kernels.conv2d import (
-    KERNEL_ATTR,
-    Conv2dWorkload,
-    Epilogue,
-    conv2d_blocked_kernel,
-    plan_conv2d,
-    row_order_tiles,
-)
+from tvm_ext.kernels.common import KERNEL_ATTR
+from tvm_ext.kernels.conv2d import Conv2dWorkload, Epilogue, conv2d_blocked_kernel, plan_conv2d, row_order_tiles
 from tvm_ext.target import AVX2, AVX512, NEON, resolve_target, vector_isa
 
 AVX2_TARGET = "llvm -mcpu=znver3"

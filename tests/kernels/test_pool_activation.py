@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tvm_ext import ops
-from tvm_ext.kernels.conv2d import KERNEL_ATTR
+from tvm_ext.kernels.common import KERNEL_ATTR
 from tvm_ext.kernels.pool2d import Pool2dWorkload, global_avg_pool2d_func, pool2d_func
 
 CASES = [

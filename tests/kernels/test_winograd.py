@@ -12,7 +12,8 @@ from tvm import relax
 
 import tvm_ext
 from tvm_ext.kernels import winograd
-from tvm_ext.kernels.conv2d import KERNEL_ATTR, Conv2dWorkload, Epilogue, pack_weight_func
+from tvm_ext.kernels.common import KERNEL_ATTR
+from tvm_ext.kernels.conv2d import Conv2dWorkload, Epilogue, pack_weight_func
 from tvm_ext.tuning import space
 
 TARGET = tvm_ext.resolve_target("llvm")

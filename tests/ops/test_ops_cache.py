@@ -11,6 +11,7 @@ import pytest
 from reference import conv2d_nchw, rel_err
 
 from tvm_ext import ops
+from tvm_ext.ops import forward
 
 
 @pytest.fixture
@@ -103,7 +104,7 @@ def test_least_recently_used_goes_first(small_cache):
     ops.sigmoid(x)
     ops.relu(x)  # sigmoid is now the oldest
     ops.gelu(x)
-    keys = [key[0][1] for key in ops._CACHE._entries]
+    keys = [key[0][1] for key in forward._CACHE._entries]
     assert keys == ["relu", "gelu"]
 
 
@@ -123,7 +124,7 @@ def test_an_evicted_kernel_finishes_the_call_running_it(small_cache, monkeypatch
     rng = np.random.default_rng(8)
     x = rng.standard_normal((1, 16, 9, 9), dtype=np.float32)
     w = rng.standard_normal((16, 16, 3, 3), dtype=np.float32)
-    kernel = ops._conv_kernel(x.shape, w.shape, False, (1, 1), (1, 1, 1, 1), (1, 1), 1, None)
+    kernel = forward._conv_kernel(x.shape, w.shape, False, (1, 1), (1, 1, 1, 1), (1, 1), 1, None)
     pack_data = kernel.pack_data
 
     def pack_then_evict(*args):

@@ -185,6 +185,7 @@ def test_refresh_moves_records_to_the_workloads_this_version_generates(tmp_path,
     import tvm_ffi
     from tvm.s_tir import meta_schedule as ms
 
+    from tvm_ext.kernels import common
     from tvm_ext.kernels import conv2d as _conv
     from tvm_ext.target import AVX2
     from tvm_ext.tuning import space
@@ -192,7 +193,7 @@ def test_refresh_moves_records_to_the_workloads_this_version_generates(tmp_path,
 
     plan = _conv.plan_conv2d(_conv.Conv2dWorkload.make((1, 16, 14, 14), (32, 16, 3, 3), 1, 1, 1, 1), AVX2)
     epilogue = _conv.Epilogue(bias=True, activation="relu")
-    monkeypatch.setitem(_conv.ACTIVATIONS, "relu", "T.max({v}, T.float32(0))")  # 0.5.11's relu
+    monkeypatch.setitem(common.ACTIVATIONS, "relu", "T.max({v}, T.float32(0))")  # 0.5.11's relu
     _conv.conv2d_blocked_func.cache_clear()
     old = space.conv2d_workload(plan, epilogue, AVX2)
     monkeypatch.undo()

@@ -26,7 +26,7 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from .conv2d import ACTIVATIONS, KERNEL_ATTR, activation_expr, param_buffer
+from .common import ACTIVATIONS, KERNEL_ATTR, activation_expr, param_buffer
 
 __all__ = ["ChannelAffine", "channel_affine_func", "choose_out_block"]
 

@@ -25,7 +25,6 @@ import functools
 from collections.abc import Callable, Sequence
 
 import numpy as np
-import tvm.script.tirx
 from tvm import s_tir, te, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
@@ -33,35 +32,17 @@ from tvm.tirx.script import builder as T
 from ..intrin.cpu import BRGEMM, default_tile, get_brgemm_intrin, register_tiles
 from ..intrin.cpu_depthwise import DepthwiseTile, get_depthwise_intrin
 from ..target import AVX2, AVX512, NEON, SSE, VectorISA
-from . import script
+from .common import (
+    ACTIVATIONS,
+    KERNEL_ATTR,
+    USER_ALIGNMENT,
+    accept_user_alignment,
+    activation_expr,
+    normalize_padding,
+    pair,
+    param_buffer,
+)
 from .transpose import transpose8x8
-from .vector_math import ACTIVATION_FUNCTIONS
-
-KERNEL_ATTR = "tvm_ext.kernel"
-
-
-def _pair(v, name: str) -> tuple[int, int]:
-    if isinstance(v, int):
-        return (v, v)
-    v = tuple(int(x) for x in v)
-    if len(v) != 2:
-        raise ValueError(f"conv2d: {name} must be an int or a pair, got {v}")
-    return v
-
-
-def normalize_padding(padding) -> tuple[int, int, int, int]:
-    """int, (ph, pw) or (top, left, bottom, right) -> (top, left, bottom, right)."""
-    if isinstance(padding, int):
-        pads = (padding, padding, padding, padding)
-    else:
-        pads = tuple(int(p) for p in padding)
-        if len(pads) == 2:
-            pads = (pads[0], pads[1], pads[0], pads[1])
-        elif len(pads) != 4:
-            raise ValueError(f"conv2d: padding must be an int, (ph, pw) or (top, left, bottom, right), got {padding}")
-    if min(pads) < 0:
-        raise ValueError(f"conv2d: negative padding {pads}")
-    return pads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +80,8 @@ class Conv2dWorkload:
             raise ValueError(
                 f"conv2d: channel mismatch: data has {C} channels, weight expects {Cg} x {groups} groups"
             )
-        wl = Conv2dWorkload(N, C, H, W, K, KH, KW, _pair(stride, "stride"), normalize_padding(padding),
-                            _pair(dilation, "dilation"), int(groups), dtype)
+        wl = Conv2dWorkload(N, C, H, W, K, KH, KW, pair(stride, "stride"), normalize_padding(padding),
+                            pair(dilation, "dilation"), int(groups), dtype)
         if min(wl.stride) < 1 or min(wl.dilation) < 1:
             raise ValueError(f"conv2d: stride {wl.stride} and dilation {wl.dilation} must be positive")
         if min(N, C, H, W, K, KH, KW) < 1:
@@ -321,36 +302,6 @@ def nchw_input_reason(plan: Conv2dPlan) -> str | None:
     return None
 
 
-# Activations as TVMScript expressions of the value {v} (and {alpha}, leaky_relu's slope): the
-# one definition behind convolution epilogues and the elementwise kernels. Comparisons select,
-# so a NaN stays a NaN as in PyTorch (LLVM's max/min of a NaN and 0 give 0).
-# 1 / (1 + exp(-v)) with the exp of :func:`.vector_math.vector_exp` (T.sigmoid's exp is a scalar expf call per
-# lane: 64 calls an iteration of an AVX-512 kernel, 60% of EfficientNet's time in its SiLU
-# epilogues). Below -88.38 the exp is clamped: the result, under 4e-39, is 0 (as -inf's is).
-_SIGMOID = ("T.Select({v} < T.float32(-88.3762626647949), T.float32(0), "
-            "T.float32(1) / (T.float32(1) + _vector_exp(T.float32(0) - {v})))")
-_HARDSIGMOID = ("T.Select({v} + T.float32(3) < T.float32(0), T.float32(0), T.Select({v} + T.float32(3) > "
-                "T.float32(6), T.float32(6), {v} + T.float32(3))) / T.float32(6)")
-ACTIVATIONS = {
-    "relu": "T.Select({v} < T.float32(0), T.float32(0), {v})",
-    "relu6": "T.Select({v} < T.float32(0), T.float32(0), T.Select({v} > T.float32(6), T.float32(6), {v}))",
-    "sigmoid": _SIGMOID,
-    "silu": "{v} * " + _SIGMOID,
-    "gelu": "{v} * (T.float32(0.5) + _vector_erf({v} * T.float32(0.7071067811865476)) * T.float32(0.5))",
-    "leaky_relu": "T.Select({v} < T.float32(0), T.float32({alpha!r}) * {v}, {v})",
-    # PyTorch's as its importer writes them (clip(x + 3, 0, 6) / 6): the same rounding
-    "hardsigmoid": _HARDSIGMOID,
-    "hardswish": "{v} * (" + _HARDSIGMOID + ")",
-}
-
-
-def activation_text(name: str, value: str, alpha: float = 0.01) -> str:
-    """Activation `name` applied to the TVMScript expression `value`."""
-    if name not in ACTIVATIONS:
-        raise ValueError(f"activation {name!r} is not supported; choose from {sorted(ACTIVATIONS)}")
-    return ACTIVATIONS[name].format(v=f"({value})", alpha=float(alpha))
-
-
 @dataclasses.dataclass(frozen=True)
 class Epilogue:
     """What happens to each output row after the convolution: + bias, then an activation, and
@@ -387,23 +338,8 @@ class Epilogue:
         return not (self.bias or self.residual or self.activation or self.nchw_out)
 
 
-def activation_expr(name: str, value: tirx.PrimExpr, alpha: float = 0.01, *,
-                    scalar_erf: bool = False) -> tirx.PrimExpr:
-    """Activation `name` (:data:`ACTIVATIONS`) applied to the expression `value`, as IR.
-    `scalar_erf`: GELU's erf as T.erf (a libm call a lane) instead of the vectorized one, where
-    lowering that one costs too much (Winograd's output transform, docs/tvm_0.27_hazards.md)."""
-    text = activation_text(name, "v", alpha)
-    functions = {**ACTIVATION_FUNCTIONS, "_vector_erf": tirx.erf} if scalar_erf else ACTIVATION_FUNCTIONS
-    return eval(text, {"T": tvm.script.tirx, "v": value, **functions})  # noqa: S307
-
-
 # The kernel is built with TVM's IRBuilder, not written as TVMScript text: parsing took 0.1-0.3 s a
 # kernel, 8 of the 24 s of a ResNet-50 build. (The same IR: structurally equal.)
-
-
-def param_buffer(name: str, shape, align: int = -1) -> tirx.Buffer:
-    """A float32 parameter `name` of the PrimFunc being built and its buffer (named in capitals)."""
-    return IRBuilder.name(name.upper(), T.match_buffer(T.arg(name, T.handle()), shape, "float32", align=align))
 
 
 def _alias(name: str, of: tirx.Buffer) -> tirx.Buffer:
@@ -737,23 +673,6 @@ def conv2d_blocked_kernel(plan: Conv2dPlan, lanes: int, epilogue: Epilogue = Epi
     return sch.mod["main"].with_attr(KERNEL_ATTR, f"{plan.kind}_conv2d")
 
 
-USER_ALIGNMENT = 16  # what NumPy guarantees for its arrays (large ones sit 16 bytes past a page)
-
-
-def _accept_user_alignment(func: tirx.PrimFunc, param: str) -> tirx.PrimFunc:
-    """Declare parameter `param` as only USER_ALIGNMENT-aligned (TVM assumes 64 by default).
-
-    Arrays that come from the user can then be passed without a copy: copying the weights of a
-    512x512 3x3 layer on every call cost more than packing them.
-    """
-    text = func.script()
-    head, sep, rest = text.partition(f"{param}: T.Buffer(")
-    shape_and_dtype, close, tail = rest.partition(")")  # the shape tuple ends at the first ")"
-    dtype_end = tail.index(")")
-    text = head + sep + shape_and_dtype + close + tail[:dtype_end] + f", align={USER_ALIGNMENT}" + tail[dtype_end:]
-    return script.from_source(text)
-
-
 def _pack_weight_tiled(plan: Conv2dPlan) -> tirx.PrimFunc:
     """The OIHW -> blocked transpose in 8x8 register tiles of (output channel, (i, kh, kw)).
 
@@ -840,7 +759,7 @@ def pack_weight_func(plan: Conv2dPlan) -> tirx.PrimFunc:
             return tirx.if_then_else(k < wl.K, value, tirx.const(0.0, wl.dtype)) if plan.K_pad > wl.K else value
 
         wb = te.compute(plan.weight_shape(), body, name="weight_blocked")
-    sch = s_tir.Schedule(_accept_user_alignment(te.create_prim_func([w, wb]), "weight"))
+    sch = s_tir.Schedule(accept_user_alignment(te.create_prim_func([w, wb]), "weight"))
     loops = sch.get_loops(sch.get_sblock("weight_blocked"))
     if plan.kind in ("depthwise", "grouped"):
         sch.parallel(loops[0])

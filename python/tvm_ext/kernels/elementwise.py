@@ -16,7 +16,7 @@ import numpy as np
 from tvm import tirx
 
 from . import script
-from .conv2d import ACTIVATIONS, KERNEL_ATTR, activation_text
+from .common import ACTIVATIONS, KERNEL_ATTR, activation_text
 
 __all__ = ["ACTIVATIONS", "activation_func", "check_slope", "dynamic_activation_func", "flat_activation_func"]
 

@@ -17,7 +17,7 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from .conv2d import KERNEL_ATTR, param_buffer
+from .common import KERNEL_ATTR, param_buffer
 
 __all__ = ["LayerNorm", "layer_norm_func"]
 

@@ -23,7 +23,8 @@ from tvm import s_tir, te, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from .conv2d import KERNEL_ATTR, USER_ALIGNMENT, Conv2dPlan, _accept_user_alignment, param_buffer
+from .common import KERNEL_ATTR, USER_ALIGNMENT, accept_user_alignment, param_buffer
+from .conv2d import Conv2dPlan
 from .transpose import TILE, transpose8x8
 
 
@@ -121,7 +122,7 @@ def pack_nchwc_func(shape: Sequence[int], block: int, padding: Sequence[int] = (
     out_shape = (N, -(-C // block), H + top + bottom, W + left + right, block)
     xb = te.compute(out_shape, body, name="data_blocked")
     func = te.create_prim_func([x, xb])
-    sch = s_tir.Schedule(_accept_user_alignment(func, "data") if user_input else func)
+    sch = s_tir.Schedule(accept_user_alignment(func, "data") if user_input else func)
     n, cb, h, w_, c = sch.get_loops(sch.get_sblock("data_blocked"))
     sch.reorder(c, w_)  # read rows of the source, scatter into an L1-sized destination row
     sch.parallel(sch.fuse(n, cb, h))

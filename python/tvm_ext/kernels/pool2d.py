@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from tvm import s_tir, te, tirx
 
-from .conv2d import KERNEL_ATTR, _pair, normalize_padding
+from .common import KERNEL_ATTR, normalize_padding, pair
 
 
 def nan_max(a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -55,10 +55,10 @@ class Pool2dWorkload:
             raise ValueError(f"pool2d: mode must be 'max' or 'avg', got {mode!r}")
         if len(shape) != 4:
             raise ValueError(f"pool2d: data must be 4-D NCHW, got shape {tuple(shape)}")
-        kernel = _pair(kernel_size, "kernel_size")
-        stride = kernel if stride is None else _pair(stride, "stride")
+        kernel = pair(kernel_size, "kernel_size")
+        stride = kernel if stride is None else pair(stride, "stride")
         pads = normalize_padding(padding)
-        dil = _pair(dilation, "dilation")
+        dil = pair(dilation, "dilation")
         if min(*kernel, *stride, *dil) < 1:
             raise ValueError(f"pool2d: kernel {kernel}, stride {stride}, dilation {dil} must be positive")
         if max(pads[0], pads[2]) * 2 > kernel[0] or max(pads[1], pads[3]) * 2 > kernel[1]:

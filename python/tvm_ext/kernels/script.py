@@ -4,7 +4,7 @@ Parsing TVMScript is slow (0.1-0.2 s for a kernel with an unrolled register tile
 the unrolled Winograd transforms), so the CPU kernels on a build's hot path (convolutions,
 microkernels, layout changes, Winograd transforms) are built with TVM's IRBuilder instead. What
 is still written as text (the elementwise activations, a parameter's alignment
-rewritten in :func:`tvm_ext.kernels.conv2d._accept_user_alignment`) goes through this cache: a
+rewritten in :func:`tvm_ext.kernels.common.accept_user_alignment`) goes through this cache: a
 network repeats the same text for every layer of the same shape, and TVM IR is immutable, so
 one parsed function can serve every caller.
 """

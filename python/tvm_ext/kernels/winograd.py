@@ -36,16 +36,8 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from .conv2d import (
-    IMAGES_INSIDE_BLOCKS,
-    KERNEL_ATTR,
-    Conv2dPlan,
-    Conv2dWorkload,
-    Epilogue,
-    activation_expr,
-    param_buffer,
-    plan_conv2d,
-)
+from .common import KERNEL_ATTR, activation_expr, param_buffer
+from .conv2d import IMAGES_INSIDE_BLOCKS, Conv2dPlan, Conv2dWorkload, Epilogue, plan_conv2d
 
 # Interpolation points of F(m, r) by the tile size a = m + r - 1 (the point at infinity is
 # implied): small integers and halves keep the transforms exact in float32 and their error growth

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..kernels.conv2d import Conv2dWorkload
 from ..target import TargetLike
-from .forward import _check_array, _check_conv_shapes, _conv_options, conv2d
+from .forward import check_array, check_conv_shapes, conv2d, conv_options
 
 __all__ = ["conv2d_backward_data"]
 
@@ -57,13 +57,13 @@ def conv2d_backward_data(dy, w, x_shape: Sequence[int], *, stride: int | Sequenc
     `cudnnConvolutionBackwardData`, PyTorch's `conv2d` input gradient). Options as
     :func:`~tvm_ext.ops.conv2d`; raises ValueError naming the argument for shapes that do not
     belong together, before any compile."""
-    dy = _check_array("conv2d_backward_data dy", dy, 4)
-    w = _check_array("conv2d_backward_data weight", w, 4)
+    dy = check_array("conv2d_backward_data dy", dy, 4)
+    w = check_array("conv2d_backward_data weight", w, 4)
     x_shape = tuple(int(v) for v in x_shape)
     if len(x_shape) != 4:
         raise ValueError(f"conv2d_backward_data: x_shape must be (N, C, H, W), got {x_shape}")
-    _check_conv_shapes("conv2d_backward_data", x_shape, w.shape)
-    stride, padding, dilation, groups = _conv_options("conv2d_backward_data", w.shape, stride, padding, dilation,
+    check_conv_shapes("conv2d_backward_data", x_shape, w.shape)
+    stride, padding, dilation, groups = conv_options("conv2d_backward_data", w.shape, stride, padding, dilation,
                                                       groups)
     wl = Conv2dWorkload.make(x_shape, w.shape, stride, padding, dilation, groups)
     if dy.shape != wl.out_shape:

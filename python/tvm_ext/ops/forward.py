@@ -32,6 +32,7 @@ from ..kernels import elementwise as _elementwise
 from ..kernels import layout as _layout
 from ..kernels import pool2d as _pool
 from ..kernels import script as _script
+from ..kernels.common import KERNEL_ATTR, USER_ALIGNMENT
 from ..target import TargetLike, resolve_target, vector_isa
 
 logger = logging.getLogger("tvm_ext")
@@ -49,7 +50,7 @@ def _check_elements(what: str, shape: Sequence[int]) -> None:
             f"{MAX_ELEMENTS} (2^31 - 1) the kernels can index (int32)")
 
 
-def _check_array(name: str, arr, ndim: int | None = None) -> np.ndarray:
+def check_array(name: str, arr, ndim: int | None = None) -> np.ndarray:
     """`arr` as an array, checked (dtype, rank, size) before any copy: a huge broadcast view is
     refused without being materialized. Not made contiguous: :func:`_contiguous` does that."""
     arr = np.asarray(arr)
@@ -101,7 +102,9 @@ def _pair(name: str, value) -> tuple[int, int]:
     return first, second
 
 
-def _conv_options(op: str, w_shape: Sequence[int], stride, padding, dilation, groups):
+def conv_options(op: str, w_shape: Sequence[int], stride: int | Sequence[int], padding: int | str | Sequence[int],
+                 dilation: int | Sequence[int],
+                 groups: int) -> tuple[tuple[int, int], tuple[int, ...], tuple[int, int], int]:
     """(stride, (top, left, bottom, right), dilation, groups) as Python ints.
 
     padding may also be "valid" (none) or "same" (stride 1 only: the output has the input's
@@ -134,7 +137,7 @@ def _conv_options(op: str, w_shape: Sequence[int], stride, padding, dilation, gr
     return stride, pads, dilation, groups
 
 
-def _check_conv_shapes(op: str, x_shape: Sequence[int] | None, w_shape: Sequence[int]) -> None:
+def check_conv_shapes(op: str, x_shape: Sequence[int] | None, w_shape: Sequence[int]) -> None:
     """Refuse the empty convolutions PyTorch refuses or answers inconsistently (zero input channels
     give it an output of zero channels, whatever the weights): only a batch of 0 images is one."""
     if x_shape is not None and min(x_shape[1:]) == 0:
@@ -274,7 +277,7 @@ def clear_cache() -> None:
 
 def _build(func: tvm.tirx.PrimFunc, target: tvm.target.Target):
     """`func` compiled for `target`; returns the callable function."""
-    name = "tvm_ext_" + str(func.attrs[_conv.KERNEL_ATTR])  # te.create_prim_func says "main"
+    name = "tvm_ext_" + str(func.attrs[KERNEL_ATTR])  # te.create_prim_func says "main"
     mod = tvm.IRModule({name: func.with_attr("global_symbol", name)})
     return tvm.compile(mod, target)[name]
 
@@ -339,7 +342,7 @@ def _run(key: tuple, make, target, inputs: list[np.ndarray], out_shape) -> np.nd
 def conv2d_plan(x_shape, w_shape, *, stride=1, padding=0, dilation=1, groups: int = 1,
                 target: TargetLike = None) -> _conv.Conv2dPlan:
     """The plan (kernel kind, blocking, register tile) `conv2d` uses for these arguments."""
-    stride, padding, dilation, groups = _conv_options("conv2d", w_shape, stride, padding, dilation, groups)
+    stride, padding, dilation, groups = conv_options("conv2d", w_shape, stride, padding, dilation, groups)
     wl = _conv.Conv2dWorkload.make(x_shape, w_shape, stride, padding, dilation, groups)
     plan = _conv.plan_conv2d(wl, vector_isa(target))
     if plan.kind == "direct":
@@ -381,7 +384,7 @@ class _Conv2dKernel:
     def packed_weight(self, w: np.ndarray) -> tvm.runtime.Tensor:
         """`w` in the kernel's blocked layout, in memory of its own (for :class:`Conv2d`)."""
         packed = _as_tvm(aligned_empty(self.plan.weight_shape()))
-        self.pack_weight(_as_tvm(w, _conv.USER_ALIGNMENT), packed)
+        self.pack_weight(_as_tvm(w, USER_ALIGNMENT), packed)
         return packed
 
     def blocked_bias(self, bias: np.ndarray) -> np.ndarray:
@@ -393,12 +396,12 @@ class _Conv2dKernel:
         """`w`: OIHW weights (packed here), or weights :meth:`packed_weight` packed already."""
         out = aligned_empty(self.out_shape)
         with self.lock:
-            data = _as_tvm(x, _conv.USER_ALIGNMENT)
+            data = _as_tvm(x, USER_ALIGNMENT)
             if self.pack_data is not None:
                 self.pack_data(data, self.data)
                 data = self.data
             if isinstance(w, np.ndarray):
-                self.pack_weight(_as_tvm(w, _conv.USER_ALIGNMENT), self.weight)
+                self.pack_weight(_as_tvm(w, USER_ALIGNMENT), self.weight)
                 w = self.weight
             args = [data, w]
             if self.bias is not None:
@@ -426,14 +429,14 @@ def conv2d(x, w, bias=None, *, stride: int | Sequence[int] = 1, padding: int | s
     (which gives an empty result), or a dtype other than float32; UnsupportedError for tensors of
     more than 2^31 - 1 elements. A repeated signature goes straight to its compiled kernel.
     """
-    x = _check_array("conv2d data", x, 4)
-    w = _check_array("conv2d weight", w, 4)
+    x = check_array("conv2d data", x, 4)
+    w = check_array("conv2d weight", w, 4)
     if bias is not None:
-        bias = _check_array("conv2d bias", bias, 1)
+        bias = check_array("conv2d bias", bias, 1)
         if bias.shape[0] != w.shape[0]:
             raise ValueError(f"conv2d: bias has {bias.shape[0]} entries for {w.shape[0]} output channels")
-    _check_conv_shapes("conv2d", x.shape, w.shape)
-    stride, padding, dilation, groups = _conv_options("conv2d", w.shape, stride, padding, dilation, groups)
+    check_conv_shapes("conv2d", x.shape, w.shape)
+    stride, padding, dilation, groups = conv_options("conv2d", w.shape, stride, padding, dilation, groups)
     if x.shape[0] == 0:
         return _empty_conv(x.shape, w.shape, stride, padding, dilation, groups)
     if resolve_target(target).kind.name != "llvm":  # CPU kernels read the pixels they use in place (nchw_in)
@@ -455,7 +458,7 @@ def _pointwise_subsample(x: np.ndarray, w_shape: Sequence[int], stride: tuple[in
 
 def _conv_kernel(x_shape, w_shape, bias: bool, stride, padding, dilation, groups,
                  target) -> _Conv2dKernel | _CudaConv2dKernel:
-    """The kernel of a signature whose options :func:`_conv_options` normalized."""
+    """The kernel of a signature whose options :func:`conv_options` normalized."""
     key = ("conv2d", x_shape, w_shape, bias, stride, padding, dilation, groups, _target_key(target))
 
     def make() -> _Conv2dKernel | _CudaConv2dKernel:
@@ -499,7 +502,7 @@ class _CudaConv2dKernel:
 
 
 class _Conv2dOptions(TypedDict):
-    """:class:`Conv2d`'s options, as :func:`_conv_options` normalized them."""
+    """:class:`Conv2d`'s options, as :func:`conv_options` normalized them."""
 
     stride: tuple[int, int]
     padding: tuple[int, ...]
@@ -519,15 +522,15 @@ class Conv2d:
 
     def __init__(self, weight, bias=None, *, stride=1, padding=0, dilation=1, groups: int = 1,
                  target: TargetLike = None):
-        self.weight = _check_array("Conv2d weight", weight, 4).copy()
-        self.bias = None if bias is None else _check_array("Conv2d bias", bias, 1).copy()
+        self.weight = check_array("Conv2d weight", weight, 4).copy()
+        self.bias = None if bias is None else check_array("Conv2d bias", bias, 1).copy()
         if self.bias is not None and self.bias.shape[0] != self.weight.shape[0]:
             raise ValueError(f"Conv2d: bias has {self.bias.shape[0]} entries for {self.weight.shape[0]} channels")
-        _check_conv_shapes("Conv2d", None, self.weight.shape)
+        check_conv_shapes("Conv2d", None, self.weight.shape)
         if resolve_target(target).kind.name != "llvm":  # the CUDA kernel lays its weights out per call
             raise UnsupportedError(f"Conv2d: prepacked weights are for CPU (llvm) targets, not "
                                    f"{resolve_target(target).kind.name}; use ops.conv2d(..., target=...)")
-        stride, padding, dilation, groups = _conv_options("Conv2d", self.weight.shape, stride, padding, dilation,
+        stride, padding, dilation, groups = conv_options("Conv2d", self.weight.shape, stride, padding, dilation,
                                                           groups)
         self.options = _Conv2dOptions(stride=stride, padding=padding, dilation=dilation, groups=groups,
                                       target=target)
@@ -536,8 +539,8 @@ class Conv2d:
         self._layouts: dict[tuple, tvm.runtime.Tensor] = {}
 
     def __call__(self, x) -> np.ndarray:
-        x = _check_array("Conv2d data", x, 4)
-        _check_conv_shapes("Conv2d", x.shape, self.weight.shape)
+        x = check_array("Conv2d data", x, 4)
+        check_conv_shapes("Conv2d", x.shape, self.weight.shape)
         if x.shape[0] == 0:
             return _empty_conv(x.shape, self.weight.shape,
                                **{k: v for k, v in self.options.items() if k != "target"})
@@ -556,7 +559,7 @@ class Conv2d:
 
 def _pool_op(mode: str, x, kernel_size, stride, padding, dilation, ceil_mode, count_include_pad, target):
     op = f"{mode}_pool2d"
-    x = _check_array(f"{op} data", x, 4)
+    x = check_array(f"{op} data", x, 4)
     kernel_size = _ints(f"{op}: kernel_size", kernel_size, (2,))
     stride = None if stride is None else _ints(f"{op}: stride", stride, (2,))
     padding = _ints(f"{op}: padding", padding, (2, 4))
@@ -591,7 +594,7 @@ def global_avg_pool2d(x, *, target: TargetLike = None) -> np.ndarray:
     An image of no pixels has no mean: ValueError (PyTorch answers NaN). No images or no
     channels give an empty (N, C, 1, 1) result.
     """
-    x = _check_array("global_avg_pool2d data", x, 4)
+    x = check_array("global_avg_pool2d data", x, 4)
     shape = x.shape
     if shape[2] == 0 or shape[3] == 0:
         raise ValueError(f"global_avg_pool2d: data of shape {shape} has an empty {shape[2]}x{shape[3]} image, "
@@ -605,7 +608,7 @@ def global_avg_pool2d(x, *, target: TargetLike = None) -> np.ndarray:
 def _activation(name: str, x, target, alpha: float = 0.01) -> np.ndarray:
     """One kernel per activation (and slope) and target, whatever the shape: the tensor is a
     flat vector whose length the kernel takes at run time."""
-    x = _check_array(f"{name} data", x)
+    x = check_array(f"{name} data", x)
     if x.size == 0:
         return np.empty(x.shape, np.float32)
     key = ("activation", name, repr(alpha) if name == "leaky_relu" else None)  # repr: -0.0 != 0.0 in the kernel

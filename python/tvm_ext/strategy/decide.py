@@ -8,6 +8,7 @@ from tvm import relax
 
 from ..kernels import conv2d as _conv
 from ..kernels import winograd as _winograd
+from ..kernels.common import ACTIVATIONS
 from ..relax_info import dtype, image_shape, known_shape, shape_text, static_shape, symbolic_batch
 from ..target import vector_isa
 from .base import ACTIVATION_OPS, DATA_MOVEMENT_OPS, POOLS, Decision, channel_scale_operands, is_relu6, pool_workload
@@ -79,7 +80,7 @@ def epilogue_activation(name: str, target: tvm.target.Target) -> Decision:
     if target.kind.name == "cuda" and name not in FUSED_ACTIVATIONS:
         return Decision(op, (), None, f"the CUDA convolution epilogue applies {', '.join(FUSED_ACTIVATIONS)} only: "
                                       f"{name} runs as a separate activation kernel")
-    if name not in _conv.ACTIVATIONS:
+    if name not in ACTIVATIONS:
         return Decision(op, (), None, f"no epilogue applies {name}")
     return Decision(op, (), "conv2d epilogue")
 

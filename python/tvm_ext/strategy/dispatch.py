@@ -11,7 +11,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..kernels import conv2d as _conv
+from ..kernels.common import KERNEL_ATTR
 from ..relax_info import known_shape, static_shape
 from .base import ACTIVATION_OPS, POOLS, Emitter, readers_of
 from .borders import write_borders
@@ -153,6 +153,6 @@ def _drop_unused_kernels(mod: tvm.IRModule) -> tvm.IRModule:
             relax.analysis.post_order_visit(
                 func, lambda e: used.add(e.name_hint) if isinstance(e, tvm.ir.GlobalVar) else None)
     for gvar, func in list(mod.functions_items()):
-        if isinstance(func, tvm.tirx.PrimFunc) and _conv.KERNEL_ATTR in func.attrs and gvar.name_hint not in used:
+        if isinstance(func, tvm.tirx.PrimFunc) and KERNEL_ATTR in func.attrs and gvar.name_hint not in used:
             del mod[gvar]
     return mod

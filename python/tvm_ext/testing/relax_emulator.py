@@ -18,7 +18,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 
-from ..kernels.conv2d import KERNEL_ATTR
+from ..kernels.common import KERNEL_ATTR
 from ..kernels.cuda.toolchain import generate_source, kernel_names, kernel_params
 from .cuda_emulator import run_kernel
 

@@ -17,7 +17,7 @@ import tvm
 from tvm.s_tir import Schedule
 
 from ..kernels import pool2d as _pool
-from ..kernels.conv2d import KERNEL_ATTR
+from ..kernels.common import KERNEL_ATTR
 from .kinds import TaskKind, fields_from_json
 
 POOL_ATTR = "tvm_ext.pool2d_plan"

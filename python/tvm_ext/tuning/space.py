@@ -33,6 +33,7 @@ from tvm.s_tir.meta_schedule.postproc import PyPostproc
 
 from ..kernels import conv2d as _conv
 from ..kernels import winograd as _winograd
+from ..kernels.common import KERNEL_ATTR
 from .kinds import TaskKind, fields_from_json
 
 PLAN_ATTR = "tvm_ext.conv2d_plan"
@@ -166,7 +167,7 @@ def _task_of(kernel: tvm.tirx.PrimFunc, isa) -> tvm.tirx.PrimFunc | None:
 def _finish(sch: Schedule) -> tvm.tirx.PrimFunc | None:
     if not tensorize_segments(sch):
         return None
-    return sch.mod["main"].with_attr(_conv.KERNEL_ATTR, "brgemm_conv2d")
+    return sch.mod["main"].with_attr(KERNEL_ATTR, "brgemm_conv2d")
 
 
 CONV2D = TaskKind(

@@ -17,7 +17,8 @@ from reference import conv2d_nchw, rel_err
 
 from tvm_ext import ops
 from tvm_ext.intrin.cuda import ThreadTile, get_outer_product_intrin
-from tvm_ext.kernels.conv2d import KERNEL_ATTR, Conv2dWorkload
+from tvm_ext.kernels.common import KERNEL_ATTR
+from tvm_ext.kernels.conv2d import Conv2dWorkload
 from tvm_ext.kernels.cuda import maxdnn as cc
 from tvm_ext.kernels.cuda import toolchain
 from tvm_ext.testing import maxdnn as tm
