@@ -3,7 +3,8 @@
 from . import intrin, kernels, models, ops, tuning
 from ._compat import check_environment
 from .errors import UnsupportedError
-from .pipeline import build, dispatch_report, pipeline
+from .pipeline import build, pipeline
+from .report import dispatch_report
 from .target import resolve_target, vector_isa
 from .tuning import tune
 

@@ -1,0 +1,166 @@
+"""`dispatch_report`: which tvm_ext kernel serves each op of a network, or why stock TVM does.
+
+It reads the decisions (:func:`tvm_ext.strategy.decide.decide`) on the module as the pipeline
+fuses it (:func:`tvm_ext.strategy.fusion.fusion_passes`), so that it names the kernels a
+:func:`tvm_ext.build` of the same module runs, fused epilogues included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TypeGuard
+
+import tvm
+from tvm import relax
+
+from .errors import UnsupportedError
+from .pipeline import check_images_per_call
+from .relax_info import static_shape
+from .strategy.base import Decision
+from .strategy.cuda_engine import engine_for
+from .strategy.decide import decide
+from .strategy.fusion import fusion_passes
+from .target import TargetLike, resolve_target
+from .transform.split_batch import runs_per_inference, split_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchRow:
+    op: str
+    shapes: tuple
+    kernel: str
+    reason: str
+    runs: int = 1  # calls per inference: a batch's trunk runs once per slice of images (split_batch)
+
+
+class DispatchReport(list):
+    """One row per op the build lowers: what serves it. Prints as a table (with a "runs" column
+    where the batch is split)."""
+
+    def __str__(self) -> str:
+        split = any(r.runs > 1 for r in self)
+        header = ("op", "input shapes", *(("runs",) if split else ()), "kernel", "reason")
+        rows = [header] + [(r.op, " ".join(str(s) for s in r.shapes), *((f"x{r.runs}",) if split else ()),
+                            r.kernel, r.reason) for r in self]
+        widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
+        return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                         for row in rows)
+
+
+def _is_call(expr) -> TypeGuard[relax.Call]:
+    return isinstance(expr, relax.Call)
+
+
+def _is_call_to(expr, op: str) -> TypeGuard[relax.Call]:
+    return _is_call(expr) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == op
+
+
+def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_call: int | None = None,
+                    tensor_cores: bool | str = False, winograd: bool = True) -> DispatchReport:
+    """Which tvm_ext kernel serves each op of `mod["main"]` on `target`, or why stock TVM does.
+
+    Ops fused into a convolution's epilogue are reported as served by that kernel.
+    `images_per_call`, `tensor_cores`, `winograd`: as for :func:`build`, so the report names the
+    kernels the build uses. On CPUs a batch's trunk runs a few images a call
+    (:mod:`tvm_ext.transform.split_batch`): its ops are reported with the shapes of one call and
+    how many calls an inference makes (`runs`); the slicing and concatenation the split adds
+    are not reported.
+    """
+    check_images_per_call(images_per_call)
+    resolved = resolve_target(target)
+    engine = engine_for(tensor_cores, resolved if resolved.kind.name == "cuda" else None)
+    if tensor_cores and resolved.kind.name != "cuda":
+        raise UnsupportedError("dispatch_report: tensor_cores applies to CUDA targets")
+    if resolved.kind.name != "cuda":  # the pipeline splits the batch on CPUs only
+        mod = split_batch(images_per_call)(mod)
+    with resolved:
+        fused = tvm.transform.Sequential(fusion_passes(resolved))(mod)
+    report = DispatchReport()
+    stages = _stage_runs(fused)
+
+    def report_function(name: str, runs: int) -> None:
+        func = fused[name]
+        bindings = relax.analysis.get_var2val(func)
+        plumbing = _split_plumbing(func, bindings, stages) if name == "main" else []
+
+        def from_matmul(data: relax.Expr) -> bool:
+            """Whether a convolution of `data` is one matmul_as_conv2d made: its image is a (K, M)
+            matrix transposed and reshaped to (1, K, 1, M). (ShuffleNet's channel shuffle, a
+            reshape of a transposed 5-D tensor, is an image: reported as a matmul before.)"""
+            image = bindings.get(data) if isinstance(data, relax.Var) else None
+            source = image.args[0] if _is_call_to(image, "relax.reshape") else None
+            transposed = bindings.get(source) if isinstance(source, relax.Var) else None
+            if not _is_call_to(transposed, "relax.permute_dims") or len(transposed.args[0].ty.shape) != 2:
+                return False
+            dims = static_shape(data)
+            return dims is not None and len(dims) == 4 and dims[0] == 1 and dims[2] == 1
+
+        def row(call: relax.Call, fused_into: str | None = None, matmul: bool = False) -> None:
+            decision = decide(call, resolved, engine, winograd)
+            if matmul:
+                (_, k, _, m), (n, *_) = decision.shapes
+                reason = "as a 1x1 convolution (a GEMM is a batch-reduce of one)"
+                decision = Decision("relax.matmul", ((m, k), (k, n)), decision.kernel,
+                                                 reason if decision.kernel else decision.reason)
+            if fused_into is not None and call.op.name != "relax.nn.conv2d":
+                decision = Decision(decision.op, decision.shapes, f"{fused_into} epilogue", "fused")
+            report.append(DispatchRow(decision.op.removeprefix("relax."), decision.shapes,
+                                      decision.kernel or "fallback", decision.reason, runs))
+
+        def visit(expr) -> None:
+            if not isinstance(expr, relax.Call) or any(expr.same_as(p) for p in plumbing):
+                return
+            if isinstance(expr.op, tvm.ir.Op):
+                row(expr, matmul=expr.op.name == "relax.nn.conv2d" and from_matmul(expr.args[0]))
+            elif isinstance(expr.op, tvm.ir.GlobalVar) and "Composite" in (fused[expr.op].attrs or {}):
+                calls = []
+                relax.analysis.post_order_visit(fused[expr.op].body,
+                                                lambda e: calls.append(e) if isinstance(e, relax.Call) else None)
+                if str(fused[expr.op].attrs["Composite"]).startswith("tvm_ext.channel_affine"):
+                    head, *rest = calls  # post order: the concatenation (or the scale, or shift) first
+                    shapes = decide(head, resolved, engine, winograd).shapes
+                    report.append(DispatchRow(head.op.name.removeprefix("relax."), shapes, "channel_affine",
+                                              "", runs))
+                    for call in rest:
+                        row(call, "channel_affine")
+                    return
+                conv = next(c for c in calls if isinstance(c.op, tvm.ir.Op) and c.op.name == "relax.nn.conv2d")
+                kernel = decide(conv, resolved, engine, winograd).kernel
+                matmul = from_matmul(expr.args[list(fused[expr.op].params).index(conv.args[0])])
+                for call in calls:
+                    if isinstance(call.op, tvm.ir.Op):
+                        row(call, kernel, matmul=matmul and call.same_as(conv))
+
+        relax.analysis.post_order_visit(func, visit)
+
+    for name, runs in stages.items():
+        report_function(name, runs)
+    return report
+
+
+def _stage_runs(mod: tvm.IRModule) -> dict[str, int]:
+    """The functions a split batch runs (:mod:`~tvm_ext.transform.split_batch`), in order, with
+    their calls per inference: `main_image`, `main_late`, then the rest of `main`."""
+    runs = runs_per_inference(mod)
+    return {**{name: runs[name] for name in ("main_image", "main_late") if runs[name]}, "main": 1}
+
+
+def _split_plumbing(main: relax.Function, bindings: dict, stages: dict[str, int]) -> list[relax.Call]:
+    """The calls split_batch added to `main`: the slices of the input and the concatenations of
+    the stages' results (none where the batch is whole)."""
+    if len(stages) == 1:
+        return []
+    param = main.params[0]
+
+    def stage_result(var) -> bool:
+        value = bindings.get(var) if isinstance(var, relax.Var) else None
+        return _is_call(value) and isinstance(value.op, tvm.ir.GlobalVar) and value.op.name_hint in stages
+
+    added = []
+    for value in bindings.values():
+        if _is_call_to(value, "relax.strided_slice") and value.args[0].same_as(param):
+            added.append(value)
+        elif _is_call_to(value, "relax.concat") and isinstance(value.args[0], relax.Tuple) and \
+                all(stage_result(field) for field in value.args[0].fields):
+            added.append(value)
+    return added
