@@ -1,7 +1,7 @@
 """Seeded random Relax graphs with float64 PyTorch references: the property test of the pipeline.
 
 Each graph is drawn from a small grammar of what CNNs do: convolutions of every shape family
-(strides, paddings incl. asymmetric, dilations, groups, depthwise) with biases of every
+(strides, paddings incl. asymmetric, dilations, groups, depthwise, ResNeXt's groups of 2-8) with biases of every
 broadcastable shape in either operand order, batch norms, every activation tvm_ext fuses and
 the decompositions importers emit (hardswish, x * sigmoid(x)), pooling, adds and products with
 operands in both orders and values used two or three times, concat (DenseNet's of several
@@ -99,12 +99,15 @@ class _Builder:
         return options[int(self.rng.integers(len(options)))]
 
     # --- rules --------------------------------------------------------------------------------
-    def conv(self, v: _Value | None = None, out_channels: int | None = None, same: bool = False) -> _Value:
+    def conv(self, v: _Value | None = None, out_channels: int | None = None, same: bool = False,
+             group_size: int | None = None) -> _Value:
         v = v or self.pick()
         _, c, h, w = v.shape
         groups = 1
         if not same and c > 1 and self.coin(0.3):
             groups = c if self.coin(0.6) else self.choice([g for g in (2, 3, 4) if c % g == 0] or [1])
+        if group_size:
+            groups = c // group_size
         k = out_channels or (groups * int(self.rng.integers(1, 3)) if groups == c and groups > 1
                              else int(self.rng.integers(2, 25)))
         if groups > 1 and k % groups:
@@ -284,6 +287,14 @@ class _Builder:
             out = self.batch_norm(out)
         return self.activation(out) if self.coin(0.6) else out
 
+    def resnext_block(self) -> _Value:
+        """ResNeXt: a convolution to 16-48 channels, then one of groups of 2, 4 or 8 channels in
+        and out (several groups to a vector: the grouped tile), bias and activation."""
+        width = 16 * int(self.rng.integers(1, 4))
+        wide = self.activation(self.bias(self.conv(self.pick(), out_channels=width, same=True)))
+        grouped = self.conv(wide, out_channels=width, group_size=self.choice([2, 4, 8]))
+        return self.activation(self.bias(grouped)) if self.coin(0.7) else grouped
+
     def split(self) -> _Value:
         v = self.pick()
         c = v.shape[1]
@@ -360,7 +371,7 @@ class _Builder:
 _RULES: list[tuple[Callable[[_Builder], _Value], float]] = [
     (_Builder.conv_block, 5), (_Builder.residual, 2), (_Builder.activation, 1.5), (_Builder.pool, 1.5),
     (_Builder.binary, 2), (_Builder.concat, 1), (_Builder.split, 0.7), (_Builder.squeeze_excitation, 0.7),
-    (_Builder.layer_norm, 0.6),
+    (_Builder.layer_norm, 0.6), (_Builder.resnext_block, 0.5),
 ]
 
 
