@@ -26,6 +26,34 @@ def one_input_graph(shape, body):
     return bb.get()
 
 
+def kernel_calls(mod, target, winograd: bool = True) -> list[str]:
+    """The kernels `main` calls after tvm_ext's lowering for `target`, in order (layout views
+    that dead-code elimination drops later included)."""
+    import tvm
+    from tvm import relax
+
+    from tvm_ext.strategy.dispatch import lower_to_kernels
+    from tvm_ext.strategy.fusion import fusion_passes
+
+    with target:
+        lowered = tvm.transform.Sequential(fusion_passes(target) + [lower_to_kernels(target, winograd=winograd)])(mod)
+    names = []
+    relax.analysis.post_order_visit(lowered["main"], lambda e: names.append(e.args[0].name_hint) if (
+        isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir") else None)
+    return names
+
+
+def built_kernels(mod, target) -> list[str]:
+    """The names of the kernels a build of `mod` for `target` keeps (after dead-code elimination)."""
+    import tvm
+
+    import tvm_ext
+
+    with tvm.transform.PassContext(opt_level=3):
+        built = tvm.relax.transform.DeadCodeElimination()(tvm_ext.pipeline(target)(mod))
+    return [gv.name_hint for gv, f in built.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+
+
 def conv2d_nchw(x, w, bias=None, stride=(1, 1), padding=(0, 0, 0, 0), dilation=(1, 1), groups=1):
     """Direct float64 convolution; padding is (top, left, bottom, right)."""
     x = np.asarray(x, np.float64)

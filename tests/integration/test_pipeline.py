@@ -6,14 +6,12 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from reference import one_input_graph, rel_err
+from reference import kernel_calls, one_input_graph, rel_err
 from tvm import relax
 
 import tvm_ext
 from tvm_ext.dlight.cpu import ParallelVectorize
 from tvm_ext.kernels.common import KERNEL_ATTR
-from tvm_ext.strategy.dispatch import lower_to_kernels
-from tvm_ext.strategy.fusion import fusion_passes
 from tvm_ext.transform.split_batch import runs_per_inference, split_batch
 from tvm_ext.tuning.space import PLAN_ATTR
 
@@ -365,17 +363,6 @@ def test_pools_and_activations_use_tvm_ext_kernels():
         assert rel_err(got.numpy(), ref.numpy()) <= 1e-5
 
 
-def _kernel_calls(mod: tvm.IRModule, target: tvm.target.Target = TARGET, winograd: bool = True) -> list[str]:
-    """The kernels main calls after tvm_ext's lowering for `target`, in order."""
-    with target:
-        lowered = tvm.transform.Sequential(fusion_passes(target)
-                                           + [lower_to_kernels(target, winograd=winograd)])(mod)
-    names = []
-    relax.analysis.post_order_visit(lowered["main"], lambda e: names.append(e.args[0].name_hint) if (
-        isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir") else None)
-    return names
-
-
 # The pooled features leave the blocked layout (two vectors per block). The 1000-class classifier
 # fills 8-lane blocks, so with AVX2 it writes blocked and is unpacked after; 1000 is no multiple
 # of AVX-512's 16 lanes, so there it writes NCHW itself.
@@ -390,7 +377,7 @@ def test_activations_stay_blocked_between_kernels(mcpu, unpacks):
     AVX2 and AVX-512 whatever the host. Direct convolutions here (Winograd: tests/kernels/test_winograd.py)."""
     from tvm_ext import models
 
-    calls = _kernel_calls(models.get("resnet18")[0], tvm_ext.resolve_target(f"llvm -mcpu={mcpu}"), winograd=False)
+    calls = kernel_calls(models.get("resnet18")[0], tvm_ext.resolve_target(f"llvm -mcpu={mcpu}"), winograd=False)
     prefix = lambda p: [c for c in calls if c.startswith(p)]  # noqa: E731
     assert prefix("tvm_ext_pack_nchwc") == ["tvm_ext_pack_nchwc_1x3x224x224_3"]
     assert not [c for c in calls if "_nchw_conv2d" in c]
@@ -416,7 +403,7 @@ def test_fallback_between_kernels_converts_layouts_around_it():
         return bb.emit(relax.op.nn.relu(y))
 
     mod = _graph((1, 16, 12, 12), body)
-    calls = _kernel_calls(mod)
+    calls = kernel_calls(mod, TARGET)
     assert sum(c.startswith("tvm_ext_pack_nchwc") for c in calls) == 2
     assert sum(c.startswith("tvm_ext_unpack_nchwc") for c in calls) == 2
     xv = rng.standard_normal((1, 16, 12, 12)).astype("float32")
@@ -438,7 +425,7 @@ def test_convolutions_write_the_border_their_consumer_reads(second_reader):
         return bb.emit(relax.op.add(y, relax.op.mean(e, axis=[1, 2, 3], keepdims=True))) if second_reader else y
 
     mod = _graph((1, 16, 11, 13), body)
-    calls = _kernel_calls(mod)
+    calls = kernel_calls(mod, TARGET)
     bordered = [c for c in calls if c.endswith("_border1x0x2x1")]
     assert len(bordered) == (0 if second_reader else 1)
     assert sum(c.startswith("tvm_ext_pad_nchwc") for c in calls) == (1 if second_reader else 0)

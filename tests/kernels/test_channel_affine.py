@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from reference import one_input_graph, rel_err
+from reference import kernel_calls, one_input_graph, rel_err
 from tvm import relax
 
 import tvm_ext
@@ -231,14 +231,7 @@ def test_concatenation_of_nchw_tensors_stays_nchw():
     mod = one_input_graph((1, 80, 7, 7), body)
     report = tvm_ext.dispatch_report(mod, TARGET)
     assert [r.kernel for r in report if r.op == "concat"] == ["channel_affine"]
-    from tvm_ext.strategy.dispatch import lower_to_kernels
-    from tvm_ext.strategy.fusion import fusion_passes
-
-    with TARGET:
-        lowered = tvm.transform.Sequential(fusion_passes(TARGET) + [lower_to_kernels(TARGET)])(mod)
-    calls = []
-    relax.analysis.post_order_visit(lowered["main"], lambda e: calls.append(e.args[0].name_hint) if (
-        isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir") else None)
+    calls = kernel_calls(mod, TARGET)
     assert [c for c in calls if "channel_affine" in c] == ["tvm_ext_channel_affine_1x7x7_40b1_40b1_o1"]
     assert not [c for c in calls if "pack_nchwc" in c], calls
     x = rng.standard_normal((1, 80, 7, 7)).astype(np.float32)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import tvm
-from reference import rel_err
+from reference import built_kernels, rel_err
 from tvm import relax
 
 import tvm_ext
@@ -109,8 +109,5 @@ def test_resnext_block_stays_blocked():
     assert rel_err(ours, stock) < 1e-5
     report = tvm_ext.dispatch_report(mod, TARGET)
     assert "grouped_conv2d" in str(report)
-    lowered = tvm_ext.pipeline(TARGET)
-    with tvm.transform.PassContext(opt_level=3):
-        built = relax.transform.DeadCodeElimination()(lowered(mod))
-    names = [gv.name_hint for gv, f in built.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    names = built_kernels(mod, TARGET)
     assert not [name for name in names if "pack_nchwc_1x64x" in name or "pack_nchwc_1x4x" in name], names

@@ -7,7 +7,7 @@ one)."""
 import numpy as np
 import pytest
 import tvm
-from reference import rel_err
+from reference import built_kernels, rel_err
 from tvm import relax
 
 import tvm_ext
@@ -49,13 +49,6 @@ def _run(ex, x):
     return [t.numpy() for t in relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x))]
 
 
-def _kernels(mod) -> list[str]:
-    lowered = tvm_ext.pipeline(TARGET)  # the names of the kernels the build calls
-    with tvm.transform.PassContext(opt_level=3):
-        built = tvm.relax.transform.DeadCodeElimination()(lowered(mod))
-    return [gv.name_hint for gv, f in built.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
-
-
 @pytest.mark.parametrize("se", [True, False])
 def test_padded_blocks_flow_between_convolutions(se):
     rng = np.random.default_rng(0)
@@ -65,7 +58,8 @@ def test_padded_blocks_flow_between_convolutions(se):
     for a, b in zip(ours, stock, strict=True):
         assert rel_err(a, b) < 1e-5
     if not se:  # 72 channels in whole vectors from the expand layer to the project layer: no layout copy
-        assert not [name for name in _kernels(mod) if "pack_nchwc_1x72" in name or "unpack_nchwc_1x5x" in name]
+        kernels = built_kernels(mod, TARGET)
+        assert not [name for name in kernels if "pack_nchwc_1x72" in name or "unpack_nchwc_1x5x" in name]
 
 
 def test_infinity_in_a_real_channel_does_not_reach_others_through_padding():
