@@ -6,13 +6,11 @@ import dataclasses
 import numpy as np
 import pytest
 import tvm
-from reference import conv2d_nchw, one_input_graph, rel_err
+from reference import conv2d_nchw, kernel_calls, one_input_graph, rel_err
 from tvm import relax
 
 import tvm_ext
 from tvm_ext.kernels import conv2d as cv
-from tvm_ext.strategy.dispatch import lower_to_kernels
-from tvm_ext.strategy.fusion import fusion_passes
 from tvm_ext.target import vector_isa
 
 TARGET = tvm_ext.resolve_target("llvm")
@@ -59,6 +57,10 @@ def test_which_plans_read_nchw():
     assert reason((1, 64, 8, 8), (64, 64, 1, 1)) is None
     assert "padding" in reason((1, 64, 8, 8), (64, 64, 3, 3), padding=1)
     assert "depthwise" in reason((1, 64, 8, 8), (64, 1, 3, 3), groups=64)
+    pointwise = cv.plan_conv2d(cv.Conv2dWorkload.make((1, 64, 8, 8), (64, 64, 1, 1)), ISA)
+    padded = cv.plan_conv2d(cv.Conv2dWorkload.make((1, 64, 8, 8), (64, 64, 3, 3), 1, 1), ISA)
+    assert cv.reading_nchw(pointwise) == dataclasses.replace(pointwise, nchw_in=True)
+    assert cv.reading_nchw(padded) is padded
 
 
 def test_graph_input_is_read_without_a_copy():
@@ -74,11 +76,7 @@ def test_graph_input_is_read_without_a_copy():
         return bb.emit(relax.op.add(a, relax.op.nn.max_pool2d(b, (1, 1))))
 
     mod = one_input_graph((1, 24, 14, 14), body)
-    with TARGET:
-        lowered = tvm.transform.Sequential(fusion_passes(TARGET) + [lower_to_kernels(TARGET)])(mod)
-    calls = []
-    relax.analysis.post_order_visit(lowered["main"], lambda e: calls.append(e.args[0].name_hint) if (
-        isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir") else None)
+    calls = kernel_calls(mod, TARGET)
     assert not [c for c in calls if "16x3x3" in c and "_nchw" in c], calls
     assert [c for c in calls if "16x1x1" in c and c.endswith("_nchw_conv2d_relu")], calls
     assert sum(c.startswith("tvm_ext_pack_nchwc") for c in calls) == 1  # the 3x3's padded copy

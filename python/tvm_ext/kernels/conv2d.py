@@ -302,6 +302,11 @@ def nchw_input_reason(plan: Conv2dPlan) -> str | None:
     return None
 
 
+def reading_nchw(plan: Conv2dPlan) -> Conv2dPlan:
+    """`plan` reading its data in NCHW as it is where it can (:func:`nchw_input_reason`), else `plan`."""
+    return dataclasses.replace(plan, nchw_in=True) if nchw_input_reason(plan) is None else plan
+
+
 @dataclasses.dataclass(frozen=True)
 class Epilogue:
     """What happens to each output row after the convolution: + bias, then an activation, and

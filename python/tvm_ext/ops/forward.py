@@ -12,7 +12,6 @@ otherwise keep every kernel and every convolution's workspace for good.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import operator
@@ -366,8 +365,7 @@ class _Conv2dKernel:
     def __init__(self, plan: _conv.Conv2dPlan, target: tvm.target.Target, bias: bool):
         lanes = vector_isa(target).lanes
         epilogue = _conv.Epilogue(bias=bias, nchw_out=True)
-        if _conv.nchw_input_reason(plan) is None:  # the kernel reads the NCHW array: no packing copy
-            plan = dataclasses.replace(plan, nchw_in=True)
+        plan = _conv.reading_nchw(plan)  # the NCHW array as it is where the kernel can: no packing copy
         self.plan = plan
         self.pack_data = None if plan.nchw_in else _build(_layout.pack_data_func(plan), target)
         self.pack_weight = _build(_conv.pack_weight_func(plan), target)

@@ -4,7 +4,6 @@ fallbacks). Constant weights are packed here, at build time."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
@@ -200,8 +199,8 @@ class CpuEmitter:
             plan = self._plan(plan, data)
         if plan.kind == "winograd" and constant is not None:
             return self._winograd_conv2d(plan, constant, data, bias, residual, activation, suffix, channels)
-        if self.blocked(data, padded=True) is None and _conv.nchw_input_reason(plan) is None:
-            plan = dataclasses.replace(plan, nchw_in=True)  # read as it is: no packing copy
+        if self.blocked(data, padded=True) is None:
+            plan = _conv.reading_nchw(plan)  # no blocked form to reuse: read as it is, no packing copy
         wl = plan.wl
         blocked_out = plan.K_pad == wl.K or (padded_out and plan.kind != "direct")  # direct: no zeros past K
         tag = _tag(plan)
