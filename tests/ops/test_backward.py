@@ -107,3 +107,9 @@ def test_bad_input_raises(args, message):
     dy_shape, w_shape, x_shape, kw = args
     with pytest.raises(ValueError, match=message):
         ops.conv2d_backward_data(np.ones(dy_shape, np.float32), np.ones(w_shape, np.float32), x_shape, **kw)
+
+
+def test_a_batch_of_no_images():
+    dx = ops.conv2d_backward_data(np.ones((0, 8, 6, 6), np.float32), np.ones((8, 4, 3, 3), np.float32),
+                                  (0, 4, 6, 6), padding=1)
+    assert dx.shape == (0, 4, 6, 6) and dx.dtype == np.float32

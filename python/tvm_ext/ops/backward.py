@@ -71,12 +71,13 @@ def conv2d_backward_data(dy, w, x_shape: Sequence[int], *, stride: int | Sequenc
     n, c, h, width = x_shape
     k, cg, kh, kw = w.shape
     kg = k // groups
+    if n == 0:
+        return np.empty(x_shape, np.float32)
     # W'[g*Cg + c, j, r, s] = W[g*Kg + j, c, r, s]: each group's channels in and out swapped
     swapped = w.reshape(groups, kg, cg, kh, kw).transpose(0, 2, 1, 3, 4).reshape(c, kg, kh, kw)
-    dx = np.zeros(x_shape, np.float32) if n else np.empty(x_shape, np.float32)
-    if n == 0:
-        return dx
     (sh, sw), (dh, dw), (top, left, _, _) = stride, dilation, padding
+    # the phases are written into it; at stride 1 the one convolution's output is dX itself
+    dx = np.zeros(x_shape, np.float32) if (sh, sw) != (1, 1) else None
     for a in range(min(sh, h)):
         rows, first_row, step_h = _taps(a, top, kh, dh, sh)
         out_rows = -(-(h - a) // sh)
@@ -93,7 +94,7 @@ def conv2d_backward_data(dy, w, x_shape: Sequence[int], *, stride: int | Sequenc
             part = conv2d(dy[:, :, skip_h:skip_h + keep_h, skip_w:skip_w + keep_w], taps,
                           padding=(pad_top, pad_left, pad_bottom, pad_right), dilation=(step_h, step_w),
                           groups=groups, target=target)
-            if (sh, sw) == (1, 1):
+            if dx is None:
                 return part
             dx[:, :, a::sh, b::sw] = part
-    return dx
+    return np.zeros(x_shape, np.float32) if dx is None else dx  # stride 1, every tap past dY: zero
