@@ -65,9 +65,11 @@ def conv2d_backward_data(dy, w, x_shape: Sequence[int], *, stride: int | Sequenc
     check_conv_shapes("conv2d_backward_data", x_shape, w.shape)
     stride, padding, dilation, groups = conv_options("conv2d_backward_data", w.shape, stride, padding, dilation,
                                                       groups)
-    wl = Conv2dWorkload.make(x_shape, w.shape, stride, padding, dilation, groups)
-    if dy.shape != wl.out_shape:
-        raise ValueError(f"conv2d_backward_data: dy has shape {dy.shape}, the convolution's output is {wl.out_shape}")
+    # validated on one image: a batch of none is an empty gradient, as conv2d's output is empty
+    wl = Conv2dWorkload.make((1, *x_shape[1:]), w.shape, stride, padding, dilation, groups)
+    out_shape = (x_shape[0], *wl.out_shape[1:])
+    if dy.shape != out_shape:
+        raise ValueError(f"conv2d_backward_data: dy has shape {dy.shape}, the convolution's output is {out_shape}")
     n, c, h, width = x_shape
     k, cg, kh, kw = w.shape
     kg = k // groups
