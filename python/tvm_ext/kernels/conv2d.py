@@ -41,6 +41,7 @@ from .common import (
     normalize_padding,
     pair,
     param_buffer,
+    scratch_buffer,
 )
 from .transpose import transpose8x8
 
@@ -478,7 +479,7 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
                 # to the task; declared inside the parallel loop: one per task. A block there to
                 # hold them would break blockize, which drops bindings to variables outside its
                 # scope) and its epilogue writes it to NCHW: the blocked output never reaches memory.
-                rows = [IRBuilder.name(f"{name}_row", T.decl_buffer((width, plan.oc_bn), "float32"))
+                rows = [scratch_buffer(f"{name}_row", (width, plan.oc_bn))
                         for name, width, _ in plan.row_segments()]
                 for (name, width, start), row_buffer in zip(plan.row_segments(), rows, strict=True):
                     _segment(plan, name, width, start, row, row_buffer, lambda *v: [v[3], v[4]], x, w)

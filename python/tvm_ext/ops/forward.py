@@ -31,7 +31,7 @@ from ..kernels import elementwise as _elementwise
 from ..kernels import layout as _layout
 from ..kernels import pool2d as _pool
 from ..kernels import script as _script
-from ..kernels.common import KERNEL_ATTR, USER_ALIGNMENT
+from ..kernels.common import KERNEL_ATTR, STACK_BUFFER_CONFIG, USER_ALIGNMENT
 from ..target import TargetLike, resolve_target, vector_isa
 
 logger = logging.getLogger("tvm_ext")
@@ -274,11 +274,19 @@ def clear_cache() -> None:
     _script.from_source.cache_clear()
 
 
-def _build(func: tvm.tirx.PrimFunc, target: tvm.target.Target):
-    """`func` compiled for `target`; returns the callable function."""
+def compile_kernel(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> tvm.runtime.Executable:
+    """`func` compiled for `target`, its scratch buffers on the task's stack (STACK_BUFFER_CONFIG:
+    a generated kernel declares each buffer where it lives)."""
     name = "tvm_ext_" + str(func.attrs[KERNEL_ATTR])  # te.create_prim_func says "main"
     mod = tvm.IRModule({name: func.with_attr("global_symbol", name)})
-    return tvm.compile(mod, target)[name]
+    current = tvm.transform.PassContext.current()
+    with tvm.transform.PassContext(opt_level=current.opt_level, config={**current.config, **STACK_BUFFER_CONFIG}):
+        return tvm.compile(mod, target)
+
+
+def _build(func: tvm.tirx.PrimFunc, target: tvm.target.Target):
+    """`func` compiled for `target`; returns the callable function."""
+    return compile_kernel(func, target)["tvm_ext_" + str(func.attrs[KERNEL_ATTR])]
 
 
 def _target_key(target: TargetLike):
