@@ -147,6 +147,11 @@ class Conv2dPlan:
     # convolutions without padding (the packed input carries the zero border), on the BRGEMM,
     # which broadcasts its input element by element (:func:`nchw_input_reason`).
     nchw_in: bool = False
+    # Read the weights in OIHW, as a caller holds them, and lay out each output block's in a
+    # scratch of the task that computes the block, before its rows (:func:`weight_block_reason`):
+    # a stateless call's weights are read once instead of written blocked and read again.
+    # Tasks are then the output blocks, each with all its rows.
+    oihw_weight: bool = False
 
     @property
     def K_pad(self) -> int:
@@ -175,6 +180,13 @@ class Conv2dPlan:
             strides=(wl.C * plane, self.ic_bn * plane, wl.W, 1, plane)))
 
     def weight_shape(self) -> tuple[int, ...]:
+        """The weight parameter's shape: blocked (OIHW with :attr:`oihw_weight`)."""
+        wl = self.wl
+        if self.oihw_weight:
+            return (wl.K, wl.C // wl.groups, wl.KH, wl.KW)
+        return self.blocked_weight_shape()
+
+    def blocked_weight_shape(self) -> tuple[int, ...]:
         wl = self.wl
         if self.kind == "depthwise":
             return (self.OCB, wl.KH, wl.KW, self.oc_bn)
@@ -303,6 +315,38 @@ def nchw_input_reason(plan: Conv2dPlan) -> str | None:
     return None
 
 
+# A separate packing pass writes the blocked weights and the convolution reads them again: a cost
+# that shows from about this many bytes of weights (ResNet-50's 1024 -> 2048 1x1 layer: 8 MB,
+# packed in 0.23 ms against its convolution's 0.77 at batch 1).
+WEIGHT_BLOCK_MIN_BYTES = 1 << 20
+# Output blocks per thread from which tasks of whole output blocks share out evenly enough
+# (threads take contiguous ranges of tasks: 8 blocks on 2 threads, 4 each; 9, 5 and 4).
+WEIGHT_BLOCKS_PER_THREAD = 4
+
+
+def weight_block_reason(plan: Conv2dPlan, threads: int = 1) -> str | None:
+    """Why `plan` should not lay out its OIHW weights per task (:attr:`Conv2dPlan.oihw_weight`)
+    when it runs on `threads` threads, or None if it should."""
+    wl = plan.wl
+    if plan.kind != "brgemm" or wl.groups > 1:
+        return f"a {plan.kind if plan.kind != 'brgemm' else 'grouped'} convolution"
+    if not _tiled_weights(plan):
+        return f"blocks of {plan.ic_bn} x {plan.oc_bn} channels do not tile by 8 x 8"
+    if 4 * wl.K * wl.C * wl.KH * wl.KW < WEIGHT_BLOCK_MIN_BYTES:
+        return "small weights: packed apart in little time"
+    if threads > 1 and plan.OCB < WEIGHT_BLOCKS_PER_THREAD * threads:
+        return f"{plan.OCB} output blocks: too few tasks for {threads} threads"
+    return None
+
+
+def reading_oihw_weights(plan: Conv2dPlan, threads: int = 1) -> Conv2dPlan:
+    """`plan` laying out its OIHW weights per task where that pays on `threads` threads
+    (:func:`weight_block_reason`), else `plan`: for calls whose weights come unpacked every time."""
+    if weight_block_reason(plan, threads) is None:
+        return dataclasses.replace(plan, oihw_weight=True)
+    return plan
+
+
 def reading_nchw(plan: Conv2dPlan) -> Conv2dPlan:
     """`plan` reading its data in NCHW as it is where it can (:func:`nchw_input_reason`), else `plan`."""
     return dataclasses.replace(plan, nchw_in=True) if nchw_input_reason(plan) is None else plan
@@ -381,7 +425,8 @@ def _segment(plan: Conv2dPlan, name: str, width: int, start: int, row: tuple, ou
                 icbg = (wl.C // wl.groups) // plan.ic_bn
                 ocbg = (wl.K // wl.groups) // plan.oc_bn
                 icb = v_ob // ocbg * icbg + icb
-            product = x[v_n, icb, h, col, v["ic"]] * w[v_ob, v["icb"], v["kh"], v["kw"], v["ic"], v_o]
+            w_ob = 0 if plan.oihw_weight else v_ob  # (the task's block of weights)
+            product = x[v_n, icb, h, col, v["ic"]] * w[w_ob, v["icb"], v["kh"], v["kw"], v["ic"], v_o]
         index = out_index(v_n, v_ob, v_oh, v_ow, v_o)
         with T.init():
             T.buffer_store(out, T.float32(0), index)
@@ -440,9 +485,10 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
     """The unscheduled blocked convolution (+ epilogue) as TensorIR, generated from the plan.
 
     Parameters: data (N, C/x, H+pads, W+pads, x), weight (O/y, I/x, KH, KW, x, y) or depthwise
-    (O/y, KH, KW, y), [bias (O/y, y)], [residual, in the output's shape and layout], then the
-    output: blocked (N, O/y, OH, OW, y), or NCHW (N, K, OH, OW) with `epilogue.nchw_out`.
-    One parallel task per output row; inside it the row is whole m_r tiles ("conv"), one
+    (O/y, KH, KW, y) (OIHW with `plan.oihw_weight`), [bias (O/y, y)], [residual, in the output's
+    shape and layout], then the output: blocked (N, O/y, OH, OW, y), or NCHW (N, K, OH, OW) with
+    `epilogue.nchw_out`. One parallel task per output row (per output block with
+    `plan.oihw_weight`, which lays out the block's weights first); inside a row the row is whole m_r tiles ("conv"), one
     narrower tail ("conv_tail") and the epilogue, applied while the row is in L1. Blocked, the
     tiles accumulate straight into the output (no row buffer, no copy); NCHW, into a private
     scratch row that the epilogue transposes out. Cached: a network repeats layers of one shape,
@@ -454,7 +500,7 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
         T.func_name("conv")
         # NCHW data may be a user's array (NumPy aligns to 16 bytes): it is only broadcast, element by element
         x = param_buffer("x", plan.data_shape(), align=USER_ALIGNMENT if plan.nchw_in else -1)
-        w = param_buffer("w", plan.weight_shape())
+        w = param_buffer("w", plan.weight_shape(), align=USER_ALIGNMENT if plan.oihw_weight else -1)
         bias = param_buffer("b", (plan.OCB, plan.oc_bn)) if epilogue.bias else None
         residual_shape = wl.out_shape if epilogue.nchw_out else plan.out_shape()
         residual = param_buffer("r", residual_shape) if epilogue.residual else None
@@ -471,7 +517,19 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
             y_tail, y_epilogue, y_border = (_alias(name, y) for name in ("Y_tail", "Y_epilogue", "Y_border"))
         if plan.nchw_in:  # after the parameters: a declared buffer opens a frame
             x = plan.data_view(x)
-        with T.grid(wl.N, plan.OCB, wl.OH) as row:
+        with contextlib.ExitStack() as loops:
+            if plan.oihw_weight:
+                # One task per output block: its weights laid out in a scratch of the task (the
+                # microkernel's B operand) once, before all its rows.
+                rows = _weight_rows(plan, w)
+                ob = loops.enter_context(T.parallel(0, plan.OCB))
+                w = scratch_buffer("W_block", (1, *plan.blocked_weight_shape()[1:]))
+                _pack_weight_block(plan, rows, ob, lambda ib, kh, kw, i, o, value: T.buffer_store(
+                    w, value, [0, ib, kh, kw, i, o]))
+                n, oh = loops.enter_context(T.grid(wl.N, wl.OH))
+                row = (n, ob, oh)
+            else:
+                row = loops.enter_context(T.grid(wl.N, plan.OCB, wl.OH))
             IRBuilder.name_many(["n", "ob", "oh"], row)
             n, ob, oh = row
             if epilogue.nchw_out:
@@ -615,6 +673,8 @@ def order_rows(sch: s_tir.Schedule, plan: Conv2dPlan, tunable: bool = False) -> 
     (:func:`row_order_tiles`); tuning samples all three splits as perfect tiles, which keeps the
     loop structure the same for every decision.
     """
+    if plan.oihw_weight:  # the generator made the output blocks the tasks (conv2d_blocked_func)
+        return
     loops = sch.get_loops(sch.get_sblock(plan.row_segments()[0][0]))[:3]
     if tunable:
         tiles = [sch.sample_perfect_tile(loop, n=2) for loop in loops]
@@ -679,6 +739,49 @@ def conv2d_blocked_kernel(plan: Conv2dPlan, lanes: int, epilogue: Epilogue = Epi
     return sch.mod["main"].with_attr(KERNEL_ATTR, f"{plan.kind}_conv2d")
 
 
+def _weight_tile(plan: Conv2dPlan, rows: tirx.Buffer, ob, ib, q0, o0, store: Callable) -> None:
+    """One 8x8 tile of the OIHW -> blocked transpose: output channels ob*y + o0*8 + [0, 8) (8
+    rows of OIHW `rows`, viewed as (K, I*KH*KW)) x the 8 (i, kh, kw) from q0*8 of input block ib.
+    store(ib, kh, kw, i, o, value) writes the blocked weight(s) at o (a Ramp of 8 or a channel);
+    channels past K are zeros."""
+    wl = plan.wl
+    K, khw = wl.K, wl.KH * wl.KW
+    q_block = plan.ic_bn * khw  # one input-channel block's (i, kh, kw), contiguous in a row
+
+    def at(q, o, value) -> None:
+        store(ib, q % khw // wl.KW, q % wl.KW, q // khw, o, value)
+
+    with T.If(ob * plan.oc_bn + o0 * 8 + 8 <= K):
+        with T.Then():
+            transpose8x8(lambda i: rows[ob * plan.oc_bn + o0 * 8 + i, T.Ramp(ib * q_block + q0 * 8, 1, 8)],
+                         lambda j, value: at(q0 * 8 + j, T.Ramp(o0 * 8, 1, 8), value))
+        with T.Else(), T.grid(8, 8) as (q, o):
+            k = T.Bind(ob * plan.oc_bn + o0 * 8 + o)
+            p = T.Bind(q0 * 8 + q)
+            at(p, o0 * 8 + o, T.if_then_else(k < K, rows[T.min(k, K - 1), ib * q_block + p], T.float32(0)))
+
+
+def _weight_rows(plan: Conv2dPlan, weight: tirx.Buffer) -> tirx.Buffer:
+    """OIHW `weight` as (K, I*KH*KW): one output channel's weights per row."""
+    wl = plan.wl
+    return IRBuilder.name("W_rows", T.decl_buffer((wl.K, (wl.C // wl.groups) * wl.KH * wl.KW), "float32",
+                                                  data=weight.data, align=USER_ALIGNMENT))
+
+
+def _pack_weight_block(plan: Conv2dPlan, rows: tirx.Buffer, ob, store: Callable) -> None:
+    """Output block `ob`'s weights, tile by tile. 1x1: a block's rows are one cache line each,
+    4 KiB apart when C is a power of two (same L1 set), so 8 whole rows are swept at a time
+    (0.67 -> 0.45 ms, 2048x1024); else one input block at a time."""
+    q_tiles = plan.ic_bn * plan.wl.KH * plan.wl.KW // 8
+    icb = plan.blocked_weight_shape()[1]  # of one group
+    if plan.wl.KH * plan.wl.KW == 1:
+        with T.grid(plan.oc_bn // 8, icb, q_tiles) as (o0, ib, q0):
+            _weight_tile(plan, rows, ob, ib, q0, o0, store)
+    else:
+        with T.grid(icb, q_tiles, plan.oc_bn // 8) as (ib, q0, o0):
+            _weight_tile(plan, rows, ob, ib, q0, o0, store)
+
+
 def _pack_weight_tiled(plan: Conv2dPlan) -> tirx.PrimFunc:
     """The OIHW -> blocked transpose in 8x8 register tiles of (output channel, (i, kh, kw)).
 
@@ -687,39 +790,24 @@ def _pack_weight_tiled(plan: Conv2dPlan) -> tirx.PrimFunc:
     store into the blocked weights.
     """
     wl = plan.wl
-    K, khw = wl.K, wl.KH * wl.KW
-    q_block = plan.ic_bn * khw  # one input-channel block's (i, kh, kw), contiguous in a row
-    ICB = plan.weight_shape()[1]
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("pack_weight")
         T.func_attr({"tirx.noalias": True, KERNEL_ATTR: "pack_weight_blocked"})
-        weight = param_buffer("w", (K, wl.C // wl.groups, wl.KH, wl.KW), align=USER_ALIGNMENT)
+        weight = param_buffer("w", (wl.K, wl.C // wl.groups, wl.KH, wl.KW), align=USER_ALIGNMENT)
         d = param_buffer("d", plan.weight_shape())
-        rows = IRBuilder.name("W_rows", T.decl_buffer((K, (wl.C // wl.groups) * khw), "float32", data=weight.data,
-                                                      align=USER_ALIGNMENT))
-        with T.sblock("root"), contextlib.ExitStack() as loops:
-            if khw == 1:
-                # 1x1: a block's rows are one cache line each, 4 KiB apart when C is a power of
-                # two (same L1 set); sweep 8 whole rows at a time instead (0.67 -> 0.45 ms, 2048x1024).
-                ob = loops.enter_context(T.parallel(0, plan.OCB))
-                o0, ib, q0 = loops.enter_context(T.grid(plan.oc_bn // 8, ICB, q_block // 8))
-            else:  # one (ob, ib) block at a time: its rows are 576+ bytes, its output stays in L1
-                task = loops.enter_context(T.parallel(0, plan.OCB * ICB))
-                ob, ib = T.Bind(task // ICB), T.Bind(task % ICB)
-                q0, o0 = loops.enter_context(T.grid(q_block // 8, plan.oc_bn // 8))
-            def store(j: int, value: tirx.PrimExpr) -> None:  # column j: 8 output channels of one (i, kh, kw)
-                q = q0 * 8 + j
-                T.buffer_store(d, value, [ob, ib, q % khw // wl.KW, q % wl.KW, q // khw, T.Ramp(o0 * 8, 1, 8)])
-
-            with T.If(ob * plan.oc_bn + o0 * 8 + 8 <= K):
-                with T.Then():
-                    transpose8x8(lambda i: rows[ob * plan.oc_bn + o0 * 8 + i, T.Ramp(ib * q_block + q0 * 8, 1, 8)],
-                                 store)
-                with T.Else(), T.grid(8, 8) as (q, o):
-                    k = T.Bind(ob * plan.oc_bn + o0 * 8 + o)
-                    p = T.Bind(q0 * 8 + q)
-                    T.buffer_store(d, T.if_then_else(k < K, rows[T.min(k, K - 1), ib * q_block + p], T.float32(0)),
-                                   [ob, ib, p % khw // wl.KW, p % wl.KW, p // khw, o0 * 8 + o])
+        rows = _weight_rows(plan, weight)
+        with T.sblock("root"):
+            if wl.KH * wl.KW == 1:
+                with T.parallel(0, plan.OCB) as ob:
+                    _pack_weight_block(plan, rows, ob, lambda ib, kh, kw, i, o, value, ob=ob: T.buffer_store(
+                        d, value, [ob, ib, kh, kw, i, o]))
+            else:  # one (ob, ib) block per task: its rows are 576+ bytes, its output stays in L1
+                icb = plan.blocked_weight_shape()[1]  # of one group
+                with T.parallel(0, plan.OCB * icb) as task:
+                    ob, ib = T.Bind(task // icb), T.Bind(task % icb)
+                    with T.grid(plan.ic_bn * wl.KH * wl.KW // 8, plan.oc_bn // 8) as (q0, o0):
+                        _weight_tile(plan, rows, ob, ib, q0, o0, lambda ib, kh, kw, i, o, value, ob=ob: T.buffer_store(
+                            d, value, [ob, ib, kh, kw, i, o]))
     return builder.get()
 
 
@@ -744,12 +832,19 @@ def pack_weight_array(plan: Conv2dPlan, weight: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(blocked)
 
 
+def _tiled_weights(plan: Conv2dPlan) -> bool:
+    """Whether the OIHW -> blocked transpose goes in 8x8 register tiles (:func:`_weight_tile`)."""
+    wl = plan.wl
+    return (plan.kind not in ("depthwise", "grouped") and wl.dtype == "float32" and plan.oc_bn % 8 == 0
+            and (plan.ic_bn * wl.KH * wl.KW) % 8 == 0)
+
+
 def pack_weight_func(plan: Conv2dPlan) -> tirx.PrimFunc:
     """OIHW -> O/y, I/x, KH, KW, x, y (depthwise: O/y, KH, KW, y; grouped: O/y, KH, KW, I/groups,
     y); missing output channels are zero."""
     wl = plan.wl
-    if (plan.kind not in ("depthwise", "grouped") and wl.dtype == "float32" and plan.oc_bn % 8 == 0
-            and (plan.ic_bn * wl.KH * wl.KW) % 8 == 0):
+    plan = dataclasses.replace(plan, oihw_weight=False)  # its output: the blocked weights
+    if _tiled_weights(plan):
         return _pack_weight_tiled(plan)
     w = te.placeholder((wl.K, wl.C // wl.groups, wl.KH, wl.KW), wl.dtype, name="weight")
     if plan.kind == "depthwise":

@@ -367,7 +367,9 @@ class _Conv2dKernel:
     The blocked data and weights are a workspace allocated once per signature and
     reused by every call (as cuDNN's workspace): allocating megabytes inside each call costs
     page faults that took longer than the packing itself. The kernels and the workspace are the
-    signature's own, so evicting it from the cache frees them all.
+    signature's own, so evicting it from the cache frees them all. A plan that reads OIHW
+    weights (`oihw_weight`) lays them out inside the convolution: no packing kernel, no weight
+    workspace.
     """
 
     def __init__(self, plan: _conv.Conv2dPlan, target: tvm.target.Target, bias: bool):
@@ -376,19 +378,22 @@ class _Conv2dKernel:
         plan = _conv.reading_nchw(plan)  # the NCHW array as it is where the kernel can: no packing copy
         self.plan = plan
         self.pack_data = None if plan.nchw_in else _build(_layout.pack_data_func(plan), target)
-        self.pack_weight = _build(_conv.pack_weight_func(plan), target)
+        self.pack_weight = None if plan.oihw_weight else _build(_conv.pack_weight_func(plan), target)
         self.conv = _build(_conv.conv2d_blocked_kernel(plan, lanes, epilogue), target)
         self.out_shape = plan.wl.out_shape
         self.data = None if plan.nchw_in else _as_tvm(aligned_empty(plan.data_shape()))
-        self.weight = _as_tvm(aligned_empty(plan.weight_shape()))
+        self.weight = None if plan.oihw_weight else _as_tvm(aligned_empty(plan.weight_shape()))
         self.bias = _as_tvm(np.zeros((plan.OCB, plan.oc_bn), np.float32)) if bias else None
-        self.nbytes = (3 * _KERNEL_BYTES + (0 if plan.nchw_in else _nbytes(plan.data_shape()))
-                       + _nbytes(plan.weight_shape())
+        self.nbytes = ((2 + (self.pack_weight is not None)) * _KERNEL_BYTES
+                       + (0 if plan.nchw_in else _nbytes(plan.data_shape()))
+                       + (0 if plan.oihw_weight else _nbytes(plan.weight_shape()))
                        + (_nbytes((plan.OCB, plan.oc_bn)) if bias else 0))
         self.lock = threading.Lock()  # the workspace belongs to one call at a time
 
     def packed_weight(self, w: np.ndarray) -> tvm.runtime.Tensor:
         """`w` in the kernel's blocked layout, in memory of its own (for :class:`Conv2d`)."""
+        if self.pack_weight is None:
+            raise ValueError("conv2d: this kernel reads OIHW weights; it has no packed layout")
         packed = _as_tvm(aligned_empty(self.plan.weight_shape()))
         self.pack_weight(_as_tvm(w, USER_ALIGNMENT), packed)
         return packed
@@ -399,7 +404,8 @@ class _Conv2dKernel:
         return blocked.reshape(self.plan.OCB, self.plan.oc_bn)
 
     def __call__(self, x: np.ndarray, w: np.ndarray | tvm.runtime.Tensor, bias: np.ndarray | None) -> np.ndarray:
-        """`w`: OIHW weights (packed here), or weights :meth:`packed_weight` packed already."""
+        """`w`: OIHW weights (packed here, or read by a kernel of OIHW weights), or weights
+        :meth:`packed_weight` packed already."""
         out = aligned_empty(self.out_shape)
         with self.lock:
             data = _as_tvm(x, USER_ALIGNMENT)
@@ -407,8 +413,10 @@ class _Conv2dKernel:
                 self.pack_data(data, self.data)
                 data = self.data
             if isinstance(w, np.ndarray):
-                self.pack_weight(_as_tvm(w, USER_ALIGNMENT), self.weight)
-                w = self.weight
+                w = _as_tvm(w, USER_ALIGNMENT)
+                if self.pack_weight is not None:
+                    self.pack_weight(w, self.weight)
+                    w = self.weight
             args = [data, w]
             if self.bias is not None:
                 if bias is None:  # the kernel's signature has a bias (_conv_kernel's key says so)
@@ -462,10 +470,17 @@ def _pointwise_subsample(x: np.ndarray, w_shape: Sequence[int], stride: tuple[in
     return x[:, :, ::stride[0], ::stride[1]], (1, 1)
 
 
+def _runtime_threads() -> int:
+    """The threads TVM's pool runs a parallel loop on (TVM_NUM_THREADS, else its default)."""
+    return int(tvm.get_global_func("runtime.NumThreads")())
+
+
 def _conv_kernel(x_shape, w_shape, bias: bool, stride, padding, dilation, groups,
-                 target) -> _Conv2dKernel | _CudaConv2dKernel:
-    """The kernel of a signature whose options :func:`conv_options` normalized."""
-    key = ("conv2d", x_shape, w_shape, bias, stride, padding, dilation, groups, _target_key(target))
+                 target, prepacked: bool = False) -> _Conv2dKernel | _CudaConv2dKernel:
+    """The kernel of a signature whose options :func:`conv_options` normalized. `prepacked`:
+    its calls bring weights :meth:`_Conv2dKernel.packed_weight` laid out (:class:`Conv2d`);
+    otherwise OIHW weights, which large layers lay out inside the convolution."""
+    key = ("conv2d", x_shape, w_shape, bias, stride, padding, dilation, groups, _target_key(target), prepacked)
 
     def make() -> _Conv2dKernel | _CudaConv2dKernel:
         resolved = resolve_target(target)
@@ -478,6 +493,8 @@ def _conv_kernel(x_shape, w_shape, bias: bool, stride, padding, dilation, groups
                            groups=groups, target=resolved)
         _check_elements("conv2d blocked data", plan.data_shape())
         _check_elements("conv2d blocked weight", plan.weight_shape())
+        if not prepacked:
+            plan = _conv.reading_oihw_weights(plan, _runtime_threads())
         return _Conv2dKernel(plan, resolved, bias)
 
     return _once(_CACHE, key, make)
@@ -550,7 +567,7 @@ class Conv2d:
         if x.shape[0] == 0:
             return _empty_conv(x.shape, self.weight.shape,
                                **{k: v for k, v in self.options.items() if k != "target"})
-        kernel = _conv_kernel(x.shape, self.weight.shape, self.bias is not None, **self.options)
+        kernel = _conv_kernel(x.shape, self.weight.shape, self.bias is not None, **self.options, prepacked=True)
         if not isinstance(kernel, _Conv2dKernel):  # refused in __init__: only CPU kernels prepack
             raise UnsupportedError(f"Conv2d: no prepacked kernel for target {self.options['target']!r}")
         packed = self._packed.get(x.shape)
