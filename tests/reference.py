@@ -83,3 +83,48 @@ def rel_err(actual, expected) -> float:
     """Max error relative to the largest reference magnitude."""
     expected = np.asarray(expected, np.float64)
     return float(np.abs(np.asarray(actual, np.float64) - expected).max() / max(np.abs(expected).max(), 1e-30))
+
+
+def torch_conv(x, w, stride, padding, dilation, groups):
+    """PyTorch's conv2d with tvm_ext's padding forms (int, pair or (top, left, bottom, right))."""
+    import torch
+
+    if isinstance(padding, tuple) and len(padding) == 4:  # top, left, bottom, right
+        x = torch.nn.functional.pad(x, (padding[1], padding[3], padding[0], padding[2]))
+        padding = 0
+    return torch.nn.functional.conv2d(x, w, None, stride, padding, dilation, groups)
+
+
+def random_conv_case(rng):
+    """A random convolution (kwargs of ops.conv2d and its gradients) and its (sh, sw): strides
+    1-4 and unequal ones, padding (asymmetric too), dilation, groups, depthwise, odd sizes,
+    batches of one and more."""
+    groups = int(rng.choice([1, 1, 1, 2, 4, 0]))  # 0: depthwise
+    cg, kg = int(rng.choice([1, 3, 8, 16])), int(rng.choice([1, 5, 8, 16]))
+    if groups == 0:
+        groups, cg, kg = int(rng.choice([8, 16, 24])), 1, 1
+        c = groups
+    else:
+        c = groups * cg
+    k = groups * kg
+    kh, kw = [(1, 1), (3, 3), (3, 3), (5, 5), (1, 3), (3, 1), (2, 2), (7, 7)][rng.integers(8)]
+    stride = int(rng.choice([1, 1, 2, 2, 3, 4]))
+    if rng.random() < 0.15:
+        stride = (int(rng.choice([1, 2])), int(rng.choice([1, 2, 3])))
+    dilation = 1 if rng.random() < 0.8 else int(rng.choice([2, 3]))
+    if rng.random() < 0.25:
+        padding = tuple(int(v) for v in rng.integers(0, 3, size=4))
+    else:
+        padding = int(rng.integers(0, max(kh, kw) // 2 + 2))
+    sh, sw = (stride, stride) if isinstance(stride, int) else stride
+    pads = padding if isinstance(padding, tuple) else (padding,) * 4
+    h = int(rng.integers(max(1, dilation * (kh - 1) + 1 - pads[0] - pads[2]), 20))
+    w = int(rng.integers(max(1, dilation * (kw - 1) + 1 - pads[1] - pads[3]), 20))
+    n = int(rng.choice([1, 1, 2, 3]))
+    return dict(x_shape=(n, c, h, w), w_shape=(k, c // groups, kh, kw), stride=stride, padding=padding,
+                dilation=dilation, groups=groups), (sh, sw)
+
+
+def random_conv_cases(count: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [random_conv_case(rng)[0] for _ in range(count)]

@@ -207,7 +207,8 @@ def test_intrinsic_names_parse_back_to_their_brgemm():
     """Tuning records name intrinsics; a fresh process registers them from those names."""
     specs = [BRGEMM(5, 16, 16, 8, (1, 3, 3), init=True, unroll=2),
              BRGEMM(14, 32, 16, 16, (2, 1, 7), stride=2, dilation=(2, 3), unroll=4),
-             BRGEMM(1, 8, 3, 8), BRGEMM(6, 16, 16, 8, (4, 1, 1), prefetch=2), BRGEMM(6, 16, 16, 8, prefetch=0)]
+             BRGEMM(1, 8, 3, 8), BRGEMM(6, 16, 16, 8, (4, 1, 1), prefetch=2), BRGEMM(6, 16, 16, 8, prefetch=0),
+             BRGEMM(8, 32, 56, 16, (1, 8, 1), stride=2, dilation=(2, 1), a_transposed=True, unroll=4)]
     assert specs[3].name.endswith("_u1_p2") and specs[4].name.endswith("_u1_p0")
     for spec in specs:
         assert brgemm_from_name(spec.name).name == spec.name

@@ -5,59 +5,19 @@ depthwise, odd sizes, batches of one and more."""
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
-from reference import rel_err
+from reference import random_conv_cases, rel_err, torch_conv
 
 from tvm_ext import ops
 
 
-def _torch_conv(x, w, stride, padding, dilation, groups):
-    if isinstance(padding, tuple) and len(padding) == 4:  # top, left, bottom, right
-        x = F.pad(x, (padding[1], padding[3], padding[0], padding[2]))
-        padding = 0
-    return F.conv2d(x, w, None, stride, padding, dilation, groups)
-
-
 def _reference_dx(x_shape, w, dy, stride, padding, dilation, groups) -> np.ndarray:
     x = torch.zeros(x_shape, dtype=torch.float64, requires_grad=True)
-    _torch_conv(x, torch.from_numpy(w).double(), stride, padding, dilation, groups).backward(
+    torch_conv(x, torch.from_numpy(w).double(), stride, padding, dilation, groups).backward(
         torch.from_numpy(dy).double())
     return x.grad.numpy()
 
 
-def _random_case(rng):
-    groups = int(rng.choice([1, 1, 1, 2, 4, 0]))  # 0: depthwise
-    cg, kg = int(rng.choice([1, 3, 8, 16])), int(rng.choice([1, 5, 8, 16]))
-    if groups == 0:
-        groups, cg, kg = int(rng.choice([8, 16, 24])), 1, 1
-        c = groups
-    else:
-        c = groups * cg
-    k = groups * kg
-    kh, kw = [(1, 1), (3, 3), (3, 3), (5, 5), (1, 3), (3, 1), (2, 2), (7, 7)][rng.integers(8)]
-    stride = int(rng.choice([1, 1, 2, 2, 3, 4]))
-    if rng.random() < 0.15:
-        stride = (int(rng.choice([1, 2])), int(rng.choice([1, 2, 3])))
-    dilation = 1 if rng.random() < 0.8 else int(rng.choice([2, 3]))
-    if rng.random() < 0.25:
-        padding = tuple(int(v) for v in rng.integers(0, 3, size=4))
-    else:
-        padding = int(rng.integers(0, max(kh, kw) // 2 + 2))
-    sh, sw = (stride, stride) if isinstance(stride, int) else stride
-    pads = padding if isinstance(padding, tuple) else (padding,) * 4
-    h = int(rng.integers(max(1, dilation * (kh - 1) + 1 - pads[0] - pads[2]), 20))
-    w = int(rng.integers(max(1, dilation * (kw - 1) + 1 - pads[1] - pads[3]), 20))
-    n = int(rng.choice([1, 1, 2, 3]))
-    return dict(x_shape=(n, c, h, w), w_shape=(k, c // groups, kh, kw), stride=stride, padding=padding,
-                dilation=dilation, groups=groups), (sh, sw)
-
-
-def _cases(count: int, seed: int):
-    rng = np.random.default_rng(seed)
-    return [_random_case(rng)[0] for _ in range(count)]
-
-
-RANDOM = _cases(200, 20261205)
+RANDOM = random_conv_cases(200, 20261205)
 
 
 @pytest.mark.parametrize("index", range(len(RANDOM)), ids=[f"r{i}" for i in range(len(RANDOM))])
@@ -65,7 +25,7 @@ def test_backward_data_matches_autograd(index):
     case = RANDOM[index]
     rng = np.random.default_rng(index)
     w = rng.standard_normal(case["w_shape"]).astype(np.float32)
-    out_shape = _torch_conv(torch.zeros(case["x_shape"]), torch.from_numpy(w), case["stride"], case["padding"],
+    out_shape = torch_conv(torch.zeros(case["x_shape"]), torch.from_numpy(w), case["stride"], case["padding"],
                             case["dilation"], case["groups"]).shape
     dy = rng.standard_normal(tuple(out_shape)).astype(np.float32)
     got = ops.conv2d_backward_data(dy, w, case["x_shape"], stride=case["stride"], padding=case["padding"],

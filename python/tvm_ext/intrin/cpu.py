@@ -4,11 +4,13 @@ One microkernel, described as data (:class:`BRGEMM`) and generated on demand:
 
     C[m, n] += sum_{b0, b1, b2} sum_k  A[b0, b1*dh, m*s + b2*dw, k] * B[b0, b1, b2, k, n]
 
-C is an m_r x n_r tile held in vector registers for the whole reduction and written once; the
-batch (b0, b1, b2) walks fixed strides through A and B, as in LIBXSMM's stride-based BRGEMM. For a
-direct convolution in blocked layout the batch is (input-channel block, kh, kw), k the channels
-inside a block, m the output pixels of a row and n the output channels of a block; a plain GEMM is
-the batch (1, 1, 1) with s = 1.
+or, with A transposed (``a_transposed``), A[b0, b1*dh, k*s + b2*dw, m]. C is an m_r x n_r tile
+held in vector registers for the whole reduction and written once; the batch (b0, b1, b2) walks
+fixed strides through A and B, as in LIBXSMM's stride-based BRGEMM. For a direct convolution in
+blocked layout the batch is (input-channel block, kh, kw), k the channels inside a block, m the
+output pixels of a row and n the output channels of a block; a plain GEMM is the batch (1, 1, 1)
+with s = 1. For the weight gradient X^T dY (LIBXSMM's formulation) A is transposed: m the input
+channels of a block, k the pixels of a row, the batch (images, rows).
 
 The register tile must fit the ISA's register file (m_r*n_r/lanes accumulators + n_r/lanes B
 vectors + 1 broadcast): a tile that does not fit spills inside the inner loop and runs about 3x
@@ -45,6 +47,8 @@ class BRGEMM:
     unroll: int = 1  # k steps unrolled in the implementation (largest divisor of k up to this)
     # Software prefetch of A this many channel blocks (batch entries along b0) ahead; 0: none.
     prefetch: int = 1
+    # A indexed (batch..., k * stride, m): one pixel's channels contiguous (the weight gradient).
+    a_transposed: bool = False
 
     @property
     def k_unroll(self) -> int:
@@ -60,10 +64,12 @@ class BRGEMM:
         """Vector registers the inner loop keeps live: accumulators, B row, broadcast A."""
         return self.m_r * self.vectors + self.vectors + 1
 
-    def a_shape(self) -> tuple[int, int, int, int]:
-        b0, b1, b2 = self.batch
+    def a_shape(self, batch: tuple | None = None) -> tuple:
+        """A's extents (`batch`: the batch extents to use, parameters in a family's signature)."""
+        b0, b1, b2 = batch or self.batch
         dh, dw = self.dilation
-        return (b0, (b1 - 1) * dh + 1, (self.m_r - 1) * self.stride + (b2 - 1) * dw + 1, self.k)
+        strided, other = (self.k, self.m_r) if self.a_transposed else (self.m_r, self.k)
+        return (b0, (b1 - 1) * dh + 1, (strided - 1) * self.stride + (b2 - 1) * dw + 1, other)
 
     def validate(self, isa: VectorISA | None = None) -> None:
         if self.dtype != "float32":
@@ -92,11 +98,12 @@ class BRGEMM:
             f"_b{b0}x{b1}x{b2}_s{self.stride}_d{dh}x{dw}_u{self.k_unroll}{'_init' if self.init else ''}"
             # The default distance is unnamed: records tuned before prefetching name no distance.
             f"{'' if self.prefetch == BRGEMM.prefetch else f'_p{self.prefetch}'}"
+            f"{'_at' if self.a_transposed else ''}"
         )
 
 
 _NAME = re.compile(r"tvm_ext\.brgemm_(\w+?)_(\d+)x(\d+)x(\d+)_l(\d+)_b(\d+)x(\d+)x(\d+)_s(\d+)_d(\d+)x(\d+)"
-                   r"_u(\d+)(_init)?(?:_p(\d+))?\b")
+                   r"_u(\d+)(_init)?(?:_p(\d+))?(_at)?\b")
 
 
 def brgemm_from_name(name: str) -> BRGEMM:
@@ -108,10 +115,10 @@ def brgemm_from_name(name: str) -> BRGEMM:
     match = _NAME.fullmatch(name)
     if match is None:
         raise ValueError(f"{name!r} is not the name of a tvm_ext BRGEMM intrinsic")
-    dtype, *v, init, prefetch = match.groups()
+    dtype, *v, init, prefetch, transposed = match.groups()
     m_r, n_r, k, lanes, b0, b1, b2, stride, dh, dw, unroll = (int(x) for x in v)
     return BRGEMM(m_r, n_r, k, lanes, (b0, b1, b2), stride, (dh, dw), dtype, init is not None, unroll,
-                  BRGEMM.prefetch if prefetch is None else int(prefetch))
+                  BRGEMM.prefetch if prefetch is None else int(prefetch), transposed is not None)
 
 
 def register_named(text: str) -> list[str]:
@@ -194,9 +201,7 @@ def _signature(spec: BRGEMM, strided: bool) -> tuple[tuple, tirx.Buffer, tirx.Bu
     handles = [T.arg(name, T.handle()) for name in "abc"]
     batch = tuple(T.arg(f"b{i}", T.int32()) if b > 1 else 1 for i, b in enumerate(spec.batch))
     b0, b1, b2 = batch
-    dh, dw = spec.dilation
-    shapes = ((b0, (b1 - 1) * dh + 1, (spec.m_r - 1) * spec.stride + (b2 - 1) * dw + 1, spec.k),
-              (b0, b1, b2, spec.k, spec.n_r), (spec.m_r, spec.n_r))
+    shapes = (spec.a_shape(batch), (b0, b1, b2, spec.k, spec.n_r), (spec.m_r, spec.n_r))
     return (batch, *(operand_buffer(handle, shape, spec.dtype, strided, unit_last=handle.name != "a")
                      for handle, shape in zip(handles, shapes, strict=True)))
 
@@ -205,6 +210,8 @@ def _a_index(spec: BRGEMM, i0, i1, i2, m, k) -> list:
     """Where row `m` of C reads A at channel `k` of batch entry (i0, i1, i2): the description's
     access, and the loads and prefetches of the implementation."""
     dh, dw = spec.dilation
+    if spec.a_transposed:
+        return [i0, i1 * dh, k * spec.stride + i2 * dw, m]
     return [i0, i1 * dh, m * spec.stride + i2 * dw, k]
 
 
@@ -266,7 +273,7 @@ def _implementation(spec: BRGEMM) -> tirx.PrimFunc:
                 T.buffer_store(acc[i], start, [j])
             with T.serial(batch[0]) as i0:
                 IRBuilder.name("i0", i0)
-                if spec.prefetch and spec.batch[0] > 1:
+                if spec.prefetch and spec.batch[0] > 1 and not spec.a_transposed:
                     _prefetch_block(spec, a, batch, i0 + spec.prefetch)
                 with T.grid(*batch[1:]) as (i1, i2), T.serial(spec.k // ku) as k0, T.unroll(ku) as k1:
                     IRBuilder.name_many(["i1", "i2", "k0", "k1"], [i1, i2, k0, k1])

@@ -5,7 +5,7 @@ the gradients, with cuDNN's meaning). Each call compiles its kernel once per sig
 options, target) into one bounded cache (:func:`set_cache_limit`, :func:`clear_cache`).
 """
 
-from .backward import conv2d_backward_data
+from .backward import conv2d_backward_data, conv2d_backward_weight
 from .forward import (
     Conv2d,
     aligned_empty,
@@ -29,5 +29,6 @@ from .forward import (
 )
 
 __all__ = ["Conv2d", "aligned_empty", "avg_pool2d", "cache_bytes", "cache_size", "clear_cache", "conv2d",
-           "conv2d_backward_data", "conv2d_plan", "gelu", "global_avg_pool2d", "hardsigmoid", "hardswish",
-           "leaky_relu", "max_pool2d", "relu", "relu6", "set_cache_limit", "sigmoid", "silu"]
+           "conv2d_backward_data", "conv2d_backward_weight", "conv2d_plan", "gelu", "global_avg_pool2d",
+           "hardsigmoid", "hardswish", "leaky_relu", "max_pool2d", "relu", "relu6", "set_cache_limit",
+           "sigmoid", "silu"]

@@ -13,20 +13,47 @@ inserted (TOPI's `conv2d_transpose`: 75% of the multiply-adds on zeros at stride
 
 The phases are written into dX by a strided NumPy copy (dX's size once more): the kernels
 that write every s-th pixel themselves are still to come (issue 33).
+
+The weight gradient is LIBXSMM's batch-reduce X^T dY on the same microkernel, X read transposed
+(:mod:`tvm_ext.kernels.conv2d_backward_weight`); groups are reduced group by group, and groups
+of fewer than 8 channels (depthwise) tap by tap in NumPy (BLAS), with the reason logged.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 from collections.abc import Sequence
 
 import numpy as np
+import tvm
 
-from ..kernels.conv2d import Conv2dWorkload
-from ..target import TargetLike
-from .forward import check_array, check_conv_shapes, conv2d, conv_options
+from ..errors import UnsupportedError
+from ..kernels import conv2d_backward_weight as _weight_grad
+from ..kernels import layout as _layout
+from ..kernels.common import USER_ALIGNMENT
+from ..kernels.conv2d import Conv2dWorkload, plan_conv2d
+from ..target import TargetLike, resolve_target, vector_isa
+from .forward import (
+    aligned_empty,
+    as_tvm,
+    build_kernel,
+    cached,
+    check_array,
+    check_conv_shapes,
+    check_elements,
+    conv2d,
+    conv_options,
+)
 
-__all__ = ["conv2d_backward_data"]
+__all__ = ["conv2d_backward_data", "conv2d_backward_weight"]
+
+logger = logging.getLogger("tvm_ext.ops")
+
+# Channels per group from which a grouped weight gradient runs group by group on the kernel;
+# below, (depthwise: 1) a call per group costs more than NumPy's tap-by-tap reduction.
+KERNEL_GROUP_CHANNELS = 8
 
 
 def _taps(phase: int, pad: int, kernel: int, dilation: int, stride: int) -> tuple[list[int], int, int]:
@@ -100,3 +127,112 @@ def conv2d_backward_data(dy, w, x_shape: Sequence[int], *, stride: int | Sequenc
                 return part
             dx[:, :, a::sh, b::sw] = part
     return np.zeros(x_shape, np.float32) if dx is None else dx  # stride 1, every tap past dY: zero
+
+
+class _WeightGradKernel:
+    """A compiled weight-gradient signature (groups=1): pack X (padded, blocked) and dY
+    (blocked), the batch-reduce kernel (+ bias gradient), unpack dW to OIHW. Its blocked arrays
+    are a workspace reused by every call, one call at a time."""
+
+    def __init__(self, wl: Conv2dWorkload, target: tvm.target.Target, bias: bool):
+        isa = vector_isa(target)
+        self.plan = plan = _weight_grad.plan_conv2d_backward_weight(wl, isa, bias)
+        for what, shape in (("data", plan.data_shape()), ("dy", plan.grad_out_shape()),
+                            ("weight", plan.weight_shape())):
+            check_elements(f"conv2d_backward_weight blocked {what}", shape)
+        self.pack_x = build_kernel(_layout.pack_data_func(plan_conv2d(wl, isa)), target)
+        self.pack_dy = build_kernel(_layout.pack_nchwc_func(wl.out_shape, plan.oc_bn, user_input=True,
+                                                            pad_channels=wl.K % plan.oc_bn != 0), target)
+        self.kernel = build_kernel(_weight_grad.conv2d_backward_weight_kernel(plan, isa.lanes), target)
+        self.unpack = build_kernel(_weight_grad.unpack_weight_func(plan), target)
+        self.x = as_tvm(aligned_empty(plan.data_shape()))
+        self.dy = as_tvm(aligned_empty(plan.grad_out_shape()))
+        self.dw = as_tvm(aligned_empty(plan.weight_shape()))
+        self.db = as_tvm(aligned_empty((plan.OCB, plan.oc_bn))) if bias else None
+        self.nbytes = 4 * (5 << 16) + sum(4 * math.prod(a.shape) for a in (self.x, self.dy, self.dw))
+        self.lock = threading.Lock()
+
+    def __call__(self, x: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        wl = self.plan.wl
+        dw = aligned_empty((wl.K, wl.C, wl.KH, wl.KW))
+        with self.lock:
+            self.pack_x(as_tvm(x, USER_ALIGNMENT), self.x)
+            self.pack_dy(as_tvm(dy, USER_ALIGNMENT), self.dy)
+            self.kernel(self.x, self.dy, self.dw, *([] if self.db is None else [self.db]))
+            self.unpack(self.dw, as_tvm(dw))
+            db = None if self.db is None else self.db.numpy().reshape(-1)[:wl.K].copy()
+        return dw, db
+
+
+def _weight_grad_kernel(x_shape, w_shape, bias: bool, stride, padding, dilation, target) -> _WeightGradKernel:
+    resolved = resolve_target(target)
+    key = ("conv2d_backward_weight", x_shape, w_shape, bias, stride, padding, dilation, str(resolved))
+    return cached(key, lambda: _WeightGradKernel(
+        Conv2dWorkload.make(x_shape, w_shape, stride, padding, dilation, 1), resolved, bias))
+
+
+def _weight_grad_by_taps(x: np.ndarray, dy: np.ndarray, wl: Conv2dWorkload) -> np.ndarray:
+    """dW of a grouped convolution, tap by tap: for each (r, s) a contraction over images and
+    pixels of the input pixels that tap reads with dY, per group (BLAS through einsum)."""
+    top, left, bottom, right = wl.padding
+    xp = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)))
+    (sh, sw), (dh, dw) = wl.stride, wl.dilation
+    g, cg, kg = wl.groups, wl.C // wl.groups, wl.K // wl.groups
+    dy_groups = dy.reshape(wl.N, g, kg, wl.OH, wl.OW)
+    out = np.empty((g, kg, cg, wl.KH, wl.KW), np.float32)
+    for r in range(wl.KH):
+        for s in range(wl.KW):
+            taps = xp[:, :, r * dh: r * dh + sh * (wl.OH - 1) + 1: sh, s * dw: s * dw + sw * (wl.OW - 1) + 1: sw]
+            out[:, :, :, r, s] = np.einsum("ngchw,ngkhw->gkc", taps.reshape(wl.N, g, cg, wl.OH, wl.OW), dy_groups,
+                                           optimize=True)
+    return out.reshape(wl.K, cg, wl.KH, wl.KW)
+
+
+def conv2d_backward_weight(x, dy, w_shape: Sequence[int], *, stride: int | Sequence[int] = 1,
+                           padding: int | str | Sequence[int] = 0, dilation: int | Sequence[int] = 1,
+                           groups: int = 1, bias: bool = False,
+                           target: TargetLike = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """The gradient of ``conv2d(x, w, stride=..., padding=..., dilation=..., groups=...)`` with
+    respect to w (of shape `w_shape`, OIHW), given the output's gradient `dy` (cuDNN's
+    `cudnnConvolutionBackwardFilter`, PyTorch's `conv2d` weight gradient). With `bias`, also the
+    bias gradient (cuDNN's `cudnnConvolutionBackwardBias`: dY summed over images and pixels),
+    computed by the same kernel: returns (dW, dB). Options as :func:`~tvm_ext.ops.conv2d`; raises
+    ValueError naming the argument for shapes that do not belong together, before any compile."""
+    x = check_array("conv2d_backward_weight data", x, 4)
+    dy = check_array("conv2d_backward_weight dy", dy, 4)
+    w_shape = tuple(int(v) for v in w_shape)
+    if len(w_shape) != 4:
+        raise ValueError(f"conv2d_backward_weight: w_shape must be (K, C/groups, KH, KW), got {w_shape}")
+    check_conv_shapes("conv2d_backward_weight", x.shape, w_shape)
+    stride, padding, dilation, groups = conv_options("conv2d_backward_weight", w_shape, stride, padding, dilation,
+                                                      groups)
+    wl = Conv2dWorkload.make((max(x.shape[0], 1), *x.shape[1:]), w_shape, stride, padding, dilation, groups)
+    out_shape = (x.shape[0], *wl.out_shape[1:])
+    if dy.shape != out_shape:
+        raise ValueError(f"conv2d_backward_weight: dy has shape {dy.shape}, the convolution's output is {out_shape}")
+    kind = resolve_target(target).kind.name
+    if kind != "llvm":
+        raise UnsupportedError(f"conv2d_backward_weight: CPU (llvm) targets only, not {kind}")
+    k, cg = w_shape[:2]
+    if x.shape[0] == 0:  # no images: nothing to sum
+        dw, db = np.zeros(w_shape, np.float32), np.zeros(k, np.float32)
+    elif groups == 1:
+        dw, db = _weight_grad_kernel(x.shape, w_shape, bias, stride, padding, dilation, target)(x, dy)
+    elif cg >= KERNEL_GROUP_CHANNELS and k // groups >= KERNEL_GROUP_CHANNELS:
+        kg = k // groups
+        dw = np.empty(w_shape, np.float32)
+        kernel = _weight_grad_kernel((x.shape[0], cg, *x.shape[2:]), (kg, *w_shape[1:]), False, stride, padding,
+                                     dilation, target)
+        for g in range(groups):
+            dw[g * kg:(g + 1) * kg] = kernel(np.ascontiguousarray(x[:, g * cg:(g + 1) * cg]),
+                                             np.ascontiguousarray(dy[:, g * kg:(g + 1) * kg]))[0]
+        db = dy.sum((0, 2, 3), dtype=np.float64).astype(np.float32)
+    else:
+        logger.info("conv2d_backward_weight %s groups=%d: %d channels a group, reduced tap by tap in NumPy",
+                    w_shape, groups, cg)
+        dw = _weight_grad_by_taps(x, dy, wl)
+        db = dy.sum((0, 2, 3), dtype=np.float64).astype(np.float32)
+    if bias:
+        assert db is not None
+        return dw, db
+    return dw

@@ -41,7 +41,7 @@ logger = logging.getLogger("tvm_ext")
 MAX_ELEMENTS = 2**31 - 1
 
 
-def _check_elements(what: str, shape: Sequence[int]) -> None:
+def check_elements(what: str, shape: Sequence[int]) -> None:
     count = math.prod(int(v) for v in shape)
     if count > MAX_ELEMENTS:
         raise UnsupportedError(
@@ -57,7 +57,7 @@ def check_array(name: str, arr, ndim: int | None = None) -> np.ndarray:
         raise ValueError(f"{name}: dtype {arr.dtype} is not supported (float32 only)")
     if ndim is not None and arr.ndim != ndim:
         raise ValueError(f"{name}: expected a {ndim}-D array, got shape {arr.shape}")
-    _check_elements(name, arr.shape)
+    check_elements(name, arr.shape)
     return arr
 
 
@@ -237,6 +237,12 @@ def _once(cache: _KernelCache, key: tuple, make: Callable[[], _Made]) -> _Made:
     return value
 
 
+def cached(key: tuple, make: Callable[[], _Made]) -> _Made:
+    """What ops' bounded cache holds under `key` (a signature's compiled kernels and workspace),
+    made once by `make()`; its `nbytes` attribute, if any, is what it counts as."""
+    return _once(_CACHE, key, make)
+
+
 def cache_size() -> int:
     """Number of signatures the eager API holds compiled (a convolution's packing and convolution
     kernels with their workspace are one; a pooling or an activation kernel is one)."""
@@ -284,7 +290,7 @@ def compile_kernel(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> tvm.ru
         return tvm.compile(mod, target)
 
 
-def _build(func: tvm.tirx.PrimFunc, target: tvm.target.Target):
+def build_kernel(func: tvm.tirx.PrimFunc, target: tvm.target.Target):
     """`func` compiled for `target`; returns the callable function."""
     return compile_kernel(func, target)["tvm_ext_" + str(func.attrs[KERNEL_ATTR])]
 
@@ -298,7 +304,7 @@ def _kernel(key: tuple, make: Callable[[tvm.target.Target], tvm.tirx.PrimFunc], 
 
     def build():
         resolved = resolve_target(target)
-        return _build(make(resolved), resolved)
+        return build_kernel(make(resolved), resolved)
 
     return _once(_CACHE, (key, _target_key(target)), build)
 
@@ -315,7 +321,7 @@ def aligned_empty(shape, dtype: npt.DTypeLike = np.float32) -> np.ndarray:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def _as_tvm(arr: np.ndarray, alignment: int = _ALIGN) -> tvm.runtime.Tensor:
+def as_tvm(arr: np.ndarray, alignment: int = _ALIGN) -> tvm.runtime.Tensor:
     """Share `arr` with TVM without a copy when it is aligned; copy it into an aligned one if not.
 
     Kernels whose parameter accepts less (the packing stages: USER_ALIGNMENT) take NumPy's
@@ -342,7 +348,7 @@ def _as_tvm(arr: np.ndarray, alignment: int = _ALIGN) -> tvm.runtime.Tensor:
 def _run(key: tuple, make, target, inputs: list[np.ndarray], out_shape) -> np.ndarray:
     fn = _kernel(key, make, target)
     out = aligned_empty(out_shape)
-    fn(*[_as_tvm(_contiguous(a)) for a in inputs], _as_tvm(out))
+    fn(*[as_tvm(_contiguous(a)) for a in inputs], as_tvm(out))
     return out
 
 
@@ -377,13 +383,13 @@ class _Conv2dKernel:
         epilogue = _conv.Epilogue(bias=bias, nchw_out=True)
         plan = _conv.reading_nchw(plan)  # the NCHW array as it is where the kernel can: no packing copy
         self.plan = plan
-        self.pack_data = None if plan.nchw_in else _build(_layout.pack_data_func(plan), target)
-        self.pack_weight = None if plan.oihw_weight else _build(_conv.pack_weight_func(plan), target)
-        self.conv = _build(_conv.conv2d_blocked_kernel(plan, lanes, epilogue), target)
+        self.pack_data = None if plan.nchw_in else build_kernel(_layout.pack_data_func(plan), target)
+        self.pack_weight = None if plan.oihw_weight else build_kernel(_conv.pack_weight_func(plan), target)
+        self.conv = build_kernel(_conv.conv2d_blocked_kernel(plan, lanes, epilogue), target)
         self.out_shape = plan.wl.out_shape
-        self.data = None if plan.nchw_in else _as_tvm(aligned_empty(plan.data_shape()))
-        self.weight = None if plan.oihw_weight else _as_tvm(aligned_empty(plan.weight_shape()))
-        self.bias = _as_tvm(np.zeros((plan.OCB, plan.oc_bn), np.float32)) if bias else None
+        self.data = None if plan.nchw_in else as_tvm(aligned_empty(plan.data_shape()))
+        self.weight = None if plan.oihw_weight else as_tvm(aligned_empty(plan.weight_shape()))
+        self.bias = as_tvm(np.zeros((plan.OCB, plan.oc_bn), np.float32)) if bias else None
         self.nbytes = ((2 + (self.pack_weight is not None)) * _KERNEL_BYTES
                        + (0 if plan.nchw_in else _nbytes(plan.data_shape()))
                        + (0 if plan.oihw_weight else _nbytes(plan.weight_shape()))
@@ -394,8 +400,8 @@ class _Conv2dKernel:
         """`w` in the kernel's blocked layout, in memory of its own (for :class:`Conv2d`)."""
         if self.pack_weight is None:
             raise ValueError("conv2d: this kernel reads OIHW weights; it has no packed layout")
-        packed = _as_tvm(aligned_empty(self.plan.weight_shape()))
-        self.pack_weight(_as_tvm(w, USER_ALIGNMENT), packed)
+        packed = as_tvm(aligned_empty(self.plan.weight_shape()))
+        self.pack_weight(as_tvm(w, USER_ALIGNMENT), packed)
         return packed
 
     def blocked_bias(self, bias: np.ndarray) -> np.ndarray:
@@ -408,12 +414,12 @@ class _Conv2dKernel:
         :meth:`packed_weight` packed already."""
         out = aligned_empty(self.out_shape)
         with self.lock:
-            data = _as_tvm(x, USER_ALIGNMENT)
+            data = as_tvm(x, USER_ALIGNMENT)
             if self.pack_data is not None:
                 self.pack_data(data, self.data)
                 data = self.data
             if isinstance(w, np.ndarray):
-                w = _as_tvm(w, USER_ALIGNMENT)
+                w = as_tvm(w, USER_ALIGNMENT)
                 if self.pack_weight is not None:
                     self.pack_weight(w, self.weight)
                     w = self.weight
@@ -423,7 +429,7 @@ class _Conv2dKernel:
                     raise ValueError("conv2d: this kernel adds a bias and none was given")
                 self.bias.copyfrom(self.blocked_bias(bias))
                 args.append(self.bias)
-            self.conv(*args, _as_tvm(out))
+            self.conv(*args, as_tvm(out))
         return out
 
 
@@ -485,14 +491,14 @@ def _conv_kernel(x_shape, w_shape, bias: bool, stride, padding, dilation, groups
     def make() -> _Conv2dKernel | _CudaConv2dKernel:
         resolved = resolve_target(target)
         wl = _conv.Conv2dWorkload.make(x_shape, w_shape, stride, padding, dilation, groups)
-        _check_elements("conv2d padded data", (wl.N, wl.C, wl.HP, wl.WP))
-        _check_elements("conv2d output", wl.out_shape)
+        check_elements("conv2d padded data", (wl.N, wl.C, wl.HP, wl.WP))
+        check_elements("conv2d output", wl.out_shape)
         if resolved.kind.name == "cuda":
             return _CudaConv2dKernel(wl, resolved, bias)
         plan = conv2d_plan(x_shape, w_shape, stride=stride, padding=padding, dilation=dilation,
                            groups=groups, target=resolved)
-        _check_elements("conv2d blocked data", plan.data_shape())
-        _check_elements("conv2d blocked weight", plan.weight_shape())
+        check_elements("conv2d blocked data", plan.data_shape())
+        check_elements("conv2d blocked weight", plan.weight_shape())
         if not prepacked:
             plan = _conv.reading_oihw_weights(plan, _runtime_threads())
         return _Conv2dKernel(plan, resolved, bias)
@@ -595,7 +601,7 @@ def _pool_op(mode: str, x, kernel_size, stride, padding, dilation, ceil_mode, co
                                    dilation, ceil_mode, count_include_pad)
     if empty:
         return np.empty((N, C, wl.OH, wl.OW), np.float32)
-    _check_elements(f"{op} output", (N, C, wl.OH, wl.OW))
+    check_elements(f"{op} output", (N, C, wl.OH, wl.OW))
     return _run(("pool2d", wl), lambda _: _pool.pool2d_func(wl), target, [x], (N, C, wl.OH, wl.OW))
 
 
@@ -638,7 +644,7 @@ def _activation(name: str, x, target, alpha: float = 0.01) -> np.ndarray:
     fn = _kernel(key, lambda t: _elementwise.dynamic_activation_func(name, "float32", vector_isa(t).lanes, alpha),
                  target)
     out = aligned_empty(x.shape)
-    fn(_as_tvm(_contiguous(x).reshape(-1)), _as_tvm(out.reshape(-1)))
+    fn(as_tvm(_contiguous(x).reshape(-1)), as_tvm(out.reshape(-1)))
     return out
 
 

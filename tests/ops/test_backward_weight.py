@@ -1,0 +1,123 @@
+"""ops.conv2d_backward_weight against PyTorch autograd in float64, over random convolutions (the
+generator of ops.conv2d_backward_data's tests, another seed), ResNet layers and the bias
+gradient; the kernel is LIBXSMM's X^T dY batch-reduce on the BRGEMM microkernel."""
+
+import numpy as np
+import pytest
+import torch
+from reference import random_conv_cases, rel_err, torch_conv
+
+from tvm_ext import ops
+from tvm_ext.ops import backward
+
+
+def _reference_dw(x, w_shape, dy, stride, padding, dilation, groups) -> tuple[np.ndarray, np.ndarray]:
+    w = torch.zeros(w_shape, dtype=torch.float64, requires_grad=True)
+    y = torch_conv(torch.from_numpy(x).double(), w, stride, padding, dilation, groups)
+    y.backward(torch.from_numpy(dy).double())
+    return w.grad.numpy(), dy.astype(np.float64).sum((0, 2, 3))
+
+
+def _dy_shape(case) -> tuple[int, ...]:
+    return tuple(torch_conv(torch.zeros(case["x_shape"]), torch.zeros(case["w_shape"]), case["stride"],
+                            case["padding"], case["dilation"], case["groups"]).shape)
+
+
+RANDOM = random_conv_cases(200, 20261206)
+
+
+@pytest.mark.parametrize("index", range(len(RANDOM)), ids=[f"r{i}" for i in range(len(RANDOM))])
+def test_backward_weight_matches_autograd(index):
+    case = RANDOM[index]
+    rng = np.random.default_rng(index)
+    x = rng.standard_normal(case["x_shape"]).astype(np.float32)
+    dy = rng.standard_normal(_dy_shape(case)).astype(np.float32)
+    options = {k: case[k] for k in ("stride", "padding", "dilation", "groups")}
+    dw, db = ops.conv2d_backward_weight(x, dy, case["w_shape"], bias=True, **options)
+    expected_dw, expected_db = _reference_dw(x, case["w_shape"], dy, **options)
+    assert dw.shape == expected_dw.shape and dw.dtype == np.float32
+    assert rel_err(dw, expected_dw) <= 1e-5, case
+    # dB is a sum of signed terms that may cancel: its error is measured against their magnitude
+    scale = np.abs(dy.astype(np.float64)).sum((0, 2, 3))
+    assert np.all(np.abs(db - expected_db) <= 1e-5 * scale), case
+
+
+def test_random_cases_reach_every_path():
+    """The kernel (groups=1), the kernel group by group, and NumPy tap by tap (depthwise)."""
+    groups = [(c["groups"], c["w_shape"]) for c in RANDOM]
+    assert any(g == 1 for g, _ in groups)
+    assert any(g > 1 and shape[1] >= 8 and shape[0] // g >= 8 for g, shape in groups)
+    assert any(g > 1 and shape[1] == 1 for g, shape in groups)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,stride,padding", [
+    ((2, 64, 14, 14), (64, 64, 3, 3), 1, 1),
+    ((2, 64, 14, 14), (128, 64, 3, 3), 2, 1),
+    ((1, 128, 14, 14), (256, 128, 1, 1), 2, 0),
+    ((1, 3, 32, 32), (64, 3, 7, 7), 2, 3),  # a stem: 3 input channels, one block
+    ((1, 64, 7, 7), (520, 64, 1, 1), 1, 0),  # output channels past the last whole block
+])
+def test_resnet_layers(x_shape, w_shape, stride, padding):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    case = {"x_shape": x_shape, "w_shape": w_shape, "stride": stride, "padding": padding, "dilation": 1,
+            "groups": 1}
+    dy = rng.standard_normal(_dy_shape(case)).astype(np.float32)
+    dw = ops.conv2d_backward_weight(x, dy, w_shape, stride=stride, padding=padding)
+    assert rel_err(dw, _reference_dw(x, w_shape, dy, stride, padding, 1, 1)[0]) <= 1e-5
+    kernel = backward._weight_grad_kernel(x.shape, w_shape, False, (stride, stride), (padding,) * 4, (1, 1), None)
+    assert kernel.plan.m_r * (kernel.plan.n_r // 8) > 1  # a register tile, not a scalar loop
+
+
+def test_calls_reuse_the_workspace_and_return_fresh_arrays():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 16, 9, 9)).astype(np.float32)
+    dy1, dy2 = (rng.standard_normal((1, 32, 9, 9)).astype(np.float32) for _ in range(2))
+    first = ops.conv2d_backward_weight(x, dy1, (32, 16, 3, 3), padding=1)
+    kept = first.copy()
+    second = ops.conv2d_backward_weight(x, dy2, (32, 16, 3, 3), padding=1)
+    np.testing.assert_array_equal(first, kept)
+    assert rel_err(second, _reference_dw(x, (32, 16, 3, 3), dy2, 1, 1, 1, 1)[0]) <= 1e-5
+
+
+@pytest.mark.parametrize("args, message", [
+    (((1, 8, 6, 6), (1, 8, 4, 4), (8, 8, 3, 3), {"padding": 1}), "dy has shape"),
+    (((1, 8, 6, 6), (1, 8, 6, 6), (8, 4, 3, 3), {"padding": 1}), "channel mismatch"),
+    (((1, 8, 6, 6), (1, 8, 6, 6), (8, 8, 3), {"padding": 1}), "w_shape"),
+    (((1, 8, 6), (1, 8, 6, 6), (8, 8, 3, 3), {}), "data"),
+])
+def test_bad_input_raises(args, message):
+    x_shape, dy_shape, w_shape, kw = args
+    with pytest.raises(ValueError, match=message):
+        ops.conv2d_backward_weight(np.ones(x_shape, np.float32), np.ones(dy_shape, np.float32), w_shape, **kw)
+
+
+def test_a_batch_of_no_images():
+    dw, db = ops.conv2d_backward_weight(np.ones((0, 4, 6, 6), np.float32), np.ones((0, 8, 6, 6), np.float32),
+                                        (8, 4, 3, 3), padding=1, bias=True)
+    assert dw.shape == (8, 4, 3, 3) and not dw.any() and db.shape == (8,) and not db.any()
+
+
+@pytest.mark.parametrize("mcpu, register", [("haswell", "%ymm"), ("skylake-avx512", "%zmm")])
+def test_weight_gradient_inner_loop_is_vfmadd_without_spills(mcpu, register):
+    """The X^T dY microkernel (A transposed): whole-tile FMAs on the ISA's vector registers, one
+    broadcast per input channel and pixel, no stack traffic in the loop."""
+    import tvm
+
+    from tvm_ext.asm import fma_blocks
+    from tvm_ext.kernels.conv2d import Conv2dWorkload
+    from tvm_ext.kernels.conv2d_backward_weight import conv2d_backward_weight_kernel, plan_conv2d_backward_weight
+    from tvm_ext.target import resolve_target, vector_isa
+
+    target = resolve_target({"kind": "llvm", "mcpu": mcpu, "mtriple": "x86_64-linux-gnu"})
+    isa = vector_isa(target)
+    plan = plan_conv2d_backward_weight(Conv2dWorkload.make((2, 64, 14, 14), (64, 64, 3, 3), 1, 1), isa)
+    func = conv2d_backward_weight_kernel(plan, isa.lanes)
+    asm = tvm.compile(tvm.IRModule({"dw": func.with_attr("global_symbol", "dw")}), target).mod.inspect_source("asm")
+    blocks = fma_blocks(asm, isa)
+    step = plan.m_r * plan.n_r // isa.lanes  # FMAs of one pixel of the tile
+    assert blocks and all(b.fma % step == 0 for b in blocks)
+    for block in blocks:
+        assert block.fma_on_isa_registers == block.fma
+        assert all(register in ln for ln in block.lines if "vfmadd" in ln)
+        assert not block.spills, [ln for ln in block.lines if "rsp" in ln]
