@@ -1,0 +1,135 @@
+"""Training convolutions, layer by layer: forward, data gradient (dX) and weight gradient (dW) of
+tvm_ext's eager primitives against PyTorch's (oneDNN) in the same run.
+
+For each layer of a set in bench/workloads.json: ops.conv2d / torch.nn.functional.conv2d,
+ops.conv2d_backward_data / torch.nn.grad.conv2d_input, ops.conv2d_backward_weight /
+torch.nn.grad.conv2d_weight, all NCHW NumPy/torch tensors in and out (layouts and weight packing
+included on both sides), timed alternately (median of --repeat rounds), with GFLOP/s, % of the
+measured peak (bench/peak.py) and the ratio to PyTorch. Benchmarks print; they never assert.
+
+Usage: python bench/train.py --set resnet50 --batch 16 --threads 1 [--layers K] [--repeat R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--set", default="resnet50")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=0, help="only the first K layers (0: all)")
+    ap.add_argument("--repeat", type=int, default=7, help="timed rounds per measurement (median)")
+    return ap.parse_args(argv)
+
+
+ARGS = _parse_args()
+# TVM's thread pool and PyTorch read their thread count once: set it before importing them.
+os.environ["TVM_NUM_THREADS"] = str(ARGS.threads)
+os.environ["OMP_NUM_THREADS"] = str(ARGS.threads)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import tvm_ext  # noqa: E402
+
+sys.path.insert(0, str(HERE))
+import peak as peak_bench  # noqa: E402
+
+torch.set_num_threads(ARGS.threads)
+
+
+def _time_ms(fn, min_ms: float = 20.0) -> float:
+    """One timing: a batch of calls sized to last at least `min_ms`, per call."""
+    start = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - start, 1e-6)
+    number = max(1, int(min_ms / 1e3 / once))
+    start = time.perf_counter()
+    for _ in range(number):
+        fn()
+    return (time.perf_counter() - start) / number * 1e3
+
+
+def _alternate(fns: dict, repeat: int) -> dict[str, float]:
+    """Median ms of each function, timed in alternation (a noisy machine drifts for all alike)."""
+    for fn in fns.values():
+        fn()  # compile, warm
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            times[name].append(_time_ms(fn))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def _layer(layer: dict, rng: np.random.Generator) -> tuple[dict, dict]:
+    n, c, h, w = ARGS.batch, layer["C"], layer["H"], layer["W"]
+    k, r, s, stride, pad = layer["K"], layer["R"], layer["S"], layer["stride"], layer["pad"]
+    x = rng.standard_normal((n, c, h, w), dtype=np.float32)
+    wt = rng.standard_normal((k, c, r, s), dtype=np.float32)
+    oh, ow = (h + 2 * pad - r) // stride + 1, (w + 2 * pad - s) // stride + 1
+    dy = rng.standard_normal((n, k, oh, ow), dtype=np.float32)
+    tx, tw, tdy = torch.from_numpy(x), torch.from_numpy(wt), torch.from_numpy(dy)
+    options = {"stride": stride, "padding": pad}
+    flops = 2 * n * k * c * r * s * oh * ow
+    fns = {
+        "fwd": lambda: tvm_ext.ops.conv2d(x, wt, **options),
+        "fwd_torch": lambda: torch.nn.functional.conv2d(tx, tw, None, **options),
+        "dx": lambda: tvm_ext.ops.conv2d_backward_data(dy, wt, x.shape, **options),
+        "dx_torch": lambda: torch.nn.grad.conv2d_input(tx.shape, tw, tdy, **options),
+        "dw": lambda: tvm_ext.ops.conv2d_backward_weight(x, dy, wt.shape, **options),
+        "dw_torch": lambda: torch.nn.grad.conv2d_weight(tx, tw.shape, tdy, **options),
+    }
+    return fns, {"flops": flops, "shape": f"{c}x{h}x{w}->{k} {r}x{s}/s{stride}"}
+
+
+def geomean(values: list[float]) -> float:
+    values = [v for v in values if v > 0 and math.isfinite(v)]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def main() -> int:
+    peak = peak_bench.load_or_measure()
+    peak_gflops = peak["peak_gflops_1thread"] * ARGS.threads
+    if ARGS.threads > 1 and int(peak.get("threads", 1)) >= ARGS.threads:
+        peak_gflops = peak["peak_gflops_all"] * ARGS.threads / int(peak["threads"])
+    layers = json.loads((HERE / "workloads.json").read_text())[ARGS.set]
+    if ARGS.layers:
+        layers = layers[: ARGS.layers]
+    print(f"# tvm_ext training convolutions: set={ARGS.set} batch={ARGS.batch} threads={ARGS.threads} "
+          f"peak={peak_gflops:.1f} GFLOP/s (bench/peak.py); ms medians of {ARGS.repeat} alternating rounds")
+    passes = ("fwd", "dx", "dw")
+    print("layer | shape | " + " | ".join(f"{p}_ms | {p}_GFLOP/s | {p}_%peak | {p}_x_torch" for p in passes))
+    ratios: dict[str, list[float]] = {p: [] for p in passes}
+    percents: dict[str, list[float]] = {p: [] for p in passes}
+    rng = np.random.default_rng(0)
+    with torch.no_grad():
+        for layer in layers:
+            fns, info = _layer(layer, rng)
+            ms = _alternate(fns, ARGS.repeat)
+            cells = [layer["name"], info["shape"]]
+            for p in passes:
+                gflops = info["flops"] / ms[p] / 1e6
+                ratio = ms[f"{p}_torch"] / ms[p]
+                ratios[p].append(ratio)
+                percents[p].append(100 * gflops / peak_gflops)
+                cells += [f"{ms[p]:.3f}", f"{gflops:.1f}", f"{percents[p][-1]:.0f}", f"{ratio:.2f}"]
+            print(" | ".join(cells), flush=True)
+    print("# " + "; ".join(f"{p}: median {statistics.median(percents[p]):.0f}% of peak, geomean "
+                          f"{geomean(ratios[p]):.2f}x torch, min {min(ratios[p]):.2f}x" for p in passes))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
