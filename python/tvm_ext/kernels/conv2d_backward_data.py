@@ -1,0 +1,89 @@
+"""The data gradient of a convolution as forward convolutions of dY (oneDNN's and LIBXSMM's
+decomposition), never a convolution of a dY with zeros inserted (TOPI's `conv2d_transpose`: 75%
+of the multiply-adds on zeros at stride 2).
+
+- stride 1: dX = conv2d(dY, W'), W' the weights with the filter flipped and the input and output
+  channels of each group swapped, padded by dilation * (KH - 1) - padding;
+- stride s: the s_h x s_w phases of dX (rows a, a + s_h, ...; columns likewise) each read only
+  the filter taps r with (a + pad - r * dilation) divisible by s, at consecutive rows of dY: each
+  phase is a dense stride-1 convolution of dY with those taps (dilation / gcd(dilation, s)),
+  written into every s-th pixel of dX. Phases that no tap reaches are zero.
+
+This module is the arithmetic of that plan (which taps, which window of dY, which padding), for
+the eager gradient (:func:`tvm_ext.ops.conv2d_backward_data`) and the graph's
+(:mod:`tvm_ext.transform.gradients`), which run the phases on the forward kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from .conv2d import Conv2dWorkload
+
+__all__ = ["DataGradPhase", "data_gradient_phases"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DataGradPhase:
+    """One phase (a, b) of dX: rows a, a + s_h, ...; columns b, b + s_w, ...
+
+    Its pixels are the stride-1 convolution, with `padding` (top, left, bottom, right) and
+    `dilation`, of dY[:, :, rows[0]:rows[1], cols[0]:cols[1]] with the swapped weights' taps
+    `taps_h` x `taps_w` (in that order); `shape` is its (rows, columns) of dX. Without taps
+    (`taps_h` or `taps_w` empty) or without a row of dY to read, the phase is zero.
+    """
+
+    a: int
+    b: int
+    shape: tuple[int, int]
+    taps_h: tuple[int, ...]
+    taps_w: tuple[int, ...]
+    rows: tuple[int, int]  # [start, stop) of dY's rows
+    cols: tuple[int, int]
+    padding: tuple[int, int, int, int]
+    dilation: tuple[int, int]
+
+    @property
+    def zero(self) -> bool:
+        return not self.taps_h or not self.taps_w or self.rows[1] <= self.rows[0] or self.cols[1] <= self.cols[0]
+
+
+def _taps(phase: int, pad: int, kernel: int, dilation: int, stride: int) -> tuple[list[int], int, int]:
+    """(filter taps, first offset into dY, dilation) of one phase along one axis: the taps r,
+    ordered by the row of dY they read, (phase + pad - r * dilation) / stride, which grows by
+    dilation / gcd(dilation, stride) from one tap to the next."""
+    taps = [r for r in range(kernel) if (phase + pad - r * dilation) % stride == 0]
+    taps.sort(key=lambda r: (phase + pad - r * dilation) // stride)
+    first = (phase + pad - taps[0] * dilation) // stride if taps else 0
+    return taps, first, dilation // math.gcd(dilation, stride)
+
+
+def _window(outputs: int, first: int, taps: int, step: int, available: int) -> tuple[int, int, int, int]:
+    """(rows of dY to skip, rows to keep, zero rows before, after) for a stride-1 convolution of
+    `taps` taps `step` apart that makes `outputs` rows, output row i reading dY row i + first +
+    j * step for tap j."""
+    skip, before = max(first, 0), max(-first, 0)
+    needed = outputs - 1 + (taps - 1) * step + 1 - before  # rows of dY from `skip` on
+    keep = min(needed, available - skip)
+    return skip, keep, before, needed - keep
+
+
+def data_gradient_phases(wl: Conv2dWorkload) -> list[DataGradPhase]:
+    """The phases of dX of workload `wl` (its N is irrelevant): one at stride 1, s_h x s_w at
+    stride s (fewer where the image has fewer rows or columns than the stride)."""
+    (sh, sw), (dh, dw), (top, left, _, _) = wl.stride, wl.dilation, wl.padding
+    phases = []
+    for a in range(min(sh, wl.H)):
+        taps_h, first_h, step_h = _taps(a, top, wl.KH, dh, sh)
+        out_h = -(-(wl.H - a) // sh)
+        for b in range(min(sw, wl.W)):
+            taps_w, first_w, step_w = _taps(b, left, wl.KW, dw, sw)
+            out_w = -(-(wl.W - b) // sw)
+            skip_h, keep_h, pad_top, pad_bottom = _window(out_h, first_h, len(taps_h), step_h, wl.OH)
+            skip_w, keep_w, pad_left, pad_right = _window(out_w, first_w, len(taps_w), step_w, wl.OW)
+            phases.append(DataGradPhase(a, b, (out_h, out_w), tuple(taps_h), tuple(taps_w),
+                                        (skip_h, skip_h + keep_h), (skip_w, skip_w + keep_w),
+                                        (pad_top, pad_left, pad_bottom, pad_right), (step_h, step_w)))
+    return phases
+
