@@ -26,8 +26,8 @@ def one_input_graph(shape, body):
     return bb.get()
 
 
-def kernel_calls(mod, target, winograd: bool = True) -> list[str]:
-    """The kernels `main` calls after tvm_ext's lowering for `target`, in order (layout views
+def kernel_calls(mod, target, winograd: bool = True, function: str = "main") -> list[str]:
+    """The kernels `function` calls after tvm_ext's lowering for `target`, in order (layout views
     that dead-code elimination drops later included)."""
     import tvm
     from tvm import relax
@@ -38,7 +38,7 @@ def kernel_calls(mod, target, winograd: bool = True) -> list[str]:
     with target:
         lowered = tvm.transform.Sequential(fusion_passes(target) + [lower_to_kernels(target, winograd=winograd)])(mod)
     names = []
-    relax.analysis.post_order_visit(lowered["main"], lambda e: names.append(e.args[0].name_hint) if (
+    relax.analysis.post_order_visit(lowered[function], lambda e: names.append(e.args[0].name_hint) if (
         isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir") else None)
     return names
 

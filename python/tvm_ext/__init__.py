@@ -6,6 +6,7 @@ from .errors import UnsupportedError
 from .pipeline import build, pipeline
 from .report import dispatch_report
 from .target import resolve_target, vector_isa
+from .transform import gradients  # noqa: F401  (registers tvm_ext's gradients for relax.transform.Gradient)
 from .tuning import tune
 
 __version__ = "0.5.16"

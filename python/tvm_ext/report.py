@@ -56,8 +56,10 @@ def _is_call_to(expr, op: str) -> TypeGuard[relax.Call]:
 
 
 def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_call: int | None = None,
-                    tensor_cores: bool | str = False, winograd: bool = True) -> DispatchReport:
-    """Which tvm_ext kernel serves each op of `mod["main"]` on `target`, or why stock TVM does.
+                    tensor_cores: bool | str = False, winograd: bool = True,
+                    function: str = "main") -> DispatchReport:
+    """Which tvm_ext kernel serves each op of `mod[function]` on `target`, or why stock TVM does
+    (`function`: e.g. "main_adjoint", the forward and backward pass relax.transform.Gradient adds).
 
     Ops fused into a convolution's epilogue are reported as served by that kernel.
     `images_per_call`, `tensor_cores`, `winograd`: as for :func:`build`, so the report names the
@@ -76,7 +78,9 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
     with resolved:
         fused = tvm.transform.Sequential(fusion_passes(resolved))(mod)
     report = DispatchReport()
-    stages = _stage_runs(fused)
+    if function not in [gvar.name_hint for gvar in fused.get_global_vars()]:
+        raise ValueError(f"dispatch_report: the module has no function {function!r}")
+    stages = _stage_runs(fused) if function == "main" else {function: 1}
 
     def report_function(name: str, runs: int) -> None:
         func = fused[name]

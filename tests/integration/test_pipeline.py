@@ -595,8 +595,13 @@ def test_guarded_rule_gives_up_instead_of_raising():
             sch.get_sblock("no such block")  # raises a ScheduleError
             return sch
 
+    class Failing(ScheduleRule):  # a primitive's internal check (dlight's Reduction on a mean's gradient)
+        def apply(self, func, target, tunable):
+            raise tvm.error.InternalError("Check failed: (intset.HasLowerBound() && intset.HasUpperBound())")
+
     func = tvm.te.create_prim_func([tvm.te.placeholder((4,), "float32")])
     assert Guarded(Refusing()).apply(func, TARGET, False) is None
+    assert Guarded(Failing()).apply(func, TARGET, False) is None
 
 
 def test_matmul_over_more_axes_is_a_convolution():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight import ScheduleRule
 from tvm.target import Target
@@ -21,7 +22,10 @@ __all__ = ["Guarded"]
 
 
 class Guarded(ScheduleRule):
-    """`rule`, or None (the next rule's turn) where it raises a ScheduleError."""
+    """`rule`, or None (the next rule's turn) where it raises a ScheduleError, or an internal
+    error of a primitive (the Reduction rule's compute_at failed a bound check on the gradient
+    of a mean: "intset.HasLowerBound() && intset.HasUpperBound()"). The rule works on a schedule
+    of its own: giving up leaves the function as it was."""
 
     def __init__(self, rule: ScheduleRule):
         self.rule = rule
@@ -29,7 +33,7 @@ class Guarded(ScheduleRule):
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
         try:
             return self.rule.apply(func, target, tunable)
-        except s_tir.ScheduleError as err:
+        except (s_tir.ScheduleError, tvm.error.InternalError) as err:
             logger.info("tvm_ext: dlight's %s rule gave up on a function (%s): the next rule schedules it",
                         type(self.rule).__name__, str(err).strip().splitlines()[-1])
             return None

@@ -19,12 +19,14 @@ if TYPE_CHECKING:
     from typing import TypeAlias
 
     from ..kernels.conv2d import Conv2dPlan
+    from ..kernels.conv2d_backward_weight import WeightGradPlan
     from ..kernels.cuda.maxdnn import MaxDNNPlan
     from ..kernels.cuda.winograd import WinogradPlan
 
     # A convolution's plan: a kernels.conv2d.Conv2dPlan (direct, BRGEMM, depthwise or Winograd)
-    # on CPUs, a kernels.cuda MaxDNNPlan or WinogradPlan on CUDA.
-    ConvPlan: TypeAlias = Conv2dPlan | MaxDNNPlan | WinogradPlan
+    # on CPUs, a kernels.cuda MaxDNNPlan or WinogradPlan on CUDA; a weight gradient's
+    # WeightGradPlan (CPUs).
+    ConvPlan: TypeAlias = Conv2dPlan | MaxDNNPlan | WinogradPlan | WeightGradPlan
 
 # Relax's FuseOps must leave our scheduled kernels alone: kOpaque.
 OPAQUE = 8
@@ -39,7 +41,8 @@ class Decision:
     kernel: str | None
     reason: str = ""
     # the convolution's plan: a kernels.conv2d.Conv2dPlan or kernels.winograd plan on CPUs, a
-    # kernels.cuda MaxDNNPlan or WinogradPlan on CUDA; None for other ops
+    # kernels.cuda MaxDNNPlan or WinogradPlan on CUDA, a weight gradient's WeightGradPlan; None
+    # for other ops
     plan: ConvPlan | None = None
 
     @property

@@ -13,6 +13,7 @@ from tvm import relax
 from ..errors import UnsupportedError
 from ..kernels import channel_affine as _affine
 from ..kernels import conv2d as _conv
+from ..kernels import conv2d_backward_weight as _weight_grad
 from ..kernels import elementwise as _elementwise
 from ..kernels import layer_norm as _layer_norm
 from ..kernels import layout as _layout
@@ -215,6 +216,23 @@ class CpuEmitter:
         if not blocked_out:
             return self._call_tir(func, name, args, wl.out_shape)
         return self.unpack(self._call(func, name, args, plan.out_shape()), channels)
+
+    def conv2d_backward_weight(self, call: relax.Call, decision: Decision) -> relax.Expr:
+        """The weight gradient conv2d(x, dY) (:data:`~.decide.WEIGHT_GRADIENT_LAYOUTS`): x and dY in
+        blocks (from their blocked forms where the graph has them), the X^T dY kernel writing dW
+        in the forward's blocked weight layout, unpacked to OIHW."""
+        plan = decision.conv_plan
+        if not isinstance(plan, _weight_grad.WeightGradPlan):
+            raise UnsupportedError(f"{decision.op} {decision.shapes}: a {type(plan).__name__} is not a weight gradient")
+        x, dy = call.args
+        wl = plan.wl
+        tag = (f"{wl.N}x{wl.C}x{wl.H}x{wl.W}_{wl.K}x{wl.KH}x{wl.KW}_s{wl.stride[0]}x{wl.stride[1]}"
+               f"_p{'x'.join(map(str, wl.padding))}_d{wl.dilation[0]}x{wl.dilation[1]}_x{plan.ic_bn}y{plan.oc_bn}")
+        args = [self.pack(x, plan.ic_bn, wl.padding, padded=True), self.pack(dy, plan.oc_bn, padded=True)]
+        blocked = self._call(_weight_grad.conv2d_backward_weight_kernel(plan, self.isa.lanes),
+                             f"tvm_ext_conv2d_backward_weight_{tag}", args, plan.weight_shape())
+        return self._call_tir(_weight_grad.unpack_weight_func(plan), f"tvm_ext_unpack_weight_{tag}", [blocked],
+                              (wl.K, wl.C, wl.KH, wl.KW))
 
     def _winograd_conv2d(self, plan: _conv.Conv2dPlan, weight: np.ndarray, data: relax.Expr,
                          bias: np.ndarray | None, residual: relax.Expr | None, activation: Activation | None,

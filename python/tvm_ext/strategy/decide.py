@@ -7,6 +7,7 @@ import tvm
 from tvm import relax
 
 from ..kernels import conv2d as _conv
+from ..kernels import conv2d_backward_weight as _weight_grad
 from ..kernels import winograd as _winograd
 from ..kernels.common import ACTIVATIONS
 from ..relax_info import dtype, image_shape, known_shape, shape_text, static_shape, symbolic_batch
@@ -39,7 +40,10 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
     if op != "relax.nn.conv2d":
         return Decision(op, shapes, None, "no tvm_ext kernel for this op yet")
     attrs = call.attrs
-    if (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout)) != ("NCHW", "OIHW", "NCHW"):
+    layouts = (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout))
+    if layouts == WEIGHT_GRADIENT_LAYOUTS:
+        return _decide_weight_gradient(call, shapes, target)
+    if layouts != ("NCHW", "OIHW", "NCHW"):
         return Decision(op, shapes, None, f"layout {attrs.data_layout}/{attrs.kernel_layout} is not NCHW/OIHW")
     out_dtype = str(attrs.out_dtype)
     out_dtype = dtype(call.args[0]) if out_dtype in ("", "None", "void") else out_dtype
@@ -67,6 +71,40 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
         plan = _conv.plan_conv2d(wl, vector_isa(target))
     reason = "; ".join(part for part in (plan.reason, _per_image(tensors[0])) if part)
     return Decision(op, shapes, f"{plan.kind}_conv2d", reason, plan)
+
+
+# conv2d(x, dY) with these layouts is the weight gradient of the convolution of x that gave dY
+# (relax.transform.Gradient's form, and tvm_ext's, see transform.gradients): x read as CNHW
+# (the images are the reduced channels), dY as IOHW, the output (K, C, KH, KW) as CNHW; its strides
+# are the convolution's dilation and its dilation the convolution's strides.
+WEIGHT_GRADIENT_LAYOUTS = ("CNHW", "IOHW", "CNHW")
+
+
+def _decide_weight_gradient(call: relax.Call, shapes: tuple, target: tvm.target.Target) -> Decision:
+    """A conv2d in the weight gradient's layouts: tvm_ext's X^T dY kernel where it computes
+    exactly this, the reason otherwise."""
+    op, attrs = "relax.nn.conv2d", call.attrs
+    if target.kind.name != "llvm":
+        return Decision(op, shapes, None, f"the weight gradient has no tvm_ext kernel on {target.kind.name}")
+    out_dtype = str(attrs.out_dtype)
+    dtypes = {dtype(call.args[0]), dtype(call.args[1]), *([] if out_dtype in ("", "None", "void") else [out_dtype])}
+    if dtypes != {"float32"}:
+        return Decision(op, shapes, None, f"dtype {sorted(dtypes)} is not float32")
+    if int(attrs.groups) != 1:
+        return Decision(op, shapes, None, f"a weight gradient of {int(attrs.groups)} groups (the kernel takes 1)")
+    x, dy, dw = static_shape(call.args[0]), static_shape(call.args[1]), static_shape(call)
+    if x is None or dy is None or dw is None:
+        return Decision(op, shapes, None, _SYMBOLIC)
+    try:
+        wl = _conv.Conv2dWorkload.make(x, dw, [int(d) for d in attrs.dilation], [int(p) for p in attrs.padding],
+                                       [int(s) for s in attrs.strides], 1)
+    except ValueError as err:
+        return Decision(op, shapes, None, str(err))
+    if wl.out_shape != tuple(dy):  # its filter taps would read rows of dY the convolution does not have
+        return Decision(op, shapes, None, f"a weight gradient of {dw[2]}x{dw[3]} taps for a dY of {dy}: "
+                                          "more taps than the convolution's")
+    plan = _weight_grad.plan_conv2d_backward_weight(wl, vector_isa(target))
+    return Decision(op, shapes, "conv2d_backward_weight", "the weight gradient: X^T dY on the BRGEMM", plan)
 
 
 def epilogue_activation(name: str, target: tvm.target.Target) -> Decision:

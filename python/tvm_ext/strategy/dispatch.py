@@ -47,6 +47,8 @@ def legalize_map(target: tvm.target.Target) -> dict:
             logger.info("tvm_ext: %s %s stays with stock TVM: %s", decision.op, decision.shapes, decision.reason)
             return call.op.get_attr("FLegalize")(bb, call)
         emitter = make_emitter(bb, target)
+        if decision.kernel == "conv2d_backward_weight" and isinstance(emitter, CpuEmitter):
+            return emitter.conv2d_backward_weight(call, decision)
         if decision.plan is not None:
             return emitter.conv2d(call, call.args[0], decision)
         return emitter.other_op(call, decision)
@@ -81,6 +83,8 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                 decision = decide(call, target, self.engine, winograd)
                 if decision.kernel is None:
                     return call
+                if decision.kernel == "conv2d_backward_weight" and isinstance(self.emitter, CpuEmitter):
+                    return self.emitter.conv2d_backward_weight(call, decision)
                 if decision.plan is not None:
                     return self.emitter.conv2d(call, call.args[0], decision, padded_out=self.padded_out)
                 return self.emitter.other_op(call, decision)

@@ -76,7 +76,7 @@ def fusion_patterns(target: tvm.target.Target) -> list:
             return False
         conv = ctx.annotated_expr["conv"]
         decision = decide(conv, target)
-        if decision.kernel is None:
+        if decision.kernel is None or decision.kernel == "conv2d_backward_weight":  # no epilogue
             return False
         out_shape = decision.conv_plan.wl.out_shape
         bias = ctx.annotated_expr.get("bias")

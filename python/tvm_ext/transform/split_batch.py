@@ -183,6 +183,8 @@ def split_batch(images_per_call: int | None = None) -> tvm.transform.Pass:
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.SplitBatch")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        if "main" not in [gvar.name_hint for gvar in mod.get_global_vars()]:  # e.g. a training module
+            return mod
         func = mod["main"]
         if len(func.params) != 1 or not isinstance(func.body, relax.SeqExpr):
             return mod

@@ -1,0 +1,152 @@
+"""The gradients tvm_ext gives `relax.transform.Gradient` (registered at level 11, over TVM's
+own at 10, when tvm_ext is imported), written so that a build lowers them to tvm_ext's kernels.
+
+conv2d (NCHW data, OIHW weights, static shapes):
+
+- dX: forward convolutions of dY with each group's channels swapped and the filter taps in the
+  order of :mod:`tvm_ext.kernels.conv2d_backward_data` (one convolution at stride 1, one per
+  stride phase otherwise, interleaved by a stack and a reshape); TVM's is a `conv2d_transpose`,
+  which computes on a dY with zeros inserted and has no tvm_ext kernel.
+- dW: the conv2d of x and dY in the weight gradient's layouts
+  (:data:`tvm_ext.strategy.decide.WEIGHT_GRADIENT_LAYOUTS`) that TVM's gradient also writes, but
+  with exactly the filter's taps: x's rows and columns no tap reads are cropped (TVM's computes up
+  to stride - 1 more taps and slices them off). A build serves it with the X^T dY kernel; grouped
+  convolutions keep TVM's dW.
+
+Anything else (other layouts, symbolic shapes) gets TVM's own gradient.
+
+Activations, with PyTorch's conventions at the kinks (a framework's users compare against it):
+relu and leaky_relu pass the gradient where x > 0 (TVM's relu where x >= 0: at x == 0, which a
+zero bias on a zero background makes common, the bias gradients differed from PyTorch's by 14%
+on an 8x8-digits CNN), clip (relu6; TVM gives it no gradient) where low < x < high, as hardtanh;
+GELU (erf form, none in TVM) as 0.5 * (1 + erf(x / sqrt 2)) + x * exp(-x^2 / 2) / sqrt(2 pi).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tvm import relax
+from tvm.relax.op import _op_gradient
+from tvm.relax.op.base import register_gradient
+from tvm.relax.op.grad import no_grad
+
+from ..kernels.conv2d import Conv2dWorkload
+from ..kernels.conv2d_backward_data import data_gradient_phases
+from ..relax_info import dtype, prim_value, static_shape
+
+__all__ = ["activation_gradient", "conv2d_gradient", "weight_gradient_input"]
+
+LEVEL = 11  # above TVM's registration (10)
+
+
+def _data_gradient(dy: relax.Expr, weight: relax.Expr, wl: Conv2dWorkload, bb: relax.BlockBuilder) -> relax.Expr:
+    """dX of workload `wl` as forward convolutions of `dy` (module docstring)."""
+    op = relax.op
+    g, cg, kg = wl.groups, wl.C // wl.groups, wl.K // wl.groups
+    # W'[g*Cg + c, j, r, s] = W[g*Kg + j, c, r, s]
+    swapped = op.reshape(op.permute_dims(op.reshape(weight, (g, kg, cg, wl.KH, wl.KW)), [0, 2, 1, 3, 4]),
+                         (wl.C, kg, wl.KH, wl.KW))
+    swapped = bb.emit(swapped)
+    phases = data_gradient_phases(wl)
+    rows, cols = -(-wl.H // wl.stride[0]), -(-wl.W // wl.stride[1])  # of the tallest and widest phase
+    parts = {}
+    for phase in phases:
+        if phase.zero:  # no tap reaches these pixels
+            part = op.zeros((wl.N, wl.C, *phase.shape), "float32")
+        else:
+            taps = op.take(swapped, relax.const(np.array(phase.taps_h, "int64")), axis=2, mode="clip")
+            taps = op.take(taps, relax.const(np.array(phase.taps_w, "int64")), axis=3, mode="clip")
+            window = op.strided_slice(dy, axes=[2, 3], begin=[phase.rows[0], phase.cols[0]],
+                                      end=[phase.rows[1], phase.cols[1]])
+            part = op.nn.conv2d(window, taps, strides=1, padding=phase.padding, dilation=phase.dilation,
+                                groups=wl.groups, out_dtype="float32")
+        if len(phases) == 1:
+            return part
+        if phase.shape != (rows, cols):
+            part = op.nn.pad(part, [0, 0, 0, 0, 0, rows - phase.shape[0], 0, cols - phase.shape[1]])
+        parts[phase.a, phase.b] = bb.emit(part)
+    sh, sw = min(wl.stride[0], wl.H), min(wl.stride[1], wl.W)
+    # (N, C, rows, sh, cols, sw): pixel (q * sh + a, p * sw + b) is phase (a, b)'s (q, p)
+    stacked = op.stack([op.stack([parts[a, b] for b in range(sw)], axis=4) for a in range(sh)], axis=3)
+    whole = op.reshape(stacked, (wl.N, wl.C, rows * sh, cols * sw))
+    return op.strided_slice(whole, axes=[2, 3], begin=[0, 0], end=[wl.H, wl.W])
+
+
+def weight_gradient_input(wl: Conv2dWorkload) -> tuple[tuple[int, int], tuple[int, int, int, int]]:
+    """(rows, columns) of x the weight gradient of `wl` reads and the padding it keeps: the
+    padded image is cropped to (OH - 1) * stride + (KH - 1) * dilation + 1 rows (and columns
+    likewise), from the bottom padding first, then from x."""
+    top, left, bottom, right = wl.padding
+    keep, pads = [], []
+    for size, before, after, out, taps, stride, dilation in ((wl.H, top, bottom, wl.OH, wl.KH, wl.stride[0],
+                                                              wl.dilation[0]),
+                                                             (wl.W, left, right, wl.OW, wl.KW, wl.stride[1],
+                                                              wl.dilation[1])):
+        excess = size + before + after - ((out - 1) * stride + (taps - 1) * dilation + 1)
+        trimmed = min(after, excess)
+        keep.append(size - (excess - trimmed))
+        pads.append(after - trimmed)
+    return (keep[0], keep[1]), (top, left, pads[0], pads[1])
+
+
+def _weight_gradient(x: relax.Expr, dy: relax.Expr, wl: Conv2dWorkload) -> relax.Expr:
+    """dW of workload `wl` (groups=1): conv2d(x, dY) in the weight gradient's layouts."""
+    (rows, cols), padding = weight_gradient_input(wl)
+    if (rows, cols) != (wl.H, wl.W):
+        x = relax.op.strided_slice(x, axes=[2, 3], begin=[0, 0], end=[rows, cols])
+    return relax.op.nn.conv2d(x, dy, strides=wl.dilation, padding=padding, dilation=wl.stride, groups=1,
+                              data_layout="CNHW", kernel_layout="IOHW", out_layout="CNHW", out_dtype="float32")
+
+
+def conv2d_gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var,
+                    ctx: relax.BlockBuilder) -> list[relax.Expr]:
+    """[dX, dW] of a conv2d (module docstring); TVM's own where tvm_ext's does not apply."""
+    attrs = orig_call.attrs
+    data, weight = orig_call.args
+    layouts = (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout))
+    x_shape, w_shape = static_shape(data), static_shape(weight)
+    out_dtype = str(attrs.out_dtype)
+    if (layouts != ("NCHW", "OIHW", "NCHW") or x_shape is None or w_shape is None
+            or out_dtype not in ("", "None", "void", "float32")):
+        return _op_gradient.conv2d_grad(orig_var, orig_call, output_grad, ctx)
+    wl = Conv2dWorkload.make(x_shape, w_shape, [int(s) for s in attrs.strides], [int(p) for p in attrs.padding],
+                             [int(d) for d in attrs.dilation], int(attrs.groups))
+    dx = _data_gradient(output_grad, weight, wl, ctx)
+    if wl.groups == 1:
+        dw = _weight_gradient(data, output_grad, wl)
+    else:
+        dw = _op_gradient.conv2d_grad(orig_var, orig_call, output_grad, ctx)[1]
+    return [dx, dw]
+
+
+def activation_gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var,
+                        ctx: relax.BlockBuilder) -> list[relax.Expr]:
+    """[dX] of relu, leaky_relu, clip (relu6) and GELU (module docstring); a clip's bounds must
+    be numbers."""
+    op = relax.op
+    x = orig_call.args[0]
+    kind = dtype(x)
+    zero, one = relax.const(0.0, kind), relax.const(1.0, kind)
+    name = orig_call.op.name
+    if name == "relax.nn.relu":
+        return [op.where(op.greater(x, zero), output_grad, zero)]
+    if name == "relax.nn.leakyrelu":
+        slope = relax.const(float(orig_call.attrs.alpha), kind)
+        return [op.where(op.greater(x, zero), output_grad, op.multiply(output_grad, slope))]
+    if name == "relax.clip":
+        low, high = prim_value(orig_call.args[1]), prim_value(orig_call.args[2])
+        if low is None or high is None:
+            raise ValueError(f"clip's gradient: bounds {orig_call.args[1]}, {orig_call.args[2]} are not numbers")
+        inside = op.logical_and(op.greater(x, relax.const(low, kind)), op.less(x, relax.const(high, kind)))
+        return [op.where(inside, output_grad, zero), no_grad(orig_call.args[1]), no_grad(orig_call.args[2])]
+    if name == "relax.nn.gelu":
+        cdf = op.multiply(relax.const(0.5, kind), op.add(one, op.erf(op.multiply(x, relax.const(2 ** -0.5, kind)))))
+        pdf = op.multiply(op.exp(op.multiply(op.multiply(x, x), relax.const(-0.5, kind))),
+                          relax.const((2 * np.pi) ** -0.5, kind))
+        return [op.multiply(output_grad, op.add(cdf, op.multiply(x, pdf)))]
+    raise ValueError(f"activation_gradient: no gradient for {name}")
+
+
+register_gradient("relax.nn.conv2d", conv2d_gradient, level=LEVEL)
+for _name in ("relax.nn.relu", "relax.nn.leakyrelu", "relax.clip", "relax.nn.gelu"):
+    register_gradient(_name, activation_gradient, level=LEVEL)

@@ -1,0 +1,159 @@
+"""tvm_ext's conv2d gradient for relax.transform.Gradient: dX as forward convolutions of dY (the
+stride phases), dW on the X^T dY kernel; built with tvm_ext and checked against PyTorch autograd
+in float64 over random convolutions."""
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from reference import kernel_calls, random_conv_cases, rel_err, torch_conv
+from tvm import relax
+
+import tvm_ext
+from tvm_ext.kernels.conv2d import Conv2dWorkload
+from tvm_ext.transform.gradients import weight_gradient_input
+
+TARGET = tvm_ext.resolve_target("llvm")
+
+
+def _loss_module(x_shape, w_shape, stride, padding, dilation, groups) -> tvm.IRModule:
+    """main(x, w) = sum(conv2d(x, w) * r) for a constant r: its gradient is dY = r."""
+    pads = padding if isinstance(padding, tuple) else (padding,) * 4
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(x_shape, "float32"))
+    w = relax.Var("w", relax.TensorType(w_shape, "float32"))
+    out_shape = torch_conv(torch.zeros(x_shape), torch.zeros(w_shape), stride, padding, dilation, groups).shape
+    r = np.random.default_rng(9).standard_normal(tuple(out_shape)).astype(np.float32)
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.conv2d(x, w, strides=stride, padding=pads, dilation=dilation, groups=groups))
+            loss = bb.emit_output(relax.op.sum(relax.op.multiply(y, relax.const(r))))
+        bb.emit_func_output(loss)
+    return relax.transform.Gradient("main")(bb.get()), r
+
+
+def _check(case: dict, seed: int) -> tvm.IRModule:
+    mod, r = _loss_module(case["x_shape"], case["w_shape"], case["stride"], case["padding"], case["dilation"],
+                          case["groups"])
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(case["x_shape"]).astype(np.float32)
+    w = rng.standard_normal(case["w_shape"]).astype(np.float32)
+    vm = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())
+    _, (dx, dw) = vm["main_adjoint"](tvm.runtime.tensor(x), tvm.runtime.tensor(w))
+    xt = torch.from_numpy(x).double().requires_grad_()
+    wt = torch.from_numpy(w).double().requires_grad_()
+    y = torch_conv(xt, wt, case["stride"], case["padding"], case["dilation"], case["groups"])
+    (y * torch.from_numpy(r).double()).sum().backward()
+    assert rel_err(dx.numpy(), xt.grad.numpy()) <= 1e-5, case
+    assert rel_err(dw.numpy(), wt.grad.numpy()) <= 1e-5, case
+    return mod
+
+
+RANDOM = random_conv_cases(40, 20261207)
+
+
+@pytest.mark.parametrize("index", range(len(RANDOM)), ids=[f"r{i}" for i in range(len(RANDOM))])
+def test_gradient_matches_autograd(index):
+    _check(RANDOM[index], index)
+
+
+def test_strided_gradient_runs_on_tvm_ext_kernels():
+    """A stride-2 3x3 convolution's gradient: dX is four phase convolutions on the BRGEMM kernel
+    (TVM's is a conv2d_transpose over a dY with zeros inserted, on stock TVM), dW the X^T dY kernel
+    (TVM's a CNHW/IOHW conv2d of 4x4 taps on stock TVM, sliced to 3x3)."""
+    case = {"x_shape": (2, 32, 14, 14), "w_shape": (64, 32, 3, 3), "stride": 2, "padding": 1, "dilation": 1,
+            "groups": 1}
+    mod = _check(case, 0)
+    calls = kernel_calls(mod, TARGET, function="main_adjoint")
+    assert sum("brgemm_conv2d" in name for name in calls) == 1 + 4  # the forward and the phases
+    assert sum("conv2d_backward_weight" in name for name in calls) == 1
+    report = tvm_ext.dispatch_report(mod, TARGET, function="main_adjoint")
+    assert not any(row.op == "nn.conv2d_transpose" for row in report)
+    assert not any(row.op == "nn.conv2d" and row.kernel == "fallback" for row in report)
+
+
+def test_tvm_gradient_form_runs_on_the_kernel():
+    """TVM's own dW form, a CNHW/IOHW conv2d (here 4x4 taps for a stride-2 3x3 filter, which TVM
+    then slices), is the weight gradient of a 4x4 filter: the kernel serves it, exactly."""
+    from tvm_ext.strategy.decide import decide
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 8, 8, 8), "float32"))
+    dy = relax.Var("dy", relax.TensorType((1, 16, 4, 4), "float32"))
+    with bb.function("main", [x, dy]):
+        dw = bb.emit(relax.op.nn.conv2d(x, dy, strides=1, padding=1, dilation=2, data_layout="CNHW",
+                                        kernel_layout="IOHW", out_layout="CNHW"))
+        bb.emit_func_output(dw)
+    mod = bb.get()
+    call = mod["main"].body.blocks[0].bindings[0].value
+    assert tuple(call.ty.shape) == (16, 8, 4, 4)
+    assert decide(call, TARGET).kernel == "conv2d_backward_weight"
+    rng = np.random.default_rng(4)
+    xv = rng.standard_normal((1, 8, 8, 8)).astype(np.float32)
+    dyv = rng.standard_normal((1, 16, 4, 4)).astype(np.float32)
+    got = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main"](tvm.runtime.tensor(xv),
+                                                                              tvm.runtime.tensor(dyv)).numpy()
+    expected = torch.nn.grad.conv2d_weight(torch.from_numpy(xv).double(), (16, 8, 4, 4),
+                                           torch.from_numpy(dyv).double(), stride=2, padding=1).numpy()
+    assert rel_err(got, expected) <= 1e-5
+
+
+def test_a_weight_gradient_layout_conv_with_unread_rows_of_dy_stays_on_stock_tvm():
+    """A CNHW/IOHW conv2d over fewer rows of dY than the convolution its taps describe has (3
+    taps 3 apart over 9 rows make 3 rows, dY has 2): the kernel would read past dY; the decision
+    says why."""
+    from tvm_ext.strategy.decide import decide
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 8, 9, 9), "float32"))
+    dy = relax.Var("dy", relax.TensorType((1, 16, 2, 2), "float32"))
+    with bb.function("main", [x, dy]):
+        bb.emit_func_output(bb.emit(relax.op.nn.conv2d(x, dy, strides=3, padding=0, dilation=1, data_layout="CNHW",
+                                                       kernel_layout="IOHW", out_layout="CNHW")))
+    call = bb.get()["main"].body.blocks[0].bindings[0].value
+    decision = decide(call, TARGET)
+    assert decision.kernel is None and "more taps" in decision.reason, decision
+
+
+def test_weight_gradient_crops_what_no_tap_reads():
+    """(OH - 1) * stride + (KH - 1) * dilation + 1 rows are read: the bottom padding goes first."""
+    wl = Conv2dWorkload.make((1, 8, 14, 14), (16, 8, 3, 3), 2, 1)  # 7 rows out, 15 of 16 padded rows read
+    assert weight_gradient_input(wl) == ((14, 14), (1, 1, 0, 0))
+    wl = Conv2dWorkload.make((1, 8, 15, 15), (16, 8, 1, 1), 2, 0)  # 8 rows out, all 15 read
+    assert weight_gradient_input(wl) == ((15, 15), (0, 0, 0, 0))
+    wl = Conv2dWorkload.make((1, 8, 16, 16), (16, 8, 1, 1), 2, 0)  # the last row and column unread
+    assert weight_gradient_input(wl) == ((15, 15), (0, 0, 0, 0))
+
+
+def test_dispatch_report_names_a_missing_function():
+    mod, _ = _loss_module((1, 8, 6, 6), (8, 8, 3, 3), 1, 1, 1, 1)
+    with pytest.raises(ValueError, match="no function 'train'"):
+        tvm_ext.dispatch_report(mod, TARGET, function="train")
+
+
+@pytest.mark.parametrize("name", ["relu", "leaky_relu", "relu6", "clip", "gelu"])
+def test_activation_gradients_follow_pytorch(name):
+    """At the kinks too: x == 0 for relu and leaky_relu, the bounds of relu6 and clip (a clip is
+    PyTorch's hardtanh: no gradient at the bounds; torch.clamp, which exports to the same clip,
+    passes it there). TVM's relu passed the gradient at 0; clip and GELU had none."""
+    op = relax.op
+    forward = {"relu": (op.nn.relu, torch.relu), "leaky_relu": (lambda v: op.nn.leakyrelu(v, 0.1),
+                                                                 lambda v: torch.nn.functional.leaky_relu(v, 0.1)),
+               "relu6": (lambda v: op.clip(v, 0.0, 6.0), torch.nn.functional.relu6),
+               "clip": (lambda v: op.clip(v, -1.5, 2.0), lambda v: torch.nn.functional.hardtanh(v, -1.5, 2.0)),
+               "gelu": (op.nn.gelu, torch.nn.functional.gelu)}[name]
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((2, 8, 5, 5)) * 4).astype(np.float32)
+    x.reshape(-1)[:12] = [0, 0, 6, 6, -1.5, 2.0, 0, 6, -1.5, 2.0, 0, 0]  # the kinks, exactly
+    r = rng.standard_normal(x.shape).astype(np.float32)
+    bb = relax.BlockBuilder()
+    xv = relax.Var("x", relax.TensorType(x.shape, "float32"))
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            loss = bb.emit_output(op.sum(op.multiply(forward[0](xv), relax.const(r))))
+        bb.emit_func_output(loss)
+    mod = relax.transform.Gradient("main")(bb.get())
+    _, (dx,) = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main_adjoint"](tvm.runtime.tensor(x))
+    xt = torch.from_numpy(x).double().requires_grad_()
+    (forward[1](xt) * torch.from_numpy(r).double()).sum().backward()
+    assert rel_err(dx.numpy(), xt.grad.numpy()) <= 1e-5
