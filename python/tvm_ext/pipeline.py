@@ -21,7 +21,7 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu_pipeline
 from tvm.relax.backend.cuda import pipeline as cuda_pipeline
 from tvm.s_tir import dlight
 
-from .dlight import Guarded
+from .dlight import Guarded, OnAlignedAccesses
 from .dlight.cpu import ParallelVectorize
 from .errors import UnsupportedError
 from .kernels.common import KERNEL_ATTR
@@ -124,7 +124,8 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
                 + cpu_pipeline.library_dispatch_passes(resolved)
                 + fusion_passes(resolved)
                 + _lowering_passes(resolved, lower_to_kernels(resolved, database, winograd=winograd),
-                                   [Guarded(dlight.cpu.GEMV()), Guarded(dlight.cpu.Reduction()), ParallelVectorize()])
+                                   [Guarded(dlight.cpu.GEMV()), Guarded(OnAlignedAccesses(dlight.cpu.Reduction())),
+                                    ParallelVectorize()])
                 + cpu_pipeline.dataflow_lower_passes(resolved)
                 + cpu_pipeline.finalize_passes(resolved)
             )

@@ -18,7 +18,7 @@ from tvm.target import Target
 
 logger = logging.getLogger("tvm_ext")
 
-__all__ = ["Guarded"]
+__all__ = ["Guarded", "OnAlignedAccesses", "aligned_accesses"]
 
 
 class Guarded(ScheduleRule):
@@ -37,3 +37,55 @@ class Guarded(ScheduleRule):
             logger.info("tvm_ext: dlight's %s rule gave up on a function (%s): the next rule schedules it",
                         type(self.rule).__name__, str(err).strip().splitlines()[-1])
             return None
+
+
+def _aligned(index: tirx.PrimExpr) -> bool:
+    """An index that is a block iterator, a constant, or one plus a constant."""
+    if isinstance(index, (tirx.Var, tirx.IntImm)):
+        return True
+    if isinstance(index, (tirx.Add, tirx.Sub)):
+        return isinstance(index.a, tirx.Var) and isinstance(index.b, tirx.IntImm)
+    return False
+
+
+def aligned_accesses(func: tirx.PrimFunc) -> bool:
+    """Whether every block of `func` reads and writes each buffer at its own iterators (plus
+    constants), one element per iterator: elementwise ops, broadcasts and row reductions
+    (softmax, mean, norms), not windows (pooling and its gradient, convolutions: h * s + r)."""
+    sch = s_tir.Schedule(func)
+    pending = list(sch.get_child_blocks(sch.get_sblock("root"))) if _has_root(sch) else []
+    while pending:
+        block = pending.pop()
+        node = sch.get(block)
+        for region in (*node.reads, *node.writes):
+            for r in region.region:
+                if not _aligned(r.min) or not (isinstance(r.extent, tirx.IntImm) and int(r.extent) == 1):
+                    return False
+        pending += sch.get_child_blocks(block)
+    return True
+
+
+def _has_root(sch: s_tir.Schedule) -> bool:
+    try:
+        sch.get_sblock("root")
+    except s_tir.ScheduleError:
+        return False
+    return True
+
+
+class OnAlignedAccesses(ScheduleRule):
+    """`rule`, for functions of :func:`aligned_accesses` only; None (the next rule) otherwise.
+
+    dlight's CPU Reduction rule computes a function's producers at the consumer's parallel loop;
+    on the gradient of a 3x3 stride-2 max pooling (argmax over overlapping windows, fused with a
+    relu's gradient) the result was wrong, single-threaded too (92% relative error), where the
+    next rule's plain parallel loops are right.
+    """
+
+    def __init__(self, rule: ScheduleRule):
+        self.rule = rule
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
+        if not isinstance(func, tirx.PrimFunc) or not aligned_accesses(func):
+            return None
+        return self.rule.apply(func, target, tunable)

@@ -9,7 +9,7 @@ import tvm
 from tvm import relax
 
 from ..relax_info import dtype, image_shape, is_channel_bias, known_shape, same_extent, symbolic_batch
-from ..transform import channels_last_as_nchw, fold_batch_norm, matmul_as_conv2d, recognise_silu
+from ..transform import channels_last_as_nchw, fold_batch_norm, matmul_as_conv2d, recognise_silu, unique_constants
 from .base import ACTIVATION_OPS, Activation, activation_at
 from .decide import channel_affine_reason, decide, epilogue_activation
 
@@ -256,6 +256,7 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     """
     return [relax.transform.FoldConstant(), fold_batch_norm(), matmul_as_conv2d(),
             channels_last_as_nchw(layer_norm_over_channels=target.kind.name == "llvm"),
-            recognise_silu(), relax.transform.FuseOpsByPattern(fusion_patterns(target), bind_constants=True)]
+            recognise_silu(), unique_constants(),
+            relax.transform.FuseOpsByPattern(fusion_patterns(target), bind_constants=True)]
 
 

@@ -20,6 +20,10 @@ relu and leaky_relu pass the gradient where x > 0 (TVM's relu where x >= 0: at x
 zero bias on a zero background makes common, the bias gradients differed from PyTorch's by 14%
 on an 8x8-digits CNN), clip (relu6; TVM gives it no gradient) where low < x < high, as hardtanh;
 GELU (erf form, none in TVM) as 0.5 * (1 + erf(x / sqrt 2)) + x * exp(-x^2 / 2) / sqrt(2 pi).
+
+adaptive_avg_pool2d (none in TVM; ResNet's and most classifiers' global pooling): where its
+windows tile the image (H and W multiples of the output's), the gradient of the average pooling
+with those windows; otherwise a clear error.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from ..kernels.conv2d import Conv2dWorkload
 from ..kernels.conv2d_backward_data import data_gradient_phases
 from ..relax_info import dtype, prim_value, static_shape
 
-__all__ = ["activation_gradient", "conv2d_gradient", "weight_gradient_input"]
+__all__ = ["activation_gradient", "adaptive_avg_pool2d_gradient", "conv2d_gradient", "weight_gradient_input"]
 
 LEVEL = 11  # above TVM's registration (10)
 
@@ -147,6 +151,23 @@ def activation_gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad:
     raise ValueError(f"activation_gradient: no gradient for {name}")
 
 
+def adaptive_avg_pool2d_gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var,
+                                 ctx: relax.BlockBuilder) -> list[relax.Expr]:
+    """[dX] of an NCHW adaptive_avg_pool2d whose windows tile the image (module docstring)."""
+    x = orig_call.args[0]
+    x_shape, out_shape = static_shape(x), static_shape(orig_var)
+    layouts = (str(orig_call.attrs.layout), str(orig_call.attrs.out_layout))
+    if x_shape is None or out_shape is None or layouts != ("NCHW", "NCHW"):
+        raise ValueError(f"adaptive_avg_pool2d's gradient: static NCHW shapes only, not {x.ty} ({layouts})")
+    (h, w), (oh, ow) = x_shape[2:], out_shape[2:]
+    if h % oh or w % ow:
+        raise ValueError(f"adaptive_avg_pool2d's gradient: windows of a {h}x{w} image pooled to {oh}x{ow} "
+                         "overlap or differ in size; only tiling windows are covered")
+    window = (h // oh, w // ow)
+    return [relax.op.grad.avg_pool2d_backward(output_grad, x, window, window)]
+
+
 register_gradient("relax.nn.conv2d", conv2d_gradient, level=LEVEL)
+register_gradient("relax.nn.adaptive_avg_pool2d", adaptive_avg_pool2d_gradient, level=LEVEL)
 for _name in ("relax.nn.relu", "relax.nn.leakyrelu", "relax.clip", "relax.nn.gelu"):
     register_gradient(_name, activation_gradient, level=LEVEL)
