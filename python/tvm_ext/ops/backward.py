@@ -24,6 +24,8 @@ import tvm
 from ..errors import UnsupportedError
 from ..kernels import conv2d_backward_weight as _weight_grad
 from ..kernels import layout as _layout
+from ..kernels import pool2d as _pool
+from ..kernels import pool2d_backward as _pool_backward
 from ..kernels.common import USER_ALIGNMENT
 from ..kernels.conv2d import Conv2dWorkload, plan_conv2d
 from ..kernels.conv2d_backward_data import data_gradient_phases
@@ -36,11 +38,13 @@ from .forward import (
     check_array,
     check_conv_shapes,
     check_elements,
+    check_ints,
     conv2d,
     conv_options,
+    run_kernel,
 )
 
-__all__ = ["conv2d_backward_data", "conv2d_backward_weight"]
+__all__ = ["conv2d_backward_data", "conv2d_backward_weight", "max_pool2d_backward"]
 
 logger = logging.getLogger("tvm_ext.ops")
 
@@ -199,3 +203,30 @@ def conv2d_backward_weight(x, dy, w_shape: Sequence[int], *, stride: int | Seque
         assert db is not None
         return dw, db
     return dw
+
+
+def max_pool2d_backward(dy, x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False, *,
+                        target: TargetLike = None) -> np.ndarray:
+    """The gradient of ``max_pool2d(x, ...)`` with respect to x, given its output's gradient `dy`
+    (cuDNN's `cudnnPoolingBackward` for max pooling): each window's gradient goes to its first
+    maximum (PyTorch's choice among ties), summed where windows overlap. Options as
+    :func:`~tvm_ext.ops.max_pool2d`; a `dy` of another shape than the pooling's output raises
+    ValueError."""
+    dy = check_array("max_pool2d_backward dy", dy, 4)
+    x = check_array("max_pool2d_backward data", x, 4)
+    kernel_size = check_ints("max_pool2d_backward: kernel_size", kernel_size, (2,))
+    stride = None if stride is None else check_ints("max_pool2d_backward: stride", stride, (2,))
+    padding = check_ints("max_pool2d_backward: padding", padding, (2, 4))
+    dilation = check_ints("max_pool2d_backward: dilation", dilation, (2,))
+    n, c, h, w = x.shape
+    if h == 0 or w == 0:
+        raise ValueError(f"max_pool2d_backward: data of shape {x.shape} has an empty {h}x{w} image")
+    wl = _pool.Pool2dWorkload.make((max(n, 1), max(c, 1), h, w), "max", kernel_size, stride, padding, dilation,
+                                   ceil_mode)
+    if dy.shape != (n, c, wl.OH, wl.OW):
+        raise ValueError(f"max_pool2d_backward: dy has shape {dy.shape}, the pooling's output is "
+                         f"{(n, c, wl.OH, wl.OW)}")
+    if n == 0 or c == 0:
+        return np.zeros(x.shape, np.float32)
+    return run_kernel(("max_pool2d_backward", wl), lambda _: _pool_backward.max_pool2d_backward_func(wl), target,
+                      [dy, x], x.shape)

@@ -74,7 +74,7 @@ def _int(name: str, value) -> int:
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
 
 
-def _ints(name: str, value, lengths: tuple[int, ...]) -> int | tuple[int, ...]:
+def check_ints(name: str, value, lengths: tuple[int, ...]) -> int | tuple[int, ...]:
     """An integer, or a sequence of `lengths` integers (NumPy's included), as Python ints."""
     if isinstance(value, (str, bytes)):
         raise TypeError(f"{name} must be an integer or a tuple of integers, got {value!r}")
@@ -94,7 +94,7 @@ def _ints(name: str, value, lengths: tuple[int, ...]) -> int | tuple[int, ...]:
 
 
 def _pair(name: str, value) -> tuple[int, int]:
-    v = _ints(name, value, (2,))
+    v = check_ints(name, value, (2,))
     if isinstance(v, int):
         return v, v
     first, second = v  # _ints checked: 2 of them
@@ -125,7 +125,7 @@ def conv_options(op: str, w_shape: Sequence[int], stride: int | Sequence[int], p
         th, tw = (d * (k - 1) for d, k in zip(dilation, w_shape[2:], strict=True))
         return stride, (th // 2, tw // 2, th - th // 2, tw - tw // 2), dilation, groups
     try:
-        pads = _ints(f"{op}: padding", padding, (2, 4))
+        pads = check_ints(f"{op}: padding", padding, (2, 4))
     except ValueError:
         raise ValueError(f"{op}: padding must be an int, (ph, pw), (top, left, bottom, right), 'same' or "
                          f"'valid', got {padding!r}") from None
@@ -345,7 +345,9 @@ def as_tvm(arr: np.ndarray, alignment: int = _ALIGN) -> tvm.runtime.Tensor:
     return tvm_ffi.from_dlpack(arr, require_alignment=alignment, require_contiguous=True)
 
 
-def _run(key: tuple, make, target, inputs: list[np.ndarray], out_shape) -> np.ndarray:
+def run_kernel(key: tuple, make, target, inputs: list[np.ndarray], out_shape) -> np.ndarray:
+    """`make(target)`'s kernel (compiled once per key and target) on NumPy `inputs`, writing a
+    new array of `out_shape`."""
     fn = _kernel(key, make, target)
     out = aligned_empty(out_shape)
     fn(*[as_tvm(_contiguous(a)) for a in inputs], as_tvm(out))
@@ -589,10 +591,10 @@ class Conv2d:
 def _pool_op(mode: str, x, kernel_size, stride, padding, dilation, ceil_mode, count_include_pad, target):
     op = f"{mode}_pool2d"
     x = check_array(f"{op} data", x, 4)
-    kernel_size = _ints(f"{op}: kernel_size", kernel_size, (2,))
-    stride = None if stride is None else _ints(f"{op}: stride", stride, (2,))
-    padding = _ints(f"{op}: padding", padding, (2, 4))
-    dilation = _ints(f"{op}: dilation", dilation, (2,))
+    kernel_size = check_ints(f"{op}: kernel_size", kernel_size, (2,))
+    stride = None if stride is None else check_ints(f"{op}: stride", stride, (2,))
+    padding = check_ints(f"{op}: padding", padding, (2, 4))
+    dilation = check_ints(f"{op}: dilation", dilation, (2,))
     N, C, H, W = x.shape
     if H == 0 or W == 0:
         raise ValueError(f"{op}: data of shape {x.shape} has an empty {H}x{W} image")
@@ -602,7 +604,7 @@ def _pool_op(mode: str, x, kernel_size, stride, padding, dilation, ceil_mode, co
     if empty:
         return np.empty((N, C, wl.OH, wl.OW), np.float32)
     check_elements(f"{op} output", (N, C, wl.OH, wl.OW))
-    return _run(("pool2d", wl), lambda _: _pool.pool2d_func(wl), target, [x], (N, C, wl.OH, wl.OW))
+    return run_kernel(("pool2d", wl), lambda _: _pool.pool2d_func(wl), target, [x], (N, C, wl.OH, wl.OW))
 
 
 def max_pool2d(x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False, *,
@@ -630,7 +632,7 @@ def global_avg_pool2d(x, *, target: TargetLike = None) -> np.ndarray:
                          "which has no mean")
     if shape[0] == 0 or shape[1] == 0:
         return np.empty((shape[0], shape[1], 1, 1), np.float32)
-    return _run(("global_avg_pool2d", shape), lambda _: _pool.global_avg_pool2d_func(shape), target, [x],
+    return run_kernel(("global_avg_pool2d", shape), lambda _: _pool.global_avg_pool2d_func(shape), target, [x],
                 (shape[0], shape[1], 1, 1))
 
 

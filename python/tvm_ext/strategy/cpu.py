@@ -18,6 +18,7 @@ from ..kernels import elementwise as _elementwise
 from ..kernels import layer_norm as _layer_norm
 from ..kernels import layout as _layout
 from ..kernels import pool2d as _pool
+from ..kernels import pool2d_backward as _pool_backward
 from ..kernels import winograd as _winograd
 from ..kernels.batch_loop import batch_loop
 from ..kernels.conv2d import Epilogue
@@ -26,6 +27,7 @@ from ..target import vector_isa
 from ..tuning import pool_space as _pool_space
 from ..tuning import space as _space
 from .base import POOLS, Activation, Decision, add_kernel, alpha, channel_scale_operands, pool_workload
+from .decide import max_pool2d_backward_workload
 
 __all__ = ["CpuEmitter"]
 
@@ -36,6 +38,12 @@ def _tag(plan: _conv.Conv2dPlan) -> str:
     return (f"{wl.N}x{wl.C}x{wl.H}x{wl.W}_{wl.K}x{wl.KH}x{wl.KW}_s{wl.stride[0]}x{wl.stride[1]}"
             f"_p{'x'.join(map(str, wl.padding))}_d{wl.dilation[0]}x{wl.dilation[1]}_g{wl.groups}"
             f"_x{plan.ic_bn}y{plan.oc_bn}{'_nchw' if plan.nchw_in else ''}")
+
+
+def _pool_tag(wl: _pool.Pool2dWorkload) -> str:
+    """A pooling's window, stride, padding, dilation and rounding, as a name part."""
+    return (f"k{wl.kernel[0]}x{wl.kernel[1]}_s{wl.stride[0]}x{wl.stride[1]}_p{'x'.join(map(str, wl.padding))}"
+            f"_d{wl.dilation[0]}x{wl.dilation[1]}{'_ceil' if wl.ceil_mode else ''}")
 
 
 def _cpu_plan(decision: Decision) -> _conv.Conv2dPlan:
@@ -344,6 +352,12 @@ class CpuEmitter:
         return self.unpack(out, channels)
 
     def other_op(self, call: relax.Call, decision: Decision) -> relax.Expr:
+        if decision.kernel == "max_pool2d_backward":  # NCHW in and out
+            wl = max_pool2d_backward_workload(call)
+            shape = (wl.N, wl.C, wl.H, wl.W)
+            return self._call_tir(_pool_backward.max_pool2d_backward_func(wl),
+                                  f"tvm_ext_max_pool2d_backward_{'x'.join(map(str, shape))}_{_pool_tag(wl)}",
+                                  list(call.args[:2]), shape)
         if decision.kernel == "channel_affine":  # a concatenation
             return self.channel_affine(list(call.args[0].fields))
         if decision.kernel == "layer_norm":

@@ -8,6 +8,7 @@ from tvm import relax
 
 from ..kernels import conv2d as _conv
 from ..kernels import conv2d_backward_weight as _weight_grad
+from ..kernels import pool2d as _pool
 from ..kernels import winograd as _winograd
 from ..kernels.common import ACTIVATIONS
 from ..relax_info import dtype, image_shape, known_shape, shape_text, static_shape, symbolic_batch
@@ -33,6 +34,8 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
         return _decide_channel_scale(scaled, shapes, target)
     if op == "relax.concat":
         return _decide_concat(call, target)
+    if op == "relax.grad.max_pool2d_backward":
+        return _decide_max_pool2d_backward(call, shapes, target)
     if op == "relax.nn.layer_norm":
         return _decide_layer_norm(call, shapes, target)
     if op in DATA_MOVEMENT_OPS:
@@ -71,6 +74,34 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
         plan = _conv.plan_conv2d(wl, vector_isa(target))
     reason = "; ".join(part for part in (plan.reason, _per_image(tensors[0])) if part)
     return Decision(op, shapes, f"{plan.kind}_conv2d", reason, plan)
+
+
+def max_pool2d_backward_workload(call: relax.Call) -> _pool.Pool2dWorkload:
+    """The pooling whose gradient `call` (relax.grad.max_pool2d_backward(dY, X, ...)) is."""
+    attrs = call.attrs
+    shape = known_shape(static_shape(call.args[1]), "max_pool2d_backward: the data")
+    return _pool.Pool2dWorkload.make(shape, "max", [int(v) for v in attrs.pool_size], [int(v) for v in attrs.strides],
+                                     [int(v) for v in attrs.padding], [int(v) for v in attrs.dilation],
+                                     bool(attrs.ceil_mode))
+
+
+def _decide_max_pool2d_backward(call: relax.Call, shapes: tuple, target: tvm.target.Target) -> Decision:
+    op, attrs = "relax.grad.max_pool2d_backward", call.attrs
+    if target.kind.name != "llvm":
+        return Decision(op, shapes, None, f"no tvm_ext pooling gradient on {target.kind.name}")
+    if (str(attrs.layout), str(attrs.out_layout)) != ("NCHW", "NCHW"):
+        return Decision(op, shapes, None, f"layout {attrs.layout} is not NCHW")
+    if {dtype(arg) for arg in call.args} != {"float32"}:
+        return Decision(op, shapes, None, "not float32")
+    if static_shape(call.args[0]) is None or static_shape(call.args[1]) is None:
+        return Decision(op, shapes, None, _SYMBOLIC)
+    try:
+        wl = max_pool2d_backward_workload(call)
+    except ValueError as err:
+        return Decision(op, shapes, None, str(err))
+    if (wl.N, wl.C, wl.OH, wl.OW) != static_shape(call.args[0]):
+        return Decision(op, shapes, None, f"dY {static_shape(call.args[0])} is not the pooling's output")
+    return Decision(op, shapes, "max_pool2d_backward")
 
 
 # conv2d(x, dY) with these layouts is the weight gradient of the convolution of x that gave dY

@@ -1,0 +1,54 @@
+"""The gradient of max pooling (NCHW): each window's gradient goes to its maximum, as PyTorch
+picks it (the first maximum in row-major order, a NaN taking precedence, the window's first
+valid pixel if all are -inf), summed where windows overlap.
+
+One task per (image, channel) plane: a plane's windows write only its own pixels, so tasks never
+race, and the overlapping windows of a plane are walked in order. TVM's legalized gradient
+recomputes each window's argmax for every input pixel (4 windows per pixel for ResNet's 3x3
+stride-2 stem pooling): 18 ms of a 149 ms ResNet-18 training step at batch 4.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script.ir_builder import IRBuilder
+from tvm.tirx.script import builder as T
+
+from .common import KERNEL_ATTR, param_buffer
+from .pool2d import Pool2dWorkload
+
+__all__ = ["max_pool2d_backward_func"]
+
+
+def max_pool2d_backward_func(wl: Pool2dWorkload) -> tirx.PrimFunc:
+    """dX (N, C, H, W) of the max pooling `wl`, from dY (N, C, OH, OW) and its input X."""
+    if wl.mode != "max":
+        raise ValueError(f"max_pool2d_backward: a {wl.mode} pooling")
+    (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
+    top, left = wl.padding[0], wl.padding[1]
+    with IRBuilder() as builder, T.prim_func(s_tir=True):
+        T.func_name("max_pool2d_backward")
+        T.func_attr({"tirx.noalias": True, KERNEL_ATTR: "max_pool2d_backward"})
+        dy = param_buffer("dy", (wl.N, wl.C, wl.OH, wl.OW))
+        x = param_buffer("x", (wl.N, wl.C, wl.H, wl.W))
+        dx = param_buffer("dx", (wl.N, wl.C, wl.H, wl.W))
+        dx_plane = IRBuilder.name("dX_planes", T.decl_buffer((wl.N, wl.C, wl.H * wl.W), "float32", data=dx.data))
+        with T.sblock("root"), T.parallel(0, wl.N * wl.C) as plane:
+            n, c = T.Bind(plane // wl.C), T.Bind(plane % wl.C)
+            best = IRBuilder.name("best", T.alloc_buffer((1,), "float32"))
+            at = IRBuilder.name("at", T.alloc_buffer((1,), "int32"))
+            with T.serial(0, wl.H * wl.W) as p:
+                T.buffer_store(dx_plane, T.float32(0), [n, c, p])
+            with T.grid(wl.OH, wl.OW) as (oh, ow):
+                T.buffer_store(at, T.int32(-1), [0])
+                with T.grid(kh, kw) as (i, j):
+                    h = T.Bind(oh * sh - top + i * dh)
+                    w = T.Bind(ow * sw - left + j * dw)
+                    with T.If(tirx.all(h >= 0, h < wl.H, w >= 0, w < wl.W)), T.Then():
+                        value = T.Bind(x[n, c, h, w])
+                        with T.If(tirx.any(at[0] < 0, value > best[0], tirx.isnan(value))), T.Then():
+                            T.buffer_store(best, value, [0])
+                            T.buffer_store(at, h * wl.W + w, [0])
+                with T.If(at[0] >= 0), T.Then():
+                    T.buffer_store(dx_plane, dx_plane[n, c, at[0]] + dy[n, c, oh, ow], [n, c, at[0]])
+    return builder.get()

@@ -1,0 +1,51 @@
+"""ops.max_pool2d_backward (and the kernel graphs use for relax.grad.max_pool2d_backward) against
+PyTorch autograd: overlapping windows, padding, dilation, ceil_mode, ties (PyTorch's first
+maximum), NaN and -inf windows."""
+
+import numpy as np
+import pytest
+import torch
+
+from tvm_ext import ops
+
+
+def _expected(x, dy, kernel, stride, padding, dilation, ceil_mode):
+    xt = torch.from_numpy(x).requires_grad_()
+    torch.nn.functional.max_pool2d(xt, kernel, stride, padding, dilation, ceil_mode=ceil_mode).backward(
+        torch.from_numpy(dy))
+    return xt.grad.numpy()
+
+
+@pytest.mark.parametrize("shape,kernel,stride,padding,dilation,ceil_mode", [
+    ((2, 3, 11, 11), 3, 2, 1, 1, False),  # ResNet's stem: windows overlap
+    ((1, 4, 8, 8), 2, 2, 0, 1, False),
+    ((1, 2, 9, 7), 3, 2, 1, 2, True),
+    ((3, 5, 10, 13), (3, 2), (1, 2), (1, 1), (1, 2), True),
+    ((1, 1, 5, 5), 5, 1, 2, 1, False),
+])
+def test_matches_autograd(shape, kernel, stride, padding, dilation, ceil_mode):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[:, :, :3, :3] = 0.25  # ties: the first maximum takes the gradient
+    x = np.where(rng.random(shape) < 0.3, 0.0, x).astype(np.float32)  # a relu's zeros
+    y = torch.nn.functional.max_pool2d(torch.from_numpy(x), kernel, stride, padding, dilation, ceil_mode=ceil_mode)
+    dy = rng.standard_normal(tuple(y.shape)).astype(np.float32)
+    got = ops.max_pool2d_backward(dy, x, kernel, stride, padding, dilation, ceil_mode)
+    np.testing.assert_allclose(got, _expected(x, dy, kernel, stride, padding, dilation, ceil_mode), rtol=1e-6,
+                               atol=1e-6)
+
+
+def test_nan_and_minus_infinity_windows():
+    """A NaN is a window's maximum (PyTorch's rule); a window of -inf gives its first pixel."""
+    x = np.zeros((1, 1, 4, 4), np.float32)
+    x[0, 0, 0, 1] = np.nan
+    x[0, 0, 2:, 2:] = -np.inf
+    dy = np.arange(1, 5, dtype=np.float32).reshape(1, 1, 2, 2)
+    np.testing.assert_array_equal(ops.max_pool2d_backward(dy, x, 2), _expected(x, dy, 2, 2, 0, 1, False))
+
+
+def test_bad_input_raises():
+    with pytest.raises(ValueError, match="dy has shape"):
+        ops.max_pool2d_backward(np.ones((1, 2, 3, 3), np.float32), np.ones((1, 2, 8, 8), np.float32), 2)
+    empty = ops.max_pool2d_backward(np.ones((0, 2, 4, 4), np.float32), np.ones((0, 2, 8, 8), np.float32), 2)
+    assert empty.shape == (0, 2, 8, 8)
