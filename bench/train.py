@@ -7,7 +7,13 @@ torch.nn.grad.conv2d_weight, all NCHW NumPy/torch tensors in and out (layouts an
 included on both sides), timed alternately (median of --repeat rounds), with GFLOP/s, % of the
 measured peak (bench/peak.py) and the ratio to PyTorch. Benchmarks print; they never assert.
 
+With --model (a torchvision name), whole training steps instead: the model's loss (its output
+against fixed weights, summed; batch norms in inference form) differentiated by
+relax.transform.Gradient and built with tvm_ext, against PyTorch eager's forward + backward,
+plus an SGD update of every parameter on both sides; median ms and each process's peak memory.
+
 Usage: python bench/train.py --set resnet50 --batch 16 --threads 1 [--layers K] [--repeat R]
+       python bench/train.py --model resnet18 --size 224 --batch 16 --threads 2
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--layers", type=int, default=0, help="only the first K layers (0: all)")
     ap.add_argument("--repeat", type=int, default=7, help="timed rounds per measurement (median)")
+    ap.add_argument("--model", default="", help="time whole training steps of this torchvision model")
+    ap.add_argument("--size", type=int, default=224, help="image size of --model")
     return ap.parse_args(argv)
 
 
@@ -99,7 +107,72 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
+def _training_steps() -> int:
+    """--model: whole training steps, tvm_ext against PyTorch eager (module docstring)."""
+    import resource
+
+    import tvm
+    from tvm import relax
+    from tvm.relax.frontend.torch import from_exported_program
+
+    from tvm_ext.models import torchvision_zoo
+
+    model = torchvision_zoo.load(ARGS.model, ARGS.size).eval()
+    x = torch.from_numpy(np.random.default_rng(1).standard_normal((ARGS.batch, 3, ARGS.size, ARGS.size),
+                                                                   dtype=np.float32))
+    with torch.no_grad():
+        classes = model(x[:1]).shape[1]
+    weights = torch.from_numpy(np.random.default_rng(2).standard_normal((ARGS.batch, classes), dtype=np.float32))
+
+    class Loss(torch.nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, images):
+            return (self.net(images) * weights).sum()
+
+    loss = Loss(model)
+    with torch.no_grad():
+        program = torch.export.export(loss, (x,))
+    mod = from_exported_program(program, keep_params_as_input=True, unwrap_unit_return_tuple=True)
+    mod, params = relax.frontend.detach_params(mod)
+    mod = relax.transform.DecomposeOpsForInference()(mod)
+    mod = relax.transform.Gradient("main", require_grads=mod["main"].params[1:])(mod)
+    start = time.perf_counter()
+    vm = relax.VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())
+    build_s = time.perf_counter() - start
+    adjoint = vm["main_adjoint"]
+    xt = tvm.runtime.tensor(x.numpy())
+    values = [p.numpy() for p in params["main"]]
+    tensors = [tvm.runtime.tensor(v) for v in values]
+    lr = 1e-6
+
+    def ours() -> None:
+        _, grads = adjoint(xt, *tensors)
+        for i, grad in enumerate(grads):  # SGD, in NumPy (the parameters stay on the host)
+            values[i] -= lr * grad.numpy()
+            tensors[i].copyfrom(values[i])
+
+    sgd = torch.optim.SGD(loss.parameters(), lr=lr)
+
+    def theirs() -> None:
+        sgd.zero_grad()
+        loss(x).backward()
+        sgd.step()
+
+    ms = _alternate({"tvm_ext": ours, "torch": theirs}, ARGS.repeat)
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"# training step: {ARGS.model} {ARGS.size}x{ARGS.size} batch={ARGS.batch} threads={ARGS.threads}; "
+          f"tvm_ext build {build_s:.1f} s; ms medians of {ARGS.repeat} alternating rounds")
+    print(f"tvm_ext {ms['tvm_ext']:.1f} ms | PyTorch eager {ms['torch']:.1f} ms | "
+          f"{ms['torch'] / ms['tvm_ext']:.2f}x | peak RSS of this process (both) {peak_mib:.0f} MiB")
+    return 0
+
+
 def main() -> int:
+    if ARGS.model:
+        return _training_steps()
     peak = peak_bench.load_or_measure()
     peak_gflops = peak["peak_gflops_1thread"] * ARGS.threads
     if ARGS.threads > 1 and int(peak.get("threads", 1)) >= ARGS.threads:

@@ -242,3 +242,17 @@ def test_gpu_check_pipeline_without_gpu(tmp_path):
     assert [e["launches"][0]["shared_bytes"] for e in manifest["layers"] if "wgmma" in e["engine"]] == [
         0, 0, 4 * 64 * 128, *[4 * 96 * 128] * 3]
     assert "| alexnet conv2 | winograd | F(4x4), 64x128 (16x8), est. " in result.stdout and "% eff." in result.stdout
+
+
+def test_tutorial_05_training(tmp_path):
+    plot = tmp_path / "loss.png"
+    out = _run("tutorials/05_training.py", "--steps", "20", "--plot", str(plot))
+    assert "conv2d_backward_weight" in out and "max_pool2d_backward" in out
+    assert float(out.split("from PyTorch's losses: ")[1].split()[0]) < 1e-3
+    assert plot.stat().st_size > 10_000
+
+
+def test_bench_train_runs():
+    out = _run("bench/train.py", "--set", "resnet50", "--batch", "1", "--layers", "1", "--repeat", "1",
+               env={"TVM_NUM_THREADS": "1"})
+    assert "stem_7x7s2" in out and "dw: median" in out
