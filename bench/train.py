@@ -113,39 +113,19 @@ def _training_steps() -> int:
 
     import tvm
     from tvm import relax
-    from tvm.relax.frontend.torch import from_exported_program
 
     from tvm_ext.models import torchvision_zoo
+    from tvm_ext.models.training import loss_gradient
 
-    model = torchvision_zoo.load(ARGS.model, ARGS.size).eval()
-    x = torch.from_numpy(np.random.default_rng(1).standard_normal((ARGS.batch, 3, ARGS.size, ARGS.size),
-                                                                   dtype=np.float32))
-    with torch.no_grad():
-        classes = model(x[:1]).shape[1]
-    weights = torch.from_numpy(np.random.default_rng(2).standard_normal((ARGS.batch, classes), dtype=np.float32))
-
-    class Loss(torch.nn.Module):
-        def __init__(self, net):
-            super().__init__()
-            self.net = net
-
-        def forward(self, images):
-            return (self.net(images) * weights).sum()
-
-    loss = Loss(model)
-    with torch.no_grad():
-        program = torch.export.export(loss, (x,))
-    mod = from_exported_program(program, keep_params_as_input=True, unwrap_unit_return_tuple=True)
-    mod, params = relax.frontend.detach_params(mod)
-    mod = relax.transform.DecomposeOpsForInference()(mod)
-    mod = relax.transform.Gradient("main", require_grads=mod["main"].params[1:])(mod)
+    x = np.random.default_rng(1).standard_normal((ARGS.batch, 3, ARGS.size, ARGS.size), dtype=np.float32)
+    mod, values, loss = loss_gradient(torchvision_zoo.load(ARGS.model, ARGS.size).eval(), x)
     start = time.perf_counter()
     vm = relax.VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())
     build_s = time.perf_counter() - start
     adjoint = vm["main_adjoint"]
-    xt = tvm.runtime.tensor(x.numpy())
-    values = [p.numpy() for p in params["main"]]
+    xt = tvm.runtime.tensor(x)
     tensors = [tvm.runtime.tensor(v) for v in values]
+    images = torch.from_numpy(x)
     lr = 1e-6
 
     def ours() -> None:
@@ -158,7 +138,7 @@ def _training_steps() -> int:
 
     def theirs() -> None:
         sgd.zero_grad()
-        loss(x).backward()
+        loss(images).backward()
         sgd.step()
 
     ms = _alternate({"tvm_ext": ours, "torch": theirs}, ARGS.repeat)

@@ -1,6 +1,7 @@
 """Tutorial 5: train a small CNN through TVM on tvm_ext's kernels.
 
-1. write the network as a Relax function (`backbone`: images and parameters in, logits out);
+1. the network as a Relax function (`backbone`: images and parameters in, logits out; see
+   `tvm_ext.models.training.digits_cnn` for how it is written);
 2. `relax.training.SetupTrainer` adds the loss, its gradient (`relax.transform.Gradient`, which
    uses the gradients `import tvm_ext` registers) and an SGD update; `legalize=False` keeps the
    ops as Relax ops, so that `tvm_ext.build` serves them with its kernels;
@@ -27,34 +28,13 @@ from tvm.relax.training.loss import CrossEntropyLoss
 from tvm.relax.training.optimizer import SGD
 
 import tvm_ext
+from tvm_ext.models.training import DIGITS_CNN_SHAPES, digits_cnn, digits_cnn_init, digits_cnn_torch
 
 BATCH, LR = 32, 0.2
-SHAPES = {"w1": (8, 1, 3, 3), "b1": (8,), "w2": (16, 8, 3, 3), "b2": (16,), "w3": (10, 256), "b3": (10,)}
-
-
-def backbone() -> tvm.IRModule:
-    """conv 3x3 (8) -> relu -> max pool -> conv 3x3 (16) -> relu -> flatten -> linear (10)."""
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((BATCH, 1, 8, 8), "float32"))
-    p = {name: relax.Var(name, relax.TensorType(shape, "float32")) for name, shape in SHAPES.items()}
-    op = relax.op
-    with bb.function("backbone", [x, *p.values()]):
-        with bb.dataflow():
-            h = bb.emit(op.nn.relu(op.add(op.nn.conv2d(x, p["w1"], padding=1), op.reshape(p["b1"], (1, 8, 1, 1)))))
-            h = bb.emit(op.nn.max_pool2d(h, 2, 2))
-            h = bb.emit(op.nn.relu(op.add(op.nn.conv2d(h, p["w2"], padding=1), op.reshape(p["b2"], (1, 16, 1, 1)))))
-            h = bb.emit(op.reshape(h, (BATCH, 256)))
-            out = bb.emit_output(op.add(op.matmul(h, op.permute_dims(p["w3"])), p["b3"]))
-        bb.emit_func_output(out)
-    # SetupTrainer reads how many of the backbone's parameters are trained (and states: none)
-    return bb.get().with_attr("param_num", len(SHAPES)).with_attr("state_num", 0)
 
 
 def torch_step(params: dict, sgd, x: np.ndarray, y: np.ndarray) -> float:
-    h = torch.relu(torch.nn.functional.conv2d(torch.from_numpy(x), params["w1"], params["b1"], padding=1))
-    h = torch.nn.functional.max_pool2d(h, 2)
-    h = torch.relu(torch.nn.functional.conv2d(h, params["w2"], params["b2"], padding=1)).reshape(BATCH, 256)
-    loss = torch.nn.functional.cross_entropy(h @ params["w3"].T + params["b3"], torch.from_numpy(y))
+    loss = torch.nn.functional.cross_entropy(digits_cnn_torch(params, torch.from_numpy(x)), torch.from_numpy(y))
     sgd.zero_grad()
     loss.backward()
     sgd.step()
@@ -75,7 +55,7 @@ def main() -> None:
     print("1-2. the training module: loss, gradient, SGD (ops kept unlegalized for tvm_ext.build)")
     train_mod = SetupTrainer(CrossEntropyLoss(reduction="mean"), SGD(LR),
                              [relax.TensorType((BATCH, 10), "float32"), relax.TensorType((BATCH,), "int64")],
-                             legalize=False)(backbone())
+                             legalize=False)(digits_cnn(BATCH))
 
     print("3. what serves the forward and backward pass:")
     report = tvm_ext.dispatch_report(train_mod, "llvm", function="backbone_loss_adjoint")
@@ -89,11 +69,8 @@ def main() -> None:
     vm = relax.VirtualMachine(tvm_ext.build(train_mod, "llvm"), tvm.cpu())
     print(f"   built in {time.perf_counter() - start:.1f} s")
     trainer = Trainer(train_mod, vm, tvm.cpu(), zero_init_param_state=False)
-    rng = np.random.default_rng(0)  # He's initialization, zero biases; the same for PyTorch
-    fan_in = {"w1": 9, "w2": 72, "w3": 256}
-    init = {name: (rng.standard_normal(shape) * np.sqrt(2 / fan_in.get(name, np.inf))).astype(np.float32)
-            for name, shape in SHAPES.items()}
-    trainer.load_params([init[name] for name in SHAPES])
+    init = digits_cnn_init()  # He's initialization, zero biases; the same for PyTorch
+    trainer.load_params([init[name] for name in DIGITS_CNN_SHAPES])
     params = {name: torch.tensor(value, requires_grad=True) for name, value in init.items()}
     sgd = torch.optim.SGD(params.values(), lr=LR)
 

@@ -10,10 +10,9 @@ import tvm
 from tvm import relax
 
 import tvm_ext
+from tvm_ext.models.training import DIGITS_CNN_SHAPES, digits_cnn, digits_cnn_init, digits_cnn_torch, loss_gradient
 
 BATCH = 32
-SHAPES = {"w1": (8, 1, 3, 3), "b1": (8,), "w2": (16, 8, 3, 3), "b2": (16,), "w3": (10, 256), "b3": (10,)}
-FAN_IN = {"w1": 9, "w2": 72, "w3": 256}
 LR = 0.2
 
 
@@ -23,33 +22,13 @@ def _digits() -> tuple[np.ndarray, np.ndarray]:
     return (digits.images / 16.0).astype(np.float32).reshape(-1, 1, 8, 8), digits.target.astype(np.int64)
 
 
-def _backbone() -> tvm.IRModule:
-    """conv 3x3 -> relu -> max pool 2 -> conv 3x3 -> relu -> flatten -> linear, with biases."""
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((BATCH, 1, 8, 8), "float32"))
-    p = {name: relax.Var(name, relax.TensorType(shape, "float32")) for name, shape in SHAPES.items()}
-    op = relax.op
-    with bb.function("backbone", [x, *p.values()]):
-        with bb.dataflow():
-            h = bb.emit(op.nn.relu(op.add(op.nn.conv2d(x, p["w1"], padding=1), op.reshape(p["b1"], (1, 8, 1, 1)))))
-            h = bb.emit(op.nn.max_pool2d(h, 2, 2))
-            h = bb.emit(op.nn.relu(op.add(op.nn.conv2d(h, p["w2"], padding=1), op.reshape(p["b2"], (1, 16, 1, 1)))))
-            h = bb.emit(op.reshape(h, (BATCH, 256)))
-            out = bb.emit_output(op.add(op.matmul(h, op.permute_dims(p["w3"])), p["b3"]))
-        bb.emit_func_output(out)
-    return bb.get().with_attr("param_num", len(SHAPES)).with_attr("state_num", 0)
-
-
 def _torch_losses(init: dict, images: np.ndarray, labels: np.ndarray, steps: int) -> list[float]:
     params = {name: torch.tensor(value, requires_grad=True) for name, value in init.items()}
     sgd = torch.optim.SGD(params.values(), lr=LR)
     losses = []
     for step in range(steps):
         x, y = (torch.from_numpy(a[step * BATCH:(step + 1) * BATCH]) for a in (images, labels))
-        h = torch.relu(torch.nn.functional.conv2d(x, params["w1"], params["b1"], padding=1))
-        h = torch.nn.functional.max_pool2d(h, 2)
-        h = torch.relu(torch.nn.functional.conv2d(h, params["w2"], params["b2"], padding=1)).reshape(BATCH, 256)
-        loss = torch.nn.functional.cross_entropy(h @ params["w3"].T + params["b3"], y)
+        loss = torch.nn.functional.cross_entropy(digits_cnn_torch(params, x), y)
         sgd.zero_grad()
         loss.backward()
         sgd.step()
@@ -64,19 +43,17 @@ def test_a_small_cnn_trains_like_pytorch():
 
     images, labels = _digits()
     steps = 50
-    rng = np.random.default_rng(0)
-    init = {name: (rng.standard_normal(shape) * np.sqrt(2 / FAN_IN.get(name, np.inf))).astype(np.float32)
-            for name, shape in SHAPES.items()}  # He's initialization, zero biases
+    init = digits_cnn_init()
     # legalize=False: the ops stay Relax ops, for tvm_ext.build's strategy (legalized, every op
     # would be a call_tir of TOPI's kernels)
     train_mod = SetupTrainer(CrossEntropyLoss(reduction="mean"), SGD(LR),
                              [relax.TensorType((BATCH, 10), "float32"), relax.TensorType((BATCH,), "int64")],
-                             legalize=False)(_backbone())
+                             legalize=False)(digits_cnn(BATCH))
     report = tvm_ext.dispatch_report(train_mod, "llvm", function="backbone_loss_adjoint")
     assert sum(row.kernel == "conv2d_backward_weight" for row in report) == 2
     assert not any(row.op == "nn.conv2d" and row.kernel == "fallback" for row in report)
     trainer = Trainer(train_mod, relax.VirtualMachine(tvm_ext.build(train_mod, "llvm"), tvm.cpu()), tvm.cpu(), False)
-    trainer.load_params([init[name] for name in SHAPES])
+    trainer.load_params([init[name] for name in DIGITS_CNN_SHAPES])
     held_out = slice(len(images) - BATCH, len(images))
 
     def accuracy() -> float:
@@ -96,37 +73,16 @@ def test_resnet18_gradients_match_pytorch():
     inference form): every one of its 62 parameters' against PyTorch autograd. Before: the
     gradient graph failed to build (a constant at two sites broke FuseOpsByPattern), and the stem
     pooling's gradient came out wrong (dlight's Reduction rule)."""
-    from tvm.relax.frontend.torch import from_exported_program
-
     from tvm_ext.models import torchvision_zoo
 
-    size, batch = 32, 2
-    model = torchvision_zoo.load("resnet18", size).eval()
-    weights = torch.from_numpy(np.random.default_rng(2).standard_normal((batch, 1000)).astype(np.float32))
-
-    class Loss(torch.nn.Module):
-        def __init__(self, net):
-            super().__init__()
-            self.net = net
-
-        def forward(self, x):
-            return (self.net(x) * weights).sum()
-
-    loss = Loss(model)
-    x = torch.from_numpy(np.random.default_rng(1).standard_normal((batch, 3, size, size)).astype(np.float32))
-    with torch.no_grad():
-        program = torch.export.export(loss, (x,))
-    mod = from_exported_program(program, keep_params_as_input=True, unwrap_unit_return_tuple=True)
-    mod, params = relax.frontend.detach_params(mod)
-    mod = relax.transform.DecomposeOpsForInference()(mod)
-    mod = relax.transform.Gradient("main", require_grads=mod["main"].params[1:])(mod)
+    x = np.random.default_rng(1).standard_normal((2, 3, 32, 32)).astype(np.float32)
+    mod, params, loss = loss_gradient(torchvision_zoo.load("resnet18", 32).eval(), x)
     report = tvm_ext.dispatch_report(mod, "llvm", function="main_adjoint")
     assert sum(row.kernel == "conv2d_backward_weight" for row in report) == 20  # every convolution's dW
     assert not any(row.op == "nn.conv2d" and row.kernel == "fallback" for row in report)
     vm = relax.VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())
-    _, grads = vm["main_adjoint"](tvm.runtime.tensor(x.numpy()), *[tvm.runtime.tensor(p.numpy())
-                                                                   for p in params["main"]])
-    loss(x).backward()
+    _, grads = vm["main_adjoint"](tvm.runtime.tensor(x), *[tvm.runtime.tensor(p) for p in params])
+    loss(torch.from_numpy(x)).backward()
     expected = [p.grad.numpy() for p in loss.parameters()]
     assert len(grads) == len(expected) == 62
     for got, want in zip(grads, expected, strict=True):
