@@ -285,8 +285,10 @@ def compile_kernel(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> tvm.ru
     a generated kernel declares each buffer where it lives)."""
     name = "tvm_ext_" + str(func.attrs[KERNEL_ATTR])  # te.create_prim_func says "main"
     mod = tvm.IRModule({name: func.with_attr("global_symbol", name)})
-    current = tvm.transform.PassContext.current()
-    with tvm.transform.PassContext(opt_level=current.opt_level, config={**current.config, **STACK_BUFFER_CONFIG}):
+    current = tvm.transform.PassContext.current()  # the caller's context, with the stack buffers' config
+    with tvm.transform.PassContext(opt_level=current.opt_level, required_pass=list(current.required_pass),
+                                   disabled_pass=list(current.disabled_pass), instruments=list(current.instruments),
+                                   config={**current.config, **STACK_BUFFER_CONFIG}):
         return tvm.compile(mod, target)
 
 

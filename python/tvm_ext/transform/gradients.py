@@ -111,7 +111,7 @@ def conv2d_gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad: rel
     x_shape, w_shape = static_shape(data), static_shape(weight)
     out_dtype = str(attrs.out_dtype)
     if (layouts != ("NCHW", "OIHW", "NCHW") or x_shape is None or w_shape is None
-            or out_dtype not in ("", "None", "void", "float32")):
+            or {dtype(data), dtype(weight)} != {"float32"} or out_dtype not in ("", "None", "void", "float32")):
         return _op_gradient.conv2d_grad(orig_var, orig_call, output_grad, ctx)
     wl = Conv2dWorkload.make(x_shape, w_shape, [int(s) for s in attrs.strides], [int(p) for p in attrs.padding],
                              [int(d) for d in attrs.dilation], int(attrs.groups))
