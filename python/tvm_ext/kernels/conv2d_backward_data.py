@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
+from tvm import s_tir, te, tirx
+
+from .common import KERNEL_ATTR, accept_user_alignment
 from .conv2d import Conv2dWorkload
 
-__all__ = ["DataGradPhase", "data_gradient_phases"]
+__all__ = ["DataGradPhase", "data_gradient_phases", "phase_weight_func"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,3 +91,28 @@ def data_gradient_phases(wl: Conv2dWorkload) -> list[DataGradPhase]:
                                         (pad_top, pad_left, pad_bottom, pad_right), (step_h, step_w)))
     return phases
 
+
+
+def phase_weight_func(w_shape: Sequence[int], groups: int, taps_h: Sequence[int],
+                      taps_w: Sequence[int]) -> tirx.PrimFunc:
+    """OIHW weights (K, C/groups, KH, KW) -> a phase's weights (C, K/groups, len(taps_h),
+    len(taps_w)): each group's channels in and out swapped, the taps picked in the phase's order.
+    In NumPy (a transpose, then fancy indexing) this took 9.5 of a 13.4 ms data gradient of a
+    512-channel 3x3 layer at 7x7; here each task writes one output channel's rows, reading 9-tap
+    runs of the source."""
+    k, cg, kh, kw = (int(v) for v in w_shape)
+    kg = k // groups
+    rows, cols = [int(t) for t in taps_h], [int(t) for t in taps_w]
+    w = te.placeholder((k, cg, kh, kw), "float32", name="weight")
+
+    def tap(index, taps: list[int]):
+        value = tirx.const(taps[-1], "int32")
+        for i in range(len(taps) - 2, -1, -1):  # a select chain: the taps are few
+            value = tirx.Select(index == i, tirx.const(taps[i], "int32"), value)
+        return value
+
+    out = te.compute((groups * cg, kg, len(rows), len(cols)),
+                     lambda c, j, r, s: w[c // cg * kg + j, c % cg, tap(r, rows), tap(s, cols)], name="phase_weight")
+    sch = s_tir.Schedule(accept_user_alignment(te.create_prim_func([w, out]), "weight"))
+    sch.parallel(sch.get_loops(sch.get_sblock("phase_weight"))[0])
+    return sch.mod["main"].with_attr(KERNEL_ATTR, "phase_weight")

@@ -28,7 +28,7 @@ from ..kernels import pool2d as _pool
 from ..kernels import pool2d_backward as _pool_backward
 from ..kernels.common import USER_ALIGNMENT
 from ..kernels.conv2d import Conv2dWorkload, plan_conv2d
-from ..kernels.conv2d_backward_data import data_gradient_phases
+from ..kernels.conv2d_backward_data import data_gradient_phases, phase_weight_func
 from ..target import TargetLike, resolve_target, vector_isa
 from .forward import (
     aligned_empty,
@@ -79,15 +79,16 @@ def conv2d_backward_data(dy, w, x_shape: Sequence[int], *, stride: int | Sequenc
     kg = k // groups
     if n == 0:
         return np.empty(x_shape, np.float32)
-    # W'[g*Cg + c, j, r, s] = W[g*Kg + j, c, r, s]: each group's channels in and out swapped
-    swapped = w.reshape(groups, kg, cg, kh, kw).transpose(0, 2, 1, 3, 4).reshape(c, kg, kh, kw)
     phases = data_gradient_phases(wl)
     # the phases are written into it; at stride 1 the one convolution's output is dX itself
     dx = np.zeros(x_shape, np.float32) if len(phases) > 1 else None
     for phase in phases:
         if phase.zero:
             continue  # no tap reaches these pixels, or every tap reads past dY: their gradient is zero
-        taps = swapped[:, :, list(phase.taps_h)][:, :, :, list(phase.taps_w)]
+        # W'[g*Cg + c, j, r, s] = W[g*Kg + j, c, taps_h[r], taps_w[s]]: channels swapped per group
+        key = ("phase_weight", w.shape, groups, phase.taps_h, phase.taps_w)
+        taps = run_kernel(key, lambda _, phase=phase: phase_weight_func(w.shape, groups, phase.taps_h, phase.taps_w),
+                          target, [w], (c, kg, len(phase.taps_h), len(phase.taps_w)), USER_ALIGNMENT)
         part = conv2d(dy[:, :, phase.rows[0]:phase.rows[1], phase.cols[0]:phase.cols[1]], taps,
                       padding=phase.padding, dilation=phase.dilation, groups=groups, target=target)
         if dx is None:

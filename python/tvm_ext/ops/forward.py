@@ -347,12 +347,15 @@ def as_tvm(arr: np.ndarray, alignment: int = _ALIGN) -> tvm.runtime.Tensor:
     return tvm_ffi.from_dlpack(arr, require_alignment=alignment, require_contiguous=True)
 
 
-def run_kernel(key: tuple, make, target, inputs: list[np.ndarray], out_shape) -> np.ndarray:
+def run_kernel(key: tuple, make, target, inputs: list[np.ndarray], out_shape,
+               input_alignment: int = _ALIGN) -> np.ndarray:
     """`make(target)`'s kernel (compiled once per key and target) on NumPy `inputs`, writing a
-    new array of `out_shape`."""
+    new array of `out_shape`. `input_alignment`: what the kernel declares of its inputs
+    (USER_ALIGNMENT where it takes NumPy's arrays as they are; 64 bytes, TVM's default, copies
+    a less aligned one)."""
     fn = _kernel(key, make, target)
     out = aligned_empty(out_shape)
-    fn(*[as_tvm(_contiguous(a)) for a in inputs], as_tvm(out))
+    fn(*[as_tvm(_contiguous(a), input_alignment) for a in inputs], as_tvm(out))
     return out
 
 

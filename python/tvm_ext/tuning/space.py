@@ -41,8 +41,9 @@ PLAN_ATTR = "tvm_ext.conv2d_plan"
 
 def _describe(plan: _conv.Conv2dPlan, epilogue: _conv.Epilogue, lanes: int, registers: int) -> str:
     described = dataclasses.asdict(plan)
-    if not plan.nchw_in:  # unnamed by default: the workloads of records tuned before it keep their text
-        del described["nchw_in"]
+    for flag in ("nchw_in", "oihw_weight"):  # unnamed by default: records tuned before them keep their text
+        if not described[flag]:
+            del described[flag]
     return json.dumps({"plan": described, "epilogue": dataclasses.asdict(epilogue),
                        "lanes": lanes, "registers": registers}, sort_keys=True)
 
