@@ -13,7 +13,7 @@ One task per (output block, input block): its dW block (KH*KW taps x x x y) stay
 task walks the images in chunks of rows; for each chunk every tap and channel tile reduces the same
 rows of X and dY, which stay in L1/L2 (each element of X and dY is read from memory once per task,
 not once per tap). No partial sums between tasks: they own disjoint blocks of dW. The bias
-gradient (a sum of dY over images and pixels) comes from the tasks of the first input block.
+gradient (a sum of dY over images and pixels) is a block of its own, one task per output block.
 """
 
 from __future__ import annotations

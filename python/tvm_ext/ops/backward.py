@@ -24,13 +24,13 @@ import tvm
 from ..errors import UnsupportedError
 from ..kernels import conv2d_backward_weight as _weight_grad
 from ..kernels import layout as _layout
-from ..kernels import pool2d as _pool
 from ..kernels import pool2d_backward as _pool_backward
 from ..kernels.common import USER_ALIGNMENT
 from ..kernels.conv2d import Conv2dWorkload, plan_conv2d
 from ..kernels.conv2d_backward_data import data_gradient_phases, phase_weight_func
 from ..target import TargetLike, resolve_target, vector_isa
 from .forward import (
+    KERNEL_BYTES,
     aligned_empty,
     as_tvm,
     build_kernel,
@@ -38,7 +38,7 @@ from .forward import (
     check_array,
     check_conv_shapes,
     check_elements,
-    check_ints,
+    checked_pool_workload,
     conv2d,
     conv_options,
     run_kernel,
@@ -75,8 +75,7 @@ def conv2d_backward_data(dy, w, x_shape: Sequence[int], *, stride: int | Sequenc
     if dy.shape != out_shape:
         raise ValueError(f"conv2d_backward_data: dy has shape {dy.shape}, the convolution's output is {out_shape}")
     n, c = x_shape[:2]
-    k, cg, kh, kw = w.shape
-    kg = k // groups
+    kg = w.shape[0] // groups
     if n == 0:
         return np.empty(x_shape, np.float32)
     phases = data_gradient_phases(wl)
@@ -117,7 +116,8 @@ class _WeightGradKernel:
         self.dy = as_tvm(aligned_empty(plan.grad_out_shape()))
         self.dw = as_tvm(aligned_empty(plan.weight_shape()))
         self.db = as_tvm(aligned_empty((plan.OCB, plan.oc_bn))) if bias else None
-        self.nbytes = 4 * (5 << 16) + sum(4 * math.prod(a.shape) for a in (self.x, self.dy, self.dw))
+        arrays = (self.x, self.dy, self.dw, *([] if self.db is None else [self.db]))
+        self.nbytes = 4 * KERNEL_BYTES + sum(4 * math.prod(a.shape) for a in arrays)
         self.lock = threading.Lock()
 
     def __call__(self, x: np.ndarray, dy: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
@@ -182,8 +182,9 @@ def conv2d_backward_weight(x, dy, w_shape: Sequence[int], *, stride: int | Seque
     if kind != "llvm":
         raise UnsupportedError(f"conv2d_backward_weight: CPU (llvm) targets only, not {kind}")
     k, cg = w_shape[:2]
+    db = None  # the kernel's (groups=1), or summed here
     if x.shape[0] == 0:  # no images: nothing to sum
-        dw, db = np.zeros(w_shape, np.float32), np.zeros(k, np.float32)
+        dw = np.zeros(w_shape, np.float32)
     elif groups == 1:
         dw, db = _weight_grad_kernel(x.shape, w_shape, bias, stride, padding, dilation, target)(x, dy)
     elif cg >= KERNEL_GROUP_CHANNELS and k // groups >= KERNEL_GROUP_CHANNELS:
@@ -194,16 +195,15 @@ def conv2d_backward_weight(x, dy, w_shape: Sequence[int], *, stride: int | Seque
         for g in range(groups):
             dw[g * kg:(g + 1) * kg] = kernel(np.ascontiguousarray(x[:, g * cg:(g + 1) * cg]),
                                              np.ascontiguousarray(dy[:, g * kg:(g + 1) * kg]))[0]
-        db = dy.sum((0, 2, 3), dtype=np.float64).astype(np.float32)
     else:
         logger.info("conv2d_backward_weight %s groups=%d: %d channels a group, reduced tap by tap in NumPy",
                     w_shape, groups, cg)
         dw = _weight_grad_by_taps(x, dy, wl)
+    if not bias:
+        return dw
+    if db is None:
         db = dy.sum((0, 2, 3), dtype=np.float64).astype(np.float32)
-    if bias:
-        assert db is not None
-        return dw, db
-    return dw
+    return dw, db
 
 
 def max_pool2d_backward(dy, x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False, *,
@@ -215,15 +215,9 @@ def max_pool2d_backward(dy, x, kernel_size, stride=None, padding=0, dilation=1, 
     ValueError."""
     dy = check_array("max_pool2d_backward dy", dy, 4)
     x = check_array("max_pool2d_backward data", x, 4)
-    kernel_size = check_ints("max_pool2d_backward: kernel_size", kernel_size, (2,))
-    stride = None if stride is None else check_ints("max_pool2d_backward: stride", stride, (2,))
-    padding = check_ints("max_pool2d_backward: padding", padding, (2, 4))
-    dilation = check_ints("max_pool2d_backward: dilation", dilation, (2,))
-    n, c, h, w = x.shape
-    if h == 0 or w == 0:
-        raise ValueError(f"max_pool2d_backward: data of shape {x.shape} has an empty {h}x{w} image")
-    wl = _pool.Pool2dWorkload.make((max(n, 1), max(c, 1), h, w), "max", kernel_size, stride, padding, dilation,
-                                   ceil_mode)
+    wl = checked_pool_workload("max_pool2d_backward", "max", x.shape, kernel_size, stride, padding, dilation,
+                               ceil_mode)
+    n, c = x.shape[:2]
     if dy.shape != (n, c, wl.OH, wl.OW):
         raise ValueError(f"max_pool2d_backward: dy has shape {dy.shape}, the pooling's output is "
                          f"{(n, c, wl.OH, wl.OW)}")

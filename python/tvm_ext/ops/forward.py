@@ -97,7 +97,7 @@ def _pair(name: str, value) -> tuple[int, int]:
     v = check_ints(name, value, (2,))
     if isinstance(v, int):
         return v, v
-    first, second = v  # _ints checked: 2 of them
+    first, second = v  # check_ints checked: 2 of them
     return first, second
 
 
@@ -147,7 +147,7 @@ def check_conv_shapes(op: str, x_shape: Sequence[int] | None, w_shape: Sequence[
                          "group and kernel size must be at least 1)")
 
 
-_KERNEL_BYTES = 5 << 18  # what one compiled kernel counts as in cache_bytes(): 1.2 MB of RSS each, measured
+KERNEL_BYTES = 5 << 18  # what one compiled kernel counts as in cache_bytes(): 1.2 MB of RSS each, measured
 
 
 class _KernelCache:
@@ -230,7 +230,7 @@ def _once(cache: _KernelCache, key: tuple, make: Callable[[], _Made]) -> _Made:
             value = cast(_Made, cache.get(key))
             if value is None:
                 value = make()
-                cache.put(key, value, getattr(value, "nbytes", _KERNEL_BYTES))
+                cache.put(key, value, getattr(value, "nbytes", KERNEL_BYTES))
     finally:
         with _KEY_LOCKS_LOCK:  # made (or failed): later callers find the cache or start over
             _KEY_LOCKS.pop((id(cache), key), None)
@@ -397,7 +397,7 @@ class _Conv2dKernel:
         self.data = None if plan.nchw_in else as_tvm(aligned_empty(plan.data_shape()))
         self.weight = None if plan.oihw_weight else as_tvm(aligned_empty(plan.weight_shape()))
         self.bias = as_tvm(np.zeros((plan.OCB, plan.oc_bn), np.float32)) if bias else None
-        self.nbytes = ((2 + (self.pack_weight is not None)) * _KERNEL_BYTES
+        self.nbytes = ((2 + (self.pack_weight is not None)) * KERNEL_BYTES
                        + (0 if plan.nchw_in else _nbytes(plan.data_shape()))
                        + (0 if plan.oihw_weight else _nbytes(plan.weight_shape()))
                        + (_nbytes((plan.OCB, plan.oc_bn)) if bias else 0))
@@ -593,20 +593,29 @@ class Conv2d:
         return kernel(_contiguous(x), packed, self.bias)
 
 
-def _pool_op(mode: str, x, kernel_size, stride, padding, dilation, ceil_mode, count_include_pad, target):
-    op = f"{mode}_pool2d"
-    x = check_array(f"{op} data", x, 4)
+def checked_pool_workload(op: str, mode: str, shape: Sequence[int], kernel_size, stride, padding, dilation,
+                          ceil_mode: bool, count_include_pad: bool = True) -> _pool.Pool2dWorkload:
+    """The `mode` pooling of NCHW data of `shape` with these options, checked (ValueError naming
+    `op`'s argument). A batch or channels of none: the workload of one image and channel (its
+    windows and output size are the same)."""
     kernel_size = check_ints(f"{op}: kernel_size", kernel_size, (2,))
     stride = None if stride is None else check_ints(f"{op}: stride", stride, (2,))
     padding = check_ints(f"{op}: padding", padding, (2, 4))
     dilation = check_ints(f"{op}: dilation", dilation, (2,))
-    N, C, H, W = x.shape
+    N, C, H, W = shape
     if H == 0 or W == 0:
-        raise ValueError(f"{op}: data of shape {x.shape} has an empty {H}x{W} image")
-    empty = N == 0 or C == 0  # no windows to reduce: an empty result of the right shape
-    wl = _pool.Pool2dWorkload.make((1, 1, H, W) if empty else x.shape, mode, kernel_size, stride, padding,
-                                   dilation, ceil_mode, count_include_pad)
-    if empty:
+        raise ValueError(f"{op}: data of shape {tuple(shape)} has an empty {H}x{W} image")
+    return _pool.Pool2dWorkload.make((N, C, H, W) if N and C else (1, 1, H, W), mode, kernel_size, stride, padding,
+                                     dilation, ceil_mode, count_include_pad)
+
+
+def _pool_op(mode: str, x, kernel_size, stride, padding, dilation, ceil_mode, count_include_pad, target):
+    op = f"{mode}_pool2d"
+    x = check_array(f"{op} data", x, 4)
+    wl = checked_pool_workload(op, mode, x.shape, kernel_size, stride, padding, dilation, ceil_mode,
+                               count_include_pad)
+    N, C = x.shape[:2]
+    if N == 0 or C == 0:  # no windows to reduce: an empty result of the right shape
         return np.empty((N, C, wl.OH, wl.OW), np.float32)
     check_elements(f"{op} output", (N, C, wl.OH, wl.OW))
     return run_kernel(("pool2d", wl), lambda _: _pool.pool2d_func(wl), target, [x], (N, C, wl.OH, wl.OW))

@@ -32,12 +32,12 @@ from .decide import max_pool2d_backward_workload
 __all__ = ["CpuEmitter"]
 
 
-def _tag(plan: _conv.Conv2dPlan) -> str:
+def _tag(plan: _conv.Conv2dPlan | _weight_grad.WeightGradPlan) -> str:
     """A readable, deterministic name part that tells convolution shapes and blockings apart."""
     wl = plan.wl
     return (f"{wl.N}x{wl.C}x{wl.H}x{wl.W}_{wl.K}x{wl.KH}x{wl.KW}_s{wl.stride[0]}x{wl.stride[1]}"
             f"_p{'x'.join(map(str, wl.padding))}_d{wl.dilation[0]}x{wl.dilation[1]}_g{wl.groups}"
-            f"_x{plan.ic_bn}y{plan.oc_bn}{'_nchw' if plan.nchw_in else ''}")
+            f"_x{plan.ic_bn}y{plan.oc_bn}{'_nchw' if getattr(plan, 'nchw_in', False) else ''}")
 
 
 def _pool_tag(wl: _pool.Pool2dWorkload) -> str:
@@ -233,9 +233,7 @@ class CpuEmitter:
         if not isinstance(plan, _weight_grad.WeightGradPlan):
             raise UnsupportedError(f"{decision.op} {decision.shapes}: a {type(plan).__name__} is not a weight gradient")
         x, dy = call.args
-        wl = plan.wl
-        tag = (f"{wl.N}x{wl.C}x{wl.H}x{wl.W}_{wl.K}x{wl.KH}x{wl.KW}_s{wl.stride[0]}x{wl.stride[1]}"
-               f"_p{'x'.join(map(str, wl.padding))}_d{wl.dilation[0]}x{wl.dilation[1]}_x{plan.ic_bn}y{plan.oc_bn}")
+        wl, tag = plan.wl, _tag(plan)
         args = [self.pack(x, plan.ic_bn, wl.padding, padded=True), self.pack(dy, plan.oc_bn, padded=True)]
         blocked = self._call(_weight_grad.conv2d_backward_weight_kernel(plan, self.isa.lanes),
                              f"tvm_ext_conv2d_backward_weight_{tag}", args, plan.weight_shape())
