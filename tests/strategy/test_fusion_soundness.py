@@ -228,3 +228,32 @@ def test_squeeze_excitation_gate_runs_on_the_channel_scale_kernel(gate_first, ba
                 for ex in (tvm_ext.build(mod, TARGET, winograd=False), tvm.compile(mod, TARGET)))
     for g, r in zip(got, ref, strict=True):
         assert rel_err(g.numpy(), r.numpy()) <= 1e-5
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 20, 1, 1), (20, 1, 1), (1, 1, 1, 1)])
+def test_weights_and_biases_computed_at_run_time_fuse(bias_shape):
+    """A training graph's convolution: weights and bias are parameters (after a folded batch
+    norm, expressions of them). conv + bias + shortcut -> relu is one kernel call, the bias
+    read at run time (20 channels: padded to whole blocks), as stock TVM computes it. Before,
+    only constant weights and biases fused: the bias add and relu ran as passes of their own."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, 16, 9, 11), "float32"))
+    w = relax.Var("w", relax.TensorType((20, 16, 3, 3), "float32"))
+    b = relax.Var("b", relax.TensorType(bias_shape, "float32"))
+    s = relax.Var("s", relax.TensorType((2, 20, 9, 11), "float32"))
+    with bb.function("main", [x, w, b, s]):
+        with bb.dataflow():
+            y = relax.op.add(relax.op.nn.conv2d(x, relax.op.multiply(w, relax.const(np.float32(0.5))), padding=1), b)
+            out = bb.emit_output(relax.op.nn.relu(relax.op.add(y, s)))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    report = tvm_ext.dispatch_report(mod, TARGET)
+    assert [(r.op, r.reason) for r in report if r.op in ("add", "nn.relu")] == [("add", "fused")] * 2 + [
+        ("nn.relu", "fused")], str(report)
+    rng = np.random.default_rng(3)
+    args = [rng.standard_normal(shape).astype("float32")
+            for shape in ((2, 16, 9, 11), (20, 16, 3, 3), bias_shape, (2, 20, 9, 11))]
+    outputs = []
+    for ex in (tvm_ext.build(mod, TARGET), tvm.compile(mod, TARGET)):
+        outputs.append(relax.VirtualMachine(ex, tvm.cpu())["main"](*[tvm.runtime.tensor(a) for a in args]).numpy())
+    assert rel_err(*outputs) <= 1e-5

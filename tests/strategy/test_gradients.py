@@ -220,3 +220,46 @@ def test_each_use_of_a_constant_is_its_own_node():
                                     lambda e: found.append(e) if isinstance(e, tvm.ir.expr.GenericConst) else None)
     assert len(found) == 2 and not found[0].same_as(found[1])
     assert all(np.array_equal(c.value.numpy(), np.zeros(4)) for c in found)
+
+
+@pytest.mark.parametrize("statistics", ["constant", "parameters"])
+def test_trained_batch_norm_folds_into_the_convolution(statistics):
+    """fold_trained_batch_norm: conv2d -> batch_norm (inference form, trained scale and shift)
+    becomes conv2d(x, W * s) + t, s and t expressions of the parameters. The loss and every
+    gradient (W, gamma, beta; the statistics' too when they are parameters) agree with PyTorch
+    autograd in float64, and no per-pixel batch-norm arithmetic is left in the graph."""
+    from tvm_ext.transform import fold_trained_batch_norm
+
+    rng = np.random.default_rng(5)
+    x_np = rng.standard_normal((2, 8, 7, 9)).astype(np.float32)
+    values = {"w": rng.standard_normal((12, 8, 3, 3)), "gamma": rng.standard_normal(12), "beta":
+              rng.standard_normal(12), "mean": rng.standard_normal(12), "var": rng.uniform(0.5, 2.0, 12)}
+    values = {k: v.astype(np.float32) for k, v in values.items()}
+    r = rng.standard_normal((2, 12, 4, 5)).astype(np.float32)
+    trained = ["w", "gamma", "beta"] + (["mean", "var"] if statistics == "parameters" else [])
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(x_np.shape, "float32"))
+    params = {k: relax.Var(k, relax.TensorType(values[k].shape, "float32")) for k in trained}
+    stat = {k: params.get(k, relax.const(values[k])) for k in ("mean", "var")}
+    with bb.function("main", [x, *params.values()]):
+        with bb.dataflow():
+            y = relax.op.nn.conv2d(x, params["w"], strides=2, padding=1)
+            bn = bb.emit(relax.op.nn.batch_norm(y, params["gamma"], params["beta"], stat["mean"], stat["var"],
+                                                axis=1, epsilon=1e-3, training=False))
+            loss = bb.emit_output(relax.op.sum(relax.op.multiply(relax.TupleGetItem(bn, 0), relax.const(r))))
+        bb.emit_func_output(loss)
+    mod = fold_trained_batch_norm()(bb.get())
+    assert "batch_norm" not in mod.script()
+    mod = relax.transform.DecomposeOpsForInference()(mod)
+    mod = relax.transform.Gradient("main", require_grads=mod["main"].params[1:])(mod)
+    vm = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())
+    loss_value, grads = vm["main_adjoint"](tvm.runtime.tensor(x_np), *[tvm.runtime.tensor(values[k]) for k in trained])
+    t = {k: torch.from_numpy(v).double().requires_grad_() for k, v in values.items()}
+    y = torch_conv(torch.from_numpy(x_np).double(), t["w"], 2, 1, 1, 1)
+    channel = {k: v.reshape(1, -1, 1, 1) for k, v in t.items() if k != "w"}  # batch_norm's inference form, written out
+    want = (y - channel["mean"]) / torch.sqrt(channel["var"] + 1e-3) * channel["gamma"] + channel["beta"]
+    want = (want * torch.from_numpy(r).double()).sum()
+    want.backward()
+    assert rel_err(loss_value.numpy(), want.detach().numpy()) <= 1e-5
+    for name, got in zip(trained, grads, strict=True):
+        assert rel_err(got.numpy(), t[name].grad.numpy()) <= 1e-5, name

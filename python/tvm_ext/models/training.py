@@ -10,6 +10,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..transform import fold_trained_batch_norm
+
 __all__ = ["DIGITS_CNN_SHAPES", "digits_cnn", "digits_cnn_init", "digits_cnn_torch", "loss_gradient"]
 
 # conv 3x3 (8) -> relu -> max pool 2 -> conv 3x3 (16) -> relu -> flatten -> linear (10), biases
@@ -57,7 +59,8 @@ def loss_gradient(model, x: np.ndarray, seed: int = 2):
     """(gradient module, parameter arrays, torch loss) for `model`'s loss sum(model(x) * r), r
     seeded: `main_adjoint(x, *parameters)` of the module returns the loss and every parameter's
     gradient, in the order of the torch loss module's `parameters()`. Batch norms are taken in
-    inference form (`model` should be in eval mode)."""
+    inference form (`model` should be in eval mode) and folded into their convolutions'
+    weights (:func:`tvm_ext.transform.fold_trained_batch_norm`)."""
     import torch
     from tvm.relax.frontend.torch import from_exported_program
 
@@ -80,6 +83,7 @@ def loss_gradient(model, x: np.ndarray, seed: int = 2):
         program = torch.export.export(loss, (images,))
     mod = from_exported_program(program, keep_params_as_input=True, unwrap_unit_return_tuple=True)
     mod, params = relax.frontend.detach_params(mod)
+    mod = fold_trained_batch_norm()(mod)
     mod = relax.transform.DecomposeOpsForInference()(mod)
     mod = relax.transform.Gradient("main", require_grads=mod["main"].params[1:])(mod)
     return mod, [p.numpy() for p in params["main"]], loss

@@ -208,11 +208,12 @@ class Emitter(Protocol):
     Each keeps activations in its kernels' layout between them, and hands the rest of the graph
     a view in NCHW."""
 
-    def conv2d(self, call: relax.Call, data: relax.Expr, decision: Decision, bias: np.ndarray | None = None,
-               residual: relax.Expr | None = None, activation: Activation | None = None,
-               suffix: str = "", padded_out: bool = False) -> relax.Expr:
-        """conv2d (+ bias + residual -> activation) as kernel calls (`padded_out`: its readers
-        take blocks padded past its channels, where the target's layout has such blocks)."""
+    def conv2d(self, call: relax.Call, data: relax.Expr, decision: Decision,
+               bias: np.ndarray | relax.Expr | None = None, residual: relax.Expr | None = None,
+               activation: Activation | None = None, suffix: str = "", padded_out: bool = False) -> relax.Expr:
+        """conv2d (+ bias + residual -> activation) as kernel calls (`bias`: K values, constant or
+        computed at run time; `padded_out`: its readers take blocks padded past its channels,
+        where the target's layout has such blocks)."""
 
     def other_op(self, call: relax.Call, decision: Decision) -> relax.Expr:
         """Any other op :func:`~.decide.decide` gives a kernel (a pooling, global pooling, mean

@@ -185,9 +185,9 @@ class CpuEmitter:
             return _winograd.winograd_plan(padded, self.isa, ic_bn=block), padded_weight, bias
         return _conv.plan_conv2d(padded, self.isa, ic_bn=block), padded_weight, bias
 
-    def conv2d(self, call: relax.Call, data: relax.Expr, decision: Decision, bias: np.ndarray | None = None,
-               residual: relax.Expr | None = None, activation: Activation | None = None,
-               suffix: str = "", padded_out: bool = False) -> relax.Expr:
+    def conv2d(self, call: relax.Call, data: relax.Expr, decision: Decision,
+               bias: np.ndarray | relax.Expr | None = None, residual: relax.Expr | None = None,
+               activation: Activation | None = None, suffix: str = "", padded_out: bool = False) -> relax.Expr:
         """conv2d (+ bias + residual -> activation): blocked in and out wherever the layouts allow.
 
         Constant weights and biases are packed here; weights that are parameters are packed by
@@ -201,7 +201,8 @@ class CpuEmitter:
         channels = plan.wl.K  # the NCHW view's: a depthwise convolution reading padded blocks computes more
         weight = call.args[1]
         constant = weight.value.numpy() if isinstance(weight, tvm.ir.Constant) else None
-        padded = None if constant is None else self._read_padded(plan, data, constant, bias)
+        constant_bias = bias is None or isinstance(bias, np.ndarray)
+        padded = None if constant is None or not constant_bias else self._read_padded(plan, data, constant, bias)
         if padded is not None:
             plan, constant, bias = padded
         else:
@@ -241,8 +242,8 @@ class CpuEmitter:
                               (wl.K, wl.C, wl.KH, wl.KW))
 
     def _winograd_conv2d(self, plan: _conv.Conv2dPlan, weight: np.ndarray, data: relax.Expr,
-                         bias: np.ndarray | None, residual: relax.Expr | None, activation: Activation | None,
-                         suffix: str, channels: int) -> relax.Expr:
+                         bias: np.ndarray | relax.Expr | None, residual: relax.Expr | None,
+                         activation: Activation | None, suffix: str, channels: int) -> relax.Expr:
         """The three calls of a Winograd convolution: input transform, the a² GEMMs (the BRGEMM
         kernel, with the weights transformed and packed here), output transform + epilogue."""
         gemm, tag = _winograd.gemm_plan(plan, self.isa), _tag(plan)
@@ -256,15 +257,20 @@ class CpuEmitter:
                          [products, *operands], plan.out_shape())
         return self.unpack(out, channels)
 
-    def _epilogue(self, plan: _conv.Conv2dPlan, bias: np.ndarray | None, residual: relax.Expr | None,
-                  activation: Activation | None, blocked_out: bool = True) -> tuple[list, Epilogue]:
+    def _epilogue(self, plan: _conv.Conv2dPlan, bias: np.ndarray | relax.Expr | None,
+                  residual: relax.Expr | None, activation: Activation | None,
+                  blocked_out: bool = True) -> tuple[list, Epilogue]:
         """A convolution epilogue's operands (the bias in blocks, zero past K; the shortcut in the
         output's layout) and its description."""
         operands = []
-        if bias is not None:
+        if isinstance(bias, np.ndarray):
             blocked = np.zeros(plan.K_pad, np.float32)
             blocked[: plan.wl.K] = bias.reshape(-1)
             operands.append(relax.const(blocked.reshape(plan.OCB, plan.oc_bn)))
+        elif bias is not None:  # K values computed at run time
+            if plan.K_pad != plan.wl.K:
+                bias = relax.op.nn.pad(bias, [0, plan.K_pad - plan.wl.K])
+            operands.append(self.bb.emit(relax.op.reshape(bias, (plan.OCB, plan.oc_bn))))
         if residual is not None:
             operands.append(self.pack(residual, plan.oc_bn, padded=True) if blocked_out else residual)
         return operands, Epilogue(bias=bias is not None, residual=residual is not None,

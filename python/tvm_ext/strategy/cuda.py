@@ -131,16 +131,18 @@ class CudaEmitter:
         func = _memory_bound.bf16_pairs_func(_shape(values))
         return self._call(func, _name("bf16_pairs", _shape(values)), [values], plan.weight_shape)
 
-    def conv2d(self, call: relax.Call, data: relax.Expr, decision: Decision, bias: np.ndarray | None = None,
-               residual: relax.Expr | None = None, activation: Activation | None = None,
-               suffix: str = "", padded_out: bool = False) -> relax.Expr:
+    def conv2d(self, call: relax.Call, data: relax.Expr, decision: Decision,
+               bias: np.ndarray | relax.Expr | None = None, residual: relax.Expr | None = None,
+               activation: Activation | None = None, suffix: str = "", padded_out: bool = False) -> relax.Expr:
         decided = _cuda_plan(decision)  # the plan the report names
         wl = decided.wl
         act = None if activation is None else activation.name
         epilogue = _maxdnn.Epilogue(bias=bias is not None, residual=residual is not None, activation=act)
         epilogue_args = []
-        if bias is not None:
+        if isinstance(bias, np.ndarray):
             epilogue_args.append(relax.const(np.ascontiguousarray(bias.reshape(-1), dtype=np.float32)))
+        elif bias is not None:  # K values computed at run time
+            epilogue_args.append(bias)
         if residual is not None:
             epilogue_args.append(self.chwn(residual))
         shape = ((wl.N, wl.C, wl.H, wl.W), (wl.K, wl.KH, wl.KW),

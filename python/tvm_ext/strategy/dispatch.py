@@ -103,10 +103,13 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                 return call
             conv, bias, residual, activation = epilogue_of(func)
             params = list(func.params)
-            conv = relax.Call(conv.op, [call.args[params.index(conv.args[0])], conv.args[1]], conv.attrs)
+            conv = relax.Call(conv.op, [call.args[params.index(arg)] if arg in params else arg for arg in conv.args],
+                              conv.attrs)
             suffix = "_" + str(func.attrs["Composite"]).split(".")[-1]
-            if bias is not None:  # one value per output channel, from one per channel or one for all
-                out_channels = known_shape(static_shape(conv.args[1]), "conv2d: the weight")[:1]
+            out_channels = known_shape(static_shape(conv.args[1]), "conv2d: the weight")[:1]
+            if isinstance(bias, int):  # computed at run time: one value per output channel, as an expression
+                bias = relax.op.broadcast_to(relax.op.reshape(call.args[bias], (-1,)), out_channels)
+            elif bias is not None:  # one value per output channel, from one per channel or one for all
                 bias = np.broadcast_to(bias.value.numpy().reshape(-1), out_channels).copy()
             return self.emitter.conv2d(
                 conv, conv.args[0], decide(conv, target, self.engine, winograd), bias=bias,

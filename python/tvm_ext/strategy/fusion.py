@@ -69,7 +69,7 @@ def fusion_patterns(target: tvm.target.Target) -> list:
     Longest chains first; `check` accepts a match only when decide() gives the conv a kernel,
     the bias is per output channel and the residual has the output's shape.
     """
-    from tvm.relax.dpl import is_const, is_op, wildcard
+    from tvm.relax.dpl import is_op, wildcard
 
     def check(ctx) -> bool:
         if reads_inside_or_leaks(ctx):
@@ -82,6 +82,9 @@ def fusion_patterns(target: tvm.target.Target) -> list:
         bias = ctx.annotated_expr.get("bias")
         if bias is not None and not is_channel_bias(bias, out_shape[1]):
             return False
+        if target.kind.name != "llvm" and not all(isinstance(e, tvm.ir.Constant) for e in (conv.args[1], bias)
+                                                  if e is not None):
+            return False  # CUDA's kernels take constant weights and biases
         residual = ctx.annotated_expr.get("residual")
         same_batch = residual is None or _same_batch(residual, conv.args[0])
         if residual is not None and (image_shape(residual) != out_shape or not same_batch
@@ -102,11 +105,12 @@ def fusion_patterns(target: tvm.target.Target) -> list:
             for bias in (True, False):
                 if not (bias or residual or act):
                     continue
-                conv = is_op("relax.nn.conv2d")(wildcard(), is_const())
+                # weights and a bias computed at run time too (a training graph's parameters)
+                conv = is_op("relax.nn.conv2d")(wildcard(), wildcard())
                 annotations = {"conv": conv}
                 out = conv
                 if bias:
-                    annotations["bias"] = is_const()
+                    annotations["bias"] = wildcard()
                     out = is_op("relax.add")(out, annotations["bias"])
                 if residual:
                     annotations["residual"] = wildcard()
@@ -221,30 +225,39 @@ def _read_from_output(func: relax.Function) -> tuple[list, Callable[[relax.Expr]
     return list(func.params), value_of, value_of(found[1]), found[0]
 
 
-def epilogue_of(func: relax.Function) -> tuple[relax.Call, tvm.ir.expr.GenericConst | None, int | None,
+def epilogue_of(func: relax.Function) -> tuple[relax.Call, tvm.ir.expr.GenericConst | int | None, int | None,
                                                Activation | None]:
-    """Read a fused composite function: its conv call, bias constant, residual param, activation.
+    """Read a fused composite function: its conv call, bias (a constant, or the index of the
+    param that holds it), residual param, activation.
 
     Walked from the output, so an add's operands may come in either order (TVM matches add as
-    commutative: RegNet's `x + f(x)` puts the shortcut first). Anything else is an error, never
-    a dropped operand."""
+    commutative: RegNet's `x + f(x)` puts the shortcut first); the composite's name says which
+    adds it has, and the bias is the one next to the convolution. Anything else is an error,
+    never a dropped operand."""
     params, value_of, expr, activation = _read_from_output(func)
-    bias, residual = None, None
+    name = str(func.attrs["Composite"]).split(".")[-1].split("_")
+    others = []  # the adds' operands from the output inwards
     while _is_op(expr, "relax.add"):
         chain = [arg for arg in expr.args if _is_op(value_of(arg), "relax.add", "relax.nn.conv2d")
                  and not isinstance(arg, tvm.ir.expr.GenericConst) and arg not in params]
         if len(chain) != 1:
             raise ValueError(f"tvm_ext: a fused epilogue add has {len(chain)} operands computed inside it: {expr}")
-        other = expr.args[1] if expr.args[0].same_as(chain[0]) else expr.args[0]
-        if isinstance(other, tvm.ir.expr.GenericConst) and bias is None:
-            bias = other
-        elif other in params and residual is None:
-            residual = params.index(other)
-        else:
-            raise ValueError(f"tvm_ext: a fused epilogue adds an operand it cannot read: {other}")
+        others.append(expr.args[1] if expr.args[0].same_as(chain[0]) else expr.args[0])
         expr = value_of(chain[0])
     if not _is_op(expr, "relax.nn.conv2d"):
         raise ValueError(f"tvm_ext: a fused epilogue does not start at a convolution: {expr}")
+    if len(others) != ("bias" in name) + ("residual" in name):
+        raise ValueError(f"tvm_ext: a fused {'_'.join(name)} epilogue has {len(others)} adds: {func}")
+    bias = others.pop() if "bias" in name else None
+    if bias is not None and not isinstance(bias, tvm.ir.expr.GenericConst):
+        if bias not in params:
+            raise ValueError(f"tvm_ext: a fused epilogue adds a bias it cannot read: {bias}")
+        bias = params.index(bias)
+    residual = None
+    if others:
+        if others[0] not in params:
+            raise ValueError(f"tvm_ext: a fused epilogue adds a shortcut it cannot read: {others[0]}")
+        residual = params.index(others[0])
     return expr, bias, residual, activation
 
 

@@ -128,20 +128,24 @@ def activation_gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad:
     """[dX] of relu, leaky_relu, clip (relu6) and GELU (module docstring); a clip's bounds must
     be numbers."""
     op = relax.op
-    x = orig_call.args[0]
+    x, y = orig_call.args[0], orig_var
     kind = dtype(x)
     zero, one = relax.const(0.0, kind), relax.const(1.0, kind)
     name = orig_call.op.name
+    # relu, leaky_relu (slope > 0) and clip keep the kinks where they are: y > 0 iff x > 0, and
+    # low < y < high iff low < x < high. Their masks read y, so x need not outlive the forward
+    # pass and a convolution can apply the activation in its epilogue.
     if name == "relax.nn.relu":
-        return [op.where(op.greater(x, zero), output_grad, zero)]
+        return [op.where(op.greater(y, zero), output_grad, zero)]
     if name == "relax.nn.leakyrelu":
-        slope = relax.const(float(orig_call.attrs.alpha), kind)
-        return [op.where(op.greater(x, zero), output_grad, op.multiply(output_grad, slope))]
+        alpha = float(orig_call.attrs.alpha)
+        slope = relax.const(alpha, kind)
+        return [op.where(op.greater(y if alpha > 0 else x, zero), output_grad, op.multiply(output_grad, slope))]
     if name == "relax.clip":
         low, high = prim_value(orig_call.args[1]), prim_value(orig_call.args[2])
         if low is None or high is None:
             raise ValueError(f"clip's gradient: bounds {orig_call.args[1]}, {orig_call.args[2]} are not numbers")
-        inside = op.logical_and(op.greater(x, relax.const(low, kind)), op.less(x, relax.const(high, kind)))
+        inside = op.logical_and(op.greater(y, relax.const(low, kind)), op.less(y, relax.const(high, kind)))
         return [op.where(inside, output_grad, zero), no_grad(orig_call.args[1]), no_grad(orig_call.args[2])]
     if name == "relax.nn.gelu":
         cdf = op.multiply(relax.const(0.5, kind), op.add(one, op.erf(op.multiply(x, relax.const(2 ** -0.5, kind)))))
