@@ -87,25 +87,36 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
         bindings = relax.analysis.get_var2val(func)
         plumbing = _split_plumbing(func, bindings, stages) if name == "main" else []
 
-        def from_matmul(data: relax.Expr) -> bool:
-            """Whether a convolution of `data` is one matmul_as_conv2d made: its image is a (K, M)
-            matrix transposed and reshaped to (1, K, 1, M). (ShuffleNet's channel shuffle, a
-            reshape of a transposed 5-D tensor, is an image: reported as a matmul before.)"""
-            image = bindings.get(data) if isinstance(data, relax.Var) else None
-            source = image.args[0] if _is_call_to(image, "relax.reshape") else None
-            transposed = bindings.get(source) if isinstance(source, relax.Var) else None
-            if not _is_call_to(transposed, "relax.permute_dims") or len(transposed.args[0].ty.shape) != 2:
-                return False
-            dims = static_shape(data)
-            return dims is not None and len(dims) == 4 and dims[0] == 1 and dims[2] == 1
+        def reshaped_matrix(expr: relax.Expr, transposed: bool) -> bool:
+            """Whether `expr` is a reshape of a 2-D tensor (of a transposed one, if `transposed`)."""
+            value = bindings.get(expr) if isinstance(expr, relax.Var) else None
+            source = value.args[0] if _is_call_to(value, "relax.reshape") else None
+            if transposed:
+                value = bindings.get(source) if isinstance(source, relax.Var) else None
+                source = value.args[0] if _is_call_to(value, "relax.permute_dims") else None
+            return source is not None and len(source.ty.shape) == 2
 
-        def row(call: relax.Call, fused_into: str | None = None, matmul: bool = False) -> None:
+        def matmul_shapes(data: relax.Expr, weight: relax.Expr) -> tuple | None:
+            """((M, K), (K, N)) of a convolution matmul_as_conv2d made, else None: the image a
+            (M, K) matrix transposed and reshaped to (1, K, 1, M) and the weights a constant, or
+            the image a (K, N) matrix reshaped to (1, K, 1, N) and the weights an (M, K) one
+            reshaped. (ShuffleNet's channel shuffle, a reshape of a transposed 5-D tensor, is an
+            image: reported as a matmul before.)"""
+            dims, w_dims = static_shape(data), static_shape(weight)
+            if dims is None or w_dims is None or len(dims) != 4 or dims[0] != 1 or dims[2] != 1:
+                return None
+            (_, k, _, pixels), (filters, *_) = dims, w_dims
+            if isinstance(weight, tvm.ir.Constant) and reshaped_matrix(data, transposed=True):
+                return (pixels, k), (k, filters)
+            if reshaped_matrix(data, transposed=False) and reshaped_matrix(weight, transposed=False):
+                return (filters, k), (k, pixels)
+            return None
+
+        def row(call: relax.Call, fused_into: str | None = None, matmul: tuple | None = None) -> None:
             decision = decide(call, resolved, engine, winograd)
-            if matmul:
-                (_, k, _, m), (n, *_) = decision.shapes
+            if matmul is not None:
                 reason = "as a 1x1 convolution (a GEMM is a batch-reduce of one)"
-                decision = Decision("relax.matmul", ((m, k), (k, n)), decision.kernel,
-                                                 reason if decision.kernel else decision.reason)
+                decision = Decision("relax.matmul", matmul, decision.kernel, reason if decision.kernel else decision.reason)
             if fused_into is not None and call.op.name != "relax.nn.conv2d":
                 decision = Decision(decision.op, decision.shapes, f"{fused_into} epilogue", "fused")
             report.append(DispatchRow(decision.op.removeprefix("relax."), decision.shapes,
@@ -115,7 +126,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
             if not isinstance(expr, relax.Call) or any(expr.same_as(p) for p in plumbing):
                 return
             if isinstance(expr.op, tvm.ir.Op):
-                row(expr, matmul=expr.op.name == "relax.nn.conv2d" and from_matmul(expr.args[0]))
+                row(expr, matmul=matmul_shapes(*expr.args) if expr.op.name == "relax.nn.conv2d" else None)
             elif isinstance(expr.op, tvm.ir.GlobalVar) and "Composite" in (fused[expr.op].attrs or {}):
                 calls = []
                 relax.analysis.post_order_visit(fused[expr.op].body,
@@ -130,10 +141,11 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
                     return
                 conv = next(c for c in calls if isinstance(c.op, tvm.ir.Op) and c.op.name == "relax.nn.conv2d")
                 kernel = decide(conv, resolved, engine, winograd).kernel
-                matmul = from_matmul(expr.args[list(fused[expr.op].params).index(conv.args[0])])
+                params = list(fused[expr.op].params)
+                matmul = matmul_shapes(*[expr.args[params.index(arg)] if arg in params else arg for arg in conv.args])
                 for call in calls:
                     if isinstance(call.op, tvm.ir.Op):
-                        row(call, kernel, matmul=matmul and call.same_as(conv))
+                        row(call, kernel, matmul=matmul if call.same_as(conv) else None)
 
         relax.analysis.post_order_visit(func, visit)
 

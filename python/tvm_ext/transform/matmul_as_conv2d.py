@@ -21,10 +21,15 @@ def matmul_as_conv2d() -> tvm.transform.Pass:
     weight vector loaded is reused across rows) and W (constant) a 1x1 filter bank, transposed
     here at build time; the bias becomes the convolution's, so it and a following activation
     fuse into the kernel's epilogue like any convolution's.
+
+    W computed at run time (a training graph's dense layer and its gradients) is read as it
+    lies instead, with no transpose: x @ W = (W^T x^T)^T is the 1x1 convolution of the image
+    W (K channels, N pixels) with the filter bank x (M filters of K taps), whose output
+    (M channels, N pixels) is x @ W in memory. Its bias (along N, the pixels) stays an add.
     """
     from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
-    weight, bias = is_const(), is_const()
+    weight, bias = wildcard(), is_const()
     matmul = is_op("relax.matmul")(wildcard(), weight)
     add = is_op("relax.add")(matmul, bias)
     relu = is_op("relax.nn.relu")(add)
@@ -52,6 +57,12 @@ def matmul_as_conv2d() -> tvm.transform.Pass:
             return orig
         if len(x_shape) > 2:
             x = relax.op.reshape(x, (m, k))
+        if not isinstance(call.args[1], tvm.ir.Constant):
+            if not orig.same_as(call):  # its add and relu stay (rewrite_call offers the matmul next)
+                return orig
+            image = relax.op.reshape(call.args[1], (1, k, 1, n))
+            y = relax.op.reshape(relax.op.nn.conv2d(image, relax.op.reshape(x, (m, k, 1, 1))), (m, n))
+            return y if len(x_shape) == 2 else relax.op.reshape(y, (*x_shape[:-1], n))
         b = matched.get(bias)
         if b is not None and static_shape(b) not in ((n,), (1, n)):
             return orig
