@@ -116,7 +116,8 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
             decision = decide(call, resolved, engine, winograd)
             if matmul is not None:
                 reason = "as a 1x1 convolution (a GEMM is a batch-reduce of one)"
-                decision = Decision("relax.matmul", matmul, decision.kernel, reason if decision.kernel else decision.reason)
+                decision = Decision("relax.matmul", matmul, decision.kernel,
+                                    reason if decision.kernel else decision.reason)
             if fused_into is not None and call.op.name != "relax.nn.conv2d":
                 decision = Decision(decision.op, decision.shapes, f"{fused_into} epilogue", "fused")
             report.append(DispatchRow(decision.op.removeprefix("relax."), decision.shapes,
