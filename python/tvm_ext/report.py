@@ -19,6 +19,7 @@ from .relax_info import static_shape
 from .strategy.base import Decision
 from .strategy.cuda_engine import engine_for
 from .strategy.decide import decide
+from .strategy.dispatch import weight_and_bias_gradients
 from .strategy.fusion import fusion_passes
 from .target import TargetLike, resolve_target
 from .transform.split_batch import runs_per_inference, split_batch
@@ -86,6 +87,8 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
         func = fused[name]
         bindings = relax.analysis.get_var2val(func)
         plumbing = _split_plumbing(func, bindings, stages) if name == "main" else []
+        pairs = weight_and_bias_gradients(func, resolved) if resolved.kind.name == "llvm" else {}
+        bias_sums = {bindings[db_var] for _, db_var, _ in pairs.values()}
 
         def reshaped_matrix(expr: relax.Expr, transposed: bool) -> bool:
             """Whether `expr` is a reshape of a 2-D tensor (of a transposed one, if `transposed`)."""
@@ -126,7 +129,11 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
         def visit(expr) -> None:
             if not isinstance(expr, relax.Call) or any(expr.same_as(p) for p in plumbing):
                 return
-            if isinstance(expr.op, tvm.ir.Op):
+            if isinstance(expr.op, tvm.ir.Op) and expr in bias_sums:
+                shapes = tuple(tuple(int(d) for d in e.ty.shape) for e in (expr.args[0], expr))
+                report.append(DispatchRow(expr.op.name.removeprefix("relax."), shapes, "conv2d_backward_weight",
+                                          "the bias gradient: dY summed by its weight gradient's kernel", runs))
+            elif isinstance(expr.op, tvm.ir.Op):
                 row(expr, matmul=matmul_shapes(*expr.args) if expr.op.name == "relax.nn.conv2d" else None)
             elif isinstance(expr.op, tvm.ir.GlobalVar) and "Composite" in (fused[expr.op].attrs or {}):
                 calls = []

@@ -352,6 +352,10 @@ def reading_nchw(plan: Conv2dPlan) -> Conv2dPlan:
     return dataclasses.replace(plan, nchw_in=True) if nchw_input_reason(plan) is None else plan
 
 
+# the activations whose gradient an epilogue applies as a mask (Epilogue.mask)
+MASKS = ("relu", "leaky_relu")
+
+
 @dataclasses.dataclass(frozen=True)
 class Epilogue:
     """What happens to each output row after the convolution: + bias, then an activation, and
@@ -366,6 +370,10 @@ class Epilogue:
     # A zero border (top, left, bottom, right) around the blocked output: the padded input of the
     # next convolution, written here so that no padded copy of the tensor is made.
     out_pad: tuple[int, int, int, int] = (0, 0, 0, 0)
+    # An activation's gradient, last: the value kept where a tensor of the output's shape and
+    # layout (the activation's output) is > 0, and zero ("relu") or times alpha ("leaky_relu")
+    # elsewhere. A data-gradient convolution then writes the gradient of the activation's input.
+    mask: str | None = None
 
     def __post_init__(self):
         if self.activation is not None and self.activation not in ACTIVATIONS:
@@ -375,6 +383,8 @@ class Epilogue:
             raise ValueError(f"epilogue: out_pad must be 4 non-negative ints, got {self.out_pad}")
         if self.nchw_out and any(self.out_pad):
             raise ValueError("epilogue: out_pad applies to the blocked output, not to nchw_out")
+        if self.mask not in (None, *MASKS):
+            raise ValueError(f"epilogue: mask {self.mask!r} not in {MASKS}")
 
     def out_shape(self, plan: Conv2dPlan) -> tuple[int, ...]:
         """The blocked output with its border: N, O/y, OH + top + bottom, OW + left + right, y."""
@@ -385,7 +395,7 @@ class Epilogue:
     @property
     def empty(self) -> bool:
         """No epilogue pass over the row (a border is written by blocks of its own)."""
-        return not (self.bias or self.residual or self.activation or self.nchw_out)
+        return not (self.bias or self.residual or self.activation or self.nchw_out or self.mask)
 
 
 # The kernel is built with TVM's IRBuilder, not written as TVMScript text: parsing took 0.1-0.3 s a
@@ -438,18 +448,24 @@ def _load(buffer: tirx.Buffer | None, index: list) -> tirx.PrimExpr | None:
 
 
 def _epilogue_value(epilogue: Epilogue, src: tirx.PrimExpr, bias: tirx.PrimExpr | None,
-                    residual: tirx.PrimExpr | None) -> tirx.PrimExpr:
-    """src (+ bias) (+ residual), then the activation."""
+                    residual: tirx.PrimExpr | None, mask: tirx.PrimExpr | None = None) -> tirx.PrimExpr:
+    """src (+ bias) (+ residual), then the activation, then the mask."""
     value = src
     if epilogue.bias:
         value = value + bias
     if epilogue.residual:
         value = value + residual
-    return activation_expr(epilogue.activation, value, epilogue.alpha) if epilogue.activation else value
+    if epilogue.activation:
+        value = activation_expr(epilogue.activation, value, epilogue.alpha)
+    if epilogue.mask:
+        below = T.float32(0) if epilogue.mask == "relu" else value * T.float32(epilogue.alpha)
+        value = T.Select(mask > T.float32(0), value, below)
+    return value
 
 
 def _write_nchw(plan: Conv2dPlan, epilogue: Epilogue, row_buffer: tirx.Buffer, width: int, start: int,
-                out: tirx.Buffer, bias: tirx.Buffer | None, residual: tirx.Buffer | None, v_n, v_ob, v_oh) -> None:
+                out: tirx.Buffer, bias: tirx.Buffer | None, residual: tirx.Buffer | None,
+                mask: tirx.Buffer | None, v_n, v_ob, v_oh) -> None:
     """The NCHW write of one segment's scratch row (pixels x channels): 8x8 register transposes
     for whole tiles, element by element at the edges (a group of 8 channels that K cuts, channels
     past the last group of 8, pixels of a row narrower than 8). Pixels past the last whole tile
@@ -477,7 +493,7 @@ def _write_nchw(plan: Conv2dPlan, epilogue: Epilogue, row_buffer: tirx.Buffer, w
         with T.serial(0, oc_bn) as v_o, T.If(v_ob * oc_bn + v_o < K), T.Then(), T.serial(0, width) as v_ow:
             index = [v_n, v_ob * oc_bn + v_o, v_oh, start + v_ow]
             T.buffer_store(out, _epilogue_value(epilogue, out[tuple(index)], _load(bias, [v_ob, v_o]),
-                                                _load(residual, index)), index)
+                                                _load(residual, index), _load(mask, index)), index)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -486,7 +502,7 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
 
     Parameters: data (N, C/x, H+pads, W+pads, x), weight (O/y, I/x, KH, KW, x, y) or depthwise
     (O/y, KH, KW, y) (OIHW with `plan.oihw_weight`), [bias (O/y, y)], [residual, in the output's
-    shape and layout], then the output: blocked (N, O/y, OH, OW, y), or NCHW (N, K, OH, OW) with
+    shape and layout], [mask, likewise], then the output: blocked (N, O/y, OH, OW, y), or NCHW (N, K, OH, OW) with
     `epilogue.nchw_out`. One parallel task per output row (per output block with
     `plan.oihw_weight`, which lays out the block's weights first); inside a row the row is whole m_r tiles ("conv"), one
     narrower tail ("conv_tail") and the epilogue, applied while the row is in L1. Blocked, the
@@ -504,6 +520,7 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
         bias = param_buffer("b", (plan.OCB, plan.oc_bn)) if epilogue.bias else None
         residual_shape = wl.out_shape if epilogue.nchw_out else plan.out_shape()
         residual = param_buffer("r", residual_shape) if epilogue.residual else None
+        mask = param_buffer("m", residual_shape) if epilogue.mask else None
         if epilogue.nchw_out:
             out = param_buffer("out", wl.out_shape)
         else:
@@ -544,7 +561,8 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
                 v_n, v_ob, v_oh = (IRBuilder.name(f"v_{name}", T.Bind(v))
                                    for name, v in zip(("n", "ob", "oh"), row, strict=True))
                 for (_, width, start), row_buffer in zip(plan.row_segments(), rows, strict=True):
-                    _write_nchw(plan, epilogue, row_buffer, width, start, out, bias, residual, v_n, v_ob, v_oh)
+                    _write_nchw(plan, epilogue, row_buffer, width, start, out, bias, residual, mask, v_n, v_ob,
+                                v_oh)
             else:
                 for name, width, start in plan.row_segments():
                     _segment(plan, name, width, start, row, y_tail if start else y,
@@ -557,7 +575,8 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
                         v_ow, v_o = T.axis.remap("SS", [ow, o])
                         index = [v_n, v_ob, v_oh + top, v_ow + left, v_o]
                         value = _epilogue_value(epilogue, y[tuple(index)], _load(bias, [v_ob, v_o]),
-                                                _load(residual, [v_n, v_ob, v_oh, v_ow, v_o]))
+                                                _load(residual, [v_n, v_ob, v_oh, v_ow, v_o]),
+                                                _load(mask, [v_n, v_ob, v_oh, v_ow, v_o]))
                         if padded:  # the channels past K are zeros, whatever the input held (0 * inf)
                             value = T.Select(v_ob * plan.oc_bn + v_o < wl.K, value, T.float32(0))
                         T.buffer_store(y_epilogue, value, index)

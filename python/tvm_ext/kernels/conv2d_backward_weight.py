@@ -75,13 +75,18 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def plan_conv2d_backward_weight(wl: Conv2dWorkload, isa: VectorISA, bias: bool = False) -> WeightGradPlan:
-    """The forward's channel blocks (dW in its weight layout) and the register tile that fills the
+def plan_conv2d_backward_weight(wl: Conv2dWorkload, isa: VectorISA, bias: bool = False, ic_bn: int | None = None,
+                                oc_bn: int | None = None) -> WeightGradPlan:
+    """The forward's channel blocks (dW in its weight layout), or those given (x and dY as a
+    graph's kernels wrote them: read with no repacking), and the register tile that fills the
     FMA slots best: m_r divides the input block, n_r the output block (one spare register)."""
     if wl.groups != 1:
         raise ValueError(f"conv2d_backward_weight: {wl.groups} groups (the kernel takes groups=1)")
     forward = plan_conv2d(wl, isa)
-    ic_bn, oc_bn = forward.ic_bn, forward.oc_bn
+    ic_bn, oc_bn = ic_bn or forward.ic_bn, oc_bn or forward.oc_bn
+    if wl.C % ic_bn or oc_bn % isa.lanes:
+        raise ValueError(f"conv2d_backward_weight: blocks of {ic_bn} input channels (of {wl.C}) and {oc_bn} "
+                         f"output channels (vectors of {isa.lanes})")
     best, best_key = None, None
     for n_r in (v for v in _divisors(oc_bn) if v % isa.lanes == 0):
         vectors = n_r // isa.lanes

@@ -265,6 +265,9 @@ def output_transform_func(plan: Conv2dPlan, epilogue: Epilogue | None = None) ->
     epilogue = epilogue or Epilogue()
     if epilogue.nchw_out:
         raise ValueError("winograd: the output transform writes the blocked layout only")
+    if epilogue.mask:
+        raise ValueError("winograd: the output transform applies no mask (a gradient's convolutions have "
+                         "run-time weights, which Winograd does not take)")
     wl, m = plan.wl, plan.m_r
     at, _, _ = matrices(plan)
     a, (th, tw), ocb = at.shape[1], tiles(plan), wl.K // plan.oc_bn

@@ -77,7 +77,7 @@ class Activation:
     alpha: float = 0.01
 
 
-def _scalar_constant(expr: relax.Expr) -> float | None:
+def scalar_constant(expr: relax.Expr) -> float | None:
     """The value of a constant holding one number, else None."""
     if not isinstance(expr, tvm.ir.expr.GenericConst):
         return None
@@ -107,13 +107,13 @@ def activation_at(expr: relax.Expr, value_of) -> tuple[Activation, relax.Expr] |
                 return None
             e = inner
         shifted = value_of(e.args[0])
-        if not (is_op(shifted, "relax.add") and _scalar_constant(shifted.args[1]) == 3.0):
+        if not (is_op(shifted, "relax.add") and scalar_constant(shifted.args[1]) == 3.0):
             return None
         return shifted.args[0]
 
     def hardsigmoid_input(e: relax.Expr) -> relax.Expr | None:
         e = value_of(e)
-        if not (is_op(e, "relax.divide") and _scalar_constant(e.args[1]) == 6.0):
+        if not (is_op(e, "relax.divide") and scalar_constant(e.args[1]) == 6.0):
             return None
         return relu6_of_x_plus_3(e.args[0])
 
@@ -133,7 +133,7 @@ def activation_at(expr: relax.Expr, value_of) -> tuple[Activation, relax.Expr] |
         for this, other in (expr.args, expr.args[::-1]):
             if same(this, hardsigmoid_input(other)):
                 return Activation("hardswish"), this
-    if is_op(expr, "relax.divide") and _scalar_constant(expr.args[1]) == 6.0:
+    if is_op(expr, "relax.divide") and scalar_constant(expr.args[1]) == 6.0:
         product = value_of(expr.args[0])
         if is_op(product, "relax.multiply"):
             for this, other in (product.args, product.args[::-1]):
@@ -210,10 +210,12 @@ class Emitter(Protocol):
 
     def conv2d(self, call: relax.Call, data: relax.Expr, decision: Decision,
                bias: np.ndarray | relax.Expr | None = None, residual: relax.Expr | None = None,
-               activation: Activation | None = None, suffix: str = "", padded_out: bool = False) -> relax.Expr:
+               activation: Activation | None = None, suffix: str = "", padded_out: bool = False,
+               mask: tuple[relax.Expr, Activation] | None = None) -> relax.Expr:
         """conv2d (+ bias + residual -> activation) as kernel calls (`bias`: K values, constant or
         computed at run time; `padded_out`: its readers take blocks padded past its channels,
-        where the target's layout has such blocks)."""
+        where the target's layout has such blocks; `mask`: an activation's output and the
+        activation whose gradient the epilogue applies last, :attr:`~tvm_ext.kernels.conv2d.Epilogue.mask`)."""
 
     def other_op(self, call: relax.Call, decision: Decision) -> relax.Expr:
         """Any other op :func:`~.decide.decide` gives a kernel (a pooling, global pooling, mean

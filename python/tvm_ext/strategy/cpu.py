@@ -4,6 +4,8 @@ fallbacks). Constant weights are packed here, at build time."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 
 import numpy as np
@@ -187,8 +189,10 @@ class CpuEmitter:
 
     def conv2d(self, call: relax.Call, data: relax.Expr, decision: Decision,
                bias: np.ndarray | relax.Expr | None = None, residual: relax.Expr | None = None,
-               activation: Activation | None = None, suffix: str = "", padded_out: bool = False) -> relax.Expr:
-        """conv2d (+ bias + residual -> activation): blocked in and out wherever the layouts allow.
+               activation: Activation | None = None, suffix: str = "", padded_out: bool = False,
+               mask: tuple[relax.Expr, Activation] | None = None) -> relax.Expr:
+        """conv2d (+ bias + residual -> activation [-> an activation's gradient, `mask`]): blocked
+        in and out wherever the layouts allow.
 
         Constant weights and biases are packed here; weights that are parameters are packed by
         a kernel call at run time. With `padded_out` (its readers take padded blocks), an output
@@ -207,6 +211,8 @@ class CpuEmitter:
             plan, constant, bias = padded
         else:
             plan = self._plan(plan, data)
+        if plan.kind == "winograd" and mask is not None:  # its output transform applies no mask
+            plan = self._plan(_conv.plan_conv2d(plan.wl, self.isa), data)
         if plan.kind == "winograd" and constant is not None:
             return self._winograd_conv2d(plan, constant, data, bias, residual, activation, suffix, channels)
         if self.blocked(data, padded=True) is None:
@@ -218,7 +224,7 @@ class CpuEmitter:
                 relax.const(_pack_constant_weight(plan, constant)) if constant is not None
                 else self._call(_conv.pack_weight_func(plan), f"tvm_ext_pack_weight_{tag}", [weight],
                                 plan.weight_shape())]
-        operands, epilogue = self._epilogue(plan, bias, residual, activation, blocked_out)
+        operands, epilogue = self._epilogue(plan, bias, residual, activation, blocked_out, mask)
         args += operands
         name = f"tvm_ext_{plan.kind}_conv2d_{tag}{suffix}"
         func = self.conv_kernel(plan, epilogue)
@@ -226,20 +232,40 @@ class CpuEmitter:
             return self._call_tir(func, name, args, wl.out_shape)
         return self.unpack(self._call(func, name, args, plan.out_shape()), channels)
 
-    def conv2d_backward_weight(self, call: relax.Call, decision: Decision) -> relax.Expr:
+    def conv2d_backward_weight(self, call: relax.Call, decision: Decision,
+                               bias: bool = False) -> relax.Expr | tuple[relax.Expr, relax.Expr]:
         """The weight gradient conv2d(x, dY) (:data:`~.decide.WEIGHT_GRADIENT_LAYOUTS`): x and dY in
         blocks (from their blocked forms where the graph has them), the X^T dY kernel writing dW
-        in the forward's blocked weight layout, unpacked to OIHW."""
+        in the forward's blocked weight layout, unpacked to OIHW. With `bias`, (dW, dB): the
+        kernel also sums dY over images and pixels (dB, K values) while it reads it."""
         plan = decision.conv_plan
         if not isinstance(plan, _weight_grad.WeightGradPlan):
             raise UnsupportedError(f"{decision.op} {decision.shapes}: a {type(plan).__name__} is not a weight gradient")
         x, dy = call.args
+        plan = dataclasses.replace(plan, bias=bias)
+        known_x, known_dy = self.blocked(x), self.blocked(dy, padded=True)
+        if known_x is not None or known_dy is not None:  # read as the graph's kernels wrote them, if a tile fits
+            with contextlib.suppress(ValueError):
+                plan = _weight_grad.plan_conv2d_backward_weight(
+                    plan.wl, self.isa, bias, ic_bn=known_x[1] if known_x else plan.ic_bn,
+                    oc_bn=known_dy[1] if known_dy else plan.oc_bn)
         wl, tag = plan.wl, _tag(plan)
         args = [self.pack(x, plan.ic_bn, wl.padding, padded=True), self.pack(dy, plan.oc_bn, padded=True)]
-        blocked = self._call(_weight_grad.conv2d_backward_weight_kernel(plan, self.isa.lanes),
-                             f"tvm_ext_conv2d_backward_weight_{tag}", args, plan.weight_shape())
-        return self._call_tir(_weight_grad.unpack_weight_func(plan), f"tvm_ext_unpack_weight_{tag}", [blocked],
-                              (wl.K, wl.C, wl.KH, wl.KW))
+        kernel = add_kernel(self.bb, _weight_grad.conv2d_backward_weight_kernel(plan, self.isa.lanes),
+                            f"tvm_ext_conv2d_backward_weight_{tag}{'_bias' if bias else ''}")
+        outputs = [relax.TensorType(plan.weight_shape(), "float32")]
+        if bias:
+            outputs.append(relax.TensorType((plan.OCB, plan.oc_bn), "float32"))
+        results = self.bb.emit(relax.call_tir(kernel, args, outputs if bias else outputs[0]))
+        blocked = self.bb.emit(relax.TupleGetItem(results, 0)) if bias else results
+        dw = self._call_tir(_weight_grad.unpack_weight_func(plan), f"tvm_ext_unpack_weight_{tag}", [blocked],
+                            (wl.K, wl.C, wl.KH, wl.KW))
+        if not bias:
+            return dw
+        db = self.bb.emit(relax.op.reshape(relax.TupleGetItem(results, 1), (plan.OCB * plan.oc_bn,)))
+        if plan.OCB * plan.oc_bn != wl.K:
+            db = self.bb.emit(relax.op.strided_slice(db, axes=[0], begin=[0], end=[wl.K]))
+        return dw, db
 
     def _winograd_conv2d(self, plan: _conv.Conv2dPlan, weight: np.ndarray, data: relax.Expr,
                          bias: np.ndarray | relax.Expr | None, residual: relax.Expr | None,
@@ -259,9 +285,9 @@ class CpuEmitter:
 
     def _epilogue(self, plan: _conv.Conv2dPlan, bias: np.ndarray | relax.Expr | None,
                   residual: relax.Expr | None, activation: Activation | None,
-                  blocked_out: bool = True) -> tuple[list, Epilogue]:
-        """A convolution epilogue's operands (the bias in blocks, zero past K; the shortcut in the
-        output's layout) and its description."""
+                  blocked_out: bool = True, mask: tuple[relax.Expr, Activation] | None = None) -> tuple[list, Epilogue]:
+        """A convolution epilogue's operands (the bias in blocks, zero past K; the shortcut and
+        the mask in the output's layout) and its description."""
         operands = []
         if isinstance(bias, np.ndarray):
             blocked = np.zeros(plan.K_pad, np.float32)
@@ -271,11 +297,15 @@ class CpuEmitter:
             if plan.K_pad != plan.wl.K:
                 bias = relax.op.nn.pad(bias, [0, plan.K_pad - plan.wl.K])
             operands.append(self.bb.emit(relax.op.reshape(bias, (plan.OCB, plan.oc_bn))))
-        if residual is not None:
-            operands.append(self.pack(residual, plan.oc_bn, padded=True) if blocked_out else residual)
+        for tensor in (residual, None if mask is None else mask[0]):
+            if tensor is not None:
+                operands.append(self.pack(tensor, plan.oc_bn, padded=True) if blocked_out else tensor)
+        if activation is not None and mask is not None and activation.alpha != mask[1].alpha:
+            raise UnsupportedError(f"conv2d epilogue: one slope, not {activation.alpha} and {mask[1].alpha}")
+        alpha = activation.alpha if activation is not None else mask[1].alpha if mask is not None else 0.01
         return operands, Epilogue(bias=bias is not None, residual=residual is not None,
                                   activation=None if activation is None else activation.name,
-                                  nchw_out=not blocked_out, alpha=0.01 if activation is None else activation.alpha)
+                                  nchw_out=not blocked_out, alpha=alpha, mask=None if mask is None else mask[1].name)
 
     def conv_kernel(self, plan: _conv.Conv2dPlan, epilogue: Epilogue) -> tvm.tirx.PrimFunc:
         """The tuned schedule of this convolution if the database has one, else the analytic one."""

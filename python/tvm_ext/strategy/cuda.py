@@ -133,7 +133,10 @@ class CudaEmitter:
 
     def conv2d(self, call: relax.Call, data: relax.Expr, decision: Decision,
                bias: np.ndarray | relax.Expr | None = None, residual: relax.Expr | None = None,
-               activation: Activation | None = None, suffix: str = "", padded_out: bool = False) -> relax.Expr:
+               activation: Activation | None = None, suffix: str = "", padded_out: bool = False,
+               mask: tuple[relax.Expr, Activation] | None = None) -> relax.Expr:
+        if mask is not None:
+            raise UnsupportedError("cuda: the maxDNN epilogue applies no activation gradient (mask)")
         decided = _cuda_plan(decision)  # the plan the report names
         wl = decided.wl
         act = None if activation is None else activation.name

@@ -13,7 +13,7 @@ from tvm import relax
 
 from ..kernels.common import KERNEL_ATTR
 from ..relax_info import known_shape, static_shape
-from .base import ACTIVATION_OPS, POOLS, Emitter, readers_of
+from .base import ACTIVATION_OPS, POOLS, Activation, Emitter, readers_of
 from .borders import write_borders
 from .cpu import CpuEmitter
 from .cuda import CudaEmitter
@@ -23,7 +23,7 @@ from .fusion import affine_of, epilogue_of
 
 logger = logging.getLogger("tvm_ext")
 
-__all__ = ["legalize_map", "lower_to_kernels", "make_emitter"]
+__all__ = ["legalize_map", "lower_to_kernels", "make_emitter", "weight_and_bias_gradients"]
 
 
 def make_emitter(bb: relax.BlockBuilder, target: tvm.target.Target, database=None, tensor_cores: bool | str = False,
@@ -72,12 +72,41 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
             self.engine = engine_for(tensor_cores, target) if target.kind.name == "cuda" else "ffma"
             self.padded_readers: set = set()  # of the function being lowered (_padded_readers)
             self.padded_out = False  # whether the binding being lowered may be written padded
+            self.binding: relax.VarBinding | None = None  # the binding being lowered
+            # weight and bias gradients computed by one kernel (weight_and_bias_gradients)
+            self.gradient_pairs: dict[relax.Var, tuple[relax.Var, relax.Var, relax.Call]] = {}
+            self.gradients: dict[relax.Var, tuple[relax.Expr, relax.Expr]] = {}
 
         def visit_var_binding_(self, binding: relax.VarBinding) -> None:
             self.padded_out = binding.var in self.padded_readers
+            self.binding = binding
             super().visit_var_binding_(binding)
 
+        def _paired_gradient(self, call: relax.Call) -> relax.Expr | None:
+            """dW or dB of a pair found by weight_and_bias_gradients: the kernel that computes
+            both is emitted at the first of the two bindings, where x and dY are both defined."""
+            if self.binding is None or not call.same_as(self.binding.value):
+                return None
+            var = self.binding.var
+            pair = self.gradient_pairs.get(var)
+            if pair is None:
+                return None
+            dw_var, _, dw_call = pair
+            if dw_var not in self.gradients:
+                remapped = relax.Call(dw_call.op, [self.visit_expr(arg) for arg in dw_call.args], dw_call.attrs)
+                emitter = self.emitter
+                assert isinstance(emitter, CpuEmitter)
+                self.gradients[dw_var] = emitter.conv2d_backward_weight(  # type: ignore[assignment]
+                    remapped, decide(dw_call, target), bias=True)
+            dw, db = self.gradients[dw_var]
+            if var.same_as(dw_var):
+                return dw
+            return relax.op.reshape(db, known_shape(static_shape(call), "collapse_sum_to"))
+
         def visit_call_(self, call: relax.Call) -> relax.Expr:
+            paired = self._paired_gradient(call)
+            if paired is not None:
+                return paired
             call = super().visit_call_(call)
             if isinstance(call.op, tvm.ir.Op):
                 decision = decide(call, target, self.engine, winograd)
@@ -101,7 +130,7 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                                                    None if shift is None else shift.value.numpy(), activation)
             if not composite.startswith("tvm_ext.conv2d"):
                 return call
-            conv, bias, residual, activation = epilogue_of(func)
+            conv, bias, residual, activation, mask = epilogue_of(func)
             params = list(func.params)
             conv = relax.Call(conv.op, [call.args[params.index(arg)] if arg in params else arg for arg in conv.args],
                               conv.attrs)
@@ -114,7 +143,8 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
             return self.emitter.conv2d(
                 conv, conv.args[0], decide(conv, target, self.engine, winograd), bias=bias,
                 residual=None if residual is None else call.args[residual], activation=activation,
-                suffix=suffix, padded_out=self.padded_out)
+                suffix=suffix, padded_out=self.padded_out,
+                mask=None if mask is None else (call.args[mask.param], Activation(mask.name, mask.alpha)))
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.LowerToKernels")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -122,6 +152,8 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
         for gvar, func in mod.functions_items():
             if isinstance(func, relax.Function) and "Composite" not in (func.attrs or {}):
                 lowering.padded_readers = _padded_readers(mod, func)
+                if isinstance(lowering.emitter, CpuEmitter):
+                    lowering.gradient_pairs = weight_and_bias_gradients(func, target)
                 lowering.builder_.update_func(gvar, lowering.visit_expr(func))
         lowered = relax.transform.DeadCodeElimination()(lowering.builder_.get())
         if isinstance(lowering.emitter, CpuEmitter):  # blocked CPU layouts: no padded copies
@@ -129,6 +161,43 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
         return _drop_unused_kernels(lowered)
 
     return _pass
+
+
+def weight_and_bias_gradients(func: relax.Function, target: tvm.target.Target) -> dict:
+    """The weight gradients (conv2d(x, dY) in :data:`~.decide.WEIGHT_GRADIENT_LAYOUTS` on the X^T
+    dY kernel) whose dY is also summed to a bias gradient (collapse_sum_to(dY, (1, K, 1, 1)), as
+    relax.transform.Gradient writes a bias add's): each of the two bindings' variables -> (dW's
+    variable, dB's, dW's call). One kernel computes both: dY is read once, not also by a stock
+    reduction over an NCHW copy. Only where x is defined before both bindings."""
+    position: dict[relax.Var, int] = {param: -1 for param in func.params}
+    dw_of: dict[relax.Var, tuple[relax.Var, relax.Call]] = {}  # dY -> (dW's variable, its call)
+    sums: list[tuple[relax.Var, relax.Call]] = []
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            position[binding.var] = len(position)
+            value = binding.value
+            if not isinstance(binding, relax.VarBinding) or not isinstance(value, relax.Call):
+                continue
+            if not isinstance(value.op, tvm.ir.Op):
+                continue
+            if value.op.name == "relax.nn.conv2d" and decide(value, target).kernel == "conv2d_backward_weight":
+                dw_of.setdefault(value.args[1], (binding.var, value))
+            elif value.op.name == "relax.collapse_sum_to" and isinstance(value.args[0], relax.Var):
+                sums.append((binding.var, value))
+    pairs = {}
+    for db_var, summed in sums:
+        dy = summed.args[0]
+        if dy not in dw_of or any(dw_of[dy][0] in pair for pair in pairs.values()):
+            continue
+        dw_var, dw_call = dw_of[dy]
+        shape, dy_shape = static_shape(summed), static_shape(dy)
+        if shape is None or dy_shape is None or (1,) * (4 - len(shape)) + tuple(shape) != (1, dy_shape[1], 1, 1):
+            continue
+        x = dw_call.args[0]
+        if not isinstance(x, relax.Var) or position.get(x, len(position)) > min(position[dw_var], position[db_var]):
+            continue
+        pairs[dw_var] = pairs[db_var] = (dw_var, db_var, dw_call)
+    return pairs
 
 
 # ops that read a padded blocked tensor as it is (CpuEmitter.blocked(padded=True))

@@ -3,6 +3,7 @@ function, which :mod:`.dispatch` lowers to one kernel call; and the reader of su
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import tvm
@@ -10,10 +11,10 @@ from tvm import relax
 
 from ..relax_info import dtype, image_shape, is_channel_bias, known_shape, same_extent, symbolic_batch
 from ..transform import channels_last_as_nchw, fold_batch_norm, matmul_as_conv2d, recognise_silu, unique_constants
-from .base import ACTIVATION_OPS, Activation, activation_at
+from .base import ACTIVATION_OPS, Activation, activation_at, scalar_constant
 from .decide import channel_affine_reason, decide, epilogue_activation
 
-__all__ = ["affine_of", "epilogue_of", "fusion_passes", "fusion_patterns"]
+__all__ = ["Mask", "affine_of", "epilogue_of", "fusion_passes", "fusion_patterns"]
 
 
 def reads_inside_or_leaks(ctx) -> bool:
@@ -63,6 +64,45 @@ def _activation_pattern(x, act: str):
     return is_op(act)(x)
 
 
+@dataclasses.dataclass(frozen=True)
+class Mask:
+    """An activation's gradient a convolution's epilogue applies (:attr:`Epilogue.mask
+    <tvm_ext.kernels.conv2d.Epilogue.mask>`): the kernel input holding the activation's output
+    (the index of the composite's param), the activation and leaky_relu's slope."""
+
+    param: int
+    name: str
+    alpha: float = 0.01
+
+
+def _mask_pattern(x, name: str):
+    """where(y > 0, x, 0) (relu's gradient as tvm_ext writes it) or where(y > 0, x, x * alpha)
+    (leaky_relu's), of pattern `x`: (the pattern, the pattern of y)."""
+    from tvm.relax.dpl import is_const, is_op, wildcard
+
+    y = wildcard()
+    below = is_const() if name == "relu" else is_op("relax.multiply")(x, is_const())
+    return is_op("relax.where")(is_op("relax.greater")(y, is_const()), x, below), y
+
+
+def _mask_of(where: relax.Call, value_of) -> tuple[relax.Expr, str, float] | None:
+    """(y, activation, slope) of a mask `where` as :func:`_mask_pattern` matches it, if its
+    constants make it one: 0 in the comparison, 0 below (relu) or one positive slope."""
+    condition, kept, below = where.args[0], where.args[1], where.args[2]
+    condition, below_value = value_of(condition), value_of(below)
+    if scalar_constant(condition.args[1]) != 0.0:
+        return None
+    if scalar_constant(below) == 0.0:
+        return condition.args[0], "relu", 0.01
+    if not (isinstance(below_value, relax.Call) and below_value.op.name == "relax.multiply"):
+        return None
+    operands = below_value.args if below_value.args[0].same_as(kept) else below_value.args[::-1]
+    slope = scalar_constant(operands[1])
+    if not operands[0].same_as(kept) or slope is None or slope <= 0:
+        return None
+    return condition.args[0], "leaky_relu", slope
+
+
 def fusion_patterns(target: tvm.target.Target) -> list:
     """FuseOpsByPattern patterns grouping a conv2d with the epilogue our kernel applies itself.
 
@@ -85,11 +125,17 @@ def fusion_patterns(target: tvm.target.Target) -> list:
         if target.kind.name != "llvm" and not all(isinstance(e, tvm.ir.Constant) for e in (conv.args[1], bias)
                                                   if e is not None):
             return False  # CUDA's kernels take constant weights and biases
-        residual = ctx.annotated_expr.get("residual")
-        same_batch = residual is None or _same_batch(residual, conv.args[0])
-        if residual is not None and (image_shape(residual) != out_shape or not same_batch
-                                     or dtype(residual) != "float32" or isinstance(residual, tvm.ir.expr.GenericConst)):
-            return False  # a constant of the output's shape (a 1x1 output's bias) is a bias
+        for name in ("residual", "mask"):  # tensors of the output's shape, read in its layout
+            tensor = ctx.annotated_expr.get(name)
+            same_batch = tensor is None or _same_batch(tensor, conv.args[0])
+            if tensor is not None and (image_shape(tensor) != out_shape or not same_batch or dtype(tensor) != "float32"
+                                       or isinstance(tensor, tvm.ir.expr.GenericConst)):
+                return False  # a constant of the output's shape (a 1x1 output's bias) is a bias
+        if "mask" in ctx.annotated_expr:
+            bindings = ctx.matched_bindings
+            value_of = lambda e: bindings.get(e, e) if isinstance(e, relax.Var) else e  # noqa: E731
+            return (target.kind.name == "llvm" and not isinstance(conv.args[1], tvm.ir.Constant)  # (Winograd's)
+                    and _mask_of(value_of(ctx.annotated_expr["mask_out"]), value_of) is not None)
         act = ctx.annotated_expr.get("activation")
         if act is None:
             return True
@@ -120,6 +166,18 @@ def fusion_patterns(target: tvm.target.Target) -> list:
                 name = "tvm_ext.conv2d" + "_bias" * bias + "_residual" * residual
                 name += f"_{ACTIVATION_OPS.get(act, act)}" if act else ""
                 patterns.append(relax.transform.FusionPattern(name, out, annotations, check))
+    for mask in ("relu", "leaky_relu"):  # an activation's gradient after a data-gradient convolution
+        for residual in (True, False):
+            conv = is_op("relax.nn.conv2d")(wildcard(), wildcard())
+            annotations = {"conv": conv}
+            out = conv
+            if residual:
+                annotations["residual"] = wildcard()
+                out = is_op("relax.add")(out, annotations["residual"])
+            out, annotations["mask"] = _mask_pattern(out, mask)
+            annotations["mask_out"] = out
+            name = "tvm_ext.conv2d" + "_residual" * residual + f"_{mask}_mask"
+            patterns.append(relax.transform.FusionPattern(name, out, annotations, check))
     patterns.sort(key=lambda p: -p.name.count("_"))
     return patterns + _affine_patterns(target)
 
@@ -226,9 +284,9 @@ def _read_from_output(func: relax.Function) -> tuple[list, Callable[[relax.Expr]
 
 
 def epilogue_of(func: relax.Function) -> tuple[relax.Call, tvm.ir.expr.GenericConst | int | None, int | None,
-                                               Activation | None]:
+                                               Activation | None, Mask | None]:
     """Read a fused composite function: its conv call, bias (a constant, or the index of the
-    param that holds it), residual param, activation.
+    param that holds it), residual param, activation, mask.
 
     Walked from the output, so an add's operands may come in either order (TVM matches add as
     commutative: RegNet's `x + f(x)` puts the shortcut first); the composite's name says which
@@ -236,6 +294,13 @@ def epilogue_of(func: relax.Function) -> tuple[relax.Call, tvm.ir.expr.GenericCo
     never a dropped operand."""
     params, value_of, expr, activation = _read_from_output(func)
     name = str(func.attrs["Composite"]).split(".")[-1].split("_")
+    mask = None
+    if "mask" in name:
+        found = _mask_of(expr, value_of) if _is_op(expr, "relax.where") else None
+        if found is None or found[0] not in params:
+            raise ValueError(f"tvm_ext: a fused mask epilogue is not where(y > 0, ., 0 or . * slope): {expr}")
+        mask = Mask(params.index(found[0]), found[1], found[2])
+        expr = value_of(expr.args[1])
     others = []  # the adds' operands from the output inwards
     while _is_op(expr, "relax.add"):
         chain = [arg for arg in expr.args if _is_op(value_of(arg), "relax.add", "relax.nn.conv2d")
@@ -258,7 +323,7 @@ def epilogue_of(func: relax.Function) -> tuple[relax.Call, tvm.ir.expr.GenericCo
         if others[0] not in params:
             raise ValueError(f"tvm_ext: a fused epilogue adds a shortcut it cannot read: {others[0]}")
         residual = params.index(others[0])
-    return expr, bias, residual, activation
+    return expr, bias, residual, activation, mask
 
 
 def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:

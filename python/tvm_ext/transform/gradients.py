@@ -60,8 +60,10 @@ def _data_gradient(dy: relax.Expr, weight: relax.Expr, wl: Conv2dWorkload, bb: r
         else:
             taps = op.take(swapped, relax.const(np.array(phase.taps_h, "int64")), axis=2, mode="clip")
             taps = op.take(taps, relax.const(np.array(phase.taps_w, "int64")), axis=3, mode="clip")
-            window = op.strided_slice(dy, axes=[2, 3], begin=[phase.rows[0], phase.cols[0]],
-                                      end=[phase.rows[1], phase.cols[1]])
+            window = dy
+            if (phase.rows, phase.cols) != ((0, wl.OH), (0, wl.OW)):  # a slice, even of all, is a copy
+                window = op.strided_slice(dy, axes=[2, 3], begin=[phase.rows[0], phase.cols[0]],
+                                          end=[phase.rows[1], phase.cols[1]])
             part = op.nn.conv2d(window, taps, strides=1, padding=phase.padding, dilation=phase.dilation,
                                 groups=wl.groups, out_dtype="float32")
         if len(phases) == 1:

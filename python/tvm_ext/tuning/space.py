@@ -44,7 +44,10 @@ def _describe(plan: _conv.Conv2dPlan, epilogue: _conv.Epilogue, lanes: int, regi
     for flag in ("nchw_in", "oihw_weight"):  # unnamed by default: records tuned before them keep their text
         if not described[flag]:
             del described[flag]
-    return json.dumps({"plan": described, "epilogue": dataclasses.asdict(epilogue),
+    epilogue_fields = dataclasses.asdict(epilogue)
+    if epilogue_fields["mask"] is None:  # likewise
+        del epilogue_fields["mask"]
+    return json.dumps({"plan": described, "epilogue": epilogue_fields,
                        "lanes": lanes, "registers": registers}, sort_keys=True)
 
 
