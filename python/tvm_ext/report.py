@@ -88,7 +88,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
         bindings = relax.analysis.get_var2val(func)
         plumbing = _split_plumbing(func, bindings, stages) if name == "main" else []
         pairs = weight_and_bias_gradients(func, resolved) if resolved.kind.name == "llvm" else {}
-        bias_sums = {bindings[db_var] for _, db_var, _ in pairs.values()}
+        bias_sums = [bindings[db_var] for _, db_var, _ in pairs.values()]
 
         def reshaped_matrix(expr: relax.Expr, transposed: bool) -> bool:
             """Whether `expr` is a reshape of a 2-D tensor (of a transposed one, if `transposed`)."""
@@ -129,7 +129,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
         def visit(expr) -> None:
             if not isinstance(expr, relax.Call) or any(expr.same_as(p) for p in plumbing):
                 return
-            if isinstance(expr.op, tvm.ir.Op) and expr in bias_sums:
+            if isinstance(expr.op, tvm.ir.Op) and any(expr.same_as(summed) for summed in bias_sums):
                 shapes = tuple(tuple(int(d) for d in e.ty.shape) for e in (expr.args[0], expr))
                 report.append(DispatchRow(expr.op.name.removeprefix("relax."), shapes, "conv2d_backward_weight",
                                           "the bias gradient: dY summed by its weight gradient's kernel", runs))

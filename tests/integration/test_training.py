@@ -50,7 +50,9 @@ def test_a_small_cnn_trains_like_pytorch():
                              [relax.TensorType((BATCH, 10), "float32"), relax.TensorType((BATCH,), "int64")],
                              legalize=False)(digits_cnn(BATCH))
     report = tvm_ext.dispatch_report(train_mod, "llvm", function="backbone_loss_adjoint")
-    assert sum(row.kernel == "conv2d_backward_weight" for row in report) == 2
+    assert sum(row.op == "nn.conv2d" and row.kernel == "conv2d_backward_weight" for row in report) == 2
+    # the convolutions' bias gradients summed by their dW kernels (the dense layer's: stock TVM)
+    assert [row.kernel for row in report if row.op == "collapse_sum_to"].count("conv2d_backward_weight") == 2
     assert not any(row.op == "nn.conv2d" and row.kernel == "fallback" for row in report)
     trainer = Trainer(train_mod, relax.VirtualMachine(tvm_ext.build(train_mod, "llvm"), tvm.cpu()), tvm.cpu(), False)
     trainer.load_params([init[name] for name in DIGITS_CNN_SHAPES])
@@ -78,7 +80,11 @@ def test_resnet18_gradients_match_pytorch():
     x = np.random.default_rng(1).standard_normal((2, 3, 32, 32)).astype(np.float32)
     mod, params, loss = loss_gradient(torchvision_zoo.load("resnet18", 32).eval(), x)
     report = tvm_ext.dispatch_report(mod, "llvm", function="main_adjoint")
-    assert sum(row.kernel == "conv2d_backward_weight" for row in report) == 20  # every convolution's dW
+    assert sum(row.op == "nn.conv2d" and row.kernel == "conv2d_backward_weight" for row in report) == 20  # all dW
+    # each batch norm's shift (folded into a bias of its convolution) summed by that convolution's dW kernel: 17
+    # sums, as a downsampling block's last convolution and its shortcut's share dY and one sum
+    assert [row.kernel for row in report if row.op == "collapse_sum_to"].count("conv2d_backward_weight") == 17
+    assert sum(row.op == "where" and row.kernel == "brgemm_conv2d epilogue" for row in report) >= 12  # relu masks
     assert not any(row.op == "nn.conv2d" and row.kernel == "fallback" for row in report)
     vm = relax.VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())
     _, grads = vm["main_adjoint"](tvm.runtime.tensor(x), *[tvm.runtime.tensor(p) for p in params])

@@ -79,6 +79,9 @@ class CpuEmitter:
         self.isa = vector_isa(target)
         self.database = database  # a MetaSchedule Database of tuned kernels, or None
         self.winograd = winograd
+        # padded blocked copies made (pad_nchwc), by (blocked tensor, border): a training graph's
+        # forward convolution and its weight gradient read one
+        self._padded: dict[tuple[relax.Var, tuple[int, ...]], relax.Var] = {}
 
     def blocked(self, expr: relax.Expr, padded: bool = False) -> tuple[relax.Expr, int] | None:
         """(the blocked tensor, its channel block) behind an NCHW view, if there is one.
@@ -99,6 +102,10 @@ class CpuEmitter:
         if channels != blocks * block and not (padded and (blocks - 1) * block < channels < blocks * block):
             return None
         return blocked, block
+
+    def new_block(self) -> None:
+        """Forget the copies made so far (their variables are out of scope in a new block)."""
+        self._padded.clear()
 
     def _call_tir(self, func: tvm.tirx.PrimFunc, name: str, args: list, shape: tuple) -> relax.Call:
         """The call of kernel `func`, which writes `shape`. With a symbolic batch, `func` and
@@ -129,10 +136,15 @@ class CpuEmitter:
         if known is not None and known[1] == block:
             if not any(pads):
                 return known[0]
+            if (known[0], pads) in self._padded:
+                return self._padded[known[0], pads]
             bshape = known_shape(image_shape(known[0]), "pad_nchwc: the blocked tensor")
             n, cb, h, w, c = bshape
-            return self._call(_layout.pad_nchwc_func(bshape, pads), f"tvm_ext_pad_nchwc_{'x'.join(map(str, bshape))}",
-                              [known[0]], (n, cb, h + pads[0] + pads[2], w + pads[1] + pads[3], c))
+            padded_copy = self._call(_layout.pad_nchwc_func(bshape, pads),
+                                     f"tvm_ext_pad_nchwc_{'x'.join(map(str, bshape))}", [known[0]],
+                                     (n, cb, h + pads[0] + pads[2], w + pads[1] + pads[3], c))
+            self._padded[known[0], pads] = padded_copy
+            return padded_copy
         shape = known_shape(shape, "pack_nchwc: the NCHW tensor")
         n, c, h, w = shape
         if (h, w) == (1, 1) and not any(pads) and c % block == 0 and symbolic_batch(data) is None:

@@ -77,6 +77,19 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
             self.gradient_pairs: dict[relax.Var, tuple[relax.Var, relax.Var, relax.Call]] = {}
             self.gradients: dict[relax.Var, tuple[relax.Expr, relax.Expr]] = {}
 
+        def visit_binding_block_(self, block: relax.BindingBlock) -> relax.BindingBlock:
+            self._new_block()
+            return super().visit_binding_block_(block)
+
+        def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.BindingBlock:
+            self._new_block()
+            return super().visit_dataflow_block_(block)
+
+        def _new_block(self) -> None:
+            """A block's dataflow variables are not seen past it: the emitter reuses no copy of them."""
+            if isinstance(self.emitter, CpuEmitter):
+                self.emitter.new_block()
+
         def visit_var_binding_(self, binding: relax.VarBinding) -> None:
             self.padded_out = binding.var in self.padded_readers
             self.binding = binding
@@ -170,7 +183,7 @@ def weight_and_bias_gradients(func: relax.Function, target: tvm.target.Target) -
     variable, dB's, dW's call). One kernel computes both: dY is read once, not also by a stock
     reduction over an NCHW copy. Only where x is defined before both bindings."""
     position: dict[relax.Var, int] = {param: -1 for param in func.params}
-    dw_of: dict[relax.Var, tuple[relax.Var, relax.Call]] = {}  # dY -> (dW's variable, its call)
+    dw_of: dict[relax.Var, list[tuple[relax.Var, relax.Call]]] = {}  # dY -> [(dW's variable, its call)]
     sums: list[tuple[relax.Var, relax.Call]] = []
     for block in func.body.blocks:
         for binding in block.bindings:
@@ -181,22 +194,21 @@ def weight_and_bias_gradients(func: relax.Function, target: tvm.target.Target) -
             if not isinstance(value.op, tvm.ir.Op):
                 continue
             if value.op.name == "relax.nn.conv2d" and decide(value, target).kernel == "conv2d_backward_weight":
-                dw_of.setdefault(value.args[1], (binding.var, value))
+                dw_of.setdefault(value.args[1], []).append((binding.var, value))
             elif value.op.name == "relax.collapse_sum_to" and isinstance(value.args[0], relax.Var):
                 sums.append((binding.var, value))
     pairs = {}
-    for db_var, summed in sums:
+    for db_var, summed in sums:  # (a residual block's dY: its last convolution's and its shortcut's)
         dy = summed.args[0]
-        if dy not in dw_of or any(dw_of[dy][0] in pair for pair in pairs.values()):
-            continue
-        dw_var, dw_call = dw_of[dy]
         shape, dy_shape = static_shape(summed), static_shape(dy)
         if shape is None or dy_shape is None or (1,) * (4 - len(shape)) + tuple(shape) != (1, dy_shape[1], 1, 1):
             continue
-        x = dw_call.args[0]
-        if not isinstance(x, relax.Var) or position.get(x, len(position)) > min(position[dw_var], position[db_var]):
-            continue
-        pairs[dw_var] = pairs[db_var] = (dw_var, db_var, dw_call)
+        for dw_var, dw_call in dw_of.get(dy, []):
+            x = dw_call.args[0]
+            if (dw_var not in pairs and isinstance(x, relax.Var)
+                    and position.get(x, len(position)) < min(position[dw_var], position[db_var])):
+                pairs[dw_var] = pairs[db_var] = (dw_var, db_var, dw_call)
+                break
     return pairs
 
 
