@@ -9,11 +9,13 @@ measured peak (bench/peak.py) and the ratio to PyTorch. Benchmarks print; they n
 
 With --model (a torchvision name), whole training steps instead: the model's loss (its output
 against fixed weights, summed; batch norms in inference form) differentiated by
-relax.transform.Gradient and built with tvm_ext, against PyTorch eager's forward + backward,
-plus an SGD update of every parameter on both sides; median ms and each process's peak memory.
+relax.transform.Gradient and built with tvm_ext, against PyTorch eager's forward + backward and
+torch.compile's (unless --no-compile), plus an SGD update of every parameter on each side;
+median ms timed alternately in one process, and the peak memory (RSS high-water mark) of a
+process that runs only that side's steps.
 
 Usage: python bench/train.py --set resnet50 --batch 16 --threads 1 [--layers K] [--repeat R]
-       python bench/train.py --model resnet18 --size 224 --batch 16 --threads 2
+       python bench/train.py --model resnet18 --size 224 --batch 16 --threads 2 [--no-compile]
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=7, help="timed rounds per measurement (median)")
     ap.add_argument("--model", default="", help="time whole training steps of this torchvision model")
     ap.add_argument("--size", type=int, default=224, help="image size of --model")
+    ap.add_argument("--no-compile", action="store_true", help="--model: leave torch.compile out")
+    ap.add_argument("--memory", default="", help=argparse.SUPPRESS)  # (internal) one side's peak memory
     return ap.parse_args(argv)
 
 
@@ -107,10 +111,8 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
-def _training_steps() -> int:
-    """--model: whole training steps, tvm_ext against PyTorch eager (module docstring)."""
-    import resource
-
+def _step_functions(sides: tuple[str, ...]) -> tuple[dict, float]:
+    """One training step of each side (tvm_ext, torch, torch.compile) and tvm_ext's build time."""
     import tvm
     from tvm import relax
 
@@ -119,34 +121,64 @@ def _training_steps() -> int:
 
     x = np.random.default_rng(1).standard_normal((ARGS.batch, 3, ARGS.size, ARGS.size), dtype=np.float32)
     mod, values, loss = loss_gradient(torchvision_zoo.load(ARGS.model, ARGS.size).eval(), x)
-    start = time.perf_counter()
-    vm = relax.VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())
-    build_s = time.perf_counter() - start
-    adjoint = vm["main_adjoint"]
-    xt = tvm.runtime.tensor(x)
-    tensors = [tvm.runtime.tensor(v) for v in values]
-    images = torch.from_numpy(x)
-    lr = 1e-6
+    images, lr, steps, build_s = torch.from_numpy(x), 1e-6, {}, 0.0
+    if "tvm_ext" in sides:
+        start = time.perf_counter()
+        vm = relax.VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())
+        build_s = time.perf_counter() - start
+        adjoint = vm["main_adjoint"]
+        xt = tvm.runtime.tensor(x)
+        tensors = [tvm.runtime.tensor(v) for v in values]
 
-    def ours() -> None:
-        _, grads = adjoint(xt, *tensors)
-        for i, grad in enumerate(grads):  # SGD, in NumPy (the parameters stay on the host)
-            values[i] -= lr * grad.numpy()
-            tensors[i].copyfrom(values[i])
+        def ours() -> None:
+            _, grads = adjoint(xt, *tensors)
+            for i, grad in enumerate(grads):  # SGD, in NumPy (the parameters stay on the host)
+                values[i] -= lr * grad.numpy()
+                tensors[i].copyfrom(values[i])
 
+        steps["tvm_ext"] = ours
     sgd = torch.optim.SGD(loss.parameters(), lr=lr)
+    compiled = torch.compile(loss) if "torch.compile" in sides else None
+    for side, forward in (("torch", loss), ("torch.compile", compiled)):
+        if side in sides:
+            def theirs(forward=forward) -> None:
+                sgd.zero_grad()
+                forward(images).backward()
+                sgd.step()
 
-    def theirs() -> None:
-        sgd.zero_grad()
-        loss(images).backward()
-        sgd.step()
+            steps[side] = theirs
+    return steps, build_s
 
-    ms = _alternate({"tvm_ext": ours, "torch": theirs}, ARGS.repeat)
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+def _peak_memory_mib(side: str) -> float:
+    """The RSS high-water mark of a process that runs only `side`'s steps (module docstring)."""
+    import subprocess
+
+    argv = [sys.executable, __file__, "--model", ARGS.model, "--size", str(ARGS.size), "--batch", str(ARGS.batch),
+            "--threads", str(ARGS.threads), "--memory", side]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    return float(out.strip().splitlines()[-1])
+
+
+def _training_steps() -> int:
+    """--model: whole training steps of each side (module docstring)."""
+    import resource
+
+    sides = ("tvm_ext", "torch") + (() if ARGS.no_compile else ("torch.compile",))
+    if ARGS.memory:  # (a child of _peak_memory_mib)
+        step = _step_functions((ARGS.memory,))[0][ARGS.memory]
+        for _ in range(3):
+            step()
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        return 0
+    steps, build_s = _step_functions(sides)
+    ms = _alternate(steps, ARGS.repeat)
     print(f"# training step: {ARGS.model} {ARGS.size}x{ARGS.size} batch={ARGS.batch} threads={ARGS.threads}; "
-          f"tvm_ext build {build_s:.1f} s; ms medians of {ARGS.repeat} alternating rounds")
-    print(f"tvm_ext {ms['tvm_ext']:.1f} ms | PyTorch eager {ms['torch']:.1f} ms | "
-          f"{ms['torch'] / ms['tvm_ext']:.2f}x | peak RSS of this process (both) {peak_mib:.0f} MiB")
+          f"tvm_ext build {build_s:.1f} s; ms medians of {ARGS.repeat} alternating rounds; peak memory: RSS "
+          "high-water mark of a process running only that side")
+    print("side | ms | tvm_ext speedup | peak MiB")
+    for side in sides:
+        print(f"{side} | {ms[side]:.1f} | {ms[side] / ms['tvm_ext']:.2f}x | {_peak_memory_mib(side):.0f}", flush=True)
     return 0
 
 

@@ -256,3 +256,11 @@ def test_bench_train_runs():
     out = _run("bench/train.py", "--set", "resnet50", "--batch", "1", "--layers", "1", "--repeat", "1",
                env={"TVM_NUM_THREADS": "1"})
     assert "stem_7x7s2" in out and "dw: median" in out
+
+
+def test_bench_train_times_whole_steps():
+    out = _run("bench/train.py", "--model", "resnet18", "--size", "32", "--batch", "2", "--repeat", "1",
+               "--no-compile", env={"TVM_NUM_THREADS": "1"})
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in out.splitlines() if " | " in line}
+    assert set(rows) == {"side", "tvm_ext", "torch"}
+    assert rows["tvm_ext"][2] == "1.00x" and float(rows["torch"][3]) > 100  # peak MiB of a process of its own
