@@ -117,12 +117,14 @@ def _step_functions(sides: tuple[str, ...]) -> tuple[dict, float]:
     from tvm import relax
 
     from tvm_ext.models import torchvision_zoo
-    from tvm_ext.models.training import loss_gradient
+    from tvm_ext.models.training import loss_gradient, loss_module
 
     x = np.random.default_rng(1).standard_normal((ARGS.batch, 3, ARGS.size, ARGS.size), dtype=np.float32)
-    mod, values, loss = loss_gradient(torchvision_zoo.load(ARGS.model, ARGS.size).eval(), x)
+    model = torchvision_zoo.load(ARGS.model, ARGS.size).eval()
     images, lr, steps, build_s = torch.from_numpy(x), 1e-6, {}, 0.0
+    loss = loss_module(model, x)  # (one module for both torch sides: the same parameters, as they update)
     if "tvm_ext" in sides:
+        mod, values, loss = loss_gradient(model, x)
         start = time.perf_counter()
         vm = relax.VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())
         build_s = time.perf_counter() - start

@@ -12,7 +12,7 @@ from tvm import relax
 
 from ..transform import fold_trained_batch_norm
 
-__all__ = ["DIGITS_CNN_SHAPES", "digits_cnn", "digits_cnn_init", "digits_cnn_torch", "loss_gradient"]
+__all__ = ["DIGITS_CNN_SHAPES", "digits_cnn", "digits_cnn_init", "digits_cnn_torch", "loss_gradient", "loss_module"]
 
 # conv 3x3 (8) -> relu -> max pool 2 -> conv 3x3 (16) -> relu -> flatten -> linear (10), biases
 DIGITS_CNN_SHAPES = {"w1": (8, 1, 3, 3), "b1": (8,), "w2": (16, 8, 3, 3), "b2": (16,), "w3": (10, 256), "b3": (10,)}
@@ -55,18 +55,13 @@ def digits_cnn_torch(params: dict, x):
     return h @ params["w3"].T + params["b3"]
 
 
-def loss_gradient(model, x: np.ndarray, seed: int = 2):
-    """(gradient module, parameter arrays, torch loss) for `model`'s loss sum(model(x) * r), r
-    seeded: `main_adjoint(x, *parameters)` of the module returns the loss and every parameter's
-    gradient, in the order of the torch loss module's `parameters()`. Batch norms are taken in
-    inference form (`model` should be in eval mode) and folded into their convolutions'
-    weights (:func:`tvm_ext.transform.fold_trained_batch_norm`)."""
+def loss_module(model, x: np.ndarray, seed: int = 2):
+    """`model`'s loss sum(model(x) * r) as a torch module of images x, r seeded (images x
+    classes): the loss :func:`loss_gradient` differentiates."""
     import torch
-    from tvm.relax.frontend.torch import from_exported_program
 
-    images = torch.from_numpy(x)
     with torch.no_grad():
-        classes = model(images[:1]).shape[1]
+        classes = model(torch.from_numpy(x[:1])).shape[1]
     weights = torch.from_numpy(np.random.default_rng(seed).standard_normal((x.shape[0], classes),
                                                                             dtype=np.float32))
 
@@ -78,9 +73,21 @@ def loss_gradient(model, x: np.ndarray, seed: int = 2):
         def forward(self, images):
             return (self.net(images) * weights).sum()
 
-    loss = Loss(model)
+    return Loss(model)
+
+
+def loss_gradient(model, x: np.ndarray, seed: int = 2):
+    """(gradient module, parameter arrays, torch loss) for `model`'s loss sum(model(x) * r)
+    (:func:`loss_module`): `main_adjoint(x, *parameters)` of the module returns the loss and
+    every parameter's gradient, in the order of the torch loss module's `parameters()`. Batch
+    norms are taken in inference form (`model` should be in eval mode) and folded into their
+    convolutions' weights (:func:`tvm_ext.transform.fold_trained_batch_norm`)."""
+    import torch
+    from tvm.relax.frontend.torch import from_exported_program
+
+    loss = loss_module(model, x, seed)
     with torch.no_grad():
-        program = torch.export.export(loss, (images,))
+        program = torch.export.export(loss, (torch.from_numpy(x),))
     mod = from_exported_program(program, keep_params_as_input=True, unwrap_unit_return_tuple=True)
     mod, params = relax.frontend.detach_params(mod)
     mod = fold_trained_batch_norm()(mod)
