@@ -145,39 +145,35 @@ def fusion_patterns(target: tvm.target.Target) -> list:
             return False
         return epilogue_activation(found[0].name, target).kernel is not None  # CUDA's maxDNN: relu, relu6
 
+    def chain(bias: bool, residual: bool) -> tuple:
+        """conv2d [+ bias] [+ residual]: its pattern, annotations and composite name. The weights
+        and bias may be computed at run time (a training graph's parameters)."""
+        conv = is_op("relax.nn.conv2d")(wildcard(), wildcard())
+        annotations = {"conv": conv}
+        out = conv
+        for name, present in (("bias", bias), ("residual", residual)):
+            if present:
+                annotations[name] = wildcard()
+                out = is_op("relax.add")(out, annotations[name])
+        return out, annotations, "tvm_ext.conv2d" + "_bias" * bias + "_residual" * residual
+
     patterns = []
     for act in (*ACTIVATION_OPS, "hardsigmoid", "hardswish", None):
         for residual in (True, False):
             for bias in (True, False):
                 if not (bias or residual or act):
                     continue
-                # weights and a bias computed at run time too (a training graph's parameters)
-                conv = is_op("relax.nn.conv2d")(wildcard(), wildcard())
-                annotations = {"conv": conv}
-                out = conv
-                if bias:
-                    annotations["bias"] = wildcard()
-                    out = is_op("relax.add")(out, annotations["bias"])
-                if residual:
-                    annotations["residual"] = wildcard()
-                    out = is_op("relax.add")(out, annotations["residual"])
+                out, annotations, name = chain(bias, residual)
                 if act is not None:
                     out = annotations["activation"] = _activation_pattern(out, act)
-                name = "tvm_ext.conv2d" + "_bias" * bias + "_residual" * residual
                 name += f"_{ACTIVATION_OPS.get(act, act)}" if act else ""
                 patterns.append(relax.transform.FusionPattern(name, out, annotations, check))
     for mask in ("relu", "leaky_relu"):  # an activation's gradient after a data-gradient convolution
         for residual in (True, False):
-            conv = is_op("relax.nn.conv2d")(wildcard(), wildcard())
-            annotations = {"conv": conv}
-            out = conv
-            if residual:
-                annotations["residual"] = wildcard()
-                out = is_op("relax.add")(out, annotations["residual"])
+            out, annotations, name = chain(False, residual)
             out, annotations["mask"] = _mask_pattern(out, mask)
             annotations["mask_out"] = out
-            name = "tvm_ext.conv2d" + "_residual" * residual + f"_{mask}_mask"
-            patterns.append(relax.transform.FusionPattern(name, out, annotations, check))
+            patterns.append(relax.transform.FusionPattern(f"{name}_{mask}_mask", out, annotations, check))
     patterns.sort(key=lambda p: -p.name.count("_"))
     return patterns + _affine_patterns(target)
 
