@@ -257,3 +257,24 @@ def test_weights_and_biases_computed_at_run_time_fuse(bias_shape):
     for ex in (tvm_ext.build(mod, TARGET), tvm.compile(mod, TARGET)):
         outputs.append(relax.VirtualMachine(ex, tvm.cpu())["main"](*[tvm.runtime.tensor(a) for a in args]).numpy())
     assert rel_err(*outputs) <= 1e-5
+
+
+def test_a_mask_computed_inside_the_match_is_not_fused():
+    """where(y > 0, y, 0) of a convolution y with run-time weights (a relu written out): the
+    shape of an activation's gradient, but its mask is the value the match computes. Lowering
+    raised "not where(y > 0, ...)" before; now it is left to stock TVM, same numbers."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(SHAPE, "float32"))
+    w = relax.Var("w", relax.TensorType((16, 16, 3, 3), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.conv2d(x, w, padding=1))
+            zero = relax.const(np.float32(0))
+            out = bb.emit_output(relax.op.where(relax.op.greater(y, zero), y, relax.const(np.float32(0))))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    rng = np.random.default_rng(4)
+    args = [rng.standard_normal(SHAPE).astype("float32"), rng.standard_normal((16, 16, 3, 3)).astype("float32")]
+    outputs = [relax.VirtualMachine(ex, tvm.cpu())["main"](*[tvm.runtime.tensor(a) for a in args]).numpy()
+               for ex in (tvm_ext.build(mod, TARGET), tvm.compile(mod, TARGET))]
+    assert rel_err(*outputs) <= 1e-5

@@ -19,18 +19,20 @@ __all__ = ["Mask", "affine_of", "epilogue_of", "fusion_passes", "fusion_patterns
 
 def reads_inside_or_leaks(ctx) -> bool:
     """Whether a match cannot become one kernel call: a value computed inside it is read outside
-    it (EfficientNet's (conv + b) * sigmoid(conv + b)), or its shortcut is a value computed
-    inside it (y + y). TVM's `has_leaking_intermediate_variables` refuses every match outside a
-    dataflow block; reading the uses serves those too."""
+    it (EfficientNet's (conv + b) * sigmoid(conv + b)), or its shortcut or mask is a value
+    computed inside it (y + y; where(y > 0, y, 0), a relu written out). TVM's
+    `has_leaking_intermediate_variables` refuses every match outside a dataflow block; reading
+    the uses serves those too."""
     inside = set(ctx.matched_bindings.keys())
     output = ctx.value_to_bound_var.get(ctx.matched_expr)
     for var in inside:
         if not var.same_as(output) and any(user not in inside for user in ctx.var_usages.get(var, [])):
             return True
-    residual = ctx.annotated_expr.get("residual")
-    if residual is None:
-        return False
-    return residual in inside or any(residual.same_as(value) for value in ctx.matched_bindings.values())
+    for name in ("residual", "mask"):  # operands the kernel reads: computed before it
+        tensor = ctx.annotated_expr.get(name)
+        if tensor is not None and (tensor in inside or any(tensor.same_as(v) for v in ctx.matched_bindings.values())):
+            return True
+    return False
 
 
 def _same_batch(a: relax.Expr, b: relax.Expr) -> bool:
