@@ -122,7 +122,8 @@ def _step_functions(sides: tuple[str, ...]) -> tuple[dict, float]:
     x = np.random.default_rng(1).standard_normal((ARGS.batch, 3, ARGS.size, ARGS.size), dtype=np.float32)
     model = torchvision_zoo.load(ARGS.model, ARGS.size).eval()
     images, lr, steps, build_s = torch.from_numpy(x), 1e-6, {}, 0.0
-    loss = loss_module(model, x)  # (one module for both torch sides: the same parameters, as they update)
+    # one torch loss module (the model's parameters) for every side, built with the export if tvm_ext runs
+    loss = loss_module(model, x) if "tvm_ext" not in sides else None
     if "tvm_ext" in sides:
         mod, values, loss = loss_gradient(model, x)
         start = time.perf_counter()

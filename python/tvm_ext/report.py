@@ -130,7 +130,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
             if not isinstance(expr, relax.Call) or any(expr.same_as(p) for p in plumbing):
                 return
             if isinstance(expr.op, tvm.ir.Op) and any(expr.same_as(summed) for summed in bias_sums):
-                shapes = tuple(tuple(int(d) for d in e.ty.shape) for e in (expr.args[0], expr))
+                shapes = (static_shape(expr.args[0]), static_shape(expr))
                 report.append(DispatchRow(expr.op.name.removeprefix("relax."), shapes, "conv2d_backward_weight",
                                           "the bias gradient: dY summed by its weight gradient's kernel", runs))
             elif isinstance(expr.op, tvm.ir.Op):
