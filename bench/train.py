@@ -132,12 +132,15 @@ def _step_functions(sides: tuple[str, ...]) -> tuple[dict, float]:
         adjoint = vm["main_adjoint"]
         xt = tvm.runtime.tensor(x)
         tensors = [tvm.runtime.tensor(v) for v in values]
+        params = [np.from_dlpack(t) for t in tensors]  # views: SGD updates the parameters in place
+        del values
 
         def ours() -> None:
             _, grads = adjoint(xt, *tensors)
-            for i, grad in enumerate(grads):  # SGD, in NumPy (the parameters stay on the host)
-                values[i] -= lr * grad.numpy()
-                tensors[i].copyfrom(values[i])
+            for param, grad in zip(params, grads):  # SGD in NumPy, on the VM's tensors
+                step = np.from_dlpack(grad)
+                step *= -lr
+                param += step
 
         steps["tvm_ext"] = ours
     sgd = torch.optim.SGD(loss.parameters(), lr=lr)

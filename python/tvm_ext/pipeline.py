@@ -29,6 +29,7 @@ from .strategy.cuda_engine import engine_for
 from .strategy.dispatch import legalize_map, lower_to_kernels
 from .strategy.fusion import fusion_passes
 from .target import TargetLike, resolve_target
+from .transform.arena import plan_arena
 from .transform.split_batch import split_batch
 
 
@@ -127,11 +128,21 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
                                    [Guarded(dlight.cpu.GEMV()), Guarded(OnAlignedAccesses(dlight.cpu.Reduction())),
                                     ParallelVectorize()])
                 + cpu_pipeline.dataflow_lower_passes(resolved)
-                + cpu_pipeline.finalize_passes(resolved)
+                + _with_arena(cpu_pipeline.finalize_passes(resolved))
             )
             return tvm.transform.Sequential(passes)(mod)
 
     return _pipeline
+
+
+def _with_arena(passes: list) -> list:
+    """TVM's finalizing passes with :func:`~tvm_ext.transform.arena.plan_arena` right after its
+    memory planner."""
+    names = [p.info.name for p in passes]
+    if "StaticPlanBlockMemory" not in names:
+        raise RuntimeError(f"tvm_ext: TVM's finalize passes no longer plan memory: {names}")
+    at = names.index("StaticPlanBlockMemory") + 1
+    return passes[:at] + [plan_arena()] + passes[at:]
 
 
 def _cuda_pipeline(target: tvm.target.Target, tensor_cores: bool | str, winograd: bool) -> tvm.transform.Pass:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from reference import kernel_calls, random_conv_cases, rel_err, torch_conv
+from reference import built_kernels, kernel_calls, random_conv_cases, rel_err, torch_conv
 from tvm import relax
 
 import tvm_ext
@@ -123,6 +123,73 @@ def test_weight_gradient_crops_what_no_tap_reads():
     assert weight_gradient_input(wl) == ((15, 15), (0, 0, 0, 0))
     wl = Conv2dWorkload.make((1, 8, 16, 16), (16, 8, 1, 1), 2, 0)  # the last row and column unread
     assert weight_gradient_input(wl) == ((15, 15), (0, 0, 0, 0))
+
+
+def _two_conv_gradients(x_shape, first: dict, second: dict):
+    """main(x, w1, w2) = sum(conv2(relu(conv1(x))) * r): the module
+    differentiated for w1 and w2, and a check of both gradients against float64 autograd."""
+    op = relax.op
+    c = x_shape[1]
+    w1_shape, w2_shape = (first["K"], c, first["k"], first["k"]), (second["K"], first["K"], second["k"], second["k"])
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(x_shape, "float32"))
+    w1 = relax.Var("w1", relax.TensorType(w1_shape, "float32"))
+    w2 = relax.Var("w2", relax.TensorType(w2_shape, "float32"))
+
+    def torch_forward(xt, w1t, w2t):
+        h = torch.relu(torch_conv(xt, w1t, first["stride"], first["padding"], 1, 1))
+        return torch_conv(h, w2t, second["stride"], second["padding"], 1, 1)
+
+    out_shape = tuple(torch_forward(torch.zeros(x_shape), torch.zeros(w1_shape), torch.zeros(w2_shape)).shape)
+    r = np.random.default_rng(3).standard_normal(out_shape).astype(np.float32)
+    with bb.function("main", [x, w1, w2]):
+        with bb.dataflow():
+            h = bb.emit(op.nn.relu(op.nn.conv2d(x, w1, strides=first["stride"], padding=first["padding"])))
+            y = bb.emit(op.nn.conv2d(h, w2, strides=second["stride"], padding=second["padding"]))
+            loss = bb.emit_output(op.sum(op.multiply(y, relax.const(r))))
+        bb.emit_func_output(loss)
+    mod = relax.transform.Gradient("main", require_grads=[w1, w2])(bb.get())
+    rng = np.random.default_rng(5)
+    values = [rng.standard_normal(shape).astype(np.float32) for shape in (x_shape, w1_shape, w2_shape)]
+    _, grads = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main_adjoint"](
+        *(tvm.runtime.tensor(v) for v in values))
+    tensors = [torch.from_numpy(v).double().requires_grad_() for v in values]
+    (torch_forward(*tensors) * torch.from_numpy(r).double()).sum().backward()
+    for got, tensor in zip(grads, tensors[1:]):
+        assert rel_err(got.numpy(), tensor.grad.numpy()) <= 1e-5
+    return mod
+
+
+def test_weight_gradient_reads_the_blocked_input_not_a_cropped_copy():
+    """A 1x1 stride-2 convolution over 14 rows reads 13 of them: the gradient crops the 14th off,
+    but the kernel reads x whole, in the blocks the forward wrote it (before: the forward also kept
+    x in NCHW, for a strided_slice and a repack at the weight gradient)."""
+    mod = _two_conv_gradients((2, 8, 14, 14), {"K": 16, "k": 3, "stride": 1, "padding": 1},
+                              {"K": 32, "k": 1, "stride": 2, "padding": 0})
+    kernels = built_kernels(mod, TARGET)
+    assert "tvm_ext_conv2d_backward_weight_2x16x14x14_32x1x1_s2x2_p0x0x0x0_d1x1_g1_x16y32" in kernels, kernels
+    assert not any(name.startswith("strided_slice") or "13x13" in name for name in kernels), kernels
+
+
+def test_weight_gradient_of_a_user_crop_keeps_it():
+    """The weight gradient of a 3x3 stride-2 convolution with a border over x[..., :49, :49]: its
+    taps read the bottom padding, which in x is a row past the crop: the kernel reads the crop."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, 8, 50, 50), "float32"))
+    dy = relax.Var("dy", relax.TensorType((2, 16, 25, 25), "float32"))
+    with bb.function("main", [x, dy]):
+        crop = bb.emit(relax.op.strided_slice(x, axes=[2, 3], begin=[0, 0], end=[49, 49]))
+        bb.emit_func_output(bb.emit(relax.op.nn.conv2d(crop, dy, strides=1, padding=1, dilation=2, data_layout="CNHW",
+                                                       kernel_layout="IOHW", out_layout="CNHW")))
+    rng = np.random.default_rng(6)
+    xv = rng.standard_normal((2, 8, 50, 50)).astype(np.float32)
+    dyv = rng.standard_normal((2, 16, 25, 25)).astype(np.float32)
+    built = tvm_ext.build(bb.get(), TARGET)
+    assert any("conv2d_backward_weight" in name for name in built_kernels(bb.get(), TARGET))
+    got = relax.VirtualMachine(built, tvm.cpu())["main"](tvm.runtime.tensor(xv), tvm.runtime.tensor(dyv)).numpy()
+    expected = torch.nn.grad.conv2d_weight(torch.from_numpy(xv[:, :, :49, :49]).double(), (16, 8, 3, 3),
+                                           torch.from_numpy(dyv).double(), stride=2, padding=1).numpy()
+    assert rel_err(got, expected) <= 1e-5
 
 
 def test_dispatch_report_names_a_missing_function():

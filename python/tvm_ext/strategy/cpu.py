@@ -254,7 +254,7 @@ class CpuEmitter:
         if not isinstance(plan, _weight_grad.WeightGradPlan):
             raise UnsupportedError(f"{decision.op} {decision.shapes}: a {type(plan).__name__} is not a weight gradient")
         x, dy = call.args
-        plan = dataclasses.replace(plan, bias=bias)
+        x, plan = self._uncropped(x, dataclasses.replace(plan, bias=bias))
         known_x, known_dy = self.blocked(x), self.blocked(dy, padded=True)
         if known_x is not None or known_dy is not None:  # read as the graph's kernels wrote them, if a tile fits
             with contextlib.suppress(ValueError):
@@ -278,6 +278,27 @@ class CpuEmitter:
         if plan.OCB * plan.oc_bn != wl.K:
             db = self.bb.emit(relax.op.strided_slice(db, axes=[0], begin=[0], end=[wl.K]))
         return dw, db
+
+    def _uncropped(self, x: relax.Expr, plan: _weight_grad.WeightGradPlan) -> tuple[relax.Expr, _weight_grad.WeightGradPlan]:
+        """x as it was before the gradient cropped the rows and columns no tap reads
+        (:func:`~tvm_ext.transform.gradients.weight_gradient_input`), and the plan over it: the
+        kernel reads only the taps' pixels, and the whole x is the tensor the forward kept in
+        blocks (a strided convolution's x otherwise stays alive in NCHW for the crop)."""
+        value = self.bb.lookup_binding(x) if isinstance(x, relax.Var) else None
+        if not (isinstance(value, relax.Call) and value.op == tvm.ir.Op.get("relax.strided_slice")
+                and len(value.args) == 4):  # no strides: a crop
+            return x, plan
+        source = value.args[0]
+        shape = image_shape(source)
+        axes, begin = ([int(field.value) for field in arg.fields] for arg in value.args[1:3])
+        if sorted(axes) != [2, 3] or any(begin) or shape is None or not all(isinstance(d, int) for d in shape):
+            return x, plan
+        wl = dataclasses.replace(plan.wl, H=shape[2], W=shape[3])
+        # the reads stay inside the crop only if no border padding follows it
+        grown_border = (wl.H > plan.wl.H and wl.padding[2]) or (wl.W > plan.wl.W and wl.padding[3])
+        if grown_border or (wl.OH, wl.OW) != (plan.wl.OH, plan.wl.OW):
+            return x, plan
+        return source, dataclasses.replace(plan, wl=wl)
 
     def _winograd_conv2d(self, plan: _conv.Conv2dPlan, weight: np.ndarray, data: relax.Expr,
                          bias: np.ndarray | relax.Expr | None, residual: relax.Expr | None,
