@@ -137,7 +137,7 @@ def _step_functions(sides: tuple[str, ...]) -> tuple[dict, float]:
 
         def ours() -> None:
             _, grads = adjoint(xt, *tensors)
-            for param, grad in zip(params, grads):  # SGD in NumPy, on the VM's tensors
+            for param, grad in zip(params, grads, strict=True):  # SGD in NumPy, on the VM's tensors
                 step = np.from_dlpack(grad)
                 step *= -lr
                 param += step

@@ -155,7 +155,7 @@ def _two_conv_gradients(x_shape, first: dict, second: dict):
         *(tvm.runtime.tensor(v) for v in values))
     tensors = [torch.from_numpy(v).double().requires_grad_() for v in values]
     (torch_forward(*tensors) * torch.from_numpy(r).double()).sum().backward()
-    for got, tensor in zip(grads, tensors[1:]):
+    for got, tensor in zip(grads, tensors[1:], strict=True):
         assert rel_err(got.numpy(), tensor.grad.numpy()) <= 1e-5
     return mod
 

@@ -279,15 +279,17 @@ class CpuEmitter:
             db = self.bb.emit(relax.op.strided_slice(db, axes=[0], begin=[0], end=[wl.K]))
         return dw, db
 
-    def _uncropped(self, x: relax.Expr, plan: _weight_grad.WeightGradPlan) -> tuple[relax.Expr, _weight_grad.WeightGradPlan]:
+    def _uncropped(self, x: relax.Expr,
+                   plan: _weight_grad.WeightGradPlan) -> tuple[relax.Expr, _weight_grad.WeightGradPlan]:
         """x as it was before the gradient cropped the rows and columns no tap reads
         (:func:`~tvm_ext.transform.gradients.weight_gradient_input`), and the plan over it: the
         kernel reads only the taps' pixels, and the whole x is the tensor the forward kept in
         blocks (a strided convolution's x otherwise stays alive in NCHW for the crop)."""
         value = self.bb.lookup_binding(x) if isinstance(x, relax.Var) else None
-        if not (isinstance(value, relax.Call) and value.op == tvm.ir.Op.get("relax.strided_slice")
-                and len(value.args) == 4):  # no strides: a crop
+        if value is None or not isinstance(value, relax.Call):
             return x, plan
+        if value.op != tvm.ir.Op.get("relax.strided_slice") or len(value.args) != 4:
+            return x, plan  # (a fifth argument: strides, not a crop)
         source = value.args[0]
         shape = image_shape(source)
         axes, begin = ([int(field.value) for field in arg.fields] for arg in value.args[1:3])

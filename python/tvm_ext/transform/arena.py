@@ -61,7 +61,7 @@ def _offsets(tensors: dict[relax.Var, tuple[int, int, int]]) -> tuple[dict[relax
     for var, (nbytes, first, last) in sorted(tensors.items(), key=lambda item: (-item[1][0], item[1][1])):
         need = -(-nbytes // ALIGNMENT) * ALIGNMENT
         offset = 0
-        for start, end, a, b in sorted(p for p in placed if p[2] <= last and first <= p[3]):
+        for start, end, _, _ in sorted(p for p in placed if p[2] <= last and first <= p[3]):
             if start - offset >= need:
                 break
             offset = max(offset, end)
@@ -79,6 +79,7 @@ def _plan(func: relax.Function) -> relax.Function:
     storages: dict[relax.Var, relax.Call] = {}  # planned storages of constant size
     tensors: dict[relax.Var, list] = {}  # tensor -> [bytes, first, last, storage]
     aliases: dict[relax.Var, set[relax.Var]] = {}  # variable -> the tensors it may point into
+    hosted: dict[relax.Var, list[relax.Var]] = {}  # storage -> its tensors
     for index, binding in enumerate(bindings):
         value = binding.value
         if isinstance(value, (relax.If, relax.Function)):
@@ -90,6 +91,7 @@ def _plan(func: relax.Function) -> relax.Function:
             continue
         tensor = _call_of(binding, _ALLOC_TENSOR)
         if tensor is not None and tensor.args[0] in storages:
+            hosted.setdefault(tensor.args[0], []).append(binding.var)
             nbytes = _tensor_bytes(tensor)
             if nbytes is not None:
                 tensors[binding.var] = [nbytes, index, index, tensor.args[0]]
@@ -107,17 +109,21 @@ def _plan(func: relax.Function) -> relax.Function:
     for var, (nbytes, first, last, storage) in tensors.items():
         _, device, scope, _ = storages[storage].args
         groups.setdefault((str(device), str(scope)), {})[var] = (nbytes, first, last)
-    if not any(len(group) > 1 for group in groups.values()):
-        return func
     arenas, placement = [], {}
     for group in groups.values():
         offsets, size = _offsets(group)
+        moved = {tensors[var][3] for var in group}
+        freed = [storage for storage in moved if all(var in group for var in hosted[storage])]
+        if size >= sum((_constant_ints(storages[storage].args[0]) or [0])[0] for storage in freed):
+            continue  # the storages pack these tensors as tightly already (greedy is not optimal)
         first_storage = storages[tensors[next(iter(group))][3]]
         arena = relax.Var("tvm_ext_arena", relax.ObjectType())
         _, device, scope, dtype = first_storage.args
         arenas.append(relax.VarBinding(arena, relax.op.memory.alloc_storage(
             relax.ShapeExpr([size]), device, scope, dtype)))
         placement.update({var: (arena, offset) for var, offset in offsets.items()})
+    if not placement:
+        return func
     still_used = set()
     for binding in bindings:  # storages with a tensor left in them (a returned one, a symbolic shape)
         tensor = _call_of(binding, _ALLOC_TENSOR)
