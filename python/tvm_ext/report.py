@@ -147,10 +147,12 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
                     for call in rest:
                         row(call, "channel_affine")
                     return
-                conv = next(c for c in calls if isinstance(c.op, tvm.ir.Op) and c.op.name == "relax.nn.conv2d")
+                heads = ("relax.nn.conv2d", "relax.grad.max_pool2d_backward")  # what the kernel is
+                conv = next(c for c in calls if isinstance(c.op, tvm.ir.Op) and c.op.name in heads)
                 kernel = decide(conv, resolved, engine, winograd).kernel
                 params = list(fused[expr.op].params)
-                matmul = matmul_shapes(*[expr.args[params.index(arg)] if arg in params else arg for arg in conv.args])
+                matmul = matmul_shapes(*[expr.args[params.index(arg)] if arg in params else arg for arg in conv.args]
+                                       ) if conv.op.name == "relax.nn.conv2d" else None
                 for call in calls:
                     if isinstance(call.op, tvm.ir.Op):
                         row(call, kernel, matmul=matmul if call.same_as(conv) else None)

@@ -44,6 +44,53 @@ def test_nan_and_minus_infinity_windows():
     np.testing.assert_array_equal(ops.max_pool2d_backward(dy, x, 2), _expected(x, dy, 2, 2, 0, 1, False))
 
 
+def _blocked_kernel(dy, x, relu_mask, *pool):
+    """The graphs' blocked kernel on NCHW arrays: channels packed in blocks of 16 (zeros past C)."""
+    import tvm
+
+    import tvm_ext
+    from tvm_ext.kernels.pool2d import Pool2dWorkload
+    from tvm_ext.kernels.pool2d_backward import max_pool2d_backward_blocked_func
+
+    block, (n, c, h, w) = 16, x.shape
+    blocks = -(-c // block)
+
+    def packed(a):
+        full = np.zeros((a.shape[0], blocks * block, *a.shape[2:]), np.float32)
+        full[:, :c] = a
+        return np.ascontiguousarray(full.reshape(a.shape[0], blocks, block, *a.shape[2:]).transpose(0, 1, 3, 4, 2))
+
+    wl = Pool2dWorkload.make((n, blocks * block, h, w), "max", *pool)
+    kernel = tvm.compile(max_pool2d_backward_blocked_func(wl, block, relu_mask), target=tvm_ext.resolve_target(None))
+    out = tvm.runtime.tensor(np.full((n, blocks, h, w, block), np.nan, np.float32))
+    kernel(tvm.runtime.tensor(packed(dy)), tvm.runtime.tensor(packed(x)), out)
+    return out.numpy().transpose(0, 1, 4, 2, 3).reshape(n, blocks * block, h, w)[:, :c]
+
+
+@pytest.mark.parametrize("relu_mask", [False, True])
+@pytest.mark.parametrize("shape,kernel,stride,padding,dilation,ceil_mode", [
+    ((2, 3, 11, 11), 3, 2, 1, 1, False),
+    ((1, 20, 8, 8), 2, 2, 0, 1, False),
+    ((1, 2, 9, 7), 3, 2, 1, 2, True),
+    ((3, 5, 10, 13), (3, 2), (1, 2), (1, 1), (1, 2), True),
+])
+def test_blocked_kernel_matches_autograd(shape, kernel, stride, padding, dilation, ceil_mode, relu_mask):
+    """Each lane of a vector keeps its own maximum and tap; ties, a relu's zeros, NaN and -inf
+    windows as PyTorch; with `relu_mask`, relu's gradient of x too."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[:, :, :3, :3] = 0.25
+    x = np.where(rng.random(shape) < 0.3, 0.0, x).astype(np.float32)
+    x[0, 0, 0, 1], x[0, -1, -2:, -2:] = np.nan, -np.inf
+    y = torch.nn.functional.max_pool2d(torch.from_numpy(x), kernel, stride, padding, dilation, ceil_mode=ceil_mode)
+    dy = rng.standard_normal(tuple(y.shape)).astype(np.float32)
+    expected = _expected(x, dy, kernel, stride, padding, dilation, ceil_mode)
+    if relu_mask:
+        expected = np.where(x > 0, expected, 0)
+    got = _blocked_kernel(dy, x, relu_mask, kernel, stride, padding, dilation, ceil_mode)
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
 def test_bad_input_raises():
     with pytest.raises(ValueError, match="dy has shape"):
         ops.max_pool2d_backward(np.ones((1, 2, 3, 3), np.float32), np.ones((1, 2, 8, 8), np.float32), 2)

@@ -252,6 +252,13 @@ def test_stem_max_pool_gradient_matches_autograd(producer):
     h = torch.relu(xt) if producer == "relu" else torch.nn.functional.conv2d(xt, wt, padding=1)
     (torch.nn.functional.max_pool2d(h, 3, 2, 1) * torch.from_numpy(r).double()).sum().backward()
     assert rel_err(dx.numpy(), xt.grad.numpy()) <= 1e-5
+    # the pooling's gradient on the blocked kernel; after a relu, with the relu's gradient fused
+    pooling = [name for name in built_kernels(mod, TARGET) if name.startswith("tvm_ext_max_pool2d_backward")]
+    assert len(pooling) == 1 and pooling[0].endswith("_relu_mask") == (producer == "relu"), pooling
+    if producer == "relu":
+        assert not any("where" in name for name in built_kernels(mod, TARGET))
+        report = tvm_ext.dispatch_report(mod, TARGET, function="main_adjoint")
+        assert {row.kernel for row in report if row.op in ("where", "greater")} == {"max_pool2d_backward epilogue"}
 
 
 def test_aligned_accesses_tells_rows_from_windows():

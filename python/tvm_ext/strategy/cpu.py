@@ -420,13 +420,25 @@ class CpuEmitter:
         out = self._call(_layer_norm.layer_norm_func(norm), f"tvm_ext_layer_norm_{norm.tag()}", args, norm.shape)
         return self.unpack(out, channels)
 
+    def max_pool2d_backward(self, call: relax.Call, relu_mask: bool = False) -> relax.Expr:
+        """max_pool2d_backward(dY, x) in blocks (those x or dY were written in, else a vector's
+        lanes); `relu_mask`: also relu's gradient of x, where(x > 0, dX, 0)."""
+        wl = max_pool2d_backward_workload(call)
+        dy, x = call.args[:2]
+        known = self.blocked(x, padded=True) or self.blocked(dy, padded=True)
+        block = known[1] if known is not None else self.isa.lanes
+        blocks = -(-wl.C // block)
+        wl = dataclasses.replace(wl, C=blocks * block)  # padded channels: finite, their gradient ignored
+        func = _pool_backward.max_pool2d_backward_blocked_func(wl, block, relu_mask)
+        name = (f"tvm_ext_max_pool2d_backward_{wl.N}x{blocks}x{wl.H}x{wl.W}x{block}_{_pool_tag(wl)}"
+                f"{'_relu_mask' if relu_mask else ''}")
+        out = self._call(func, name, [self.pack(dy, block, padded=True), self.pack(x, block, padded=True)],
+                         (wl.N, blocks, wl.H, wl.W, block))
+        return self.unpack(out, known_shape(image_shape(x), "max_pool2d_backward: the data")[1])
+
     def other_op(self, call: relax.Call, decision: Decision) -> relax.Expr:
-        if decision.kernel == "max_pool2d_backward":  # NCHW in and out
-            wl = max_pool2d_backward_workload(call)
-            shape = (wl.N, wl.C, wl.H, wl.W)
-            return self._call_tir(_pool_backward.max_pool2d_backward_func(wl),
-                                  f"tvm_ext_max_pool2d_backward_{'x'.join(map(str, shape))}_{_pool_tag(wl)}",
-                                  list(call.args[:2]), shape)
+        if decision.kernel == "max_pool2d_backward":
+            return self.max_pool2d_backward(call)
         if decision.kernel == "channel_affine":  # a concatenation
             return self.channel_affine(list(call.args[0].fields))
         if decision.kernel == "layer_norm":

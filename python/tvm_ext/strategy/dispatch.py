@@ -19,7 +19,7 @@ from .cpu import CpuEmitter
 from .cuda import CudaEmitter
 from .cuda_engine import engine_for
 from .decide import decide
-from .fusion import affine_of, epilogue_of
+from .fusion import affine_of, epilogue_of, pool_gradient_of
 
 logger = logging.getLogger("tvm_ext")
 
@@ -141,6 +141,11 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                 return self.emitter.channel_affine([call.args[i] for i in inputs],
                                                    None if scale is None else scale.value.numpy(),
                                                    None if shift is None else shift.value.numpy(), activation)
+            if composite.startswith("tvm_ext.max_pool2d_backward") and isinstance(self.emitter, CpuEmitter):
+                pool, params = pool_gradient_of(func), list(func.params)
+                pool = relax.Call(pool.op, [call.args[params.index(a)] if a in params else a for a in pool.args],
+                                  pool.attrs)
+                return self.emitter.max_pool2d_backward(pool, relu_mask=True)
             if not composite.startswith("tvm_ext.conv2d"):
                 return call
             conv, bias, residual, activation, mask = epilogue_of(func)

@@ -14,7 +14,7 @@ from ..transform import channels_last_as_nchw, fold_batch_norm, matmul_as_conv2d
 from .base import ACTIVATION_OPS, Activation, activation_at, scalar_constant
 from .decide import channel_affine_reason, decide, epilogue_activation
 
-__all__ = ["Mask", "affine_of", "epilogue_of", "fusion_passes", "fusion_patterns"]
+__all__ = ["Mask", "affine_of", "epilogue_of", "fusion_passes", "fusion_patterns", "pool_gradient_of"]
 
 
 def reads_inside_or_leaks(ctx) -> bool:
@@ -177,7 +177,41 @@ def fusion_patterns(target: tvm.target.Target) -> list:
             annotations["mask_out"] = out
             patterns.append(relax.transform.FusionPattern(f"{name}_{mask}_mask", out, annotations, check))
     patterns.sort(key=lambda p: -p.name.count("_"))
-    return patterns + _affine_patterns(target)
+    return patterns + _affine_patterns(target) + _pool_gradient_patterns(target)
+
+
+def _pool_gradient_patterns(target: tvm.target.Target) -> list:
+    """where(x > 0, max_pool2d_backward(dY, x), 0): a max pooling's gradient and the gradient of
+    the relu whose output x it pooled (ResNet's stem), one blocked kernel call
+    (:func:`~tvm_ext.kernels.pool2d_backward.max_pool2d_backward_blocked_func`). CPUs only."""
+    from tvm.relax.dpl import is_op, wildcard
+
+    def check(ctx) -> bool:
+        if target.kind.name != "llvm" or reads_inside_or_leaks(ctx):
+            return False
+        pool, mask = ctx.annotated_expr["pool"], ctx.annotated_expr["mask"]
+        mask = ctx.value_to_bound_var.get(mask, mask)  # (the matcher gives a bound variable's value)
+        if decide(pool, target).kernel != "max_pool2d_backward" or not mask.same_as(pool.args[1]):
+            return False  # the mask must be the pooling's own input
+        bindings = ctx.matched_bindings
+        value_of = lambda e: bindings.get(e, e) if isinstance(e, relax.Var) else e  # noqa: E731
+        found = _mask_of(value_of(ctx.annotated_expr["mask_out"]), value_of)
+        return found is not None and found[1] == "relu"
+
+    pool = is_op("relax.grad.max_pool2d_backward")(wildcard(), wildcard())
+    out, y = _mask_pattern(pool, "relu")
+    return [relax.transform.FusionPattern("tvm_ext.max_pool2d_backward_relu_mask", out,
+                                          {"pool": pool, "mask": y, "mask_out": out}, check)]
+
+
+def pool_gradient_of(func: relax.Function) -> relax.Call:
+    """Read a composite of :func:`_pool_gradient_patterns`: its max_pool2d_backward call (whose
+    arguments are the composite's params, or constants bound into it)."""
+    _, value_of, expr, _ = _read_from_output(func)
+    pool = value_of(expr.args[1]) if _is_op(expr, "relax.where") else None
+    if not _is_op(pool, "relax.grad.max_pool2d_backward"):
+        raise ValueError(f"tvm_ext: a fused pooling gradient is not where(x > 0, max_pool2d_backward(dY, x), 0): {expr}")
+    return pool
 
 
 def _affine_patterns(target: tvm.target.Target) -> list:
