@@ -210,7 +210,8 @@ def pool_gradient_of(func: relax.Function) -> relax.Call:
     _, value_of, expr, _ = _read_from_output(func)
     pool = value_of(expr.args[1]) if _is_op(expr, "relax.where") else None
     if not _is_op(pool, "relax.grad.max_pool2d_backward"):
-        raise ValueError(f"tvm_ext: a fused pooling gradient is not where(x > 0, max_pool2d_backward(dY, x), 0): {expr}")
+        raise ValueError(f"tvm_ext: a fused pooling gradient is not where(x > 0, max_pool2d_backward(dY, x), 0): "
+                         f"{expr}")
     return pool
 
 
