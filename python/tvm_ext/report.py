@@ -16,7 +16,7 @@ from tvm import relax
 from .errors import UnsupportedError
 from .pipeline import check_images_per_call
 from .relax_info import static_shape
-from .strategy.base import Decision
+from .strategy.base import Decision, scalar_constant
 from .strategy.cuda_engine import engine_for
 from .strategy.decide import decide
 from .strategy.dispatch import weight_and_bias_gradients
@@ -89,6 +89,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
         plumbing = _split_plumbing(func, bindings, stages) if name == "main" else []
         pairs = weight_and_bias_gradients(func, resolved) if resolved.kind.name == "llvm" else {}
         bias_sums = [bindings[db_var] for _, db_var, _ in pairs.values()]
+        interleaves = _phase_interleaves(bindings, fused, resolved) if resolved.kind.name == "llvm" else []
 
         def reshaped_matrix(expr: relax.Expr, transposed: bool) -> bool:
             """Whether `expr` is a reshape of a 2-D tensor (of a transposed one, if `transposed`)."""
@@ -129,7 +130,11 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
         def visit(expr) -> None:
             if not isinstance(expr, relax.Call) or any(expr.same_as(p) for p in plumbing):
                 return
-            if isinstance(expr.op, tvm.ir.Op) and any(expr.same_as(summed) for summed in bias_sums):
+            if any(expr.same_as(part) for part in interleaves):
+                report.append(DispatchRow(expr.op.name.removeprefix("relax."), (static_shape(expr),),
+                                          "interleave_phases",
+                                          "a strided convolution's dX from its stride phases, in blocks", runs))
+            elif isinstance(expr.op, tvm.ir.Op) and any(expr.same_as(summed) for summed in bias_sums):
                 shapes = (static_shape(expr.args[0]), static_shape(expr))
                 report.append(DispatchRow(expr.op.name.removeprefix("relax."), shapes, "conv2d_backward_weight",
                                           "the bias gradient: dY summed by its weight gradient's kernel", runs))
@@ -162,6 +167,58 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
     for name, runs in stages.items():
         report_function(name, runs)
     return report
+
+
+def _phase_interleaves(bindings: dict, mod: tvm.IRModule, target: tvm.target.Target) -> list[relax.Call]:
+    """The calls of each strided convolution's dX that the CPU lowering turns into one
+    interleave_phases kernel (`CpuEmitter.interleaved_phases`): the stride phases' zeros, pads,
+    stacks, reshape and crop, and a relu mask after them, where every phase with taps is a
+    convolution on a tvm_ext kernel (fused or not)."""
+    def value(expr, op: str):
+        found = bindings.get(expr) if isinstance(expr, relax.Var) else None
+        return found if _is_call_to(found, op) else None
+
+    def on_kernel(part) -> bool:
+        call = bindings.get(part) if isinstance(part, relax.Var) else None
+        if _is_call_to(call, "relax.nn.conv2d"):
+            return decide(call, target).kernel is not None
+        return (_is_call(call) and isinstance(call.op, tvm.ir.GlobalVar)
+                and str((mod[call.op].attrs or {}).get("Composite", "")).startswith("tvm_ext.conv2d"))
+
+    found: list[relax.Call] = []
+    for crop in bindings.values():
+        whole = value(crop.args[0], "relax.reshape") if _is_call_to(crop, "relax.strided_slice") else None
+        stacked = value(whole.args[0], "relax.stack") if whole is not None else None
+        if stacked is None or not isinstance(stacked.args[0], relax.Tuple):
+            continue
+        rows = [value(field, "relax.stack") for field in stacked.args[0].fields]
+        if any(row is None or not isinstance(row.args[0], relax.Tuple) for row in rows):
+            continue
+        calls, convs = [crop, whole, stacked, *rows], 0
+        for part in (field for row in rows if row is not None for field in row.args[0].fields):
+            zeros, padded = value(part, "relax.zeros"), value(part, "relax.nn.pad")
+            if zeros is not None:
+                calls.append(zeros)
+                continue
+            if padded is not None:
+                calls.append(padded)
+                part = padded.args[0]
+            if not on_kernel(part):
+                break
+            convs += 1
+        else:
+            if convs:
+                found += calls
+    crops = [call for call in found if _is_call_to(call, "relax.strided_slice")]
+    for where in list(bindings.values()):  # where(y > 0, dX, 0) after one: the kernel's mask
+        kept = bindings.get(where.args[1]) if _is_call_to(where, "relax.where") else None
+        if kept is None or not any(crop.same_as(kept) for crop in crops):
+            continue
+        condition = value(where.args[0], "relax.greater")
+        zero_below = scalar_constant(where.args[2]) == 0.0
+        if condition is not None and scalar_constant(condition.args[1]) == 0.0 and zero_below:
+            found += [where, condition]
+    return found
 
 
 def _stage_runs(mod: tvm.IRModule) -> dict[str, int]:

@@ -67,6 +67,10 @@ def test_strided_gradient_runs_on_tvm_ext_kernels():
     calls = kernel_calls(mod, TARGET, function="main_adjoint")
     assert sum("brgemm_conv2d" in name for name in calls) == 1 + 4  # the forward and the phases
     assert sum("conv2d_backward_weight" in name for name in calls) == 1
+    kernels = built_kernels(mod, TARGET)  # the phases interleaved in blocks, not stacked in NCHW
+    assert sum(name.startswith("tvm_ext_interleave_phases_") and name.endswith("_s2x2_7x7_7x7_7x7_7x7")
+               for name in kernels) == 1, kernels
+    assert not any("stack" in name for name in kernels), kernels
     report = tvm_ext.dispatch_report(mod, TARGET, function="main_adjoint")
     assert not any(row.op == "nn.conv2d_transpose" for row in report)
     assert not any(row.op == "nn.conv2d" and row.kernel == "fallback" for row in report)
@@ -169,6 +173,38 @@ def test_weight_gradient_reads_the_blocked_input_not_a_cropped_copy():
     kernels = built_kernels(mod, TARGET)
     assert "tvm_ext_conv2d_backward_weight_2x16x14x14_32x1x1_s2x2_p0x0x0x0_d1x1_g1_x16y32" in kernels, kernels
     assert not any(name.startswith("strided_slice") or "13x13" in name for name in kernels), kernels
+    # dX: the one phase with taps and three of zeros interleaved in blocks, with the relu's mask
+    assert "tvm_ext_interleave_phases_2x1x14x14x16_s2x2_7x7_0_0_0_relu_mask" in kernels, kernels
+    assert not any("stack" in name for name in kernels), kernels
+    report = tvm_ext.dispatch_report(mod, TARGET, function="main_adjoint")
+    assert {row.kernel for row in report if row.op in ("stack", "zeros", "where", "greater")} == {"interleave_phases"}
+
+
+@pytest.mark.parametrize("stride,relu_mask", [((2, 2), False), ((2, 2), True), ((3, 2), True)])
+def test_interleave_phases_kernel(stride, relu_mask):
+    """Phases (some zero, some covering fewer pixels than their share) into every s-th pixel."""
+    from tvm_ext.kernels.conv2d_backward_data import interleave_phases_func
+
+    n, blocks, h, w, block = 2, 2, 7, 9, 16
+    rng = np.random.default_rng(2)
+    sh, sw = stride
+    phases = []
+    for a in range(sh):
+        for b in range(sw):
+            rows, cols = -(-(h - a) // sh), -(-(w - b) // sw)
+            phases.append(None if (a, b) == (0, 1) else (n, blocks, rows, cols - (a + b) % 2, block))
+    data = [rng.standard_normal(shape).astype(np.float32) for shape in phases if shape is not None]
+    y = rng.standard_normal((n, blocks, h, w, block)).astype(np.float32)
+    expected, used = np.zeros((n, blocks, h, w, block), np.float32), iter(data)
+    for index, shape in enumerate(phases):
+        if shape is not None:
+            expected[:, :, index // sw::sh, index % sw::sw][:, :, :shape[2], :shape[3]] = next(used)
+    if relu_mask:
+        expected = np.where(y > 0, expected, 0)
+    kernel = tvm.compile(interleave_phases_func((n, blocks, h, w, block), stride, phases, relu_mask), target=TARGET)
+    out = tvm.runtime.tensor(np.full((n, blocks, h, w, block), np.nan, np.float32))
+    kernel(*[tvm.runtime.tensor(d) for d in data], *([tvm.runtime.tensor(y)] if relu_mask else []), out)
+    np.testing.assert_array_equal(out.numpy(), expected)
 
 
 def test_weight_gradient_of_a_user_crop_keeps_it():

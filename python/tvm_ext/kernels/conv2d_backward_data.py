@@ -21,11 +21,13 @@ import math
 from collections.abc import Sequence
 
 from tvm import s_tir, te, tirx
+from tvm.script.ir_builder import IRBuilder
+from tvm.tirx.script import builder as T
 
-from .common import KERNEL_ATTR, accept_user_alignment
+from .common import KERNEL_ATTR, accept_user_alignment, param_buffer
 from .conv2d import Conv2dWorkload
 
-__all__ = ["DataGradPhase", "data_gradient_phases", "phase_weight_func"]
+__all__ = ["DataGradPhase", "data_gradient_phases", "interleave_phases_func", "phase_weight_func"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,3 +123,37 @@ def phase_weight_func(w_shape: Sequence[int], groups: int, taps_h: Sequence[int]
     sch.reorder(c_outer, j_outer, j_inner, c_inner, r, s)
     sch.parallel(c_outer)
     return sch.mod["main"].with_attr(KERNEL_ATTR, "phase_weight")
+
+
+def interleave_phases_func(out_shape: Sequence[int], stride: tuple[int, int],
+                           phases: Sequence[Sequence[int] | None], relu_mask: bool = False) -> tirx.PrimFunc:
+    """dX (N, C/c, H, W, c) from its phases in blocks: phase (a, b) (row-major over the stride,
+    None where it is zero) is (N, C/c, rows, cols, c) and fills pixels (a + s_h * q, b + s_w * p).
+    Parameters: the non-zero phases in order, [the activation's output y, with `relu_mask`:
+    where(y > 0, dX, 0)], then dX. One task per image's channel block and phase, the block's
+    channels in vectors: each pixel of dX is written once (a zero phase's with zeros)."""
+    n, blocks, h, w, block = (int(v) for v in out_shape)
+    sh, sw = stride
+    with IRBuilder() as builder, T.prim_func(s_tir=True):
+        T.func_name("interleave_phases")
+        T.func_attr({"tirx.noalias": True, KERNEL_ATTR: "interleave_phases"})
+        inputs = [None if shape is None else param_buffer(f"phase{i}", (n, blocks, shape[2], shape[3], block))
+                  for i, shape in enumerate(phases)]
+        y = param_buffer("y", (n, blocks, h, w, block)) if relu_mask else None
+        dx = param_buffer("dx", (n, blocks, h, w, block))
+        for index, (source, shape) in enumerate(zip(inputs, phases, strict=True)):
+            a, b = index // sw, index % sw
+            rows, cols = -(-(h - a) // sh), -(-(w - b) // sw)
+            with T.sblock(f"phase{index}" if index else "root"), T.parallel(0, n * blocks) as task:
+                image, cb = T.Bind(task // blocks), T.Bind(task % blocks)
+                with T.grid(rows, cols) as (q, p), T.vectorized(0, block) as c:
+                    row, col = a + q * sh, b + p * sw
+                    if source is None or shape is None:
+                        value = T.float32(0)
+                    else:  # a phase's convolution may cover fewer pixels than its share of dX
+                        value = tirx.if_then_else(tirx.all(q < shape[2], p < shape[3]),
+                                                  source[image, cb, q, p, c], T.float32(0))
+                    if y is not None:
+                        value = tirx.Select(y[image, cb, row, col, c] > T.float32(0), value, T.float32(0))
+                    T.buffer_store(dx, value, [image, cb, row, col, c])
+    return builder.get()

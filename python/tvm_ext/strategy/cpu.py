@@ -15,6 +15,7 @@ from tvm import relax
 from ..errors import UnsupportedError
 from ..kernels import channel_affine as _affine
 from ..kernels import conv2d as _conv
+from ..kernels import conv2d_backward_data as _data_grad
 from ..kernels import conv2d_backward_weight as _weight_grad
 from ..kernels import elementwise as _elementwise
 from ..kernels import layer_norm as _layer_norm
@@ -28,7 +29,7 @@ from ..relax_info import image_shape, known_shape, symbolic_batch
 from ..target import vector_isa
 from ..tuning import pool_space as _pool_space
 from ..tuning import space as _space
-from .base import POOLS, Activation, Decision, add_kernel, alpha, channel_scale_operands, pool_workload
+from .base import POOLS, Activation, Decision, add_kernel, alpha, channel_scale_operands, pool_workload, scalar_constant
 from .decide import max_pool2d_backward_workload
 
 __all__ = ["CpuEmitter"]
@@ -82,6 +83,8 @@ class CpuEmitter:
         # padded blocked copies made (pad_nchwc), by (blocked tensor, border): a training graph's
         # forward convolution and its weight gradient read one
         self._padded: dict[tuple[relax.Var, tuple[int, ...]], relax.Var] = {}
+        # interleaved stride phases (blocked output -> the phases' operands), for a mask after them
+        self._interleaved: dict[relax.Var, tuple] = {}
 
     def blocked(self, expr: relax.Expr, padded: bool = False) -> tuple[relax.Expr, int] | None:
         """(the blocked tensor, its channel block) behind an NCHW view, if there is one.
@@ -418,6 +421,90 @@ class CpuEmitter:
                                      float(attrs.epsilon), bool(attrs.scale), bool(attrs.center))
         args = [known[0], *([gamma] if norm.scale else []), *([beta] if norm.center else [])]
         out = self._call(_layer_norm.layer_norm_func(norm), f"tvm_ext_layer_norm_{norm.tag()}", args, norm.shape)
+        return self.unpack(out, channels)
+
+    def _bound(self, expr: relax.Expr, op: str) -> relax.Call | None:
+        """The call of `op` bound to variable `expr`, if it is one."""
+        value = self.bb.lookup_binding(expr) if isinstance(expr, relax.Var) else None
+        if value is None or not isinstance(value, relax.Call) or value.op != tvm.ir.Op.get(op):
+            return None
+        return value
+
+    def interleaved_phases(self, call: relax.Call) -> relax.Expr | None:
+        """A strided convolution's dX as :mod:`~tvm_ext.transform.gradients` writes it (its stride
+        phases stacked, reshaped and cropped), or where(y > 0, that, 0) after it (relu's gradient),
+        as one blocked kernel reading the phases' convolutions as they wrote them
+        (:func:`~tvm_ext.kernels.conv2d_backward_data.interleave_phases_func`); None otherwise."""
+        if call.op == tvm.ir.Op.get("relax.where"):
+            return self._masked_phases(call)
+        if call.op != tvm.ir.Op.get("relax.strided_slice") or len(call.args) != 4:
+            return None
+        out_shape = image_shape(call)
+        axes, begin = ([int(field.value) for field in arg.fields] for arg in call.args[1:3])
+        whole = self._bound(call.args[0], "relax.reshape")
+        stacked = None if whole is None else self._bound(whole.args[0], "relax.stack")
+        if (out_shape is None or sorted(axes) != [2, 3] or any(begin) or stacked is None
+                or int(stacked.attrs.axis) != 3 or not isinstance(stacked.args[0], relax.Tuple)):
+            return None
+        rows = [self._bound(field, "relax.stack") for field in stacked.args[0].fields]
+        if any(row is None or int(row.attrs.axis) != 4 or not isinstance(row.args[0], relax.Tuple) for row in rows):
+            return None
+        parts = [list(row.args[0].fields) for row in rows if row is not None]
+        if len({len(fields) for fields in parts}) != 1:
+            return None
+        phases, block = [], None
+        for part in (field for fields in parts for field in fields):
+            if self._bound(part, "relax.zeros") is not None:
+                phases.append(None)
+                continue
+            padded = self._bound(part, "relax.nn.pad")
+            if padded is not None:  # zeros after the phase's pixels, to stack it: the kernel bounds it
+                widths = [int(v) for v in padded.attrs.pad_width]
+                if any(widths[:5]) or widths[6] or float(padded.attrs.pad_value) != 0.0:
+                    return None
+                part = padded.args[0]
+            known = self.blocked(part, padded=True)
+            if known is None or known[1] != (block or known[1]):
+                return None
+            block = known[1]
+            phases.append(known[0])
+        n, channels, h, w = out_shape
+        if block is None or any(p is not None and (image_shape(p) or (0, 0))[1] != -(-channels // block)
+                                for p in phases):
+            return None
+        return self._interleave(phases, (len(parts), len(parts[0])), (n, -(-channels // block), h, w, block),
+                                channels)
+
+    def _masked_phases(self, where: relax.Call) -> relax.Expr | None:
+        """where(y > 0, interleaved phases, 0): the interleave again, masked (the plain one is
+        dropped by dead-code elimination where nothing else reads it)."""
+        condition, kept, below = where.args
+        greater = self._bound(condition, "relax.greater")
+        unpacked = self._bound(kept, "relax.call_tir")
+        if greater is None or unpacked is None or scalar_constant(greater.args[1]) != 0.0:
+            return None
+        if scalar_constant(below) != 0.0:
+            return None
+        blocked = unpacked.args[1].fields[0] if unpacked.args[0].name_hint.startswith(_UNPACK) else None
+        if blocked not in self._interleaved:
+            return None
+        phases, stride, out_shape, channels = self._interleaved[blocked]
+        if image_shape(greater.args[0]) != image_shape(kept):
+            return None
+        return self._interleave(phases, stride, out_shape, channels, relu_of=greater.args[0])
+
+    def _interleave(self, phases: list, stride: tuple[int, int], out_shape: tuple, channels: int,
+                    relu_of: relax.Expr | None = None) -> relax.Expr:
+        shapes = [None if p is None else known_shape(image_shape(p), "interleave_phases: a phase") for p in phases]
+        func = _data_grad.interleave_phases_func(out_shape, stride, shapes, relu_of is not None)
+        tag = "_".join("0" if shape is None else f"{shape[2]}x{shape[3]}" for shape in shapes)
+        args = [p for p in phases if p is not None]
+        if relu_of is not None:
+            args.append(self.pack(relu_of, out_shape[4], padded=True))
+        name = (f"tvm_ext_interleave_phases_{'x'.join(map(str, out_shape))}_s{stride[0]}x{stride[1]}_{tag}"
+                f"{'_relu_mask' if relu_of is not None else ''}")
+        out = self._call(func, name, args, out_shape)
+        self._interleaved[out] = (phases, stride, out_shape, channels)
         return self.unpack(out, channels)
 
     def max_pool2d_backward(self, call: relax.Call, relu_mask: bool = False) -> relax.Expr:

@@ -122,6 +122,10 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                 return paired
             call = super().visit_call_(call)
             if isinstance(call.op, tvm.ir.Op):
+                if isinstance(self.emitter, CpuEmitter):  # a strided convolution's dX, from its phases
+                    interleaved = self.emitter.interleaved_phases(call)
+                    if interleaved is not None:
+                        return interleaved
                 decision = decide(call, target, self.engine, winograd)
                 if decision.kernel is None:
                     return call
