@@ -452,6 +452,17 @@ class CpuEmitter:
         parts = [list(row.args[0].fields) for row in rows if row is not None]
         if len({len(fields) for fields in parts}) != 1:
             return None
+        # exactly the layout the gradient writes: parts (N, C, R, Q) with pixel (r * sh + a, q * sw + b) of
+        # (N, C, R * sh, Q * sw) from part (a, b), every residue below the crop's H and W
+        n, channels, h, w = out_shape if out_shape is not None else (0, 0, 0, 0)
+        sh, sw = len(parts), len(parts[0])
+        part_shapes = {image_shape(part) for fields in parts for part in fields}
+        if len(part_shapes) != 1 or sh > h or sw > w:
+            return None
+        part_shape = part_shapes.pop()
+        if (part_shape is None or tuple(part_shape[:2]) != (n, channels)
+                or image_shape(whole) != (n, channels, part_shape[2] * sh, part_shape[3] * sw)):
+            return None
         phases, block = [], None
         for part in (field for fields in parts for field in fields):
             if self._bound(part, "relax.zeros") is not None:
@@ -468,12 +479,10 @@ class CpuEmitter:
                 return None
             block = known[1]
             phases.append(known[0])
-        n, channels, h, w = out_shape
         if block is None or any(p is not None and (image_shape(p) or (0, 0))[1] != -(-channels // block)
                                 for p in phases):
             return None
-        return self._interleave(phases, (len(parts), len(parts[0])), (n, -(-channels // block), h, w, block),
-                                channels)
+        return self._interleave(phases, (sh, sw), (n, -(-channels // block), h, w, block), channels)
 
     def _masked_phases(self, where: relax.Call) -> relax.Expr | None:
         """where(y > 0, interleaved phases, 0): the interleave again, masked (the plain one is
