@@ -16,12 +16,13 @@ from tvm import relax
 from .errors import UnsupportedError
 from .pipeline import check_images_per_call
 from .relax_info import static_shape
-from .strategy.base import Decision, scalar_constant
+from .strategy.base import Decision
 from .strategy.cuda_engine import engine_for
 from .strategy.decide import decide
 from .strategy.dispatch import weight_and_bias_gradients
-from .strategy.fusion import fusion_passes
+from .strategy.fusion import fusion_passes, mask_of
 from .target import TargetLike, resolve_target
+from .transform.gradients import read_phase_interleave
 from .transform.split_batch import runs_per_inference, split_batch
 
 
@@ -171,15 +172,14 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
 
 def _phase_interleaves(bindings: dict, mod: tvm.IRModule, target: tvm.target.Target) -> list[relax.Call]:
     """The calls of each strided convolution's dX that the CPU lowering turns into one
-    interleave_phases kernel (`CpuEmitter.interleaved_phases`): the stride phases' zeros, pads,
-    stacks, reshape and crop, and a relu mask after them, where every phase with taps is a
-    convolution on a tvm_ext kernel (fused or not)."""
-    def value(expr, op: str):
-        found = bindings.get(expr) if isinstance(expr, relax.Var) else None
-        return found if _is_call_to(found, op) else None
+    interleave_phases kernel (`CpuEmitter.interleaved_phases`): the chain
+    :func:`~tvm_ext.transform.gradients.read_phase_interleave` reads, and a relu mask after it,
+    where every phase with taps is a convolution on a tvm_ext kernel (fused or not)."""
+    def value_of(expr):
+        return bindings.get(expr) if isinstance(expr, relax.Var) else None
 
     def on_kernel(part) -> bool:
-        call = bindings.get(part) if isinstance(part, relax.Var) else None
+        call = value_of(part)
         if _is_call_to(call, "relax.nn.conv2d"):
             return decide(call, target).kernel is not None
         return (_is_call(call) and isinstance(call.op, tvm.ir.GlobalVar)
@@ -187,36 +187,19 @@ def _phase_interleaves(bindings: dict, mod: tvm.IRModule, target: tvm.target.Tar
 
     found: list[relax.Call] = []
     for crop in bindings.values():
-        whole = value(crop.args[0], "relax.reshape") if _is_call_to(crop, "relax.strided_slice") else None
-        stacked = value(whole.args[0], "relax.stack") if whole is not None else None
-        if stacked is None or not isinstance(stacked.args[0], relax.Tuple):
-            continue
-        rows = [value(field, "relax.stack") for field in stacked.args[0].fields]
-        if any(row is None or not isinstance(row.args[0], relax.Tuple) for row in rows):
-            continue
-        calls, convs = [crop, whole, stacked, *rows], 0
-        for part in (field for row in rows if row is not None for field in row.args[0].fields):
-            zeros, padded = value(part, "relax.zeros"), value(part, "relax.nn.pad")
-            if zeros is not None:
-                calls.append(zeros)
-                continue
-            if padded is not None:
-                calls.append(padded)
-                part = padded.args[0]
-            if not on_kernel(part):
-                break
-            convs += 1
-        else:
-            if convs:
-                found += calls
+        chain = read_phase_interleave(crop, value_of)
+        parts = [] if chain is None else [part for part in chain.parts if part is not None]
+        if chain is not None and parts and all(on_kernel(part) for part in parts):
+            found += chain.calls
     crops = [call for call in found if _is_call_to(call, "relax.strided_slice")]
     for where in list(bindings.values()):  # where(y > 0, dX, 0) after one: the kernel's mask
-        kept = bindings.get(where.args[1]) if _is_call_to(where, "relax.where") else None
+        kept = value_of(where.args[1]) if _is_call_to(where, "relax.where") else None
         if kept is None or not any(crop.same_as(kept) for crop in crops):
             continue
-        condition = value(where.args[0], "relax.greater")
-        zero_below = scalar_constant(where.args[2]) == 0.0
-        if condition is not None and scalar_constant(condition.args[1]) == 0.0 and zero_below:
+        condition = value_of(where.args[0])
+        mask = mask_of(where, lambda e: e if value_of(e) is None else value_of(e)) if _is_call_to(
+            condition, "relax.greater") else None
+        if mask is not None and mask[1] == "relu":
             found += [where, condition]
     return found
 

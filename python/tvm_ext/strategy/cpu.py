@@ -27,10 +27,12 @@ from ..kernels.batch_loop import batch_loop
 from ..kernels.conv2d import Epilogue
 from ..relax_info import image_shape, known_shape, symbolic_batch
 from ..target import vector_isa
+from ..transform.gradients import read_phase_interleave
 from ..tuning import pool_space as _pool_space
 from ..tuning import space as _space
-from .base import POOLS, Activation, Decision, add_kernel, alpha, channel_scale_operands, pool_workload, scalar_constant
+from .base import POOLS, Activation, Decision, add_kernel, alpha, channel_scale_operands, pool_workload
 from .decide import max_pool2d_backward_workload
+from .fusion import mask_of
 
 __all__ = ["CpuEmitter"]
 
@@ -423,84 +425,56 @@ class CpuEmitter:
         out = self._call(_layer_norm.layer_norm_func(norm), f"tvm_ext_layer_norm_{norm.tag()}", args, norm.shape)
         return self.unpack(out, channels)
 
-    def _bound(self, expr: relax.Expr, op: str) -> relax.Call | None:
-        """The call of `op` bound to variable `expr`, if it is one."""
-        value = self.bb.lookup_binding(expr) if isinstance(expr, relax.Var) else None
-        if value is None or not isinstance(value, relax.Call) or value.op != tvm.ir.Op.get(op):
-            return None
-        return value
+    def _value_of(self, expr: relax.Expr) -> relax.Expr | None:
+        """The value bound to variable `expr` in the function being built, else None."""
+        return self.bb.lookup_binding(expr) if isinstance(expr, relax.Var) else None
 
     def interleaved_phases(self, call: relax.Call) -> relax.Expr | None:
         """A strided convolution's dX as :mod:`~tvm_ext.transform.gradients` writes it (its stride
-        phases stacked, reshaped and cropped), or where(y > 0, that, 0) after it (relu's gradient),
-        as one blocked kernel reading the phases' convolutions as they wrote them
+        phases stacked, reshaped and cropped: :func:`~tvm_ext.transform.gradients.read_phase_interleave`),
+        or where(y > 0, that, 0) after it (relu's gradient), as one blocked kernel reading the
+        phases' convolutions as they wrote them
         (:func:`~tvm_ext.kernels.conv2d_backward_data.interleave_phases_func`); None otherwise."""
         if call.op == tvm.ir.Op.get("relax.where"):
             return self._masked_phases(call)
-        if call.op != tvm.ir.Op.get("relax.strided_slice") or len(call.args) != 4:
-            return None
-        out_shape = image_shape(call)
-        axes, begin = ([int(field.value) for field in arg.fields] for arg in call.args[1:3])
-        whole = self._bound(call.args[0], "relax.reshape")
-        stacked = None if whole is None else self._bound(whole.args[0], "relax.stack")
-        if (out_shape is None or sorted(axes) != [2, 3] or any(begin) or stacked is None
-                or int(stacked.attrs.axis) != 3 or not isinstance(stacked.args[0], relax.Tuple)):
-            return None
-        rows = [self._bound(field, "relax.stack") for field in stacked.args[0].fields]
-        if any(row is None or int(row.attrs.axis) != 4 or not isinstance(row.args[0], relax.Tuple) for row in rows):
-            return None
-        parts = [list(row.args[0].fields) for row in rows if row is not None]
-        if len({len(fields) for fields in parts}) != 1:
-            return None
-        # exactly the layout the gradient writes: parts (N, C, R, Q) with pixel (r * sh + a, q * sw + b) of
-        # (N, C, R * sh, Q * sw) from part (a, b), every residue below the crop's H and W
-        n, channels, h, w = out_shape if out_shape is not None else (0, 0, 0, 0)
-        sh, sw = len(parts), len(parts[0])
-        part_shapes = {image_shape(part) for fields in parts for part in fields}
-        if len(part_shapes) != 1 or sh > h or sw > w:
-            return None
-        part_shape = part_shapes.pop()
-        if (part_shape is None or tuple(part_shape[:2]) != (n, channels)
-                or image_shape(whole) != (n, channels, part_shape[2] * sh, part_shape[3] * sw)):
+        found = read_phase_interleave(call, self._value_of)
+        if found is None:
             return None
         phases, block = [], None
-        for part in (field for fields in parts for field in fields):
-            if self._bound(part, "relax.zeros") is not None:
-                phases.append(None)
-                continue
-            padded = self._bound(part, "relax.nn.pad")
-            if padded is not None:  # zeros after the phase's pixels, to stack it: the kernel bounds it
-                widths = [int(v) for v in padded.attrs.pad_width]
-                if any(widths[:5]) or widths[6] or float(padded.attrs.pad_value) != 0.0:
-                    return None
-                part = padded.args[0]
-            known = self.blocked(part, padded=True)
-            if known is None or known[1] != (block or known[1]):
+        for part in found.parts:
+            known = None if part is None else self.blocked(part, padded=True)
+            if part is not None and (known is None or known[1] != (block or known[1])):
                 return None
-            block = known[1]
-            phases.append(known[0])
+            if known is not None:
+                block = known[1]
+            phases.append(None if known is None else known[0])
+        n, channels, h, w = known_shape(image_shape(call), "interleave_phases: dX")
         if block is None or any(p is not None and (image_shape(p) or (0, 0))[1] != -(-channels // block)
                                 for p in phases):
             return None
-        return self._interleave(phases, (sh, sw), (n, -(-channels // block), h, w, block), channels)
+        return self._interleave(phases, found.stride, (n, -(-channels // block), h, w, block), channels)
 
     def _masked_phases(self, where: relax.Call) -> relax.Expr | None:
         """where(y > 0, interleaved phases, 0): the interleave again, masked (the plain one is
         dropped by dead-code elimination where nothing else reads it)."""
-        condition, kept, below = where.args
-        greater = self._bound(condition, "relax.greater")
-        unpacked = self._bound(kept, "relax.call_tir")
-        if greater is None or unpacked is None or scalar_constant(greater.args[1]) != 0.0:
+        def value_of(expr: relax.Expr) -> relax.Expr:
+            value = self._value_of(expr)
+            return expr if value is None else value
+
+        condition, kept = value_of(where.args[0]), where.args[1]
+        if not isinstance(condition, relax.Call) or condition.op != tvm.ir.Op.get("relax.greater"):
             return None
-        if scalar_constant(below) != 0.0:
+        found = mask_of(where, value_of)
+        unpacked = value_of(kept)
+        if found is None or found[1] != "relu" or not isinstance(unpacked, relax.Call):
             return None
-        blocked = unpacked.args[1].fields[0] if unpacked.args[0].name_hint.startswith(_UNPACK) else None
-        if blocked not in self._interleaved:
+        if unpacked.op != tvm.ir.Op.get("relax.call_tir") or not unpacked.args[0].name_hint.startswith(_UNPACK):
+            return None
+        blocked = unpacked.args[1].fields[0]
+        if blocked not in self._interleaved or image_shape(found[0]) != image_shape(kept):
             return None
         phases, stride, out_shape, channels = self._interleaved[blocked]
-        if image_shape(greater.args[0]) != image_shape(kept):
-            return None
-        return self._interleave(phases, stride, out_shape, channels, relu_of=greater.args[0])
+        return self._interleave(phases, stride, out_shape, channels, relu_of=found[0])
 
     def _interleave(self, phases: list, stride: tuple[int, int], out_shape: tuple, channels: int,
                     relu_of: relax.Expr | None = None) -> relax.Expr:

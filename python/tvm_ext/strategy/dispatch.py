@@ -146,16 +146,11 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                                                    None if scale is None else scale.value.numpy(),
                                                    None if shift is None else shift.value.numpy(), activation)
             if composite.startswith("tvm_ext.max_pool2d_backward") and isinstance(self.emitter, CpuEmitter):
-                pool, params = pool_gradient_of(func), list(func.params)
-                pool = relax.Call(pool.op, [call.args[params.index(a)] if a in params else a for a in pool.args],
-                                  pool.attrs)
-                return self.emitter.max_pool2d_backward(pool, relu_mask=True)
+                return self.emitter.max_pool2d_backward(_outside(pool_gradient_of(func), func, call), relu_mask=True)
             if not composite.startswith("tvm_ext.conv2d"):
                 return call
             conv, bias, residual, activation, mask = epilogue_of(func)
-            params = list(func.params)
-            conv = relax.Call(conv.op, [call.args[params.index(arg)] if arg in params else arg for arg in conv.args],
-                              conv.attrs)
+            conv = _outside(conv, func, call)
             suffix = "_" + str(func.attrs["Composite"]).split(".")[-1]
             out_channels = known_shape(static_shape(conv.args[1]), "conv2d: the weight")[:1]
             if isinstance(bias, int):  # computed at run time: one value per output channel, as an expression
@@ -183,6 +178,14 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
         return _drop_unused_kernels(lowered)
 
     return _pass
+
+
+def _outside(inner: relax.Call, composite: relax.Function, call: relax.Call) -> relax.Call:
+    """A call inside a composite function, with the composite's params replaced by the
+    arguments `call` passes it (constants bound inside stay)."""
+    params = list(composite.params)
+    return relax.Call(inner.op, [call.args[params.index(arg)] if arg in params else arg for arg in inner.args],
+                      inner.attrs)
 
 
 def weight_and_bias_gradients(func: relax.Function, target: tvm.target.Target) -> dict:

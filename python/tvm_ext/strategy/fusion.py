@@ -14,7 +14,7 @@ from ..transform import channels_last_as_nchw, fold_batch_norm, matmul_as_conv2d
 from .base import ACTIVATION_OPS, Activation, activation_at, scalar_constant
 from .decide import channel_affine_reason, decide, epilogue_activation
 
-__all__ = ["Mask", "affine_of", "epilogue_of", "fusion_passes", "fusion_patterns", "pool_gradient_of"]
+__all__ = ["Mask", "affine_of", "epilogue_of", "fusion_passes", "fusion_patterns", "mask_of", "pool_gradient_of"]
 
 
 def reads_inside_or_leaks(ctx) -> bool:
@@ -87,7 +87,7 @@ def _mask_pattern(x, name: str):
     return is_op("relax.where")(is_op("relax.greater")(y, is_const()), x, below), y
 
 
-def _mask_of(where: relax.Call, value_of) -> tuple[relax.Expr, str, float] | None:
+def mask_of(where: relax.Call, value_of) -> tuple[relax.Expr, str, float] | None:
     """(y, activation, slope) of a mask `where` as :func:`_mask_pattern` matches it, if its
     constants make it one: 0 in the comparison, 0 below (relu) or one positive slope."""
     condition, kept, below = where.args[0], where.args[1], where.args[2]
@@ -137,7 +137,7 @@ def fusion_patterns(target: tvm.target.Target) -> list:
             bindings = ctx.matched_bindings
             value_of = lambda e: bindings.get(e, e) if isinstance(e, relax.Var) else e  # noqa: E731
             return (target.kind.name == "llvm" and not isinstance(conv.args[1], tvm.ir.Constant)  # (Winograd's)
-                    and _mask_of(value_of(ctx.annotated_expr["mask_out"]), value_of) is not None)
+                    and mask_of(value_of(ctx.annotated_expr["mask_out"]), value_of) is not None)
         act = ctx.annotated_expr.get("activation")
         if act is None:
             return True
@@ -195,7 +195,7 @@ def _pool_gradient_patterns(target: tvm.target.Target) -> list:
             return False  # the mask must be the pooling's own input
         bindings = ctx.matched_bindings
         value_of = lambda e: bindings.get(e, e) if isinstance(e, relax.Var) else e  # noqa: E731
-        found = _mask_of(value_of(ctx.annotated_expr["mask_out"]), value_of)
+        found = mask_of(value_of(ctx.annotated_expr["mask_out"]), value_of)
         return found is not None and found[1] == "relu"
 
     pool = is_op("relax.grad.max_pool2d_backward")(wildcard(), wildcard())
@@ -329,7 +329,7 @@ def epilogue_of(func: relax.Function) -> tuple[relax.Call, tvm.ir.expr.GenericCo
     name = str(func.attrs["Composite"]).split(".")[-1].split("_")
     mask = None
     if "mask" in name:
-        found = _mask_of(expr, value_of) if _is_op(expr, "relax.where") else None
+        found = mask_of(expr, value_of) if _is_op(expr, "relax.where") else None
         if found is None or found[0] not in params:
             raise ValueError(f"tvm_ext: a fused mask epilogue is not where(y > 0, ., 0 or . * slope): {expr}")
         mask = Mask(params.index(found[0]), found[1], found[2])

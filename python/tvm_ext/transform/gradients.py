@@ -28,7 +28,11 @@ with those windows; otherwise a clear error.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import numpy as np
+import tvm
 from tvm import relax
 from tvm.relax.op import _op_gradient
 from tvm.relax.op.base import register_gradient
@@ -36,9 +40,10 @@ from tvm.relax.op.grad import no_grad
 
 from ..kernels.conv2d import Conv2dWorkload
 from ..kernels.conv2d_backward_data import data_gradient_phases
-from ..relax_info import dtype, prim_value, static_shape
+from ..relax_info import dtype, image_shape, prim_value, static_shape
 
-__all__ = ["activation_gradient", "adaptive_avg_pool2d_gradient", "conv2d_gradient", "weight_gradient_input"]
+__all__ = ["PhaseInterleave", "activation_gradient", "adaptive_avg_pool2d_gradient", "conv2d_gradient",
+           "read_phase_interleave", "weight_gradient_input"]
 
 LEVEL = 11  # above TVM's registration (10)
 
@@ -76,6 +81,66 @@ def _data_gradient(dy: relax.Expr, weight: relax.Expr, wl: Conv2dWorkload, bb: r
     stacked = op.stack([op.stack([parts[a, b] for b in range(sw)], axis=4) for a in range(sh)], axis=3)
     whole = op.reshape(stacked, (wl.N, wl.C, rows * sh, cols * sw))
     return op.strided_slice(whole, axes=[2, 3], begin=[0, 0], end=[wl.H, wl.W])
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseInterleave:
+    """A strided convolution's dX as :func:`_data_gradient` writes it, read back from a graph."""
+
+    stride: tuple[int, int]
+    parts: list  # row-major over the stride: each phase's value before its pad; None for a zero phase
+    calls: list  # every call of the chain: the crop, reshape, stacks, pads and zeros
+
+
+def read_phase_interleave(crop: relax.Expr, value_of: Callable[[relax.Expr], relax.Expr | None]
+                          ) -> PhaseInterleave | None:
+    """The stride phases `crop` interleaves, if it ends the chain :func:`_data_gradient` writes
+    (stack, stack, reshape, crop) with exactly its layout: parts (N, C, R, Q), pixel
+    (r * sh + a, q * sw + b) from part (a, b), every residue inside the crop's H and W.
+    `value_of`: the call bound to a variable, else None."""
+    def call_of(expr, op: str) -> relax.Call | None:
+        value = value_of(expr)
+        if value is None or not isinstance(value, relax.Call) or value.op != tvm.ir.Op.get(op):
+            return None
+        return value
+
+    if not isinstance(crop, relax.Call) or crop.op != tvm.ir.Op.get("relax.strided_slice") or len(crop.args) != 4:
+        return None  # (a fifth argument: strides)
+    out_shape = image_shape(crop)
+    axes, begin = ([int(field.value) for field in arg.fields] for arg in crop.args[1:3])
+    whole = call_of(crop.args[0], "relax.reshape")
+    stacked = None if whole is None else call_of(whole.args[0], "relax.stack")
+    if (out_shape is None or sorted(axes) != [2, 3] or any(begin) or stacked is None
+            or int(stacked.attrs.axis) != 3 or not isinstance(stacked.args[0], relax.Tuple)):
+        return None
+    rows = [call_of(field, "relax.stack") for field in stacked.args[0].fields]
+    if any(row is None or int(row.attrs.axis) != 4 or not isinstance(row.args[0], relax.Tuple) for row in rows):
+        return None
+    fields = [list(row.args[0].fields) for row in rows if row is not None]
+    n, channels, h, w = out_shape
+    sh, sw = len(fields), len(fields[0])
+    part_shapes = {image_shape(part) for row in fields for part in row}
+    if any(len(row) != sw for row in fields) or len(part_shapes) != 1 or sh > h or sw > w:
+        return None
+    part_shape = part_shapes.pop()
+    if (part_shape is None or tuple(part_shape[:2]) != (n, channels)
+            or image_shape(whole) != (n, channels, part_shape[2] * sh, part_shape[3] * sw)):
+        return None
+    calls, parts = [crop, whole, stacked, *rows], []
+    for part in (part for row in fields for part in row):
+        zeros, padded = call_of(part, "relax.zeros"), call_of(part, "relax.nn.pad")
+        if zeros is not None:
+            calls.append(zeros)
+            parts.append(None)
+            continue
+        if padded is not None:  # zeros after the phase's pixels, to stack it
+            widths = [int(v) for v in padded.attrs.pad_width]
+            if any(widths[:5]) or widths[6] or float(padded.attrs.pad_value) != 0.0:
+                return None
+            calls.append(padded)
+            part = padded.args[0]
+        parts.append(part)
+    return PhaseInterleave((sh, sw), parts, calls)
 
 
 def weight_gradient_input(wl: Conv2dWorkload) -> tuple[tuple[int, int], tuple[int, int, int, int]]:
