@@ -583,6 +583,35 @@ def test_training_mode_batch_norm_builds():
     assert rel_err(_run(tvm_ext.build(mod, "llvm"), xv), _run(tvm.compile(mod, TARGET), xv)) <= 1e-5
 
 
+def test_training_mode_batch_norm_gradient_on_one_pixel_builds():
+    """The gradient of a training-mode batch norm over one pixel per image (ResNet's last stage
+    at a small input): dlight's GEMV rule took a sum over the batch and failed a Python assert
+    in its analysis ("assert s_loops"), which tvm_ext.dlight.Guarded did not catch: the build
+    crashed. Gradients equal stock TVM's."""
+    rng = np.random.default_rng(22)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, 16, 1, 1), "float32"))
+    gamma, beta = (relax.Var(n, relax.TensorType((16,), "float32")) for n in ("gamma", "beta"))
+    r = relax.const(rng.standard_normal((2, 16, 1, 1)).astype("float32"))
+    with bb.function("main", [x, gamma, beta]):
+        with bb.dataflow():
+            stats = [relax.const(np.zeros(16, "float32")), relax.const(np.ones(16, "float32"))]
+            bn = bb.emit(relax.op.nn.batch_norm(x, gamma, beta, *stats, axis=1, training=True))
+            out = bb.emit_output(relax.op.sum(relax.op.multiply(relax.TupleGetItem(bn, 0), r)))
+        bb.emit_func_output(out)
+    mod = relax.transform.DecomposeOpsForTraining()(bb.get())
+    mod = relax.transform.Gradient("main")(mod)
+    args = [rng.standard_normal((2, 16, 1, 1)).astype("float32"), rng.uniform(0.5, 1.5, 16).astype("float32"),
+            rng.standard_normal(16).astype("float32")]
+
+    def gradients(ex):
+        _, grads = relax.VirtualMachine(ex, tvm.cpu())["main_adjoint"](*map(tvm.runtime.tensor, args))
+        return [g.numpy() for g in grads]
+
+    for got, want in zip(gradients(tvm_ext.build(mod, "llvm")), gradients(tvm.compile(mod, TARGET)), strict=True):
+        assert rel_err(got, want) <= 1e-5
+
+
 def test_guarded_rule_gives_up_instead_of_raising():
     from tvm import s_tir
     from tvm.s_tir.dlight import ScheduleRule

@@ -24,8 +24,9 @@ __all__ = ["Guarded", "OnAlignedAccesses", "aligned_accesses"]
 class Guarded(ScheduleRule):
     """`rule`, or None (the next rule's turn) where it raises a ScheduleError, or an internal
     error of a primitive (the Reduction rule's compute_at failed a bound check on the gradient
-    of a mean: "intset.HasLowerBound() && intset.HasUpperBound()"). The rule works on a schedule
-    of its own: giving up leaves the function as it was."""
+    of a mean: "intset.HasLowerBound() && intset.HasUpperBound()"), or an assert of the rule's
+    own analysis (the GEMV rule's "assert s_loops" on a sum over the batch of one-pixel images).
+    The rule works on a schedule of its own: giving up leaves the function as it was."""
 
     def __init__(self, rule: ScheduleRule):
         self.rule = rule
@@ -33,9 +34,9 @@ class Guarded(ScheduleRule):
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool):
         try:
             return self.rule.apply(func, target, tunable)
-        except (s_tir.ScheduleError, tvm.error.InternalError) as err:
+        except (s_tir.ScheduleError, tvm.error.InternalError, AssertionError) as err:
             logger.info("tvm_ext: dlight's %s rule gave up on a function (%s): the next rule schedules it",
-                        type(self.rule).__name__, str(err).strip().splitlines()[-1])
+                        type(self.rule).__name__, (str(err).strip().splitlines() or [type(err).__name__])[-1])
             return None
 
 
