@@ -19,7 +19,7 @@ from .relax_info import static_shape
 from .strategy.base import Decision
 from .strategy.cuda_engine import engine_for
 from .strategy.decide import decide
-from .strategy.dispatch import weight_and_bias_gradients
+from .strategy.dispatch import batch_norm_gradients, weight_and_bias_gradients
 from .strategy.fusion import fusion_passes, mask_of
 from .target import TargetLike, resolve_target
 from .transform.gradients import read_phase_interleave
@@ -91,6 +91,8 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
         pairs = weight_and_bias_gradients(func, resolved) if resolved.kind.name == "llvm" else {}
         bias_sums = [bindings[db_var] for _, db_var, _ in pairs.values()]
         interleaves = _phase_interleaves(bindings, fused, resolved) if resolved.kind.name == "llvm" else []
+        norm_gradients = [c for chain, _ in batch_norm_gradients(func).values() for c in chain.calls] \
+            if resolved.kind.name == "llvm" else []
 
         def reshaped_matrix(expr: relax.Expr, transposed: bool) -> bool:
             """Whether `expr` is a reshape of a 2-D tensor (of a transposed one, if `transposed`)."""
@@ -135,6 +137,10 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
                 report.append(DispatchRow(expr.op.name.removeprefix("relax."), (static_shape(expr),),
                                           "interleave_phases",
                                           "a strided convolution's dX from its stride phases, in blocks", runs))
+            elif any(expr.same_as(part) for part in norm_gradients):
+                report.append(DispatchRow(expr.op.name.removeprefix("relax."), (static_shape(expr),),
+                                          "batch_norm_backward",
+                                          "a training-mode batch norm's dX, dgamma and dbeta, in blocks", runs))
             elif isinstance(expr.op, tvm.ir.Op) and any(expr.same_as(summed) for summed in bias_sums):
                 shapes = (static_shape(expr.args[0]), static_shape(expr))
                 report.append(DispatchRow(expr.op.name.removeprefix("relax."), shapes, "conv2d_backward_weight",

@@ -61,7 +61,9 @@ def loss_module(model, x: np.ndarray, seed: int = 2):
     import torch
 
     with torch.no_grad():
-        classes = model(torch.from_numpy(x[:1])).shape[1]
+        training = model.training
+        classes = model.eval()(torch.from_numpy(x[:1])).shape[1]  # (batch statistics of one image may not exist)
+        model.train(training)
     weights = torch.from_numpy(np.random.default_rng(seed).standard_normal((x.shape[0], classes),
                                                                             dtype=np.float32))
 
@@ -79,9 +81,10 @@ def loss_module(model, x: np.ndarray, seed: int = 2):
 def loss_gradient(model, x: np.ndarray, seed: int = 2):
     """(gradient module, parameter arrays, torch loss) for `model`'s loss sum(model(x) * r)
     (:func:`loss_module`): `main_adjoint(x, *parameters)` of the module returns the loss and
-    every parameter's gradient, in the order of the torch loss module's `parameters()`. Batch
-    norms are taken in inference form (`model` should be in eval mode) and folded into their
-    convolutions' weights (:func:`tvm_ext.transform.fold_trained_batch_norm`)."""
+    every parameter's gradient, in the order of the torch loss module's `parameters()`. A model
+    in eval mode has its batch norms in inference form, folded into their convolutions' weights
+    (:func:`tvm_ext.transform.fold_trained_batch_norm`); in training mode they normalize with the
+    batch's statistics (the running statistics are not updated: the importer drops them)."""
     import torch
     from tvm.relax.frontend.torch import from_exported_program
 
@@ -90,7 +93,10 @@ def loss_gradient(model, x: np.ndarray, seed: int = 2):
         program = torch.export.export(loss, (torch.from_numpy(x),))
     mod = from_exported_program(program, keep_params_as_input=True, unwrap_unit_return_tuple=True)
     mod, params = relax.frontend.detach_params(mod)
-    mod = fold_trained_batch_norm()(mod)
-    mod = relax.transform.DecomposeOpsForInference()(mod)
+    if model.training:  # the importer's tuples around each batch norm, read back at once
+        mod = relax.transform.DeadCodeElimination()(relax.transform.CanonicalizeBindings()(mod))
+    else:
+        mod = fold_trained_batch_norm()(mod)
+        mod = relax.transform.DecomposeOpsForInference()(mod)
     mod = relax.transform.Gradient("main", require_grads=mod["main"].params[1:])(mod)
     return mod, [p.numpy() for p in params["main"]], loss

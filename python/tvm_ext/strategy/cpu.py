@@ -13,6 +13,7 @@ import tvm
 from tvm import relax
 
 from ..errors import UnsupportedError
+from ..kernels import batch_norm as _batch_norm
 from ..kernels import channel_affine as _affine
 from ..kernels import conv2d as _conv
 from ..kernels import conv2d_backward_data as _data_grad
@@ -27,7 +28,7 @@ from ..kernels.batch_loop import batch_loop
 from ..kernels.conv2d import Epilogue
 from ..relax_info import image_shape, known_shape, symbolic_batch
 from ..target import vector_isa
-from ..transform.gradients import read_phase_interleave
+from ..transform.gradients import BatchNormGradient, read_phase_interleave
 from ..tuning import pool_space as _pool_space
 from ..tuning import space as _space
 from .base import POOLS, Activation, Decision, add_kernel, alpha, channel_scale_operands, pool_workload
@@ -87,6 +88,8 @@ class CpuEmitter:
         self._padded: dict[tuple[relax.Var, tuple[int, ...]], relax.Var] = {}
         # interleaved stride phases (blocked output -> the phases' operands), for a mask after them
         self._interleaved: dict[relax.Var, tuple] = {}
+        # a training-mode batch norm's statistics (blocked x -> mean, var), for its gradient
+        self._batch_statistics: dict[relax.Var, tuple[relax.Var, relax.Var]] = {}
 
     def blocked(self, expr: relax.Expr, padded: bool = False) -> tuple[relax.Expr, int] | None:
         """(the blocked tensor, its channel block) behind an NCHW view, if there is one.
@@ -95,6 +98,7 @@ class CpuEmitter:
         convolution of 72 channels in blocks of 16 writes 80; those 8 hold finite values,
         zeros from a convolution). Only consumers that ignore them ask: a convolution (zero
         weights for them), pooling and activations (one channel at a time)."""
+        expr = self._field_of(expr)
         if not isinstance(expr, relax.Var):
             return None
         value = self.bb.lookup_binding(expr)
@@ -111,6 +115,7 @@ class CpuEmitter:
     def new_block(self) -> None:
         """Forget the copies made so far (their variables are out of scope in a new block)."""
         self._padded.clear()
+        self._batch_statistics.clear()
 
     def _call_tir(self, func: tvm.tirx.PrimFunc, name: str, args: list, shape: tuple) -> relax.Call:
         """The call of kernel `func`, which writes `shape`. With a symbolic batch, `func` and
@@ -425,6 +430,77 @@ class CpuEmitter:
         out = self._call(_layer_norm.layer_norm_func(norm), f"tvm_ext_layer_norm_{norm.tag()}", args, norm.shape)
         return self.unpack(out, channels)
 
+    def _batch_norm_input(self, data: relax.Expr) -> tuple[relax.Expr, int]:
+        """x of a batch norm in blocks: its producer's (unpadded), else packed."""
+        known = self.blocked(data)
+        if known is None:
+            channels = known_shape(image_shape(data), "batch_norm: the data")[1]
+            block = _affine.choose_out_block([channels], [], self.isa.lanes)
+            known = (self.pack(data, block), block)
+        return known
+
+    def _calls(self, func: tvm.tirx.PrimFunc, name: str, args: list, shapes: list[tuple]) -> list[relax.Var]:
+        """The outputs of kernel `func`, which writes several tensors of `shapes`."""
+        out = self.bb.emit(relax.call_tir(add_kernel(self.bb, func, name), args,
+                                          [relax.TensorType(shape, "float32") for shape in shapes]))
+        return [self.bb.emit(relax.TupleGetItem(out, i)) for i in range(len(shapes))]
+
+    def batch_norm_training(self, call: relax.Call) -> relax.Expr:
+        """A batch norm with batch statistics: (y, the new running mean, the new running variance)
+        as TVM's batch_norm computes them, y and the statistics by one blocked kernel
+        (:func:`~tvm_ext.kernels.batch_norm.batch_norm_forward_func`)."""
+        data, gamma, beta, moving_mean, moving_var = call.args
+        attrs = call.attrs
+        channels = known_shape(image_shape(data), "batch_norm: the data")[1]
+        x, _ = self._batch_norm_input(data)
+        norm = _batch_norm.BatchNorm(known_shape(image_shape(x), "batch_norm: the blocked data"),
+                                     float(attrs.epsilon), bool(attrs.scale), bool(attrs.center))
+        args = [x, *([gamma] if norm.scale else []), *([beta] if norm.center else [])]
+        y, mean, var = self._calls(_batch_norm.batch_norm_forward_func(norm), f"tvm_ext_batch_norm_{norm.tag()}",
+                                   args, [norm.shape, (channels,), (channels,)])
+        self._batch_statistics[x] = (mean, var)
+        momentum = float(attrs.momentum)
+        keep, take = relax.const(1 - momentum, "float32"), relax.const(momentum, "float32")
+        running = [relax.op.add(relax.op.multiply(keep, old), relax.op.multiply(take, new))
+                   for old, new in ((moving_mean, mean), (moving_var, var))]
+        return relax.Tuple([self.unpack(y, channels), *running])
+
+    def batch_norm_backward(self, found: BatchNormGradient) -> tuple[relax.Expr, relax.Var, relax.Var]:
+        """(dX, dgamma, dbeta) of a training-mode batch norm's gradient (`found`'s operands are
+        the function's being built) on one blocked kernel
+        (:func:`~tvm_ext.kernels.batch_norm.batch_norm_backward_func`), from the statistics the
+        forward kernel computed for the same x (computed again where it did not run)."""
+        channels = known_shape(image_shape(found.x), "batch_norm: the data")[1]
+        x, block = self._batch_norm_input(found.x)
+        shape = known_shape(image_shape(x), "batch_norm: the blocked data")
+        dy = self.pack(self._field_of(found.dy), block)
+        statistics = self._batch_statistics.get(x)
+        if statistics is None:
+            norm = _batch_norm.BatchNorm(shape, found.epsilon, scale=False, center=False)
+            mean, var = self._calls(_batch_norm.batch_norm_forward_func(norm, normalize=False),
+                                    f"tvm_ext_batch_statistics_{norm.tag()}", [x], [(channels,), (channels,)])
+            statistics = self._batch_statistics[x] = (mean, var)
+        norm = _batch_norm.BatchNorm(shape, found.epsilon, scale=found.gamma is not None)
+        args = [x, dy, *statistics, *([found.gamma] if found.gamma is not None else [])]
+        dx, dgamma, dbeta = self._calls(_batch_norm.batch_norm_backward_func(norm),
+                                        f"tvm_ext_batch_norm_backward_{norm.tag()}", args,
+                                        [shape, (channels,), (channels,)])
+        return self.unpack(dx, channels), dgamma, dbeta
+
+    def _field_of(self, expr: relax.Expr) -> relax.Expr:
+        """`expr`, or the tuple field it names (Gradient passes a tuple-valued op's adjoint as a
+        tuple, of which dY is a field), so that the field's blocked form is found."""
+        value = self._value_of(expr)
+        while isinstance(value, relax.TupleGetItem):
+            tuple_value = value.tuple_value
+            if isinstance(tuple_value, relax.Var):
+                tuple_value = self._value_of(tuple_value)
+            if not isinstance(tuple_value, relax.Tuple):
+                break
+            expr = tuple_value.fields[value.index]
+            value = self._value_of(expr)
+        return expr
+
     def _value_of(self, expr: relax.Expr) -> relax.Expr | None:
         """The value bound to variable `expr` in the function being built, else None."""
         return self.bb.lookup_binding(expr) if isinstance(expr, relax.Var) else None
@@ -513,6 +589,8 @@ class CpuEmitter:
             return self.channel_affine(list(call.args[0].fields))
         if decision.kernel == "layer_norm":
             return self._layer_norm(call)
+        if decision.kernel == "batch_norm_training":
+            return self.batch_norm_training(call)
         if decision.kernel == "channel_scale":
             operands = channel_scale_operands(call)
             if operands is None:  # decide() gives channel_scale to such multiplies only

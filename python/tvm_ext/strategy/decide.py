@@ -38,6 +38,8 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
         return _decide_max_pool2d_backward(call, shapes, target)
     if op == "relax.nn.layer_norm":
         return _decide_layer_norm(call, shapes, target)
+    if op == "relax.nn.batch_norm" and bool(call.attrs.training):
+        return _decide_batch_norm_training(call, shapes, target)
     if op in DATA_MOVEMENT_OPS:
         return Decision(op, shapes, None, "data movement only (a reshape is a view): stock TVM")
     if op != "relax.nn.conv2d":
@@ -228,6 +230,26 @@ def _decide_layer_norm(call: relax.Call, shapes: tuple, target: tvm.target.Targe
     if any(dtype(arg) != "float32" or static_shape(arg) != (channels,) for arg in call.args[1:3]):
         return Decision(op, shapes, None, "gamma and beta are not float32 vectors of one value per channel")
     return Decision(op, shapes, "layer_norm", _per_image(data))
+
+
+def _decide_batch_norm_training(call: relax.Call, shapes: tuple, target: tvm.target.Target) -> Decision:
+    """A batch norm with batch statistics (training mode): tvm_ext's blocked kernel
+    (:mod:`tvm_ext.kernels.batch_norm`) for a static NCHW float32 tensor on CPUs."""
+    op, data = "relax.nn.batch_norm", call.args[0]
+    if target.kind.name != "llvm":
+        return Decision(op, shapes, None, f"no training-mode batch norm kernel on {target.kind.name}")
+    reason = _nchw_reason(data)
+    if reason is None and static_shape(data) is None:  # the statistics reduce over the batch: not per image
+        reason = _SYMBOLIC
+    if reason is not None:
+        return Decision(op, shapes, None, reason)
+    if int(call.attrs.axis) % 4 != 1:
+        return Decision(op, shapes, None, f"a batch norm over axis {int(call.attrs.axis)}, not the channels")
+    channels = known_shape(image_shape(data), "batch_norm: the data")[1]
+    if any(dtype(arg) != "float32" or static_shape(arg) != (channels,) for arg in call.args[1:5]):
+        return Decision(op, shapes, None, "gamma, beta and the running statistics are not float32 vectors of "
+                                          "one value per channel")
+    return Decision(op, shapes, "batch_norm_training")
 
 
 def _image_of(tensor: relax.Expr) -> tuple | None:

@@ -5,6 +5,7 @@ hands what is left to stock TVM with the reason logged."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -13,6 +14,7 @@ from tvm import relax
 
 from ..kernels.common import KERNEL_ATTR
 from ..relax_info import known_shape, static_shape
+from ..transform.gradients import BatchNormGradient, read_batch_norm_gradient
 from .base import ACTIVATION_OPS, POOLS, Activation, Emitter, readers_of
 from .borders import write_borders
 from .cpu import CpuEmitter
@@ -23,7 +25,7 @@ from .fusion import affine_of, epilogue_of, pool_gradient_of
 
 logger = logging.getLogger("tvm_ext")
 
-__all__ = ["legalize_map", "lower_to_kernels", "make_emitter", "weight_and_bias_gradients"]
+__all__ = ["batch_norm_gradients", "legalize_map", "lower_to_kernels", "make_emitter", "weight_and_bias_gradients"]
 
 
 def make_emitter(bb: relax.BlockBuilder, target: tvm.target.Target, database=None, tensor_cores: bool | str = False,
@@ -76,6 +78,9 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
             # weight and bias gradients computed by one kernel (weight_and_bias_gradients)
             self.gradient_pairs: dict[relax.Var, tuple[relax.Var, relax.Var, relax.Call]] = {}
             self.gradients: dict[relax.Var, tuple[relax.Expr, relax.Expr]] = {}
+            # training-mode batch norm gradients (batch_norm_gradients): binding -> (the chain, its dX)
+            self.norm_gradients: dict[relax.Var, tuple[BatchNormGradient, relax.Var]] = {}
+            self.norm_outputs: dict[relax.Var, tuple] = {}  # dX's variable -> (dX, dgamma, dbeta) emitted
 
         def visit_binding_block_(self, block: relax.BindingBlock) -> relax.BindingBlock:
             self._new_block()
@@ -116,8 +121,30 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                 return dw
             return relax.op.reshape(db, known_shape(static_shape(call), "collapse_sum_to"))
 
+        def _norm_gradient(self, call: relax.Call) -> relax.Expr | None:
+            """dX, dgamma or dbeta of a batch norm gradient found by batch_norm_gradients: one
+            kernel computes all three, emitted at the first of their bindings (dbeta's)."""
+            if self.binding is None or not call.same_as(self.binding.value):
+                return None
+            entry = self.norm_gradients.get(self.binding.var)
+            if entry is None:
+                return None
+            found, dx_var = entry
+            if dx_var not in self.norm_outputs:
+                emitter = self.emitter
+                assert isinstance(emitter, CpuEmitter)
+                remapped = dataclasses.replace(
+                    found, x=self.visit_expr(found.x), dy=self.visit_expr(found.dy),
+                    gamma=None if found.gamma is None else self.visit_expr(found.gamma))
+                self.norm_outputs[dx_var] = emitter.batch_norm_backward(remapped)
+            dx, dgamma, dbeta = self.norm_outputs[dx_var]
+            var = self.binding.var
+            return dx if var.same_as(dx_var) else dgamma if var.same_as(found.dgamma) else dbeta
+
         def visit_call_(self, call: relax.Call) -> relax.Expr:
             paired = self._paired_gradient(call)
+            if paired is None:
+                paired = self._norm_gradient(call)
             if paired is not None:
                 return paired
             call = super().visit_call_(call)
@@ -171,6 +198,7 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                 lowering.padded_readers = _padded_readers(mod, func)
                 if isinstance(lowering.emitter, CpuEmitter):
                     lowering.gradient_pairs = weight_and_bias_gradients(func, target)
+                    lowering.norm_gradients = batch_norm_gradients(func)
                 lowering.builder_.update_func(gvar, lowering.visit_expr(func))
         lowered = relax.transform.DeadCodeElimination()(lowering.builder_.get())
         if isinstance(lowering.emitter, CpuEmitter):  # blocked CPU layouts: no padded copies
@@ -222,6 +250,26 @@ def weight_and_bias_gradients(func: relax.Function, target: tvm.target.Target) -
                 pairs[dw_var] = pairs[db_var] = (dw_var, db_var, dw_call)
                 break
     return pairs
+
+
+def batch_norm_gradients(func: relax.Function) -> dict[relax.Var, tuple[BatchNormGradient, relax.Var]]:
+    """The training-mode batch norm gradients of `func` that one kernel computes
+    (:func:`~tvm_ext.transform.gradients.read_batch_norm_gradient`): the variables of dX, dgamma
+    and dbeta -> (the chain read, dX's variable)."""
+    values: dict[relax.Var, relax.Expr] = {}
+    found: dict[relax.Var, tuple[BatchNormGradient, relax.Var]] = {}
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            if not isinstance(binding, relax.VarBinding):
+                continue
+            values[binding.var] = binding.value
+            value = binding.value
+            if isinstance(value, relax.Call) and value.op == tvm.ir.Op.get("relax.multiply"):
+                chain = read_batch_norm_gradient(value, values.get)
+                if chain is not None:
+                    for var in (binding.var, chain.dgamma, chain.dbeta):
+                        found[var] = (chain, binding.var)
+    return found
 
 
 # ops that read a padded blocked tensor as it is (CpuEmitter.blocked(padded=True))

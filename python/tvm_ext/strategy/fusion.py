@@ -231,6 +231,10 @@ def _affine_patterns(target: tvm.target.Target) -> list:
                 return False
         elif channel_affine_reason(head) is not None:
             return False
+        else:
+            n, _, h, w = known_shape(image_shape(head), "channel_affine: the data")
+            if n * h * w == 1:  # one value per channel (a batch norm gradient's statistics): nothing to gain
+                return False
         channels = known_shape(image_shape(head), "channel_affine: the data")[1]
         for name in ("scale", "shift"):
             constant = ctx.annotated_expr.get(name)

@@ -21,6 +21,11 @@ zero bias on a zero background makes common, the bias gradients differed from Py
 on an 8x8-digits CNN), clip (relu6; TVM gives it no gradient) where low < x < high, as hardtanh;
 GELU (erf form, none in TVM) as 0.5 * (1 + erf(x / sqrt 2)) + x * exp(-x^2 / 2) / sqrt(2 pi).
 
+batch_norm (none in TVM, which needs DecomposeOpsForTraining first): in training mode (batch
+statistics) the chain :func:`read_batch_norm_gradient` reads back, which a build runs as one
+blocked kernel (:mod:`tvm_ext.kernels.batch_norm`); in inference form dY scaled per channel.
+The running statistics get no gradient.
+
 adaptive_avg_pool2d (none in TVM; ResNet's and most classifiers' global pooling): where its
 windows tile the image (H and W multiples of the output's), the gradient of the average pooling
 with those windows; otherwise a clear error.
@@ -42,8 +47,9 @@ from ..kernels.conv2d import Conv2dWorkload
 from ..kernels.conv2d_backward_data import data_gradient_phases
 from ..relax_info import dtype, image_shape, prim_value, static_shape
 
-__all__ = ["PhaseInterleave", "activation_gradient", "adaptive_avg_pool2d_gradient", "conv2d_gradient",
-           "read_phase_interleave", "weight_gradient_input"]
+__all__ = ["BatchNormGradient", "PhaseInterleave", "activation_gradient", "adaptive_avg_pool2d_gradient",
+           "batch_norm_gradient", "conv2d_gradient", "read_batch_norm_gradient", "read_phase_interleave",
+           "weight_gradient_input"]
 
 LEVEL = 11  # above TVM's registration (10)
 
@@ -238,6 +244,142 @@ def adaptive_avg_pool2d_gradient(orig_var: relax.Var, orig_call: relax.Call, out
     return [relax.op.grad.avg_pool2d_backward(output_grad, x, window, window)]
 
 
+def _reduced_axes(orig_call: relax.Call) -> tuple[list[int], list[int], int]:
+    """(the axes a batch norm reduces, the shape broadcasting one value per channel, the count of
+    values per channel) of a batch norm of static rank and shape."""
+    shape = static_shape(orig_call.args[0])
+    if shape is None:
+        raise ValueError(f"batch_norm's gradient: a static shape only, not {orig_call.args[0].ty}")
+    axis = int(orig_call.attrs.axis) % len(shape)
+    axes = [a for a in range(len(shape)) if a != axis]
+    return axes, [shape[a] if a == axis else 1 for a in range(len(shape))], int(np.prod([shape[a] for a in axes]))
+
+
+def batch_norm_gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Expr,
+                        ctx: relax.BlockBuilder) -> list[relax.Expr]:
+    """[dX, dgamma, dbeta, 0, 0] of a batch norm (module docstring): in training mode the chain
+    :func:`read_batch_norm_gradient` reads, each step its own binding; in inference form
+    dX = dY * gamma * rstd of the running variance."""
+    op, attrs = relax.op, orig_call.attrs
+    x, gamma, beta, moving_mean, moving_var = orig_call.args
+    kind = dtype(x)
+    axes, per_channel, count = _reduced_axes(orig_call)
+    dy = ctx.emit(relax.TupleGetItem(output_grad, 0)) if isinstance(output_grad.ty, relax.TupleType) else output_grad
+    epsilon = relax.const(float(attrs.epsilon), kind)
+    if bool(attrs.training):
+        mean = ctx.emit(op.mean(x, axes, keepdims=True))
+        rstd = ctx.emit(op.rsqrt(ctx.emit(op.add(ctx.emit(op.variance(x, axes, keepdims=True)), epsilon))))
+    else:
+        mean = ctx.emit(op.reshape(moving_mean, per_channel))
+        rstd = ctx.emit(op.reshape(op.rsqrt(op.add(moving_var, epsilon)), per_channel))
+    xhat = ctx.emit(op.multiply(ctx.emit(op.subtract(x, mean)), rstd))
+    dbeta = ctx.emit(op.sum(dy, axes))
+    dgamma = ctx.emit(op.sum(ctx.emit(op.multiply(dy, xhat)), axes))
+    scale = ctx.emit(op.multiply(rstd, ctx.emit(op.reshape(gamma, per_channel)))) if bool(attrs.scale) else rstd
+    if bool(attrs.training):  # dY - dbeta / M - xhat * dgamma / M
+        inverse = relax.const(1.0 / count, kind)
+        centred = ctx.emit(op.subtract(dy, ctx.emit(op.multiply(ctx.emit(op.reshape(dbeta, per_channel)), inverse))))
+        step = ctx.emit(op.multiply(ctx.emit(op.reshape(dgamma, per_channel)), inverse))
+        dy = ctx.emit(op.subtract(centred, ctx.emit(op.multiply(xhat, step))))
+    dx = op.multiply(dy, scale)
+    return [dx, dgamma if bool(attrs.scale) else op.zeros_like(gamma), dbeta if bool(attrs.center) else
+            op.zeros_like(beta), no_grad(moving_mean), no_grad(moving_var)]
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchNormGradient:
+    """A training-mode batch norm's gradient as :func:`batch_norm_gradient` writes it, read back
+    from a graph (NCHW, static shapes)."""
+
+    x: relax.Expr
+    dy: relax.Expr
+    gamma: relax.Expr | None  # None: the batch norm does not scale
+    epsilon: float
+    dgamma: relax.Var  # the bindings of the two sums
+    dbeta: relax.Var
+    calls: list = dataclasses.field(default_factory=list)  # every call of the chain
+
+def read_batch_norm_gradient(dx: relax.Expr, value_of: Callable[[relax.Expr], relax.Expr | None]
+                             ) -> BatchNormGradient | None:
+    """The batch norm whose dX `dx` (a call) is, if it ends the training-mode chain
+    :func:`batch_norm_gradient` writes for a 4-D float32 NCHW x of static shape, with every step
+    as it writes it (axes, the 1 / M constant, the operands); None otherwise. `value_of`: the
+    call bound to a variable, else None."""
+    calls: list[relax.Call] = []
+
+    def call(expr, name: str, args: int = 2) -> relax.Call | None:
+        value = expr if isinstance(expr, relax.Call) else value_of(expr)
+        if not isinstance(value, relax.Call) or value.op != tvm.ir.Op.get(name) or len(value.args) != args:
+            return None
+        calls.append(value)
+        return value
+
+    def constant(expr) -> float | None:
+        if not isinstance(expr, tvm.ir.expr.GenericConst):
+            return None
+        value = expr.value.numpy()
+        return float(value) if value.shape == () else None
+
+    def axes_of(reduction: relax.Call) -> list[int] | None:
+        return None if reduction.attrs.axis is None else [int(a) for a in reduction.attrs.axis]
+
+    product = call(dx, "relax.multiply")
+    if product is None:
+        return None
+    centred_minus, scale = product.args
+    difference, centred = call(centred_minus, "relax.subtract"), None
+    centred = None if difference is None else call(difference.args[0], "relax.subtract")
+    by_xhat = None if difference is None else call(difference.args[1], "relax.multiply")
+    shape = static_shape(dx)
+    if centred is None or by_xhat is None or shape is None or len(shape) != 4 or dtype(dx) != "float32":
+        return None
+    dy, xhat, gamma = centred.args[0], by_xhat.args[0], None
+    rstd = scale
+    scaled = call(scale, "relax.multiply")
+    if scaled is not None:
+        shaped = call(scaled.args[1], "relax.reshape")
+        if shaped is None:
+            return None
+        rstd, gamma = scaled.args[0], shaped.args[0]
+    count, per_channel = shape[0] * shape[2] * shape[3], (1, shape[1], 1, 1)
+
+    def sum_over_channels(term) -> relax.Var | None:
+        """The variable of sum(term) reshaped to one value per channel and divided by M."""
+        mul = call(term, "relax.multiply")
+        shaped = None if mul is None else call(mul.args[0], "relax.reshape")
+        if (mul is None or shaped is None or constant(mul.args[1]) != float(np.float32(1.0 / count))
+                or static_shape(shaped) != per_channel or not isinstance(shaped.args[0], relax.Var)):
+            return None
+        total = call(shaped.args[0], "relax.sum", 1)
+        return shaped.args[0] if total is not None and axes_of(total) == [0, 2, 3] else None
+
+    dbeta, dgamma = sum_over_channels(centred.args[1]), sum_over_channels(by_xhat.args[1])
+    if dbeta is None or dgamma is None:
+        return None
+    dgamma_term = call(call(dgamma, "relax.sum", 1).args[0], "relax.multiply")  # type: ignore[union-attr]
+    normalized = call(xhat, "relax.multiply")
+    shifted = None if normalized is None else call(normalized.args[0], "relax.subtract")
+    if (dgamma_term is None or normalized is None or shifted is None
+            or not (dgamma_term.args[0].same_as(dy) and dgamma_term.args[1].same_as(xhat))
+            or not call(dbeta, "relax.sum", 1).args[0].same_as(dy)  # type: ignore[union-attr]
+            or not normalized.args[1].same_as(rstd)):
+        return None
+    x = shifted.args[0]
+    mean, root = call(shifted.args[1], "relax.mean", 1), call(rstd, "relax.rsqrt", 1)
+    plus = None if root is None else call(root.args[0], "relax.add")
+    variance = None if plus is None else call(plus.args[0], "relax.variance", 1)
+    epsilon = None if plus is None else constant(plus.args[1])
+    if (mean is None or variance is None or epsilon is None or not mean.args[0].same_as(x)
+            or not variance.args[0].same_as(x) or axes_of(mean) != [0, 2, 3] or axes_of(variance) != [0, 2, 3]
+            or not (bool(mean.attrs.keepdims) and bool(variance.attrs.keepdims))
+            or static_shape(x) != shape or static_shape(dy) != shape or dtype(x) != "float32"):
+        return None
+    if gamma is not None and static_shape(gamma) != (shape[1],):
+        return None
+    return BatchNormGradient(x, dy, gamma, epsilon, dgamma, dbeta, calls)
+
+
+register_gradient("relax.nn.batch_norm", batch_norm_gradient, level=LEVEL)
 register_gradient("relax.nn.conv2d", conv2d_gradient, level=LEVEL)
 register_gradient("relax.nn.adaptive_avg_pool2d", adaptive_avg_pool2d_gradient, level=LEVEL)
 for _name in ("relax.nn.relu", "relax.nn.leakyrelu", "relax.clip", "relax.nn.gelu"):
