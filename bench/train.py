@@ -8,7 +8,8 @@ included on both sides), timed alternately (median of --repeat rounds), with GFL
 measured peak (bench/peak.py) and the ratio to PyTorch. Benchmarks print; they never assert.
 
 With --model (a torchvision name), whole training steps instead: the model's loss (its output
-against fixed weights, summed; batch norms in inference form) differentiated by
+against fixed weights, summed; batch norms in inference form, or with the batch's statistics
+under --batch-norm training, on every side) differentiated by
 relax.transform.Gradient and built with tvm_ext, against PyTorch eager's forward + backward and
 torch.compile's (unless --no-compile), plus an SGD update of every parameter on each side;
 median ms timed alternately in one process, and the peak memory (RSS high-water mark) of a
@@ -16,6 +17,7 @@ process that runs only that side's steps.
 
 Usage: python bench/train.py --set resnet50 --batch 16 --threads 1 [--layers K] [--repeat R]
        python bench/train.py --model resnet18 --size 224 --batch 16 --threads 2 [--no-compile]
+                             [--batch-norm inference|training]
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", default="", help="time whole training steps of this torchvision model")
     ap.add_argument("--size", type=int, default=224, help="image size of --model")
     ap.add_argument("--no-compile", action="store_true", help="--model: leave torch.compile out")
+    ap.add_argument("--batch-norm", choices=("inference", "training"), default="inference",
+                    help="--model: batch norms with running (folded) or the batch's statistics")
     ap.add_argument("--memory", default="", help=argparse.SUPPRESS)  # (internal) one side's peak memory
     return ap.parse_args(argv)
 
@@ -120,7 +124,7 @@ def _step_functions(sides: tuple[str, ...]) -> tuple[dict, float]:
     from tvm_ext.models.training import loss_gradient, loss_module
 
     x = np.random.default_rng(1).standard_normal((ARGS.batch, 3, ARGS.size, ARGS.size), dtype=np.float32)
-    model = torchvision_zoo.load(ARGS.model, ARGS.size).eval()
+    model = torchvision_zoo.load(ARGS.model, ARGS.size).train(ARGS.batch_norm == "training")
     images, lr, steps, build_s = torch.from_numpy(x), 1e-6, {}, 0.0
     # one torch loss module (the model's parameters) for every side, built with the export if tvm_ext runs
     loss = loss_module(model, x) if "tvm_ext" not in sides else None
@@ -161,7 +165,7 @@ def _peak_memory_mib(side: str) -> float:
     import subprocess
 
     argv = [sys.executable, __file__, "--model", ARGS.model, "--size", str(ARGS.size), "--batch", str(ARGS.batch),
-            "--threads", str(ARGS.threads), "--memory", side]
+            "--threads", str(ARGS.threads), "--batch-norm", ARGS.batch_norm, "--memory", side]
     out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
     return float(out.strip().splitlines()[-1])
 
@@ -185,7 +189,8 @@ def _training_steps() -> int:
         return 0
     steps, build_s = _step_functions(sides)
     ms = _alternate(steps, ARGS.repeat)
-    print(f"# training step: {ARGS.model} {ARGS.size}x{ARGS.size} batch={ARGS.batch} threads={ARGS.threads}; "
+    print(f"# training step: {ARGS.model} {ARGS.size}x{ARGS.size} batch={ARGS.batch} threads={ARGS.threads} "
+          f"batch norms: {ARGS.batch_norm}; "
           f"tvm_ext build {build_s:.1f} s; ms medians of {ARGS.repeat} alternating rounds; peak memory: RSS "
           "high-water mark of a process running only that side")
     print("side | ms | tvm_ext speedup | peak MiB")

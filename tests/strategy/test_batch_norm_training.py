@@ -29,7 +29,8 @@ def _blocked(rows: np.ndarray, shape: tuple) -> np.ndarray:
     return rows.reshape(blocks, block, n, h, w).transpose(2, 0, 3, 4, 1)
 
 
-KERNEL_SHAPES = [(2, 3, 5, 7, 16), (1, 1, 1, 1, 8), (4, 2, 6, 3, 16), (3, 4, 7, 7, 8), (1, 2, 13, 9, 4), (16, 1, 2, 2, 16)]
+KERNEL_SHAPES = [(2, 3, 5, 7, 16), (1, 1, 1, 1, 8), (4, 2, 6, 3, 16), (3, 4, 7, 7, 8), (1, 2, 13, 9, 4),
+                 (16, 1, 2, 2, 16)]
 
 
 @pytest.mark.parametrize("shape", KERNEL_SHAPES, ids=["x".join(map(str, s)) for s in KERNEL_SHAPES])
