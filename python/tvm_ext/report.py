@@ -125,7 +125,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
                 reason = "as a 1x1 convolution (a GEMM is a batch-reduce of one)"
                 decision = Decision("relax.matmul", matmul, decision.kernel,
                                     reason if decision.kernel else decision.reason)
-            if fused_into is not None and call.op.name != "relax.nn.conv2d":
+            if fused_into is not None and call.op.name not in ("relax.nn.conv2d", "relax.nn.batch_norm"):
                 decision = Decision(decision.op, decision.shapes, f"{fused_into} epilogue", "fused")
             report.append(DispatchRow(decision.op.removeprefix("relax."), decision.shapes,
                                       decision.kernel or "fallback", decision.reason, runs))
@@ -159,7 +159,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
                     for call in rest:
                         row(call, "channel_affine")
                     return
-                heads = ("relax.nn.conv2d", "relax.grad.max_pool2d_backward")  # what the kernel is
+                heads = ("relax.nn.conv2d", "relax.grad.max_pool2d_backward", "relax.nn.batch_norm")  # the kernel
                 conv = next(c for c in calls if isinstance(c.op, tvm.ir.Op) and c.op.name in heads)
                 kernel = decide(conv, resolved, engine, winograd).kernel
                 params = list(fused[expr.op].params)

@@ -34,16 +34,19 @@ KERNEL_SHAPES = [(2, 3, 5, 7, 16), (1, 1, 1, 1, 8), (4, 2, 6, 3, 16), (3, 4, 7, 
 
 
 @pytest.mark.parametrize("shape", KERNEL_SHAPES, ids=["x".join(map(str, s)) for s in KERNEL_SHAPES])
-@pytest.mark.parametrize("affine", [True, False])
-def test_kernels_match_float64(shape, affine):
-    """Forward (y, batch mean, biased variance) and backward (dX, dgamma, dbeta) of the blocked
-    kernels against float64 NumPy on inputs with a large mean (no E[x^2] - E[x]^2 cancellation)."""
+@pytest.mark.parametrize("affine,residual,relu", [(True, False, False), (False, False, False), (True, False, True),
+                                                  (True, True, True), (False, True, False)])
+def test_kernels_match_float64(shape, affine, residual, relu):
+    """Forward (y [+ shortcut] [-> relu], batch mean, biased variance) and backward (dX, dgamma,
+    dbeta) of the blocked kernels against float64 NumPy, on inputs with a large mean (no
+    E[x^2] - E[x]^2 cancellation)."""
     rng = np.random.default_rng(sum(shape))
     channels, epsilon = shape[1] * shape[4], 1e-5
-    norm = BatchNorm(shape, epsilon, scale=affine, center=affine)
+    norm = BatchNorm(shape, epsilon, scale=affine, center=affine, residual=residual, relu=relu)
     x = (rng.standard_normal(shape) * 2 + 30).astype(np.float32)
     gamma, beta = rng.uniform(0.5, 1.5, channels).astype(np.float32), rng.standard_normal(channels).astype(np.float32)
     dy = rng.standard_normal(shape).astype(np.float32)
+    shortcut = rng.standard_normal(shape).astype(np.float32)
     rows = _per_channel(x)
     mean, var = rows.mean(1), rows.var(1)
     rstd = 1 / np.sqrt(var + epsilon)
@@ -54,13 +57,14 @@ def test_kernels_match_float64(shape, affine):
     outputs = [tvm.runtime.tensor(np.zeros(s, np.float32)) for s in (shape, (channels,), (channels,))]
     forward = build_kernel(batch_norm_forward_func(norm), TARGET)
     forward(tvm.runtime.tensor(x), *([tvm.runtime.tensor(gamma), tvm.runtime.tensor(beta)] if affine else []),
-            *outputs)
+            *([tvm.runtime.tensor(shortcut)] if residual else []), *outputs)
     y, got_mean, got_var = (t.numpy() for t in outputs)
-    assert rel_err(y, _blocked(xhat * g[:, None] + b[:, None], shape)) <= 1e-5
+    expected = _blocked(xhat * g[:, None] + b[:, None], shape) + (shortcut if residual else 0)
+    assert rel_err(y, np.maximum(expected, 0) if relu else expected) <= 1e-5
     assert rel_err(got_mean, mean) <= 1e-6 and rel_err(got_var, var) <= 1e-5
 
     grads = [tvm.runtime.tensor(np.zeros(s, np.float32)) for s in (shape, (channels,), (channels,))]
-    backward = build_kernel(batch_norm_backward_func(norm), TARGET)
+    backward = build_kernel(batch_norm_backward_func(BatchNorm(shape, epsilon, affine, affine)), TARGET)
     backward(tvm.runtime.tensor(x), tvm.runtime.tensor(dy), outputs[1], outputs[2],
              *([tvm.runtime.tensor(gamma)] if affine else []), *grads)
     dy_rows, count = _per_channel(dy), rows.shape[1]
@@ -123,7 +127,11 @@ def test_training_mode_network_gradients_match_autograd(case):
     assert not any(name.startswith(("variance", "mean", "rsqrt")) for name in kernels), kernels
     calls = kernel_calls(mod, TARGET, function="main_adjoint")
     assert sum(name.startswith("tvm_ext_batch_norm_backward_") for name in calls) == 2, calls
-    assert sum(name.startswith("tvm_ext_batch_norm_") and "backward" not in name for name in calls) == 2
+    forward = [name for name in calls if name.startswith("tvm_ext_batch_norm_") and "backward" not in name]
+    # relu (and the shortcut) in the forward kernels' epilogue: no stock add, no relu pass
+    assert [name.endswith("_residual_relu") for name in forward] == [False, shortcut], forward
+    assert all(name.endswith("_relu") for name in forward), forward
+    assert not any(name.startswith("tvm_ext_relu") for name in calls), calls
     report = tvm_ext.dispatch_report(mod, TARGET, function="main_adjoint")
     assert {row.kernel for row in report if row.op in ("variance", "rsqrt", "mean")} == {"batch_norm_backward"}
     assert [row.kernel for row in report if row.op == "nn.batch_norm"] == ["batch_norm_training"] * 2

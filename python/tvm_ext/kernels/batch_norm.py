@@ -38,6 +38,8 @@ class BatchNorm:
     epsilon: float
     scale: bool = True
     center: bool = True
+    residual: bool = False  # the forward adds a shortcut (x's shape) to y
+    relu: bool = False  # the forward's y goes through a relu (after the shortcut)
 
     def __post_init__(self) -> None:
         if len(self.shape) != 5 or min(self.shape) < 1:
@@ -50,7 +52,8 @@ class BatchNorm:
         return self.shape[1] * self.shape[4]
 
     def tag(self) -> str:
-        return "x".join(map(str, self.shape)) + "_scale" * self.scale + "_center" * self.center
+        return ("x".join(map(str, self.shape)) + "_scale" * self.scale + "_center" * self.center
+                + "_residual" * self.residual + "_relu" * self.relu)
 
 
 def _reduce(bn: BatchNorm, b, sums: list) -> None:
@@ -114,8 +117,9 @@ def _elementwise(bn: BatchNorm, coefficients: int, prepare, body) -> None:
 
 def batch_norm_forward_func(bn: BatchNorm, normalize: bool = True) -> tirx.PrimFunc:
     """The forward kernel of `bn`: parameters x, then gamma (C,) and beta (C,) where `bn` applies
-    them, then the outputs y (x's shape, if `normalize`), mean (C,) and var (C,). Without
-    `normalize`, the statistics only (for a gradient whose forward ran elsewhere)."""
+    them, the shortcut (x's shape) if it adds one, then the outputs y (x's shape, if
+    `normalize`; relu(y + shortcut) with those), mean (C,) and var (C,). Without `normalize`,
+    the statistics only (for a gradient whose forward ran elsewhere)."""
     block = bn.shape[4]
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("batch_norm_forward")
@@ -123,6 +127,7 @@ def batch_norm_forward_func(bn: BatchNorm, normalize: bool = True) -> tirx.PrimF
         x = param_buffer("x", bn.shape)
         gamma = param_buffer("gamma", (bn.channels,)) if normalize and bn.scale else None
         beta = param_buffer("beta", (bn.channels,)) if normalize and bn.center else None
+        shortcut = param_buffer("shortcut", bn.shape) if normalize and bn.residual else None
         y = param_buffer("y", bn.shape) if normalize else None
         mean = param_buffer("mean", (bn.channels,))
         var = param_buffer("var", (bn.channels,))
@@ -137,7 +142,12 @@ def batch_norm_forward_func(bn: BatchNorm, normalize: bool = True) -> tirx.PrimF
                     T.buffer_store(k[2], beta[c] if beta is not None else T.float32(0), [lane])
 
                 def normalized(n, b, h, w, lane, k) -> None:
-                    T.buffer_store(y, (x[n, b, h, w, lane] - k[1][lane]) * k[0][lane] + k[2][lane], [n, b, h, w, lane])
+                    value = (x[n, b, h, w, lane] - k[1][lane]) * k[0][lane] + k[2][lane]
+                    if shortcut is not None:
+                        value = value + shortcut[n, b, h, w, lane]
+                    if bn.relu:  # (a select: a NaN stays a NaN, as in PyTorch)
+                        value = tirx.Select(value < T.float32(0), T.float32(0), value)
+                    T.buffer_store(y, value, [n, b, h, w, lane])
 
                 _elementwise(bn, 3, prepare, normalized)
     return builder.get()

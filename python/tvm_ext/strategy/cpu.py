@@ -445,20 +445,26 @@ class CpuEmitter:
                                           [relax.TensorType(shape, "float32") for shape in shapes]))
         return [self.bb.emit(relax.TupleGetItem(out, i)) for i in range(len(shapes))]
 
-    def batch_norm_training(self, call: relax.Call) -> relax.Expr:
+    def batch_norm_training(self, call: relax.Call, residual: relax.Expr | None = None,
+                            relu: bool = False) -> relax.Expr:
         """A batch norm with batch statistics: (y, the new running mean, the new running variance)
         as TVM's batch_norm computes them, y and the statistics by one blocked kernel
-        (:func:`~tvm_ext.kernels.batch_norm.batch_norm_forward_func`)."""
+        (:func:`~tvm_ext.kernels.batch_norm.batch_norm_forward_func`). With a `residual` or
+        `relu` (a fused composite, whose running statistics nobody reads): relu(y + residual) alone."""
         data, gamma, beta, moving_mean, moving_var = call.args
         attrs = call.attrs
         channels = known_shape(image_shape(data), "batch_norm: the data")[1]
-        x, _ = self._batch_norm_input(data)
+        x, block = self._batch_norm_input(data)
         norm = _batch_norm.BatchNorm(known_shape(image_shape(x), "batch_norm: the blocked data"),
-                                     float(attrs.epsilon), bool(attrs.scale), bool(attrs.center))
-        args = [x, *([gamma] if norm.scale else []), *([beta] if norm.center else [])]
+                                     float(attrs.epsilon), bool(attrs.scale), bool(attrs.center),
+                                     residual=residual is not None, relu=relu)
+        args = [x, *([gamma] if norm.scale else []), *([beta] if norm.center else []),
+                *([self.pack(residual, block)] if residual is not None else [])]
         y, mean, var = self._calls(_batch_norm.batch_norm_forward_func(norm), f"tvm_ext_batch_norm_{norm.tag()}",
                                    args, [norm.shape, (channels,), (channels,)])
         self._batch_statistics[x] = (mean, var)
+        if residual is not None or relu:
+            return self.unpack(y, channels)
         momentum = float(attrs.momentum)
         keep, take = relax.const(1 - momentum, "float32"), relax.const(momentum, "float32")
         running = [relax.op.add(relax.op.multiply(keep, old), relax.op.multiply(take, new))

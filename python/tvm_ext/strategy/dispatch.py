@@ -21,7 +21,7 @@ from .cpu import CpuEmitter
 from .cuda import CudaEmitter
 from .cuda_engine import engine_for
 from .decide import decide
-from .fusion import affine_of, epilogue_of, pool_gradient_of
+from .fusion import affine_of, batch_norm_epilogue_of, epilogue_of, pool_gradient_of
 
 logger = logging.getLogger("tvm_ext")
 
@@ -174,6 +174,10 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                                                    None if shift is None else shift.value.numpy(), activation)
             if composite.startswith("tvm_ext.max_pool2d_backward") and isinstance(self.emitter, CpuEmitter):
                 return self.emitter.max_pool2d_backward(_outside(pool_gradient_of(func), func, call), relu_mask=True)
+            if composite.startswith("tvm_ext.batch_norm_training") and isinstance(self.emitter, CpuEmitter):
+                norm, residual, relu = batch_norm_epilogue_of(func)
+                return self.emitter.batch_norm_training(
+                    _outside(norm, func, call), None if residual is None else call.args[residual], relu)
             if not composite.startswith("tvm_ext.conv2d"):
                 return call
             conv, bias, residual, activation, mask = epilogue_of(func)

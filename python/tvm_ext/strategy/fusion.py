@@ -9,7 +9,7 @@ from collections.abc import Callable
 import tvm
 from tvm import relax
 
-from ..relax_info import dtype, image_shape, is_channel_bias, known_shape, same_extent, symbolic_batch
+from ..relax_info import dtype, image_shape, is_channel_bias, known_shape, same_extent, static_shape, symbolic_batch
 from ..transform import channels_last_as_nchw, fold_batch_norm, matmul_as_conv2d, recognise_silu, unique_constants
 from .base import ACTIVATION_OPS, Activation, activation_at, scalar_constant
 from .decide import channel_affine_reason, decide, epilogue_activation
@@ -177,7 +177,7 @@ def fusion_patterns(target: tvm.target.Target) -> list:
             annotations["mask_out"] = out
             patterns.append(relax.transform.FusionPattern(f"{name}_{mask}_mask", out, annotations, check))
     patterns.sort(key=lambda p: -p.name.count("_"))
-    return patterns + _affine_patterns(target) + _pool_gradient_patterns(target)
+    return patterns + _affine_patterns(target) + _pool_gradient_patterns(target) + _batch_norm_patterns(target)
 
 
 def _pool_gradient_patterns(target: tvm.target.Target) -> list:
@@ -202,6 +202,55 @@ def _pool_gradient_patterns(target: tvm.target.Target) -> list:
     out, y = _mask_pattern(pool, "relu")
     return [relax.transform.FusionPattern("tvm_ext.max_pool2d_backward_relu_mask", out,
                                           {"pool": pool, "mask": y, "mask_out": out}, check)]
+
+
+def _batch_norm_patterns(target: tvm.target.Target) -> list:
+    """batch_norm(x, ...)[0] [+ shortcut] [-> relu] of a training-mode batch norm (ResNet's
+    bn -> relu and bn -> + identity -> relu): one forward kernel writes the result
+    (:func:`~tvm_ext.kernels.batch_norm.batch_norm_forward_func`), not y and then stock NCHW ops.
+    Not where the running statistics are read (they leak out of the match). CPUs only."""
+    from tvm.relax.dpl import is_op, is_tuple_get_item, wildcard
+
+    def check(ctx) -> bool:
+        if target.kind.name != "llvm" or reads_inside_or_leaks(ctx):
+            return False
+        norm = ctx.annotated_expr["norm"]
+        if decide(norm, target).kernel != "batch_norm_training":
+            return False
+        residual = ctx.annotated_expr.get("residual")
+        return residual is None or (static_shape(residual) == static_shape(norm.args[0])
+                                    and dtype(residual) == "float32")
+
+    patterns = []
+    for residual, relu in ((True, True), (True, False), (False, True)):
+        norm = is_op("relax.nn.batch_norm")(wildcard(), wildcard(), wildcard(), wildcard(), wildcard())
+        annotations = {"norm": norm}
+        out = is_tuple_get_item(norm, 0)
+        if residual:
+            out = is_op("relax.add")(out, annotations.setdefault("residual", wildcard()))
+        if relu:
+            out = is_op("relax.nn.relu")(out)
+        name = "tvm_ext.batch_norm_training" + "_residual" * residual + "_relu" * relu
+        patterns.append(relax.transform.FusionPattern(name, out, annotations, check))
+    return patterns
+
+
+def batch_norm_epilogue_of(func: relax.Function) -> tuple[relax.Call, int | None, bool]:
+    """Read a composite of :func:`_batch_norm_patterns`: (its batch_norm call, the param index of
+    the shortcut or None, whether it ends in a relu). The add's operands may come in either
+    order (TVM matches add as commutative)."""
+    params, value_of, expr, activation = _read_from_output(func)
+    residual = None
+    if _is_op(expr, "relax.add"):
+        others = [i for i, arg in enumerate(expr.args) if arg in params]
+        inner = [arg for arg in expr.args if isinstance(value_of(arg), relax.TupleGetItem)]
+        if len(inner) != 1 or len(others) != 1:
+            raise ValueError(f"tvm_ext: a fused batch norm's add is not y + shortcut: {expr}")
+        residual, expr = params.index(expr.args[others[0]]), value_of(inner[0])
+    norm = value_of(expr.tuple_value) if isinstance(expr, relax.TupleGetItem) and expr.index == 0 else None
+    if not _is_op(norm, "relax.nn.batch_norm") or (activation is not None and activation.name != "relu"):
+        raise ValueError(f"tvm_ext: a fused batch norm is not batch_norm(...)[0] [+ shortcut] [-> relu]: {func}")
+    return norm, residual, activation is not None
 
 
 def pool_gradient_of(func: relax.Function) -> relax.Call:
