@@ -12,7 +12,9 @@ planners do.
 
 A tensor's lifetime runs from its `alloc_tensor` to the last binding that reads it or anything
 bound from it (a view, a tuple, a rebinding: every binding whose value names a variable is taken
-to alias it, which can only lengthen lifetimes). Tensors the function returns keep their own
+to alias it, which can only lengthen lifetimes), except that a field taken out of a tuple built
+in the function aliases that field alone (a kernel's outputs come as a tuple: a batch norm
+gradient's dgamma and dbeta are returned, its dX is not). Tensors the function returns keep their own
 storages. Functions with control flow or nested functions are left as they are.
 """
 
@@ -80,6 +82,7 @@ def _plan(func: relax.Function) -> relax.Function:
     tensors: dict[relax.Var, list] = {}  # tensor -> [bytes, first, last, storage]
     aliases: dict[relax.Var, set[relax.Var]] = {}  # variable -> the tensors it may point into
     hosted: dict[relax.Var, list[relax.Var]] = {}  # storage -> its tensors
+    fields: dict[relax.Var, list[relax.Expr]] = {}  # tuples built here -> their fields
     for index, binding in enumerate(bindings):
         value = binding.value
         if isinstance(value, (relax.If, relax.Function)):
@@ -97,6 +100,10 @@ def _plan(func: relax.Function) -> relax.Function:
                 tensors[binding.var] = [nbytes, index, index, tensor.args[0]]
                 aliases[binding.var] = {binding.var}
                 continue
+        if isinstance(value, relax.Tuple):
+            fields[binding.var] = list(value.fields)
+        if isinstance(value, relax.TupleGetItem) and value.tuple_value in fields:
+            value = fields[value.tuple_value][value.index]  # that field's tensors, not its siblings'
         reached = set().union(*(aliases.get(var, ()) for var in relax.analysis.free_vars(value)))
         for var in reached:
             tensors[var][2] = index
