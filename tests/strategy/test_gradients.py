@@ -67,6 +67,9 @@ def test_strided_gradient_runs_on_tvm_ext_kernels():
     calls = kernel_calls(mod, TARGET, function="main_adjoint")
     assert sum("brgemm_conv2d" in name for name in calls) == 1 + 4  # the forward and the phases
     assert sum("conv2d_backward_weight" in name for name in calls) == 1
+    # each phase's weights packed straight from W (not a stock swap, flip and takes, then a pack)
+    assert sum(name.startswith("tvm_ext_pack_phase_weight_") for name in calls) == 4, calls
+    assert not any(name.startswith(("take", "fused_reshape", "transpose")) for name in calls), calls
     kernels = built_kernels(mod, TARGET)  # the phases interleaved in blocks, not stacked in NCHW
     assert sum(name.startswith("tvm_ext_interleave_phases_") and name.endswith("_s2x2_7x7_7x7_7x7_7x7")
                for name in kernels) == 1, kernels
@@ -178,6 +181,32 @@ def test_weight_gradient_reads_the_blocked_input_not_a_cropped_copy():
     assert not any("stack" in name for name in kernels), kernels
     report = tvm_ext.dispatch_report(mod, TARGET, function="main_adjoint")
     assert {row.kernel for row in report if row.op in ("stack", "zeros", "where", "greater")} == {"interleave_phases"}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pack_phase_weight_kernel(seed):
+    """A phase's blocked weights from the forward's OIHW weights: W swapped, its taps picked,
+    blocked as the plan packs (zero past the channels), equal to NumPy's."""
+    from tvm_ext.kernels import conv2d as conv
+    from tvm_ext.kernels.conv2d_backward_data import pack_phase_weight_func
+    from tvm_ext.ops.forward import build_kernel
+    from tvm_ext.target import vector_isa
+
+    rng = np.random.default_rng(seed)
+    k, c, kh, kw = int(rng.integers(1, 40)), int(rng.integers(1, 40)), int(rng.integers(1, 4)), int(rng.integers(1, 4))
+    taps_h = tuple(int(t) for t in rng.permutation(kh)[: int(rng.integers(1, kh + 1))])
+    taps_w = tuple(int(t) for t in rng.permutation(kw)[: int(rng.integers(1, kw + 1))])
+    wl = Conv2dWorkload.make((2, k, 9, 9), (c, k, len(taps_h), len(taps_w)), [1, 1], [0, 0, 0, 0], [1, 1], 1)
+    plan = conv.plan_conv2d(wl, vector_isa(TARGET))
+    w = rng.standard_normal((k, c, kh, kw)).astype(np.float32)
+    out = tvm.runtime.tensor(np.full(plan.weight_shape(), np.nan, np.float32))
+    build_kernel(pack_phase_weight_func(plan, w.shape, taps_h, taps_w), TARGET)(tvm.runtime.tensor(w), out)
+    phase = w.transpose(1, 0, 2, 3)[:, :, list(taps_h)][:, :, :, list(taps_w)]  # (c, k, rows, cols)
+    expected = np.zeros((plan.K_pad, k, len(taps_h), len(taps_w)), np.float32)
+    expected[:c] = phase
+    ob, ib = plan.K_pad // plan.oc_bn, k // plan.ic_bn
+    expected = expected.reshape(ob, plan.oc_bn, ib, plan.ic_bn, len(taps_h), len(taps_w)).transpose(0, 2, 4, 5, 3, 1)
+    np.testing.assert_array_equal(out.numpy(), expected)
 
 
 @pytest.mark.parametrize("stride,relu_mask", [((2, 2), False), ((2, 2), True), ((3, 2), True)])

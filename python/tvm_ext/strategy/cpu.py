@@ -26,9 +26,9 @@ from ..kernels import pool2d_backward as _pool_backward
 from ..kernels import winograd as _winograd
 from ..kernels.batch_loop import batch_loop
 from ..kernels.conv2d import Epilogue
-from ..relax_info import image_shape, known_shape, symbolic_batch
+from ..relax_info import image_shape, known_shape, static_shape, symbolic_batch
 from ..target import vector_isa
-from ..transform.gradients import BatchNormGradient, read_phase_interleave
+from ..transform.gradients import BatchNormGradient, read_phase_interleave, read_phase_weight
 from ..tuning import pool_space as _pool_space
 from ..tuning import space as _space
 from .base import POOLS, Activation, Decision, add_kernel, alpha, channel_scale_operands, pool_workload
@@ -244,8 +244,7 @@ class CpuEmitter:
         tag = _tag(plan)
         args = [data if plan.nchw_in else self.pack(data, plan.ic_bn, wl.padding, padded=True),
                 relax.const(_pack_constant_weight(plan, constant)) if constant is not None
-                else self._call(_conv.pack_weight_func(plan), f"tvm_ext_pack_weight_{tag}", [weight],
-                                plan.weight_shape())]
+                else self._pack_weight(plan, weight, tag)]
         operands, epilogue = self._epilogue(plan, bias, residual, activation, blocked_out, mask)
         args += operands
         name = f"tvm_ext_{plan.kind}_conv2d_{tag}{suffix}"
@@ -253,6 +252,18 @@ class CpuEmitter:
         if not blocked_out:
             return self._call_tir(func, name, args, wl.out_shape)
         return self.unpack(self._call(func, name, args, plan.out_shape()), channels)
+
+    def _pack_weight(self, plan: _conv.Conv2dPlan, weight: relax.Expr, tag: str) -> relax.Var:
+        """Run-time weights in `plan`'s blocks; a data gradient's phase weights
+        (:func:`~tvm_ext.transform.gradients.read_phase_weight`) straight from the forward's."""
+        phase = read_phase_weight(weight, self._value_of)
+        if phase is not None and plan.wl.groups == 1 and plan.kind not in ("depthwise", "grouped"):
+            w, taps_h, taps_w = phase
+            w_shape = known_shape(static_shape(w), "pack_phase_weight: the weights")
+            func = _data_grad.pack_phase_weight_func(plan, w_shape, taps_h, taps_w)
+            taps = "x".join(map(str, taps_h)) + "_" + "x".join(map(str, taps_w))
+            return self._call(func, f"tvm_ext_pack_phase_weight_{tag}_t{taps}", [w], plan.weight_shape())
+        return self._call(_conv.pack_weight_func(plan), f"tvm_ext_pack_weight_{tag}", [weight], plan.weight_shape())
 
     def conv2d_backward_weight(self, call: relax.Call, decision: Decision,
                                bias: bool = False) -> relax.Expr | tuple[relax.Expr, relax.Expr]:

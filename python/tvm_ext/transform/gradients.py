@@ -49,7 +49,7 @@ from ..relax_info import dtype, image_shape, prim_value, static_shape
 
 __all__ = ["BatchNormGradient", "PhaseInterleave", "activation_gradient", "adaptive_avg_pool2d_gradient",
            "batch_norm_gradient", "conv2d_gradient", "read_batch_norm_gradient", "read_phase_interleave",
-           "weight_gradient_input"]
+           "read_phase_weight", "weight_gradient_input"]
 
 LEVEL = 11  # above TVM's registration (10)
 
@@ -87,6 +87,39 @@ def _data_gradient(dy: relax.Expr, weight: relax.Expr, wl: Conv2dWorkload, bb: r
     stacked = op.stack([op.stack([parts[a, b] for b in range(sw)], axis=4) for a in range(sh)], axis=3)
     whole = op.reshape(stacked, (wl.N, wl.C, rows * sh, cols * sw))
     return op.strided_slice(whole, axes=[2, 3], begin=[0, 0], end=[wl.H, wl.W])
+
+
+def read_phase_weight(weight: relax.Expr, value_of: Callable[[relax.Expr], relax.Expr | None]
+                      ) -> tuple[relax.Expr, tuple[int, ...], tuple[int, ...]] | None:
+    """(the forward weights W, taps_h, taps_w) if `weight` is a phase's weights as
+    :func:`_data_gradient` writes them for groups=1: take(take(W swapped, taps_h, 2), taps_w, 3)
+    with W swapped = reshape(permute_dims(reshape(W, (1, K, C, KH, KW)), [0, 2, 1, 3, 4]),
+    (C, K, KH, KW)); None otherwise. `value_of`: the call bound to a variable, else None."""
+    def call(expr, name: str) -> relax.Call | None:
+        value = expr if isinstance(expr, relax.Call) else value_of(expr)
+        return value if isinstance(value, relax.Call) and value.op == tvm.ir.Op.get(name) else None
+
+    def taps(take: relax.Call, axis: int) -> tuple[int, ...] | None:
+        indices = take.args[1]
+        if (int(take.attrs.axis) != axis or not isinstance(indices, tvm.ir.expr.GenericConst)
+                or indices.value.numpy().ndim != 1):
+            return None
+        return tuple(int(t) for t in indices.value.numpy())
+
+    cols = call(weight, "relax.take")
+    rows = None if cols is None else call(cols.args[0], "relax.take")
+    swapped = None if rows is None else call(rows.args[0], "relax.reshape")
+    permuted = None if swapped is None else call(swapped.args[0], "relax.permute_dims")
+    grouped = None if permuted is None else call(permuted.args[0], "relax.reshape")
+    if grouped is None or [int(a) for a in (permuted.attrs.axes or [])] != [0, 2, 1, 3, 4]:  # type: ignore[union-attr]
+        return None
+    w = grouped.args[0]
+    shape = static_shape(w)
+    if (shape is None or len(shape) != 4 or static_shape(grouped) != (1, *shape)
+            or static_shape(swapped) != (shape[1], shape[0], *shape[2:]) or dtype(w) != "float32"):
+        return None
+    taps_h, taps_w = taps(rows, 2), taps(cols, 3)  # type: ignore[arg-type]
+    return None if taps_h is None or taps_w is None else (w, taps_h, taps_w)
 
 
 @dataclasses.dataclass(frozen=True)
