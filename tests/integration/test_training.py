@@ -93,3 +93,29 @@ def test_resnet18_gradients_match_pytorch():
     assert len(grads) == len(expected) == 62
     for got, want in zip(grads, expected, strict=True):
         assert np.abs(got.numpy() - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_resnet18_training_mode_gradients_match_float64_autograd():
+    """torchvision's ResNet-18 in training mode (batch statistics in its 20 batch norms; 64x64,
+    batch 4, so that the last stage still normalizes over 16 values): every parameter's
+    gradient against float64 autograd, each batch norm's two passes on tvm_ext's kernels (their
+    relu and shortcut adds in the forward kernel), nothing of them on stock TVM."""
+    import copy
+
+    from tvm_ext.models import torchvision_zoo
+
+    x = np.random.default_rng(1).standard_normal((4, 3, 64, 64)).astype(np.float32)
+    mod, params, loss = loss_gradient(torchvision_zoo.load("resnet18", 64).train(), x)
+    report = tvm_ext.dispatch_report(mod, "llvm", function="main_adjoint")
+    assert [row.kernel for row in report if row.op == "nn.batch_norm"] == ["batch_norm_training"] * 20
+    assert [row.kernel for row in report if row.op in ("variance", "rsqrt")] == ["batch_norm_backward"] * 40
+    # the blocks' residual adds and relus in the forward kernels' epilogues
+    assert sum(row.op == "add" and row.kernel == "batch_norm_training epilogue" for row in report) == 8
+    vm = relax.VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())
+    _, grads = vm["main_adjoint"](tvm.runtime.tensor(x), *[tvm.runtime.tensor(p) for p in params])
+    reference = copy.deepcopy(loss).double()
+    reference(torch.from_numpy(x).double()).backward()
+    expected = [p.grad.numpy() for p in reference.parameters()]
+    assert len(grads) == len(expected) == 62
+    for got, want in zip(grads, expected, strict=True):
+        assert np.abs(got.numpy() - want).max() <= 1e-4 * np.abs(want).max()
