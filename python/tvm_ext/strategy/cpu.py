@@ -508,11 +508,11 @@ class CpuEmitter:
         """`expr`, or the tuple field it names (Gradient passes a tuple-valued op's adjoint as a
         tuple, of which dY is a field), so that the field's blocked form is found."""
         value = self._value_of(expr)
-        while isinstance(value, relax.TupleGetItem):
+        while value is not None and isinstance(value, relax.TupleGetItem):
             tuple_value = value.tuple_value
             if isinstance(tuple_value, relax.Var):
                 tuple_value = self._value_of(tuple_value)
-            if not isinstance(tuple_value, relax.Tuple):
+            if tuple_value is None or not isinstance(tuple_value, relax.Tuple):
                 break
             expr = tuple_value.fields[value.index]
             value = self._value_of(expr)

@@ -97,7 +97,9 @@ def read_phase_weight(weight: relax.Expr, value_of: Callable[[relax.Expr], relax
     (C, K, KH, KW)); None otherwise. `value_of`: the call bound to a variable, else None."""
     def call(expr, name: str) -> relax.Call | None:
         value = expr if isinstance(expr, relax.Call) else value_of(expr)
-        return value if isinstance(value, relax.Call) and value.op == tvm.ir.Op.get(name) else None
+        if value is None or not isinstance(value, relax.Call) or value.op != tvm.ir.Op.get(name):
+            return None
+        return value
 
     def taps(take: relax.Call, axis: int) -> tuple[int, ...] | None:
         indices = take.args[1]
@@ -342,7 +344,8 @@ def read_batch_norm_gradient(dx: relax.Expr, value_of: Callable[[relax.Expr], re
 
     def call(expr, name: str, args: int = 2) -> relax.Call | None:
         value = expr if isinstance(expr, relax.Call) else value_of(expr)
-        if not isinstance(value, relax.Call) or value.op != tvm.ir.Op.get(name) or len(value.args) != args:
+        if value is None or not isinstance(value, relax.Call) or value.op != tvm.ir.Op.get(name) \
+                or len(value.args) != args:
             return None
         calls.append(value)
         return value
