@@ -187,3 +187,57 @@ def test_training_batch_norm_with_a_symbolic_batch_falls_back():
         return relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(xv)).numpy()
 
     assert rel_err(run(tvm_ext.build(mod, TARGET)), run(tvm.compile(mod, TARGET))) <= 1e-6
+
+
+def test_relax_training_trainer_updates_the_running_statistics():
+    """relax.training with a batch norm's running statistics as states (the backbone returns the
+    updated ones): five SGD steps of tvm_ext.train.SetupTrainer's module built with tvm_ext give
+    the losses, parameters and states of TVM's SetupTrainer (which decomposes the batch norm) on
+    stock TVM, the batch norm on tvm_ext's kernels (its statistics read outside: no fused
+    epilogue). TVM's SetupTrainer left it on stock ops."""
+    from tvm.relax.training import SetupTrainer, Trainer
+    from tvm.relax.training.loss import CrossEntropyLoss
+    from tvm.relax.training.optimizer import SGD
+
+    n, c, k = 4, 3, 16
+    op, bb = relax.op, relax.BlockBuilder()
+    tensor = lambda name, *shape: relax.Var(name, relax.TensorType(shape, "float32"))  # noqa: E731
+    x, w, gamma, beta, fc = tensor("x", n, c, 8, 8), tensor("w", k, c, 3, 3), tensor("g", k), tensor("b", k), \
+        tensor("fc", k, 10)
+    mean, var = tensor("mean", k), tensor("var", k)
+    with bb.function("backbone", [x, w, gamma, beta, fc, mean, var]):
+        with bb.dataflow():
+            norm = bb.emit(op.nn.batch_norm(op.nn.conv2d(x, w, padding=1), gamma, beta, mean, var, axis=1,
+                                            training=True))
+            pooled = bb.emit(op.mean(op.nn.relu(relax.TupleGetItem(norm, 0)), axis=[2, 3]))
+            logits = bb.emit_output(op.matmul(pooled, fc))
+            states = [bb.emit_output(relax.TupleGetItem(norm, i)) for i in (1, 2)]
+        bb.emit_func_output(relax.Tuple([logits, *states]))
+    backbone = bb.get().with_attr("param_num", 4).with_attr("state_num", 2)
+    from tvm_ext.train import SetupTrainer as KeepingBatchNorms
+
+    loss_args = [relax.TensorType((n, 10), "float32"), relax.TensorType((n,), "int64")]
+    decomposed = SetupTrainer(CrossEntropyLoss(reduction="sum"), SGD(0.01), loss_args, legalize=False)(backbone)
+    mod = KeepingBatchNorms(CrossEntropyLoss(reduction="sum"), SGD(0.01), loss_args, legalize=False)(backbone)
+    rng = np.random.default_rng(0)
+    params = [0.3 * rng.standard_normal((k, c, 3, 3)), rng.uniform(0.5, 1.5, k), 0.1 * rng.standard_normal(k),
+              0.3 * rng.standard_normal((k, 10))]
+    params = [p.astype(np.float32) for p in params]
+    data = [(rng.standard_normal((n, c, 8, 8)).astype(np.float32), rng.integers(0, 10, n)) for _ in range(5)]
+
+    def train(module, executable):
+        trainer = Trainer(module, relax.VirtualMachine(executable, tvm.cpu()), tvm.cpu())
+        trainer.load_params(params)
+        trainer.load_states([np.zeros(k, np.float32), np.ones(k, np.float32)])
+        losses = [float(trainer.update([xv], [yv]).numpy()) for xv, yv in data]
+        return losses, [p.numpy() for p in trainer.export_params().values()], \
+            [s.numpy() for s in trainer.export_states().values()]
+
+    got, want = train(mod, tvm_ext.build(mod, TARGET)), train(decomposed, tvm.compile(decomposed, TARGET))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for ours, theirs in zip(got[1] + got[2], want[1] + want[2], strict=True):
+        assert rel_err(ours, theirs) <= 1e-5
+    assert any(not np.allclose(s, 1) for s in got[2])  # the running variance moved
+    calls = kernel_calls(mod, TARGET, function="backbone_loss_adjoint")
+    assert sum(name.startswith("tvm_ext_batch_norm_backward_") for name in calls) == 1, calls
+    assert not any(name.startswith(("mean", "variance", "fused_mean", "fused_variance")) for name in calls), calls
