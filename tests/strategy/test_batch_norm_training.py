@@ -241,3 +241,32 @@ def test_relax_training_trainer_updates_the_running_statistics():
     calls = kernel_calls(mod, TARGET, function="backbone_loss_adjoint")
     assert sum(name.startswith("tvm_ext_batch_norm_backward_") for name in calls) == 1, calls
     assert not any(name.startswith(("mean", "variance", "fused_mean", "fused_variance")) for name in calls), calls
+
+
+def test_importer_tuples_do_not_stop_the_fused_epilogue():
+    """Differentiated straight after PyTorch's importer (which wraps each training-mode batch norm
+    in tuples: y reached as (y, mean, var, ...)[0]), the forward kernels still apply the relu and
+    the shortcut (the pipeline canonicalizes the bindings and drops the dead tuples first; before,
+    the relu was its own pass and the shortcut a stock NCHW add)."""
+    from tvm.relax.frontend.torch import from_exported_program
+
+    from tvm_ext.models.training import loss_module
+
+    torch.manual_seed(5)
+    model = _ConvNormNet(3, 16, 1, True, True).train()
+    x = np.random.default_rng(5).standard_normal((2, 3, 8, 8)).astype(np.float32)
+    loss = loss_module(model, x)
+    mod = from_exported_program(torch.export.export(loss, (torch.from_numpy(x),)), keep_params_as_input=True,
+                                unwrap_unit_return_tuple=True)
+    mod, params = relax.frontend.detach_params(mod)
+    mod = relax.transform.Gradient("main", require_grads=mod["main"].params[1:])(mod)
+    calls = kernel_calls(mod, TARGET, function="main_adjoint")
+    forward = [name for name in calls if name.startswith("tvm_ext_batch_norm_") and "backward" not in name]
+    assert [name.rsplit("_", 2)[-2:] for name in forward] == [["center", "relu"], ["residual", "relu"]], forward
+    assert not any(name.startswith(("tvm_ext_relu", "add")) for name in calls), calls
+    vm = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())
+    _, grads = vm["main_adjoint"](tvm.runtime.tensor(x), *(tvm.runtime.tensor(p.numpy()) for p in params["main"]))
+    reference = copy.deepcopy(loss).double()
+    reference(torch.from_numpy(x).double()).backward()
+    for got, want in zip(grads, [p.grad.numpy() for p in reference.parameters()], strict=True):
+        assert rel_err(got.numpy(), want) <= 1e-4

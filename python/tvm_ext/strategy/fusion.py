@@ -416,9 +416,12 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     """Constant folding, batch-norm folding and epilogue grouping: the graph as tvm_ext sees it.
 
     The pipeline runs these before lowering; the dispatch report runs them to say what fuses.
-    FoldConstant first turns importer biases such as reshape(const) into constants.
+    Bindings are canonicalized and dead ones dropped first (an importer's tuples around a
+    training-mode batch norm, (y, mean, var, ...)[0], would otherwise hide y from its epilogue's
+    pattern); FoldConstant then turns importer biases such as reshape(const) into constants.
     """
-    return [relax.transform.FoldConstant(), fold_batch_norm(), matmul_as_conv2d(),
+    return [relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination(),
+            relax.transform.FoldConstant(), fold_batch_norm(), matmul_as_conv2d(),
             channels_last_as_nchw(layer_norm_over_channels=target.kind.name == "llvm"),
             recognise_silu(), unique_constants(),
             relax.transform.FuseOpsByPattern(fusion_patterns(target), bind_constants=True)]
