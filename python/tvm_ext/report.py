@@ -91,8 +91,9 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
         pairs = weight_and_bias_gradients(func, resolved) if resolved.kind.name == "llvm" else {}
         bias_sums = [bindings[db_var] for _, db_var, _ in pairs.values()]
         interleaves = _phase_interleaves(bindings, fused, resolved) if resolved.kind.name == "llvm" else []
-        norm_gradients = [c for chain, _ in batch_norm_gradients(func).values() for c in chain.calls] \
-            if resolved.kind.name == "llvm" else []
+        chains = {dx: chain for chain, dx in batch_norm_gradients(func).values()} \
+            if resolved.kind.name == "llvm" else {}  # (each chain is listed under its three results)
+        norm_gradients = [call for chain in chains.values() for call in chain.calls]
 
         def reshaped_matrix(expr: relax.Expr, transposed: bool) -> bool:
             """Whether `expr` is a reshape of a 2-D tensor (of a transposed one, if `transposed`)."""

@@ -97,6 +97,33 @@ class _ConvNormNet(torch.nn.Module):
         return torch.relu(out + h if self.shortcut else out).flatten(1)
 
 
+def _imported_gradient(loss, x: np.ndarray) -> tuple[tvm.IRModule, list[np.ndarray]]:
+    """`loss` exported and imported as it comes (no canonicalization), differentiated by
+    Gradient: (the module, the parameter arrays)."""
+    from tvm.relax.frontend.torch import from_exported_program
+
+    with torch.no_grad():
+        program = torch.export.export(loss, (torch.from_numpy(x),))
+    mod = from_exported_program(program, keep_params_as_input=True, unwrap_unit_return_tuple=True)
+    mod, params = relax.frontend.detach_params(mod)
+    mod = relax.transform.Gradient("main", require_grads=mod["main"].params[1:])(mod)
+    return mod, [p.numpy() for p in params["main"]]
+
+
+def _gradients_against_float64(mod: tvm.IRModule, params: list, loss, x: np.ndarray, tolerance: float) -> int:
+    """Build `mod` with tvm_ext, run main_adjoint, and compare every gradient with float64
+    autograd of `loss`; returns how many were compared."""
+    vm = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())
+    _, grads = vm["main_adjoint"](tvm.runtime.tensor(x), *map(tvm.runtime.tensor, params))
+    reference = copy.deepcopy(loss).double()
+    reference(torch.from_numpy(x).double()).backward()
+    expected = [p.grad.numpy() for p in reference.parameters()]
+    assert len(grads) == len(expected)
+    for got, want in zip(grads, expected, strict=True):
+        assert rel_err(got.numpy(), want) <= tolerance
+    return len(expected)
+
+
 CASES = [  # (batch, channels, size, width, stride, affine, shortcut)
     (2, 3, 8, 16, 1, True, False), (4, 8, 9, 32, 2, True, False), (1, 4, 10, 16, 1, False, True),
     (3, 16, 7, 24, 1, True, True), (2, 3, 12, 16, 2, False, False),
@@ -115,14 +142,7 @@ def test_training_mode_network_gradients_match_autograd(case):
     model = _ConvNormNet(channels, width, stride, affine, shortcut).train()
     x = np.random.default_rng(batch).standard_normal((batch, channels, size, size)).astype(np.float32)
     mod, params, loss = loss_gradient(model, x)
-    vm = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())
-    _, grads = vm["main_adjoint"](tvm.runtime.tensor(x), *map(tvm.runtime.tensor, params))
-    reference = copy.deepcopy(loss).double()
-    reference(torch.from_numpy(x).double()).backward()
-    expected = [p.grad.numpy() for p in reference.parameters()]
-    assert len(grads) == len(expected) == (6 if affine else 2)
-    for got, want in zip(grads, expected, strict=True):
-        assert rel_err(got.numpy(), want) <= 1e-4
+    assert _gradients_against_float64(mod, params, loss, x, 1e-4) == (6 if affine else 2)
     kernels = built_kernels(mod, TARGET)
     assert not any(name.startswith(("variance", "mean", "rsqrt")) for name in kernels), kernels
     calls = kernel_calls(mod, TARGET, function="main_adjoint")
@@ -150,19 +170,8 @@ def test_inference_batch_norm_gradient_matches_autograd():
             norm.running_var.uniform_(0.5, 2)
     x = np.random.default_rng(3).standard_normal((2, 3, 8, 8)).astype(np.float32)
     loss = loss_module(model, x)
-    from tvm.relax.frontend.torch import from_exported_program
-
-    with torch.no_grad():
-        program = torch.export.export(loss, (torch.from_numpy(x),))
-    mod = from_exported_program(program, keep_params_as_input=True, unwrap_unit_return_tuple=True)
-    mod, params = relax.frontend.detach_params(mod)
-    mod = relax.transform.Gradient("main", require_grads=mod["main"].params[1:])(mod)
-    vm = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())
-    _, grads = vm["main_adjoint"](tvm.runtime.tensor(x), *(tvm.runtime.tensor(p.numpy()) for p in params["main"]))
-    reference = copy.deepcopy(loss).double()
-    reference(torch.from_numpy(x).double()).backward()
-    for got, want in zip(grads, [p.grad.numpy() for p in reference.parameters()], strict=True):
-        assert rel_err(got.numpy(), want) <= 1e-5
+    mod, params = _imported_gradient(loss, x)
+    assert _gradients_against_float64(mod, params, loss, x, 1e-5) == 6
 
 
 def test_training_batch_norm_with_a_symbolic_batch_falls_back():
@@ -248,25 +257,15 @@ def test_importer_tuples_do_not_stop_the_fused_epilogue():
     in tuples: y reached as (y, mean, var, ...)[0]), the forward kernels still apply the relu and
     the shortcut (the pipeline canonicalizes the bindings and drops the dead tuples first; before,
     the relu was its own pass and the shortcut a stock NCHW add)."""
-    from tvm.relax.frontend.torch import from_exported_program
-
     from tvm_ext.models.training import loss_module
 
     torch.manual_seed(5)
     model = _ConvNormNet(3, 16, 1, True, True).train()
     x = np.random.default_rng(5).standard_normal((2, 3, 8, 8)).astype(np.float32)
     loss = loss_module(model, x)
-    mod = from_exported_program(torch.export.export(loss, (torch.from_numpy(x),)), keep_params_as_input=True,
-                                unwrap_unit_return_tuple=True)
-    mod, params = relax.frontend.detach_params(mod)
-    mod = relax.transform.Gradient("main", require_grads=mod["main"].params[1:])(mod)
+    mod, params = _imported_gradient(loss, x)
     calls = kernel_calls(mod, TARGET, function="main_adjoint")
     forward = [name for name in calls if name.startswith("tvm_ext_batch_norm_") and "backward" not in name]
     assert [name.rsplit("_", 2)[-2:] for name in forward] == [["center", "relu"], ["residual", "relu"]], forward
     assert not any(name.startswith(("tvm_ext_relu", "add")) for name in calls), calls
-    vm = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())
-    _, grads = vm["main_adjoint"](tvm.runtime.tensor(x), *(tvm.runtime.tensor(p.numpy()) for p in params["main"]))
-    reference = copy.deepcopy(loss).double()
-    reference(torch.from_numpy(x).double()).backward()
-    for got, want in zip(grads, [p.grad.numpy() for p in reference.parameters()], strict=True):
-        assert rel_err(got.numpy(), want) <= 1e-4
+    assert _gradients_against_float64(mod, params, loss, x, 1e-4) == 6

@@ -89,6 +89,15 @@ def _data_gradient(dy: relax.Expr, weight: relax.Expr, wl: Conv2dWorkload, bb: r
     return op.strided_slice(whole, axes=[2, 3], begin=[0, 0], end=[wl.H, wl.W])
 
 
+def _bound_call(expr: relax.Expr, name: str, value_of: Callable[[relax.Expr], relax.Expr | None]
+                ) -> relax.Call | None:
+    """`expr` (a call, or the call bound to variable `expr`) if it calls op `name`, else None."""
+    value = expr if isinstance(expr, relax.Call) else value_of(expr)
+    if value is None or not isinstance(value, relax.Call) or value.op != tvm.ir.Op.get(name):
+        return None
+    return value
+
+
 def read_phase_weight(weight: relax.Expr, value_of: Callable[[relax.Expr], relax.Expr | None]
                       ) -> tuple[relax.Expr, tuple[int, ...], tuple[int, ...]] | None:
     """(the forward weights W, taps_h, taps_w) if `weight` is a phase's weights as
@@ -96,10 +105,7 @@ def read_phase_weight(weight: relax.Expr, value_of: Callable[[relax.Expr], relax
     with W swapped = reshape(permute_dims(reshape(W, (1, K, C, KH, KW)), [0, 2, 1, 3, 4]),
     (C, K, KH, KW)); None otherwise. `value_of`: the call bound to a variable, else None."""
     def call(expr, name: str) -> relax.Call | None:
-        value = expr if isinstance(expr, relax.Call) else value_of(expr)
-        if value is None or not isinstance(value, relax.Call) or value.op != tvm.ir.Op.get(name):
-            return None
-        return value
+        return _bound_call(expr, name, value_of)
 
     def taps(take: relax.Call, axis: int) -> tuple[int, ...] | None:
         indices = take.args[1]
@@ -334,6 +340,7 @@ class BatchNormGradient:
     dbeta: relax.Var
     calls: list = dataclasses.field(default_factory=list)  # every call of the chain
 
+
 def read_batch_norm_gradient(dx: relax.Expr, value_of: Callable[[relax.Expr], relax.Expr | None]
                              ) -> BatchNormGradient | None:
     """The batch norm whose dX `dx` (a call) is, if it ends the training-mode chain
@@ -343,9 +350,9 @@ def read_batch_norm_gradient(dx: relax.Expr, value_of: Callable[[relax.Expr], re
     calls: list[relax.Call] = []
 
     def call(expr, name: str, args: int = 2) -> relax.Call | None:
-        value = expr if isinstance(expr, relax.Call) else value_of(expr)
-        if value is None or not isinstance(value, relax.Call) or value.op != tvm.ir.Op.get(name) \
-                or len(value.args) != args:
+        """The call of op `name` with `args` arguments `expr` is or names, recorded in `calls`."""
+        value = _bound_call(expr, name, value_of)
+        if value is None or len(value.args) != args:
             return None
         calls.append(value)
         return value
@@ -363,7 +370,7 @@ def read_batch_norm_gradient(dx: relax.Expr, value_of: Callable[[relax.Expr], re
     if product is None:
         return None
     centred_minus, scale = product.args
-    difference, centred = call(centred_minus, "relax.subtract"), None
+    difference = call(centred_minus, "relax.subtract")
     centred = None if difference is None else call(difference.args[0], "relax.subtract")
     by_xhat = None if difference is None else call(difference.args[1], "relax.multiply")
     shape = static_shape(dx)
@@ -379,25 +386,27 @@ def read_batch_norm_gradient(dx: relax.Expr, value_of: Callable[[relax.Expr], re
         rstd, gamma = scaled.args[0], shaped.args[0]
     count, per_channel = shape[0] * shape[2] * shape[3], (1, shape[1], 1, 1)
 
-    def sum_over_channels(term) -> relax.Var | None:
-        """The variable of sum(term) reshaped to one value per channel and divided by M."""
+    def sum_over_channels(term) -> tuple[relax.Var, relax.Call] | None:
+        """(the variable of sum(term), that sum) where `term` reshapes it to one value per
+        channel and divides it by M."""
         mul = call(term, "relax.multiply")
         shaped = None if mul is None else call(mul.args[0], "relax.reshape")
         if (mul is None or shaped is None or constant(mul.args[1]) != float(np.float32(1.0 / count))
                 or static_shape(shaped) != per_channel or not isinstance(shaped.args[0], relax.Var)):
             return None
         total = call(shaped.args[0], "relax.sum", 1)
-        return shaped.args[0] if total is not None and axes_of(total) == [0, 2, 3] else None
+        return (shaped.args[0], total) if total is not None and axes_of(total) == [0, 2, 3] else None
 
-    dbeta, dgamma = sum_over_channels(centred.args[1]), sum_over_channels(by_xhat.args[1])
-    if dbeta is None or dgamma is None:
+    beta_sum, gamma_sum = sum_over_channels(centred.args[1]), sum_over_channels(by_xhat.args[1])
+    if beta_sum is None or gamma_sum is None:
         return None
-    dgamma_term = call(call(dgamma, "relax.sum", 1).args[0], "relax.multiply")  # type: ignore[union-attr]
+    (dbeta, beta_total), (dgamma, gamma_total) = beta_sum, gamma_sum
+    dgamma_term = call(gamma_total.args[0], "relax.multiply")
     normalized = call(xhat, "relax.multiply")
     shifted = None if normalized is None else call(normalized.args[0], "relax.subtract")
     if (dgamma_term is None or normalized is None or shifted is None
             or not (dgamma_term.args[0].same_as(dy) and dgamma_term.args[1].same_as(xhat))
-            or not call(dbeta, "relax.sum", 1).args[0].same_as(dy)  # type: ignore[union-attr]
+            or not beta_total.args[0].same_as(dy)
             or not normalized.args[1].same_as(rstd)):
         return None
     x = shifted.args[0]
