@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import time_calls  # noqa: E402  (bench/e2e.py: one warm-up call, then the timed ones)
+from e2e import time_calls  # noqa: E402  (bench/e2e.py: warm-up calls for 0.25 s, then the timed ones)
 
 
 def _median_ms(fn, repeat: int) -> float:

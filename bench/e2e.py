@@ -89,9 +89,15 @@ def network_flops(mod) -> int:
 # Children: one runtime, one configuration; print {"ms": [...], "rss_mib": ...} as JSON.
 
 
-def time_calls(fn, repeat: int) -> list[float]:
-    """Milliseconds of each of `repeat` calls of `fn`, after one warm-up call."""
-    fn()  # warm-up (first-run allocation, lazy initialization)
+def time_calls(fn, repeat: int, warmup_s: float = 0.25) -> list[float]:
+    """Milliseconds of each of `repeat` calls of `fn`, after warm-up calls for `warmup_s` seconds
+    (at least one: first-run allocation, lazy initialization). A fresh process's first calls are
+    slower for ~20 ms of work: with TVM's threads pinned to cores (its default), ShuffleNet's
+    first 8 calls on 2 threads ran 2.5 ms, then 2.0, on the 2-core Xeon."""
+    start = time.perf_counter()
+    fn()
+    while time.perf_counter() - start < warmup_s:
+        fn()
     times = []
     for _ in range(repeat):
         start = time.perf_counter()

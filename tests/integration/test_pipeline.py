@@ -164,6 +164,43 @@ def test_parallel_vectorize_rule():
     assert ParallelVectorize().apply(te.create_prim_func([a, b]), tvm_ext.resolve_target("cuda"), False) is None
 
 
+def test_channel_shuffle_is_one_pass():
+    """ShuffleNet's shuffle (concat, reshape, transpose, reshape, split) ran as five passes over
+    memory with four intermediate buffers; its copies are now inlined into the split's two
+    outputs. Same bits as PyTorch's; a copy feeding a reduction stays a pass of its own."""
+
+    class Shuffle(torch.nn.Module):
+        def forward(self, a, b):
+            x = torch.cat([a, b], 1)
+            x = x.view(1, 2, 24, 5, 7).transpose(1, 2).reshape(1, 48, 5, 7)
+            return x.chunk(2, 1)
+
+    from tvm import te
+    from tvm.relax.frontend.torch import from_exported_program
+
+    a, b = torch.randn(1, 24, 5, 7), torch.randn(1, 24, 5, 7)
+    mod = from_exported_program(torch.export.export(Shuffle(), (a, b)))
+    with TARGET:
+        lowered = tvm.transform.Sequential([relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+                                            relax.transform.FuseOps(), relax.transform.FuseTIR()])(mod)
+    (shuffle,) = [f for _, f in lowered.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    scheduled = ParallelVectorize().apply(shuffle, TARGET, False).mod["main"]
+    text = scheduled.script()
+    assert "sblock_alloc_buffer" not in text and text.count("T.parallel") == 2, text
+
+    vm = relax.VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())
+    for got, want in zip(vm["main"](tvm.runtime.tensor(a.numpy()), tvm.runtime.tensor(b.numpy())),
+                         Shuffle()(a, b), strict=True):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+    x = te.placeholder((8, 16), name="x")
+    padded = te.compute((8, 18), lambda i, j: te.if_then_else(j < 16, x[i, te.min(j, 15)], 0.0), name="padded")
+    r = te.reduce_axis((0, 18), "r")
+    total = te.compute((8,), lambda i: te.sum(padded[i, r], axis=r), name="total")
+    text = ParallelVectorize().apply(te.create_prim_func([x, total]), TARGET, False).mod["main"].script()
+    assert 'T.sblock("padded")' in text
+
+
 @pytest.mark.parametrize("activation", ["relu", "relu6", "sigmoid", "silu", "gelu", "leaky_relu"])
 def test_residual_block_fuses_bias_shortcut_and_activation(activation):
     """conv-bias-act-conv-bias-(+x)-act: every add and activation lands in a conv epilogue."""

@@ -6,16 +6,23 @@ PrimFunc (elementwise ops, layout transforms, pooling, a convolution we fell bac
 parallelism and vectorization a demanding user expects, block by block. It only touches blocks
 whose loop nest is still the one legalization created (one loop per block iterator, spatial
 first), never changes what a block computes, and leaves a block alone when a primitive refuses.
+
+Blocks that only move data (a concatenation, reshape, transpose, split, pad: a load, a constant
+or a choice between them) are first inlined into their element-wise consumers: ShuffleNet's
+channel shuffle (concat, reshape, transpose, reshape, split) was five passes over memory and six
+parallel launches, and becomes one pass.
 """
 
 from __future__ import annotations
 
+import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight import ScheduleRule
 from tvm.target import Target
 
 _MIN_PARALLEL = 2
 _MAX_VECTOR = 64
+_IF_THEN_ELSE = tvm.ir.Op.get("prim.if_then_else")
 
 
 def _leading_spatial_loops(sch: s_tir.Schedule, block) -> list:
@@ -38,6 +45,36 @@ def _extent(sch: s_tir.Schedule, loop) -> int | None:
     return int(extent) if isinstance(extent, tirx.IntImm) else None
 
 
+def _moves_data(value: tirx.PrimExpr) -> bool:
+    """Whether a stored value only selects data: loads and constants, chosen by conditions."""
+    if isinstance(value, tvm.ir.expr.TensorLoad | tirx.IntImm | tirx.FloatImm):
+        return True
+    if isinstance(value, tirx.Select):
+        return _moves_data(value.true_value) and _moves_data(value.false_value)
+    if isinstance(value, tvm.ir.expr.Call) and value.op.same_as(_IF_THEN_ELSE):
+        return _moves_data(value.args[1]) and _moves_data(value.args[2])
+    return False
+
+
+def _is_spatial(sch: s_tir.Schedule, block) -> bool:
+    return all(iv.iter_type == tirx.IterVar.DataPar for iv in sch.get(block).iter_vars)
+
+
+def _inline_data_movement(sch: s_tir.Schedule) -> None:
+    """Inline every block that only moves data into consumers that are element-wise (spatial)
+    blocks, so nothing is recomputed per reduction step."""
+    for block in sch.get_child_blocks(sch.get_sblock("root")):
+        stmt = sch.get(block)
+        if not (isinstance(stmt.body, tirx.BufferStore) and _moves_data(stmt.body.value) and _is_spatial(sch, block)):
+            continue
+        consumers = sch.get_consumers(block)
+        if consumers and all(_is_spatial(sch, consumer) for consumer in consumers):
+            try:
+                sch.compute_inline(block)
+            except s_tir.ScheduleError:  # an output, or a block it cannot substitute: keep it
+                continue
+
+
 class ParallelVectorize(ScheduleRule):
     """Parallelize the fused outer spatial loops and vectorize the innermost spatial loop."""
 
@@ -46,6 +83,7 @@ class ParallelVectorize(ScheduleRule):
             return None
         sch = s_tir.Schedule(func)
         try:
+            _inline_data_movement(sch)
             blocks = sch.get_child_blocks(sch.get_sblock("root"))
         except s_tir.ScheduleError:
             return None
