@@ -13,7 +13,9 @@ under --batch-norm training, on every side) differentiated by
 relax.transform.Gradient and built with tvm_ext, against PyTorch eager's forward + backward and
 torch.compile's (unless --no-compile), plus an SGD update of every parameter on each side;
 median ms timed alternately in one process, and the peak memory (RSS high-water mark) of a
-process that runs only that side's steps.
+process that runs only that side's steps; for tvm_ext two: a process that exports and builds the
+step itself, and one that loads the built step as a library (as torch.compile's process, whose
+compile workers are processes of their own, does not count its compiler either).
 
 Usage: python bench/train.py --set resnet50 --batch 16 --threads 1 [--layers K] [--repeat R]
        python bench/train.py --model resnet18 --size 224 --batch 16 --threads 2 [--no-compile]
@@ -47,6 +49,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch-norm", choices=("inference", "training"), default="inference",
                     help="--model: batch norms with running (folded) or the batch's statistics")
     ap.add_argument("--memory", default="", help=argparse.SUPPRESS)  # (internal) one side's peak memory
+    ap.add_argument("--library", default="", help=argparse.SUPPRESS)  # (internal) --memory tvm_ext_library's
     return ap.parse_args(argv)
 
 
@@ -115,6 +118,24 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
+def _sgd_step(adjoint, x, tensors: list, lr: float):
+    """tvm_ext's step: the built gradient function, then SGD in NumPy on the VM's tensors."""
+    params = [np.from_dlpack(t) for t in tensors]  # views: SGD updates the parameters in place
+
+    def ours() -> None:
+        _, grads = adjoint(x, *tensors)
+        for param, grad in zip(params, grads, strict=True):
+            step = np.from_dlpack(grad)
+            step *= -lr
+            param += step
+
+    return ours
+
+
+LEARNING_RATE = 1e-6
+BUILT: dict = {}  # tvm_ext's executable and tensors, for --memory tvm_ext_library's artifact
+
+
 def _step_functions(sides: tuple[str, ...]) -> tuple[dict, float]:
     """One training step of each side (tvm_ext, torch, torch.compile) and tvm_ext's build time."""
     import tvm
@@ -125,29 +146,26 @@ def _step_functions(sides: tuple[str, ...]) -> tuple[dict, float]:
 
     x = np.random.default_rng(1).standard_normal((ARGS.batch, 3, ARGS.size, ARGS.size), dtype=np.float32)
     model = torchvision_zoo.load(ARGS.model, ARGS.size).train(ARGS.batch_norm == "training")
-    images, lr, steps, build_s = torch.from_numpy(x), 1e-6, {}, 0.0
+    images, steps, build_s = torch.from_numpy(x), {}, 0.0
     # one torch loss module (the model's parameters) for every side, built with the export if tvm_ext runs
     loss = loss_module(model, x) if "tvm_ext" not in sides else None
     if "tvm_ext" in sides:
         mod, values, loss = loss_gradient(model, x)
+        if sides == ("tvm_ext",):  # tvm_ext's own process: the torch model is not needed once exported
+            del model, loss
         start = time.perf_counter()
-        vm = relax.VirtualMachine(tvm_ext.build(mod, "llvm"), tvm.cpu())
+        ex = tvm_ext.build(mod, "llvm")
         build_s = time.perf_counter() - start
-        adjoint = vm["main_adjoint"]
+        del mod
         xt = tvm.runtime.tensor(x)
         tensors = [tvm.runtime.tensor(v) for v in values]
-        params = [np.from_dlpack(t) for t in tensors]  # views: SGD updates the parameters in place
         del values
-
-        def ours() -> None:
-            _, grads = adjoint(xt, *tensors)
-            for param, grad in zip(params, grads, strict=True):  # SGD in NumPy, on the VM's tensors
-                step = np.from_dlpack(grad)
-                step *= -lr
-                param += step
-
-        steps["tvm_ext"] = ours
-    sgd = torch.optim.SGD(loss.parameters(), lr=lr)
+        steps["tvm_ext"] = _sgd_step(relax.VirtualMachine(ex, tvm.cpu())["main_adjoint"], xt, tensors,
+                                     LEARNING_RATE)
+        BUILT.update(executable=ex, tensors=[xt, *tensors])
+    if sides == ("tvm_ext",):
+        return steps, build_s
+    sgd = torch.optim.SGD(loss.parameters(), lr=LEARNING_RATE)
     compiled = torch.compile(loss) if "torch.compile" in sides else None
     for side, forward in (("torch", loss), ("torch.compile", compiled)):
         if side in sides:
@@ -160,12 +178,32 @@ def _step_functions(sides: tuple[str, ...]) -> tuple[dict, float]:
     return steps, build_s
 
 
-def _peak_memory_mib(side: str) -> float:
+def _library_step(folder: Path):
+    """tvm_ext's step loaded from the library `_export_step` wrote: how a trainer deploys a built
+    step (tvm and NumPy only; no export, no compiler in the process)."""
+    import tvm
+    from tvm import relax
+
+    data = np.load(folder / "tensors.npz")
+    x, *tensors = (tvm.runtime.tensor(data[f"arr_{i}"]) for i in range(len(data.files)))
+    vm = relax.VirtualMachine(tvm.runtime.load_module(str(folder / "step.so")), tvm.cpu())
+    return _sgd_step(vm["main_adjoint"], x, tensors, LEARNING_RATE)
+
+
+def _export_step(folder: Path) -> None:
+    """The step built in this process as a shared library, with its input and parameters."""
+    BUILT["executable"].export_library(str(folder / "step.so"))
+    np.savez(folder / "tensors.npz", *(t.numpy() for t in BUILT["tensors"]))
+
+
+def _peak_memory_mib(side: str, library: Path | None = None) -> float:
     """The RSS high-water mark of a process that runs only `side`'s steps (module docstring)."""
     import subprocess
 
     argv = [sys.executable, __file__, "--model", ARGS.model, "--size", str(ARGS.size), "--batch", str(ARGS.batch),
             "--threads", str(ARGS.threads), "--batch-norm", ARGS.batch_norm, "--memory", side]
+    if library is not None:
+        argv += ["--library", str(library)]
     out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
     return float(out.strip().splitlines()[-1])
 
@@ -173,10 +211,14 @@ def _peak_memory_mib(side: str) -> float:
 def _training_steps() -> int:
     """--model: whole training steps of each side (module docstring)."""
     import resource
+    import tempfile
 
     sides = ("tvm_ext", "torch") + (() if ARGS.no_compile else ("torch.compile",))
     if ARGS.memory:  # (a child of _peak_memory_mib)
-        step = _step_functions((ARGS.memory,))[0][ARGS.memory]
+        if ARGS.memory == "tvm_ext_library":
+            step = _library_step(Path(ARGS.library))
+        else:
+            step = _step_functions((ARGS.memory,))[0][ARGS.memory]
         for _ in range(3):
             step()
         # VmHWM: this process's own high-water mark (ru_maxrss keeps the parent's across fork and exec)
@@ -192,10 +234,16 @@ def _training_steps() -> int:
     print(f"# training step: {ARGS.model} {ARGS.size}x{ARGS.size} batch={ARGS.batch} threads={ARGS.threads} "
           f"batch norms: {ARGS.batch_norm}; "
           f"tvm_ext build {build_s:.1f} s; ms medians of {ARGS.repeat} alternating rounds; peak memory: RSS "
-          "high-water mark of a process running only that side")
+          "high-water mark of a process running only that side (tvm_ext: exported and built in that process "
+          "/ its built library loaded)")
     print("side | ms | tvm_ext speedup | peak MiB")
-    for side in sides:
-        print(f"{side} | {ms[side]:.1f} | {ms[side] / ms['tvm_ext']:.2f}x | {_peak_memory_mib(side):.0f}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="tvm_ext_train_") as folder:
+        _export_step(Path(folder))
+        for side in sides:
+            mib = f"{_peak_memory_mib(side):.0f}"
+            if side == "tvm_ext":
+                mib += f" / {_peak_memory_mib('tvm_ext_library', Path(folder)):.0f}"
+            print(f"{side} | {ms[side]:.1f} | {ms[side] / ms['tvm_ext']:.2f}x | {mib}", flush=True)
     return 0
 
 

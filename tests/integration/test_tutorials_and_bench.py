@@ -264,3 +264,5 @@ def test_bench_train_times_whole_steps():
     rows = {line.split(" | ")[0]: line.split(" | ") for line in out.splitlines() if " | " in line}
     assert set(rows) == {"side", "tvm_ext", "torch"}
     assert rows["tvm_ext"][2] == "1.00x" and float(rows["torch"][3]) > 100  # peak MiB of a process of its own
+    in_process, library = (float(mib) for mib in rows["tvm_ext"][3].split(" / "))  # built there / loaded
+    assert in_process > 100 and library > 100
