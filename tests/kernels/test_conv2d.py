@@ -317,6 +317,11 @@ def test_epilogue_border_is_validated():
         Epilogue(out_pad=(1, 1))
     with pytest.raises(ValueError, match="not to nchw_out"):
         Epilogue(nchw_out=True, out_pad=(1, 1, 1, 1))
+    assert Epilogue(mask="relu", mask_pad=[0, 1, 0, 1]).mask_pad == (0, 1, 0, 1)
+    with pytest.raises(ValueError, match="mask_pad must be 4 non-negative"):
+        Epilogue(mask="relu", mask_pad=(1, 1, 1))
+    with pytest.raises(ValueError, match="mask read in the blocked layout"):
+        Epilogue(mask_pad=(1, 1, 1, 1))
 
 
 def test_prepacked_conv2d_module():

@@ -152,6 +152,11 @@ def test_training_mode_network_gradients_match_autograd(case):
     assert [name.endswith("_residual_relu") for name in forward] == [False, shortcut], forward
     assert all(name.endswith("_relu") for name in forward), forward
     assert not any(name.startswith("tvm_ext_relu") for name in calls), calls
+    # the relu mask of conv2's data gradient reads conv2's padded input (kept for its weight
+    # gradient), so the unpadded relu output dies in the forward pass (where both tensors have
+    # the same channel blocks: one block of 16 here; strided, the mask is in the interleave)
+    if stride == 1 and width == 16 or stride > 1:
+        assert any(name.endswith("_maskpad1x1x1x1") for name in calls) == (stride == 1), calls
     report = tvm_ext.dispatch_report(mod, TARGET, function="main_adjoint")
     assert {row.kernel for row in report if row.op in ("variance", "rsqrt", "mean")} == {"batch_norm_backward"}
     assert [row.kernel for row in report if row.op == "nn.batch_norm"] == ["batch_norm_training"] * 2

@@ -374,6 +374,10 @@ class Epilogue:
     # layout (the activation's output) is > 0, and zero ("relu") or times alpha ("leaky_relu")
     # elsewhere. A data-gradient convolution then writes the gradient of the activation's input.
     mask: str | None = None
+    # The zero border (top, left, bottom, right) around the mask tensor: the activation's output
+    # read in its padded copy (the next convolution's input, kept for its weight gradient), so
+    # that the unpadded tensor need not outlive the forward pass.
+    mask_pad: tuple[int, int, int, int] = (0, 0, 0, 0)
 
     def __post_init__(self):
         if self.activation is not None and self.activation not in ACTIVATIONS:
@@ -385,6 +389,11 @@ class Epilogue:
             raise ValueError("epilogue: out_pad applies to the blocked output, not to nchw_out")
         if self.mask not in (None, *MASKS):
             raise ValueError(f"epilogue: mask {self.mask!r} not in {MASKS}")
+        object.__setattr__(self, "mask_pad", tuple(int(p) for p in self.mask_pad))
+        if len(self.mask_pad) != 4 or min(self.mask_pad) < 0:
+            raise ValueError(f"epilogue: mask_pad must be 4 non-negative ints, got {self.mask_pad}")
+        if any(self.mask_pad) and (self.mask is None or self.nchw_out):
+            raise ValueError("epilogue: mask_pad applies to a mask read in the blocked layout")
 
     def out_shape(self, plan: Conv2dPlan) -> tuple[int, ...]:
         """The blocked output with its border: N, O/y, OH + top + bottom, OW + left + right, y."""
@@ -520,7 +529,11 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
         bias = param_buffer("b", (plan.OCB, plan.oc_bn)) if epilogue.bias else None
         residual_shape = wl.out_shape if epilogue.nchw_out else plan.out_shape()
         residual = param_buffer("r", residual_shape) if epilogue.residual else None
-        mask = param_buffer("m", residual_shape) if epilogue.mask else None
+        mask_top, mask_left, mask_bottom, mask_right = epilogue.mask_pad
+        n_, ocb_, oh_, ow_, y_ = plan.out_shape()
+        mask_shape = (residual_shape if epilogue.nchw_out
+                      else (n_, ocb_, oh_ + mask_top + mask_bottom, ow_ + mask_left + mask_right, y_))
+        mask = param_buffer("m", mask_shape) if epilogue.mask else None
         if epilogue.nchw_out:
             out = param_buffer("out", wl.out_shape)
         else:
@@ -576,7 +589,7 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
                         index = [v_n, v_ob, v_oh + top, v_ow + left, v_o]
                         value = _epilogue_value(epilogue, y[tuple(index)], _load(bias, [v_ob, v_o]),
                                                 _load(residual, [v_n, v_ob, v_oh, v_ow, v_o]),
-                                                _load(mask, [v_n, v_ob, v_oh, v_ow, v_o]))
+                                                _load(mask, [v_n, v_ob, v_oh + mask_top, v_ow + mask_left, v_o]))
                         if padded:  # the channels past K are zeros, whatever the input held (0 * inf)
                             value = T.Select(v_ob * plan.oc_bn + v_o < wl.K, value, T.float32(0))
                         T.buffer_store(y_epilogue, value, index)

@@ -47,6 +47,8 @@ def _describe(plan: _conv.Conv2dPlan, epilogue: _conv.Epilogue, lanes: int, regi
     epilogue_fields = dataclasses.asdict(epilogue)
     if epilogue_fields["mask"] is None:  # likewise
         del epilogue_fields["mask"]
+    if not any(epilogue_fields["mask_pad"]):
+        del epilogue_fields["mask_pad"]
     return json.dumps({"plan": described, "epilogue": epilogue_fields,
                        "lanes": lanes, "registers": registers}, sort_keys=True)
 
