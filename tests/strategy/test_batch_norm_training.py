@@ -154,9 +154,14 @@ def test_training_mode_network_gradients_match_autograd(case):
     assert not any(name.startswith("tvm_ext_relu") for name in calls), calls
     # the relu mask of conv2's data gradient reads conv2's padded input (kept for its weight
     # gradient), so the unpadded relu output dies in the forward pass (where both tensors have
-    # the same channel blocks: one block of 16 here; strided, the mask is in the interleave)
-    if stride == 1 and width == 16 or stride > 1:
-        assert any(name.endswith("_maskpad1x1x1x1") for name in calls) == (stride == 1), calls
+    # the same channel blocks: one block of 16 here; strided, the stride phases' interleave masks)
+    if width == 16:
+        masks = [name for name in calls if name.endswith("_maskpad1x1x1x1")]
+        assert [name.startswith("tvm_ext_interleave_phases") for name in masks] == [stride > 1], calls
+        # and conv2's weight gradient reads the forward's padded copy too (strided, it needs no
+        # bottom or right border, and made a copy of its own)
+        dw = f"tvm_ext_conv2d_backward_weight_{batch}x16x{size}x{size}_16x3x3_s{stride}x{stride}_p1x1x1x1_"
+        assert any(name.startswith(dw) for name in calls), calls
     report = tvm_ext.dispatch_report(mod, TARGET, function="main_adjoint")
     assert {row.kernel for row in report if row.op in ("variance", "rsqrt", "mean")} == {"batch_norm_backward"}
     assert [row.kernel for row in report if row.op == "nn.batch_norm"] == ["batch_norm_training"] * 2

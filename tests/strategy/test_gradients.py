@@ -209,9 +209,11 @@ def test_pack_phase_weight_kernel(seed):
     np.testing.assert_array_equal(out.numpy(), expected)
 
 
-@pytest.mark.parametrize("stride,relu_mask", [((2, 2), False), ((2, 2), True), ((3, 2), True)])
-def test_interleave_phases_kernel(stride, relu_mask):
-    """Phases (some zero, some covering fewer pixels than their share) into every s-th pixel."""
+@pytest.mark.parametrize("stride,relu_mask,mask_pad", [((2, 2), False, (0, 0, 0, 0)), ((2, 2), True, (0, 0, 0, 0)),
+                                                       ((3, 2), True, (0, 0, 0, 0)), ((2, 2), True, (1, 2, 0, 1))])
+def test_interleave_phases_kernel(stride, relu_mask, mask_pad):
+    """Phases (some zero, some covering fewer pixels than their share) into every s-th pixel;
+    masked by y, also read inside a padded copy of y (its border holding other values)."""
     from tvm_ext.kernels.conv2d_backward_data import interleave_phases_func
 
     n, blocks, h, w, block = 2, 2, 7, 9, 16
@@ -230,9 +232,13 @@ def test_interleave_phases_kernel(stride, relu_mask):
             expected[:, :, index // sw::sh, index % sw::sw][:, :, :shape[2], :shape[3]] = next(used)
     if relu_mask:
         expected = np.where(y > 0, expected, 0)
-    kernel = tvm.compile(interleave_phases_func((n, blocks, h, w, block), stride, phases, relu_mask), target=TARGET)
+    top, left, bottom, right = mask_pad
+    padded = rng.standard_normal((n, blocks, h + top + bottom, w + left + right, block)).astype(np.float32)
+    padded[:, :, top: top + h, left: left + w] = y
+    kernel = tvm.compile(interleave_phases_func((n, blocks, h, w, block), stride, phases, relu_mask, mask_pad),
+                         target=TARGET)
     out = tvm.runtime.tensor(np.full((n, blocks, h, w, block), np.nan, np.float32))
-    kernel(*[tvm.runtime.tensor(d) for d in data], *([tvm.runtime.tensor(y)] if relu_mask else []), out)
+    kernel(*[tvm.runtime.tensor(d) for d in data], *([tvm.runtime.tensor(padded)] if relu_mask else []), out)
     np.testing.assert_array_equal(out.numpy(), expected)
 
 

@@ -17,6 +17,7 @@ the eager gradient (:func:`tvm_ext.ops.conv2d_backward_data`) and the graph's
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Sequence
 
@@ -157,21 +158,30 @@ def phase_weight_func(w_shape: Sequence[int], groups: int, taps_h: Sequence[int]
     return sch.mod["main"].with_attr(KERNEL_ATTR, "phase_weight")
 
 
+# The JSON arguments an interleave kernel was generated from, to rebuild it (strategy.borders).
+INTERLEAVE_ATTR = "tvm_ext.interleave_phases"
+
+
 def interleave_phases_func(out_shape: Sequence[int], stride: tuple[int, int],
-                           phases: Sequence[Sequence[int] | None], relu_mask: bool = False) -> tirx.PrimFunc:
+                           phases: Sequence[Sequence[int] | None], relu_mask: bool = False,
+                           mask_pad: Sequence[int] = (0, 0, 0, 0)) -> tirx.PrimFunc:
     """dX (N, C/c, H, W, c) from its phases in blocks: phase (a, b) (row-major over the stride,
     None where it is zero) is (N, C/c, rows, cols, c) and fills pixels (a + s_h * q, b + s_w * p).
     Parameters: the non-zero phases in order, [the activation's output y, with `relu_mask`:
-    where(y > 0, dX, 0)], then dX. One task per image's channel block and phase, the block's
-    channels in vectors: each pixel of dX is written once (a zero phase's with zeros)."""
+    where(y > 0, dX, 0); with a zero border `mask_pad` (top, left, bottom, right) around it, as the
+    padded copy a convolution reads], then dX. One task per image's channel block and phase, the
+    block's channels in vectors: each pixel of dX is written once (a zero phase's with zeros)."""
     n, blocks, h, w, block = (int(v) for v in out_shape)
     sh, sw = stride
+    top, left, bottom, right = (int(p) for p in mask_pad)
+    described = json.dumps({"out_shape": [n, blocks, h, w, block], "stride": [sh, sw],
+                            "phases": [None if p is None else [int(v) for v in p] for p in phases]})
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("interleave_phases")
-        T.func_attr({"tirx.noalias": True, KERNEL_ATTR: "interleave_phases"})
+        T.func_attr({"tirx.noalias": True, KERNEL_ATTR: "interleave_phases", INTERLEAVE_ATTR: described})
         inputs = [None if shape is None else param_buffer(f"phase{i}", (n, blocks, shape[2], shape[3], block))
                   for i, shape in enumerate(phases)]
-        y = param_buffer("y", (n, blocks, h, w, block)) if relu_mask else None
+        y = param_buffer("y", (n, blocks, h + top + bottom, w + left + right, block)) if relu_mask else None
         dx = param_buffer("dx", (n, blocks, h, w, block))
         for index, (source, shape) in enumerate(zip(inputs, phases, strict=True)):
             a, b = index // sw, index % sw
@@ -186,6 +196,7 @@ def interleave_phases_func(out_shape: Sequence[int], stride: tuple[int, int],
                         value = tirx.if_then_else(tirx.all(q < shape[2], p < shape[3]),
                                                   source[image, cb, q, p, c], T.float32(0))
                     if y is not None:
-                        value = tirx.Select(y[image, cb, row, col, c] > T.float32(0), value, T.float32(0))
+                        value = tirx.Select(y[image, cb, row + top, col + left, c] > T.float32(0), value,
+                                            T.float32(0))
                     T.buffer_store(dx, value, [image, cb, row, col, c])
     return builder.get()

@@ -21,6 +21,8 @@ batch norm's output: 88 MB of ResNet-50's batch-16 step), or its producer writes
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -29,6 +31,7 @@ import tvm
 from tvm import relax
 
 from ..kernels import conv2d as _conv
+from ..kernels import conv2d_backward_data as _data_grad
 from ..kernels.batch_loop import BATCHED_ATTR, batch_loop
 from ..kernels.layout import PADDING_ATTR
 from ..tuning import space as _space
@@ -88,50 +91,67 @@ def _padded_copies(mod: tvm.IRModule, func: relax.Function) -> dict[relax.Var, t
     return copies
 
 
+def _with_mask_pad(kernel: tvm.tirx.PrimFunc, mask: relax.Var, padded: relax.Var, border: tuple[int, ...],
+                   make_kernel: KernelMaker) -> tvm.tirx.PrimFunc | None:
+    """`kernel` (a data-gradient convolution or stride-phase interleave that masks with `mask`)
+    rebuilt to read the mask from `padded`, the copy of `mask` with `border`; None where the two
+    tensors differ in more than the border (other channel blocks) or the kernel has no mask."""
+    if BATCHED_ATTR in (kernel.attrs or {}):
+        return None  # one image's kernel over a symbolic batch
+    described = _space.describe_kernel(kernel)
+    if described is not None:
+        plan, epilogue, _, _ = described
+        if epilogue.mask is None or any(epilogue.mask_pad) or epilogue.nchw_out:
+            return None
+        shape = plan.out_shape()
+        rebuild = functools.partial(make_kernel, plan, dataclasses.replace(epilogue, mask_pad=border))
+    elif _data_grad.INTERLEAVE_ATTR in (kernel.attrs or {}) and len(kernel.params) > 2:
+        args = json.loads(str(kernel.attrs[_data_grad.INTERLEAVE_ATTR]))
+        shape = tuple(args["out_shape"])
+        rebuild = functools.partial(_data_grad.interleave_phases_func, **args, relu_mask=True, mask_pad=border)
+    else:
+        return None
+    top, left, bottom, right = border
+    expected = (shape[1], shape[2] + top + bottom, shape[3] + left + right, shape[4])
+    if tuple(mask.ty.shape)[1:] != tuple(shape[1:]) or tuple(padded.ty.shape)[1:] != expected:
+        return None
+    return rebuild()
+
+
 def read_masks_padded(mod: tvm.IRModule, make_kernel: KernelMaker) -> tvm.IRModule:
-    """Rebuild each convolution whose epilogue masks with a tensor that also has a padded copy so
-    that it reads the copy (module docstring)."""
+    """Rebuild each kernel whose mask tensor also has a padded copy so that it reads the copy
+    (module docstring)."""
     for gvar, func in list(mod.functions_items()):
         if not isinstance(func, relax.Function) or "Composite" in (func.attrs or {}):
             continue
         copies = _padded_copies(mod, func)
-        if not copies:
-            continue
         rebuilt = {}
-        for var, value in relax.analysis.get_var2val(func).items():
+        for var, value in relax.analysis.get_var2val(func).items() if copies else ():
             kernel = _called_kernel(mod, value)
-            described = None if kernel is None else _space.describe_kernel(kernel)
-            if described is None or described[1].mask is None or any(described[1].mask_pad):
-                continue
-            plan, epilogue, _, _ = described
-            mask = value.args[1].fields[-1]
-            if mask not in copies or epilogue.nchw_out:
+            mask = value.args[1].fields[-1] if kernel is not None and value.args[1].fields else None
+            if mask not in copies:
                 continue
             padded, border = copies[mask]
-            expected = dataclasses.replace(epilogue, out_pad=border).out_shape(plan)
-            shapes = (tuple(mask.ty.shape), tuple(padded.ty.shape))
-            if (shapes[0][1:] != plan.out_shape()[1:] or shapes[1][1:] != expected[1:]
-                    or BATCHED_ATTR in (kernel.attrs or {})):
-                continue  # other channel blocks (or one image's kernel over a symbolic batch): keep y
-            rebuilt[var] = (padded, dataclasses.replace(epilogue, mask_pad=border), plan)
+            new_kernel = _with_mask_pad(kernel, mask, padded, border, make_kernel)
+            if new_kernel is not None:
+                if "op_pattern" in kernel.attrs:
+                    new_kernel = new_kernel.with_attr("op_pattern", kernel.attrs["op_pattern"])
+                rebuilt[var] = (padded, new_kernel, border)
         if rebuilt:
-            mod = _rewrite_masks(mod, gvar, func, rebuilt, make_kernel)
+            mod = _rewrite_masks(mod, gvar, func, rebuilt)
     return mod
 
 
-def _rewrite_masks(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Function, rebuilt: dict,
-                   make_kernel: KernelMaker) -> tvm.IRModule:
+def _rewrite_masks(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Function, rebuilt: dict) -> tvm.IRModule:
     @relax.expr_functor.mutator
     class _Mutator(relax.PyExprMutator):
         def visit_var_binding_(self, binding: relax.VarBinding) -> None:
             if binding.var not in rebuilt:
                 super().visit_var_binding_(binding)
                 return
-            padded, epilogue, plan = rebuilt[binding.var]
+            padded, kernel, border = rebuilt[binding.var]
             call = binding.value
-            old = self.builder_.get()[call.args[0]]
-            kernel = make_kernel(plan, epilogue).with_attr("op_pattern", old.attrs["op_pattern"])
-            name = call.args[0].name_hint + "_maskpad" + "x".join(map(str, epilogue.mask_pad))
+            name = call.args[0].name_hint + "_maskpad" + "x".join(map(str, border))
             args = [self.visit_expr(arg) for arg in call.args[1].fields[:-1]] + [self.visit_expr(padded)]
             out = self.builder_.emit(relax.call_tir(self.builder_.add_func(kernel, name), args, binding.var.ty))
             self.set_var_remap(binding.var, out)

@@ -282,6 +282,7 @@ class CpuEmitter:
                 plan = _weight_grad.plan_conv2d_backward_weight(
                     plan.wl, self.isa, bias, ic_bn=known_x[1] if known_x else plan.ic_bn,
                     oc_bn=known_dy[1] if known_dy else plan.oc_bn)
+        plan = self._in_forward_copy(x, plan)
         wl, tag = plan.wl, _tag(plan)
         args = [self.pack(x, plan.ic_bn, wl.padding, padded=True), self.pack(dy, plan.oc_bn, padded=True)]
         kernel = add_kernel(self.bb, _weight_grad.conv2d_backward_weight_kernel(plan, self.isa.lanes),
@@ -299,6 +300,24 @@ class CpuEmitter:
         if plan.OCB * plan.oc_bn != wl.K:
             db = self.bb.emit(relax.op.strided_slice(db, axes=[0], begin=[0], end=[wl.K]))
         return dw, db
+
+    def _in_forward_copy(self, x: relax.Expr,
+                         plan: _weight_grad.WeightGradPlan) -> _weight_grad.WeightGradPlan:
+        """The plan over a padded copy of x the forward pass already made, if one has the same top
+        and left border and at least the bottom and right: a strided convolution's gradient needs
+        no bottom or right border (no tap reads it), and its own copy would keep x alive in the
+        backward pass. The output size decides that the taps read nothing more."""
+        known = self.blocked(x, padded=True)
+        if known is None or known[1] != plan.ic_bn:
+            return plan
+        top, left, bottom, right = plan.wl.padding
+        for source, pads in self._padded:
+            if (source.same_as(known[0]) and pads[:2] == (top, left) and pads[2] >= bottom and pads[3] >= right
+                    and pads != tuple(plan.wl.padding)):
+                wl = dataclasses.replace(plan.wl, padding=pads)
+                if (wl.OH, wl.OW) == (plan.wl.OH, plan.wl.OW):
+                    return dataclasses.replace(plan, wl=wl)
+        return plan
 
     def _uncropped(self, x: relax.Expr,
                    plan: _weight_grad.WeightGradPlan) -> tuple[relax.Expr, _weight_grad.WeightGradPlan]:
