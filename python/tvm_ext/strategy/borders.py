@@ -128,13 +128,13 @@ def read_masks_padded(mod: tvm.IRModule, make_kernel: KernelMaker) -> tvm.IRModu
         rebuilt = {}
         for var, value in relax.analysis.get_var2val(func).items() if copies else ():
             kernel = _called_kernel(mod, value)
-            mask = value.args[1].fields[-1] if kernel is not None and value.args[1].fields else None
-            if mask not in copies:
+            if kernel is None or not value.args[1].fields or value.args[1].fields[-1] not in copies:
                 continue
+            mask = value.args[1].fields[-1]
             padded, border = copies[mask]
             new_kernel = _with_mask_pad(kernel, mask, padded, border, make_kernel)
             if new_kernel is not None:
-                if "op_pattern" in kernel.attrs:
+                if "op_pattern" in (kernel.attrs or {}):
                     new_kernel = new_kernel.with_attr("op_pattern", kernel.attrs["op_pattern"])
                 rebuilt[var] = (padded, new_kernel, border)
         if rebuilt:
