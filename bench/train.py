@@ -133,11 +133,11 @@ def _sgd_step(adjoint, x, tensors: list, lr: float):
 
 
 LEARNING_RATE = 1e-6
-BUILT: dict = {}  # tvm_ext's executable and tensors, for --memory tvm_ext_library's artifact
 
 
-def _step_functions(sides: tuple[str, ...]) -> tuple[dict, float]:
-    """One training step of each side (tvm_ext, torch, torch.compile) and tvm_ext's build time."""
+def _step_functions(sides: tuple[str, ...]) -> tuple[dict, float, tuple | None]:
+    """One training step of each side (tvm_ext, torch, torch.compile), tvm_ext's build time and
+    what it built (its executable and input tensors, for :func:`_export_step`; None without it)."""
     import tvm
     from tvm import relax
 
@@ -146,7 +146,7 @@ def _step_functions(sides: tuple[str, ...]) -> tuple[dict, float]:
 
     x = np.random.default_rng(1).standard_normal((ARGS.batch, 3, ARGS.size, ARGS.size), dtype=np.float32)
     model = torchvision_zoo.load(ARGS.model, ARGS.size).train(ARGS.batch_norm == "training")
-    images, steps, build_s = torch.from_numpy(x), {}, 0.0
+    images, steps, build_s, built = torch.from_numpy(x), {}, 0.0, None
     # one torch loss module (the model's parameters) for every side, built with the export if tvm_ext runs
     loss = loss_module(model, x) if "tvm_ext" not in sides else None
     if "tvm_ext" in sides:
@@ -162,9 +162,9 @@ def _step_functions(sides: tuple[str, ...]) -> tuple[dict, float]:
         del values
         steps["tvm_ext"] = _sgd_step(relax.VirtualMachine(ex, tvm.cpu())["main_adjoint"], xt, tensors,
                                      LEARNING_RATE)
-        BUILT.update(executable=ex, tensors=[xt, *tensors])
+        built = (ex, [xt, *tensors])
     if sides == ("tvm_ext",):
-        return steps, build_s
+        return steps, build_s, built
     sgd = torch.optim.SGD(loss.parameters(), lr=LEARNING_RATE)
     compiled = torch.compile(loss) if "torch.compile" in sides else None
     for side, forward in (("torch", loss), ("torch.compile", compiled)):
@@ -175,7 +175,7 @@ def _step_functions(sides: tuple[str, ...]) -> tuple[dict, float]:
                 sgd.step()
 
             steps[side] = theirs
-    return steps, build_s
+    return steps, build_s, built
 
 
 def _library_step(folder: Path):
@@ -190,10 +190,10 @@ def _library_step(folder: Path):
     return _sgd_step(vm["main_adjoint"], x, tensors, LEARNING_RATE)
 
 
-def _export_step(folder: Path) -> None:
-    """The step built in this process as a shared library, with its input and parameters."""
-    BUILT["executable"].export_library(str(folder / "step.so"))
-    np.savez(folder / "tensors.npz", *(t.numpy() for t in BUILT["tensors"]))
+def _export_step(folder: Path, executable, tensors: list) -> None:
+    """A built step as a shared library, with its input and parameters."""
+    executable.export_library(str(folder / "step.so"))
+    np.savez(folder / "tensors.npz", *(t.numpy() for t in tensors))
 
 
 def _peak_memory_mib(side: str, library: Path | None = None) -> float:
@@ -229,7 +229,7 @@ def _training_steps() -> int:
         else:
             print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         return 0
-    steps, build_s = _step_functions(sides)
+    steps, build_s, (executable, tensors) = _step_functions(sides)
     ms = _alternate(steps, ARGS.repeat)
     print(f"# training step: {ARGS.model} {ARGS.size}x{ARGS.size} batch={ARGS.batch} threads={ARGS.threads} "
           f"batch norms: {ARGS.batch_norm}; "
@@ -238,7 +238,7 @@ def _training_steps() -> int:
           "/ its built library loaded)")
     print("side | ms | tvm_ext speedup | peak MiB")
     with tempfile.TemporaryDirectory(prefix="tvm_ext_train_") as folder:
-        _export_step(Path(folder))
+        _export_step(Path(folder), executable, tensors)
         for side in sides:
             mib = f"{_peak_memory_mib(side):.0f}"
             if side == "tvm_ext":

@@ -44,6 +44,14 @@ def normalize_padding(padding) -> tuple[int, int, int, int]:
     return pads
 
 
+def with_border(shape, border) -> tuple[int, ...]:
+    """A blocked (N, C/c, H, W, c) shape with a zero border (top, left, bottom, right) around
+    its images."""
+    n, blocks, h, w, block = (int(v) for v in shape)
+    top, left, bottom, right = (int(p) for p in border)
+    return (n, blocks, h + top + bottom, w + left + right, block)
+
+
 # Activations as TVMScript expressions of the value {v} (and {alpha}, leaky_relu's slope): the
 # one definition behind convolution epilogues and the elementwise kernels. Comparisons select,
 # so a NaN stays a NaN as in PyTorch (LLVM's max/min of a NaN and 0 give 0).

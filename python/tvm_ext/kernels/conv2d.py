@@ -42,6 +42,7 @@ from .common import (
     pair,
     param_buffer,
     scratch_buffer,
+    with_border,
 )
 from .transpose import transpose8x8
 
@@ -382,24 +383,21 @@ class Epilogue:
     def __post_init__(self):
         if self.activation is not None and self.activation not in ACTIVATIONS:
             raise ValueError(f"epilogue: activation {self.activation!r} not in {sorted(ACTIVATIONS)}")
-        object.__setattr__(self, "out_pad", tuple(int(p) for p in self.out_pad))  # JSON gives a list
-        if len(self.out_pad) != 4 or min(self.out_pad) < 0:
-            raise ValueError(f"epilogue: out_pad must be 4 non-negative ints, got {self.out_pad}")
+        for name in ("out_pad", "mask_pad"):  # JSON gives lists
+            border = tuple(int(p) for p in getattr(self, name))
+            if len(border) != 4 or min(border) < 0:
+                raise ValueError(f"epilogue: {name} must be 4 non-negative ints, got {border}")
+            object.__setattr__(self, name, border)
         if self.nchw_out and any(self.out_pad):
             raise ValueError("epilogue: out_pad applies to the blocked output, not to nchw_out")
         if self.mask not in (None, *MASKS):
             raise ValueError(f"epilogue: mask {self.mask!r} not in {MASKS}")
-        object.__setattr__(self, "mask_pad", tuple(int(p) for p in self.mask_pad))
-        if len(self.mask_pad) != 4 or min(self.mask_pad) < 0:
-            raise ValueError(f"epilogue: mask_pad must be 4 non-negative ints, got {self.mask_pad}")
         if any(self.mask_pad) and (self.mask is None or self.nchw_out):
             raise ValueError("epilogue: mask_pad applies to a mask read in the blocked layout")
 
     def out_shape(self, plan: Conv2dPlan) -> tuple[int, ...]:
         """The blocked output with its border: N, O/y, OH + top + bottom, OW + left + right, y."""
-        n, ocb, oh, ow, y = plan.out_shape()
-        top, left, bottom, right = self.out_pad
-        return (n, ocb, oh + top + bottom, ow + left + right, y)
+        return with_border(plan.out_shape(), self.out_pad)
 
     @property
     def empty(self) -> bool:
@@ -529,11 +527,9 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
         bias = param_buffer("b", (plan.OCB, plan.oc_bn)) if epilogue.bias else None
         residual_shape = wl.out_shape if epilogue.nchw_out else plan.out_shape()
         residual = param_buffer("r", residual_shape) if epilogue.residual else None
-        mask_top, mask_left, mask_bottom, mask_right = epilogue.mask_pad
-        n_, ocb_, oh_, ow_, y_ = plan.out_shape()
-        mask_shape = (residual_shape if epilogue.nchw_out
-                      else (n_, ocb_, oh_ + mask_top + mask_bottom, ow_ + mask_left + mask_right, y_))
+        mask_shape = residual_shape if epilogue.nchw_out else with_border(plan.out_shape(), epilogue.mask_pad)
         mask = param_buffer("m", mask_shape) if epilogue.mask else None
+        mask_top, mask_left = epilogue.mask_pad[:2]
         if epilogue.nchw_out:
             out = param_buffer("out", wl.out_shape)
         else:

@@ -25,7 +25,7 @@ from tvm import s_tir, te, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from .common import KERNEL_ATTR, accept_user_alignment, param_buffer
+from .common import KERNEL_ATTR, accept_user_alignment, param_buffer, with_border
 from .conv2d import Conv2dPlan, Conv2dWorkload
 
 __all__ = ["DataGradPhase", "data_gradient_phases", "interleave_phases_func", "pack_phase_weight_func",
@@ -173,7 +173,7 @@ def interleave_phases_func(out_shape: Sequence[int], stride: tuple[int, int],
     block's channels in vectors: each pixel of dX is written once (a zero phase's with zeros)."""
     n, blocks, h, w, block = (int(v) for v in out_shape)
     sh, sw = stride
-    top, left, bottom, right = (int(p) for p in mask_pad)
+    top, left = (int(p) for p in mask_pad[:2])
     described = json.dumps({"out_shape": [n, blocks, h, w, block], "stride": [sh, sw],
                             "phases": [None if p is None else [int(v) for v in p] for p in phases]})
     with IRBuilder() as builder, T.prim_func(s_tir=True):
@@ -181,7 +181,7 @@ def interleave_phases_func(out_shape: Sequence[int], stride: tuple[int, int],
         T.func_attr({"tirx.noalias": True, KERNEL_ATTR: "interleave_phases", INTERLEAVE_ATTR: described})
         inputs = [None if shape is None else param_buffer(f"phase{i}", (n, blocks, shape[2], shape[3], block))
                   for i, shape in enumerate(phases)]
-        y = param_buffer("y", (n, blocks, h + top + bottom, w + left + right, block)) if relu_mask else None
+        y = param_buffer("y", with_border(out_shape, mask_pad)) if relu_mask else None
         dx = param_buffer("dx", (n, blocks, h, w, block))
         for index, (source, shape) in enumerate(zip(inputs, phases, strict=True)):
             a, b = index // sw, index % sw

@@ -33,6 +33,7 @@ from tvm import relax
 from ..kernels import conv2d as _conv
 from ..kernels import conv2d_backward_data as _data_grad
 from ..kernels.batch_loop import BATCHED_ATTR, batch_loop
+from ..kernels.common import with_border
 from ..kernels.layout import PADDING_ATTR
 from ..tuning import space as _space
 from .base import readers_of
@@ -64,20 +65,15 @@ def _padded_producers(mod: tvm.IRModule, func: relax.Function) -> dict[relax.Var
     uses = Counter({var: len(readers) for var, readers in readers_of(func).items()})
     bindings = relax.analysis.get_var2val(func)
     found = {}
-    for var, value in bindings.items():
-        pad = _called_kernel(mod, value)
-        if pad is None or PADDING_ATTR not in (pad.attrs or {}):
-            continue
-        source = value.args[1].fields[0]
-        producer = _called_kernel(mod, bindings.get(source)) if isinstance(source, relax.Var) else None
+    for source, (pad_var, border) in _padded_copies(mod, func).items():
+        producer = _called_kernel(mod, bindings.get(source))
         described = None if producer is None else _space.describe_kernel(producer)
         if described is None or uses[source] != 1:
             continue
         plan, epilogue, _, _ = described
         if epilogue.nchw_out or any(epilogue.out_pad):
             continue
-        border = tuple(int(p) for p in pad.attrs[PADDING_ATTR])
-        found[source] = _Border(var, plan, dataclasses.replace(epilogue, out_pad=border))
+        found[source] = _Border(pad_var, plan, dataclasses.replace(epilogue, out_pad=border))
     return found
 
 
@@ -111,9 +107,7 @@ def _with_mask_pad(kernel: tvm.tirx.PrimFunc, mask: relax.Var, padded: relax.Var
         rebuild = functools.partial(_data_grad.interleave_phases_func, **args, relu_mask=True, mask_pad=border)
     else:
         return None
-    top, left, bottom, right = border
-    expected = (shape[1], shape[2] + top + bottom, shape[3] + left + right, shape[4])
-    if tuple(mask.ty.shape)[1:] != tuple(shape[1:]) or tuple(padded.ty.shape)[1:] != expected:
+    if tuple(mask.ty.shape)[1:] != tuple(shape[1:]) or tuple(padded.ty.shape)[1:] != with_border(shape, border)[1:]:
         return None
     return rebuild()
 
