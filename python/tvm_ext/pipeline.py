@@ -25,6 +25,7 @@ from .dlight import Guarded, OnAlignedAccesses
 from .dlight.cpu import ParallelVectorize
 from .errors import UnsupportedError
 from .kernels.common import KERNEL_ATTR
+from .link import compile_relax
 from .strategy.cuda_engine import engine_for
 from .strategy.dispatch import legalize_map, lower_to_kernels
 from .strategy.fusion import fusion_passes
@@ -180,7 +181,7 @@ def build(mod: tvm.IRModule, target: TargetLike = None, database=None,
     relax_pipeline = pipeline(resolved, database, images_per_call, tensor_cores=tensor_cores, winograd=winograd)
     if resolved.kind.name == "llvm":
         with _without_gpu_passes():
-            return tvm.compile(mod, resolved, relax_pipeline=relax_pipeline)
+            return compile_relax(mod, resolved, relax_pipeline)
     if resolved.kind.name == "cuda":
         from .kernels.cuda.toolchain import cuda_source_only, prepare_device_compile
 
