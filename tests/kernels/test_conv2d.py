@@ -221,7 +221,7 @@ def _pack_nchwc(x, plan):
     top, left, bottom, right = wl.padding
     xp = np.pad(x, ((0, 0), (0, 0), (top, bottom), (left, right)))
     n, c, h, w = xp.shape
-    return np.ascontiguousarray(xp.reshape(n, c // plan.ic_bn, plan.ic_bn, h, w).transpose(0, 1, 3, 4, 2))
+    return np.ascontiguousarray(xp.reshape(n, c // plan.in_bn, plan.in_bn, h, w).transpose(0, 1, 3, 4, 2))
 
 
 @pytest.mark.parametrize("activation", [None, "relu", "relu6", "sigmoid", "silu", "gelu"])
@@ -305,6 +305,57 @@ def test_blocked_kernel_writes_a_zero_border(case):
         ref = ref + r.transpose(0, 1, 4, 2, 3).reshape(ref.shape)
     got = inner.transpose(0, 1, 4, 2, 3).reshape(wl.N, plan.K_pad, wl.OH, wl.OW)[:, : w_shape[0]]
     assert rel_err(got, np.maximum(ref, 0)) <= TOL
+
+
+@pytest.mark.parametrize("case", [
+    # x, w, stride, padding, groups, data_bn
+    ((2, 160, 14, 13), (160, 16, 3, 3), 1, 1, 10, 32),  # RegNet-X: groups of 16 in blocks of 32, batch 2
+    ((1, 64, 15, 15), (64, 16, 3, 3), 2, 1, 4, 64),  # four groups in one block, stride 2
+    ((1, 128, 9, 9), (256, 32, 3, 3), 1, 0, 4, 64),  # groups of 32 (ResNeXt's last stage), 64 out
+    ((1, 96, 7, 7), (96, 32, 1, 1), 1, 0, 3, 96),  # one block of three groups
+])
+def test_grouped_kernel_reads_wider_blocks(case):
+    """Conv2dPlan.data_bn: a grouped convolution reads each group at its offset in its
+    producer's wider blocks (no re-blocked copy): the float64 reference, bias and relu."""
+    import tvm
+
+    from tvm_ext.kernels.conv2d import Epilogue, conv2d_blocked_kernel, pack_weight_array, plan_conv2d
+    from tvm_ext.target import resolve_target, vector_isa
+
+    x_shape, w_shape, stride, pad, groups, data_bn = case
+    target = resolve_target("llvm")
+    isa = vector_isa(target)
+    wl = Conv2dWorkload.make(x_shape, w_shape, stride, pad, 1, groups)
+    plan = plan_conv2d(wl, isa, data_bn=data_bn)
+    assert (plan.kind, plan.ic_bn, plan.in_bn) == ("brgemm", w_shape[1], data_bn)
+    assert plan.data_shape()[1:2] + plan.data_shape()[4:] == (x_shape[1] // data_bn, data_bn)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal(x_shape, dtype=np.float32)
+    w = rng.standard_normal(w_shape, dtype=np.float32)
+    b = rng.standard_normal(w_shape[0], dtype=np.float32)
+    conv = tvm.compile(conv2d_blocked_kernel(plan, isa.lanes, Epilogue(bias=True, activation="relu")), target)
+    yb = tvm.runtime.tensor(np.full(plan.out_shape(), np.nan, np.float32))
+    conv(tvm.runtime.tensor(_pack_nchwc(x, plan)), tvm.runtime.tensor(pack_weight_array(plan, w)),
+         tvm.runtime.tensor(b.reshape(plan.OCB, plan.oc_bn)), yb)
+    y = yb.numpy().transpose(0, 1, 4, 2, 3).reshape(wl.N, plan.K_pad, wl.OH, wl.OW)
+    ref = conv2d_nchw(x, w, b, wl.stride, wl.padding, groups=groups)
+    assert rel_err(y, np.maximum(ref, 0)) <= TOL
+
+
+@pytest.mark.parametrize(("x_shape", "w_shape", "groups", "data_bn", "message"), [
+    ((1, 64, 8, 8), (64, 64, 3, 3), 1, 32, "only a grouped convolution"),
+    ((1, 64, 8, 8), (64, 1, 3, 3), 64, 32, "only a grouped convolution"),  # depthwise
+    ((1, 64, 8, 8), (64, 8, 3, 3), 8, 32, "only a grouped convolution"),  # 8 channels a group
+    ((1, 96, 8, 8), (96, 32, 3, 3), 3, 48, "do not hold whole groups"),
+    ((1, 96, 8, 8), (96, 16, 3, 3), 6, 64, "do not hold whole groups"),  # 96 channels: not whole blocks
+    ((1, 64, 8, 8), (64, 16, 3, 3), 4, 16, "do not hold whole groups"),  # not wider
+])
+def test_wider_data_blocks_are_validated(x_shape, w_shape, groups, data_bn, message):
+    from tvm_ext.kernels.conv2d import plan_conv2d
+    from tvm_ext.target import AVX512
+
+    with pytest.raises(ValueError, match=message):
+        plan_conv2d(Conv2dWorkload.make(x_shape, w_shape, 1, 1, 1, groups), AVX512, data_bn=data_bn)
 
 
 def test_epilogue_border_is_validated():

@@ -153,6 +153,15 @@ class Conv2dPlan:
     # a stateless call's weights are read once instead of written blocked and read again.
     # Tasks are then the output blocks, each with all its rows.
     oihw_weight: bool = False
+    # The data's channels per block where a grouped convolution reads each group from the wider
+    # blocks its producer wrote (each group within one block; ic_bn is then the group's channels),
+    # instead of a copy re-blocked to ic_bn (:func:`plan_conv2d`). 0: the data's blocks are ic_bn.
+    data_bn: int = 0
+
+    @property
+    def in_bn(self) -> int:
+        """Channels per block of the data as the kernel reads it."""
+        return self.data_bn or self.ic_bn
 
     @property
     def K_pad(self) -> int:
@@ -171,7 +180,7 @@ class Conv2dPlan:
         """Blocked, padded input: N, C/x, H+pads, W+pads, x (NCHW with :attr:`nchw_in`)."""
         if self.nchw_in:
             return (self.wl.N, self.wl.C, self.wl.H, self.wl.W)
-        return (self.wl.N, self.ICB, self.wl.HP, self.wl.WP, self.ic_bn)
+        return (self.wl.N, self.wl.C // self.in_bn, self.wl.HP, self.wl.WP, self.in_bn)
 
     def data_view(self, data: tirx.Buffer) -> tirx.Buffer:
         """The kernel's blocked view (N, C/x, H, W, x) of its NCHW `data` (:attr:`nchw_in`)."""
@@ -257,9 +266,34 @@ ROWS_OUTER_WEIGHT_BYTES = 4 << 20  # a strided 1x1 with more weights keeps block
 IMAGES_INSIDE_BLOCKS = (4, 64)
 
 
+def data_block_reason(wl: Conv2dWorkload, isa: VectorISA, data_bn: int) -> str | None:
+    """Why a convolution of `wl` cannot read its data in blocks of `data_bn` channels wider than
+    its own (:attr:`Conv2dPlan.data_bn`), or None if it can."""
+    cg = wl.C // wl.groups
+    if wl.groups == 1 or wl.depthwise or cg % isa.lanes or (wl.K // wl.groups) % isa.lanes:
+        return "only a grouped convolution of whole vectors per group reads wider blocks"
+    if data_bn <= cg or data_bn % cg or wl.C % data_bn:
+        return f"blocks of {data_bn} channels do not hold whole groups of {cg}"
+    return None
+
+
 def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r: int | None = None,
-                ic_bn: int | None = None, row_order: str | None = None) -> Conv2dPlan:
-    """Choose blocking and register tile analytically (tuning overrides m_r / n_r / ic_bn)."""
+                ic_bn: int | None = None, row_order: str | None = None, data_bn: int | None = None) -> Conv2dPlan:
+    """Choose blocking and register tile analytically (tuning overrides m_r / n_r / ic_bn).
+
+    `data_bn`: read the data in its producer's blocks of that many channels, wider than a group
+    (:func:`data_block_reason`): each group is one block of the kernel's (ic_bn = the group's
+    channels), at an offset in a block of the data."""
+    if data_bn is not None:
+        reason = data_block_reason(wl, isa, data_bn)
+        if reason is not None:
+            raise ValueError(f"conv2d: data_bn={data_bn}: {reason}")
+        if row_order is None and wl.C == data_bn:
+            # The data is one block, which its producer's threads shared by rows: so do these, or
+            # each thread reads the rows the other wrote (RegNet-X's 32 x 112 x 112 stride-2
+            # layer: 157 -> 80 us on 2 threads; with several blocks, threads share blocks alike).
+            row_order = "oh_ob"
+        return dataclasses.replace(plan_conv2d(wl, isa, m_r, n_r, wl.C // wl.groups, row_order), data_bn=data_bn)
     lanes = isa.lanes
     Cg, Kg = wl.C // wl.groups, wl.K // wl.groups
     if wl.depthwise:
@@ -309,6 +343,8 @@ def nchw_input_reason(plan: Conv2dPlan) -> str | None:
     """Why `plan` cannot read its data in NCHW (:attr:`Conv2dPlan.nchw_in`), or None if it can."""
     if plan.kind != "brgemm":
         return f"a {plan.kind} convolution reads channel vectors"
+    if plan.data_bn:
+        return "it reads its producer's blocks"
     if any(plan.wl.padding):
         return "padding: the blocked copy carries the zero border"
     if plan.wl.H * plan.wl.W == 1:  # a classifier's features: tuned records name the blocked kernel
@@ -443,7 +479,9 @@ def _segment(plan: Conv2dPlan, name: str, width: int, start: int, row: tuple, ou
                 ocbg = (wl.K // wl.groups) // plan.oc_bn
                 icb = v_ob // ocbg * icbg + icb
             w_ob = 0 if plan.oihw_weight else v_ob  # (the task's block of weights)
-            product = x[v_n, icb, h, col, v["ic"]] * w[w_ob, v["icb"], v["kh"], v["kw"], v["ic"], v_o]
+            r = plan.in_bn // plan.ic_bn  # channel blocks of the kernel in a block of the data
+            block, channel = (icb // r, icb % r * plan.ic_bn + v["ic"]) if r > 1 else (icb, v["ic"])
+            product = x[v_n, block, h, col, channel] * w[w_ob, v["icb"], v["kh"], v["kw"], v["ic"], v_o]
         index = out_index(v_n, v_ob, v_oh, v_ow, v_o)
         with T.init():
             T.buffer_store(out, T.float32(0), index)

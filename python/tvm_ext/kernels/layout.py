@@ -174,4 +174,4 @@ def unpack_nchwc_func(blocked_shape: Sequence[int], channels: int, dtype: str = 
 def pack_data_func(plan: Conv2dPlan) -> tirx.PrimFunc:
     """A convolution's NCHW input (possibly a user's NumPy array) -> its blocked, padded input."""
     wl = plan.wl
-    return pack_nchwc_func((wl.N, wl.C, wl.H, wl.W), plan.ic_bn, wl.padding, wl.dtype, user_input=True)
+    return pack_nchwc_func((wl.N, wl.C, wl.H, wl.W), plan.in_bn, wl.padding, wl.dtype, user_input=True)

@@ -40,10 +40,11 @@ __all__ = ["CpuEmitter"]
 
 def _tag(plan: _conv.Conv2dPlan | _weight_grad.WeightGradPlan) -> str:
     """A readable, deterministic name part that tells convolution shapes and blockings apart."""
-    wl = plan.wl
+    wl, data_bn = plan.wl, getattr(plan, "data_bn", 0)
     return (f"{wl.N}x{wl.C}x{wl.H}x{wl.W}_{wl.K}x{wl.KH}x{wl.KW}_s{wl.stride[0]}x{wl.stride[1]}"
             f"_p{'x'.join(map(str, wl.padding))}_d{wl.dilation[0]}x{wl.dilation[1]}_g{wl.groups}"
-            f"_x{plan.ic_bn}y{plan.oc_bn}{'_nchw' if getattr(plan, 'nchw_in', False) else ''}")
+            f"_x{plan.ic_bn}y{plan.oc_bn}{f'_in{data_bn}' if data_bn else ''}"
+            f"{'_nchw' if getattr(plan, 'nchw_in', False) else ''}")
 
 
 def _pool_tag(wl: _pool.Pool2dWorkload) -> str:
@@ -174,8 +175,9 @@ class CpuEmitter:
         if plan.kind == "grouped":  # its blocks must hold whole groups and whole vectors
             whole = block % (wl.C // wl.groups) == 0 and block % self.isa.lanes == 0
             return _conv.plan_conv2d(wl, self.isa, n_r=block) if whole else plan
-        if (wl.C // wl.groups) % block:
-            return plan
+        if (wl.C // wl.groups) % block:  # groups narrower than the blocks: read within them where it can
+            wide = _conv.data_block_reason(wl, self.isa, block) is None and plan.kind == "brgemm"
+            return _conv.plan_conv2d(wl, self.isa, data_bn=block) if wide else plan
         if plan.kind == "winograd":
             return _winograd.winograd_plan(wl, self.isa, ic_bn=block)
         return _conv.plan_conv2d(wl, self.isa, ic_bn=block)
@@ -242,7 +244,7 @@ class CpuEmitter:
         wl = plan.wl
         blocked_out = plan.K_pad == wl.K or (padded_out and plan.kind != "direct")  # direct: no zeros past K
         tag = _tag(plan)
-        args = [data if plan.nchw_in else self.pack(data, plan.ic_bn, wl.padding, padded=True),
+        args = [data if plan.nchw_in else self.pack(data, plan.in_bn, wl.padding, padded=True),
                 relax.const(_pack_constant_weight(plan, constant)) if constant is not None
                 else self._pack_weight(plan, weight, tag)]
         operands, epilogue = self._epilogue(plan, bias, residual, activation, blocked_out, mask)

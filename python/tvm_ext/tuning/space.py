@@ -41,7 +41,7 @@ PLAN_ATTR = "tvm_ext.conv2d_plan"
 
 def _describe(plan: _conv.Conv2dPlan, epilogue: _conv.Epilogue, lanes: int, registers: int) -> str:
     described = dataclasses.asdict(plan)
-    for flag in ("nchw_in", "oihw_weight"):  # unnamed by default: records tuned before them keep their text
+    for flag in ("nchw_in", "oihw_weight", "data_bn"):  # unnamed by default: records tuned before them keep their text
         if not described[flag]:
             del described[flag]
     epilogue_fields = dataclasses.asdict(epilogue)
