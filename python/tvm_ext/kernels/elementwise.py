@@ -119,14 +119,22 @@ def channel_scale_func(shape, lanes: int, channels: int | None = None) -> tirx.P
     x = te.placeholder(shape, "float32", name="x")
     channels = channels or (shape[1] * shape[4] if len(shape) == 5 else shape[1])
     s = te.placeholder((shape[0], channels, 1, 1), "float32", name="s")
-    if len(shape) == 5:
-        out = te.compute(shape, lambda n, cb, h, w, c: x[n, cb, h, w, c]
-                         * s[n, tirx.min(cb * shape[4] + c, channels - 1), 0, 0], name="out")
+    if len(shape) == 5 and channels < shape[1] * shape[4]:
+        # The gates of the padded channels first (the last channel's): a clamped index in the
+        # vectorized loop was a gather a lane, 4.5x slower (MobileNet-v3's 120 channels at 28x28).
+        gates = te.compute((shape[0], shape[1] * shape[4]), lambda n, c: s[n, tirx.min(c, channels - 1), 0, 0],
+                           name="gates")
+        out = te.compute(shape, lambda n, cb, h, w, c: x[n, cb, h, w, c] * gates[n, cb * shape[4] + c], name="out")
+    elif len(shape) == 5:
+        out = te.compute(shape, lambda n, cb, h, w, c: x[n, cb, h, w, c] * s[n, cb * shape[4] + c, 0, 0], name="out")
     else:
         out = te.compute(shape, lambda n, c, h, w: x[n, c, h, w] * s[n, c, 0, 0], name="out")
     sch = s_tir.Schedule(te.create_prim_func([x, s, out]))
     loops = sch.get_loops(sch.get_sblock("out"))
-    sch.parallel(sch.fuse(loops[0], loops[1]))
+    task = sch.fuse(loops[0], loops[1])
+    sch.parallel(task)
+    if len(shape) == 5 and channels < shape[1] * shape[4]:
+        sch.compute_at(sch.get_sblock("gates"), task)  # a task's block of gates, on its stack
     inner = sch.fuse(*loops[2:])
     extent = math.prod(shape[2:])
     if extent >= lanes:
