@@ -237,6 +237,19 @@ def test_layout_chains_collapse_only_when_they_keep_element_order():
         (2, 3), "float32")), [1, 0])])
 
 
+def test_one_permutation_is_a_view_as_its_indices_say():
+    """is_view decides one permute_dims from its axes: the same answer as running it on the
+    element indices, over every permutation of shapes with and without unit axes."""
+    import itertools
+
+    for shape in [(2, 3, 4), (1, 3, 1, 4), (1, 1, 5), (2, 1, 3, 1), (3,)]:
+        var = relax.Var("v", relax.TensorType(shape, "float32"))
+        for axes in [None, *itertools.permutations(range(len(shape)))]:
+            call = relax.op.permute_dims(var, axes)
+            moved = np.arange(math.prod(shape)).reshape(shape).transpose(axes).reshape(-1)
+            assert is_view(shape, [call]) == bool(np.array_equal(moved, np.arange(moved.size))), (shape, axes)
+
+
 @pytest.mark.skipif(not cuda_emulator.have_compiler(), reason="g++ is not installed")
 @pytest.mark.parametrize("name", ["gelu", "silu", "sigmoid"])
 def test_cuda_activation_kernels_on_the_emulator(name):
