@@ -96,3 +96,28 @@ def test_bad_input_raises():
         ops.max_pool2d_backward(np.ones((1, 2, 3, 3), np.float32), np.ones((1, 2, 8, 8), np.float32), 2)
     empty = ops.max_pool2d_backward(np.ones((0, 2, 4, 4), np.float32), np.ones((0, 2, 8, 8), np.float32), 2)
     assert empty.shape == (0, 2, 8, 8)
+
+
+@pytest.mark.parametrize("shape,kernel,stride,padding,ceil_mode,count_include_pad", [
+    ((2, 3, 11, 11), 3, 2, 1, False, True),  # overlapping windows
+    ((1, 4, 8, 8), 2, 2, 0, False, True),  # DenseNet's transition
+    ((1, 2, 9, 7), 3, 2, 1, True, False),  # ceil mode, padding not counted
+    ((3, 5, 10, 13), (3, 2), (1, 2), (1, 1), True, True),
+    ((1, 1, 5, 5), 5, 1, 2, False, False),
+])
+def test_avg_pool_gradient_matches_autograd(shape, kernel, stride, padding, ceil_mode, count_include_pad):
+    rng = np.random.default_rng(4)
+    xt = torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).requires_grad_()
+    y = torch.nn.functional.avg_pool2d(xt, kernel, stride, padding, ceil_mode, count_include_pad)
+    dy = rng.standard_normal(tuple(y.shape)).astype(np.float32)
+    y.backward(torch.from_numpy(dy))
+    got = ops.avg_pool2d_backward(dy, shape, kernel, stride, padding, ceil_mode, count_include_pad)
+    np.testing.assert_allclose(got, xt.grad.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_avg_pool_gradient_checks_its_arguments():
+    with pytest.raises(ValueError, match="dy has shape"):
+        ops.avg_pool2d_backward(np.ones((1, 2, 3, 3), np.float32), (1, 2, 8, 8), 2)
+    with pytest.raises(ValueError, match="x_shape must be 4 non-negative"):
+        ops.avg_pool2d_backward(np.ones((1, 2, 4, 4), np.float32), (2, 8, 8), 2)
+    assert ops.avg_pool2d_backward(np.ones((0, 2, 4, 4), np.float32), (0, 2, 8, 8), 2).shape == (0, 2, 8, 8)

@@ -457,3 +457,39 @@ def test_a_residual_block_trains_in_blocks(activation):
     (h_t * torch.from_numpy(r).double()).sum().backward()
     for name, got in zip(shapes, grads, strict=True):
         assert rel_err(got.numpy(), t[name].grad.numpy()) <= 1e-5, name
+
+
+@pytest.mark.parametrize(("kernel", "stride", "padding", "ceil_mode", "count_include_pad", "producer"), [
+    (2, 2, 0, False, True, "conv"),  # DenseNet's transition
+    (3, 1, 1, False, False, "conv"),  # Inception's branch pooling: overlapping windows, padding uncounted
+    (3, 2, 1, True, True, "relu"),  # ceil mode: the last windows past the padding
+    (3, 2, 1, True, False, "conv"),
+])
+def test_avg_pool_gradient_matches_autograd(kernel, stride, padding, ceil_mode, count_include_pad, producer):
+    """Average pooling's gradient runs on the blocked kernel (each window's dY / its count spread
+    over its taps; stock TVM before), after a convolution's blocked output or a relu."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((2, 24, 11, 11)).astype(np.float32)
+    w = (rng.standard_normal((24, 24, 3, 3)) * 0.2).astype(np.float32)
+    bb = relax.BlockBuilder()
+    xv = relax.Var("x", relax.TensorType(x.shape, "float32"))
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            h = relax.op.nn.relu(xv) if producer == "relu" else relax.op.nn.conv2d(xv, relax.const(w), padding=1)
+            h = bb.emit(h)
+            pooled = bb.emit(relax.op.nn.avg_pool2d(h, kernel, stride, padding, ceil_mode=ceil_mode,
+                                                    count_include_pad=count_include_pad))
+            r = rng.standard_normal([int(v) for v in pooled.ty.shape]).astype(np.float32)
+            loss = bb.emit_output(relax.op.sum(relax.op.multiply(pooled, relax.const(r))))
+        bb.emit_func_output(loss)
+    mod = relax.transform.Gradient("main")(bb.get())
+    _, (dx,) = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main_adjoint"](tvm.runtime.tensor(x))
+    xt = torch.from_numpy(x).double().requires_grad_()
+    wt = torch.from_numpy(w).double()
+    h = torch.relu(xt) if producer == "relu" else torch.nn.functional.conv2d(xt, wt, padding=1)
+    pooled = torch.nn.functional.avg_pool2d(h, kernel, stride, padding, ceil_mode=ceil_mode,
+                                            count_include_pad=count_include_pad)
+    (pooled * torch.from_numpy(r).double()).sum().backward()
+    assert rel_err(dx.numpy(), xt.grad.numpy()) <= 1e-5
+    pooling = [name for name in built_kernels(mod, TARGET) if name.startswith("tvm_ext_avg_pool2d_backward")]
+    assert len(pooling) == 1 and pooling[0].endswith("_exclude_pad") != count_include_pad, pooling

@@ -12,6 +12,9 @@ window maximum and its tap (compare and select, PyTorch's rule per lane), then e
 dY where it is its lane's maximum. A graph also fuses relu's gradient of the pooling's input
 (where(x > 0, dX, 0), :func:`max_pool2d_backward_blocked_func` `relu_mask`): dX[p] only sums dY
 of windows whose maximum is x[p], so it is kept where that maximum is > 0.
+
+Average pooling's gradient (:func:`avg_pool2d_backward_blocked_func`) spreads each window's dY
+over its taps, divided by the window's count as the forward divided (padding counted or not).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from tvm.tirx.script import builder as T
 from .common import KERNEL_ATTR, param_buffer
 from .pool2d import Pool2dWorkload
 
-__all__ = ["max_pool2d_backward_blocked_func", "max_pool2d_backward_func"]
+__all__ = ["avg_pool2d_backward_blocked_func", "max_pool2d_backward_blocked_func", "max_pool2d_backward_func"]
 
 
 def max_pool2d_backward_func(wl: Pool2dWorkload) -> tirx.PrimFunc:
@@ -102,4 +105,50 @@ def max_pool2d_backward_blocked_func(wl: Pool2dWorkload, block: int, relu_mask: 
                     with T.If(tirx.all(h >= 0, h < wl.H, w >= 0, w < wl.W)), T.Then(), T.vectorized(0, block) as c:
                         T.buffer_store(dx, dx[n, b, h, w, c] + tirx.Select(at[c] == i * kw + j, grad[c], T.float32(0)),
                                        [n, b, h, w, c])
+    return builder.get()
+
+
+def window_count(wl: Pool2dWorkload, oh, ow) -> tirx.PrimExpr:
+    """The pixels average pooling `wl` divides output (oh, ow) by: its window clipped to the
+    padded input (count_include_pad) or to the input (:func:`~tvm_ext.kernels.pool2d.pool2d_func`)."""
+
+    def count(size: int, o, k: int, stride: int, before: int, after: int) -> tirx.PrimExpr:
+        start = o * stride - before
+        if wl.count_include_pad:
+            return tirx.min(start + k, size + after) - start
+        return tirx.min(start + k, size) - tirx.max(start, 0)
+
+    (kh, kw), (sh, sw) = wl.kernel, wl.stride
+    top, left, bottom, right = wl.padding
+    return count(wl.H, oh, kh, sh, top, bottom) * count(wl.W, ow, kw, sw, left, right)
+
+
+def avg_pool2d_backward_blocked_func(wl: Pool2dWorkload, block: int) -> tirx.PrimFunc:
+    """dX (N, C/block, H, W, block) of the average pooling `wl` (C a multiple of `block`) from dY
+    (N, C/block, OH, OW, block): one task per block of an image (its windows write only its
+    pixels), each window's dY / count added to its taps inside the input, vectors of the block's
+    channels. TVM's legalized gradient sums, for every input pixel, the windows that may hold it."""
+    if wl.mode != "avg" or wl.C % block:
+        raise ValueError(f"avg_pool2d_backward: a {wl.mode} pooling of {wl.C} channels in blocks of {block}")
+    (kh, kw), (sh, sw) = wl.kernel, wl.stride
+    top, left, blocks = wl.padding[0], wl.padding[1], wl.C // block
+    with IRBuilder() as builder, T.prim_func(s_tir=True):
+        T.func_name("avg_pool2d_backward")
+        T.func_attr({"tirx.noalias": True, KERNEL_ATTR: "avg_pool2d_backward"})
+        dy = param_buffer("dy", (wl.N, blocks, wl.OH, wl.OW, block))
+        dx = param_buffer("dx", (wl.N, blocks, wl.H, wl.W, block))
+        with T.sblock("root"), T.parallel(0, wl.N * blocks) as task:
+            n, b = T.Bind(task // blocks), T.Bind(task % blocks)
+            grad = IRBuilder.name("grad", T.alloc_buffer((block,), "float32"))
+            with T.grid(wl.H, wl.W) as (h, w), T.vectorized(0, block) as c:
+                T.buffer_store(dx, T.float32(0), [n, b, h, w, c])
+            with T.grid(wl.OH, wl.OW) as (oh, ow):
+                area = T.Bind(T.Cast("float32", window_count(wl, oh, ow)))
+                with T.vectorized(0, block) as c:
+                    T.buffer_store(grad, dy[n, b, oh, ow, c] / area, [c])
+                with T.grid(kh, kw) as (i, j):
+                    h = T.Bind(oh * sh - top + i)
+                    w = T.Bind(ow * sw - left + j)
+                    with T.If(tirx.all(h >= 0, h < wl.H, w >= 0, w < wl.W)), T.Then(), T.vectorized(0, block) as c:
+                        T.buffer_store(dx, dx[n, b, h, w, c] + grad[c], [n, b, h, w, c])
     return builder.get()

@@ -225,3 +225,33 @@ def max_pool2d_backward(dy, x, kernel_size, stride=None, padding=0, dilation=1, 
         return np.zeros(x.shape, np.float32)
     return run_kernel(("max_pool2d_backward", wl), lambda _: _pool_backward.max_pool2d_backward_func(wl), target,
                       [dy, x], x.shape)
+
+
+def avg_pool2d_backward(dy, x_shape: Sequence[int], kernel_size, stride=None, padding=0, ceil_mode: bool = False,
+                        count_include_pad: bool = True, *, target: TargetLike = None) -> np.ndarray:
+    """The gradient of ``avg_pool2d(x, ...)`` with respect to x (of shape `x_shape`), given its
+    output's gradient `dy` (cuDNN's `cudnnPoolingBackward` for average pooling): each window's
+    gradient divided by the count its forward divided by, spread over its pixels, summed where
+    windows overlap. Options as :func:`~tvm_ext.ops.avg_pool2d`; a `dy` of another shape than the
+    pooling's output raises ValueError."""
+    dy = check_array("avg_pool2d_backward dy", dy, 4)
+    x_shape = tuple(_nonnegative("avg_pool2d_backward: x_shape", x_shape))
+    wl = checked_pool_workload("avg_pool2d_backward", "avg", x_shape, kernel_size, stride, padding, 1, ceil_mode,
+                               count_include_pad)
+    n, c, h, w = x_shape
+    if dy.shape != (n, c, wl.OH, wl.OW):
+        raise ValueError(f"avg_pool2d_backward: dy has shape {dy.shape}, the pooling's output is "
+                         f"{(n, c, wl.OH, wl.OW)}")
+    if n == 0 or c == 0:
+        return np.zeros(x_shape, np.float32)
+    # NCHW is the blocked layout with blocks of one channel: one task per (image, channel) plane
+    out = run_kernel(("avg_pool2d_backward", wl), lambda _: _pool_backward.avg_pool2d_backward_blocked_func(wl, 1),
+                     target, [dy.reshape(*dy.shape, 1)], (n, c, h, w, 1))
+    return out.reshape(x_shape)
+
+
+def _nonnegative(name: str, shape: Sequence[int]) -> list[int]:
+    values = [int(v) for v in shape]
+    if len(values) != 4 or min(values) < 0:
+        raise ValueError(f"{name} must be 4 non-negative ints (N, C, H, W), got {tuple(shape)}")
+    return values

@@ -32,7 +32,7 @@ from ..transform.gradients import BatchNormGradient, read_phase_interleave, read
 from ..tuning import pool_space as _pool_space
 from ..tuning import space as _space
 from .base import POOLS, Activation, Decision, add_kernel, alpha, channel_scale_operands, pool_workload
-from .decide import max_pool2d_backward_workload
+from .decide import pool2d_backward_workload
 from .fusion import mask_of
 
 __all__ = ["CpuEmitter"]
@@ -604,25 +604,28 @@ class CpuEmitter:
         self._interleaved[out] = (phases, stride, out_shape, channels)
         return self.unpack(out, channels)
 
-    def max_pool2d_backward(self, call: relax.Call, relu_mask: bool = False) -> relax.Expr:
-        """max_pool2d_backward(dY, x) in blocks (those x or dY were written in, else a vector's
-        lanes); `relu_mask`: also relu's gradient of x, where(x > 0, dX, 0)."""
-        wl = max_pool2d_backward_workload(call)
+    def pool2d_backward(self, call: relax.Call, relu_mask: bool = False) -> relax.Expr:
+        """{max,avg}_pool2d_backward(dY, x) in blocks (those x or dY were written in, else a
+        vector's lanes); `relu_mask` (max pooling): also relu's gradient of x, where(x > 0, dX, 0)."""
+        wl = pool2d_backward_workload(call)
         dy, x = call.args[:2]
-        known = self.blocked(x, padded=True) or self.blocked(dy, padded=True)
+        known = (self.blocked(x, padded=True) if wl.mode == "max" else None) or self.blocked(dy, padded=True)
         block = known[1] if known is not None else self.isa.lanes
         blocks = -(-wl.C // block)
         wl = dataclasses.replace(wl, C=blocks * block)  # padded channels: finite, their gradient ignored
-        func = _pool_backward.max_pool2d_backward_blocked_func(wl, block, relu_mask)
-        name = (f"tvm_ext_max_pool2d_backward_{wl.N}x{blocks}x{wl.H}x{wl.W}x{block}_{_pool_tag(wl)}"
-                f"{'_relu_mask' if relu_mask else ''}")
-        out = self._call(func, name, [self.pack(dy, block, padded=True), self.pack(x, block, padded=True)],
-                         (wl.N, blocks, wl.H, wl.W, block))
-        return self.unpack(out, known_shape(image_shape(x), "max_pool2d_backward: the data")[1])
+        if wl.mode == "max":
+            func = _pool_backward.max_pool2d_backward_blocked_func(wl, block, relu_mask)
+            args = [self.pack(dy, block, padded=True), self.pack(x, block, padded=True)]
+        else:  # the gradient of a mean reads no x
+            func, args = _pool_backward.avg_pool2d_backward_blocked_func(wl, block), [self.pack(dy, block, padded=True)]
+        name = (f"tvm_ext_{wl.mode}_pool2d_backward_{wl.N}x{blocks}x{wl.H}x{wl.W}x{block}_{_pool_tag(wl)}"
+                f"{'' if wl.count_include_pad else '_exclude_pad'}{'_relu_mask' if relu_mask else ''}")
+        out = self._call(func, name, args, (wl.N, blocks, wl.H, wl.W, block))
+        return self.unpack(out, known_shape(image_shape(x), f"{wl.mode}_pool2d_backward: the data")[1])
 
     def other_op(self, call: relax.Call, decision: Decision) -> relax.Expr:
-        if decision.kernel == "max_pool2d_backward":
-            return self.max_pool2d_backward(call)
+        if decision.kernel in ("max_pool2d_backward", "avg_pool2d_backward"):
+            return self.pool2d_backward(call)
         if decision.kernel == "channel_affine":  # a concatenation
             return self.channel_affine(list(call.args[0].fields))
         if decision.kernel == "layer_norm":

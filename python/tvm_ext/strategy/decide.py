@@ -34,8 +34,8 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
         return _decide_channel_scale(scaled, shapes, target)
     if op == "relax.concat":
         return _decide_concat(call, target)
-    if op == "relax.grad.max_pool2d_backward":
-        return _decide_max_pool2d_backward(call, shapes, target)
+    if op in POOL_GRADIENTS:
+        return _decide_pool2d_backward(call, shapes, target)
     if op == "relax.nn.layer_norm":
         return _decide_layer_norm(call, shapes, target)
     if op == "relax.nn.batch_norm" and bool(call.attrs.training):
@@ -78,17 +78,20 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
     return Decision(op, shapes, f"{plan.kind}_conv2d", reason, plan)
 
 
-def max_pool2d_backward_workload(call: relax.Call) -> _pool.Pool2dWorkload:
-    """The pooling whose gradient `call` (relax.grad.max_pool2d_backward(dY, X, ...)) is."""
-    attrs = call.attrs
-    shape = known_shape(static_shape(call.args[1]), "max_pool2d_backward: the data")
-    return _pool.Pool2dWorkload.make(shape, "max", [int(v) for v in attrs.pool_size], [int(v) for v in attrs.strides],
+POOL_GRADIENTS = {"relax.grad.max_pool2d_backward": "max", "relax.grad.avg_pool2d_backward": "avg"}
+
+
+def pool2d_backward_workload(call: relax.Call) -> _pool.Pool2dWorkload:
+    """The pooling whose gradient `call` (relax.grad.{max,avg}_pool2d_backward(dY, X, ...)) is."""
+    attrs, mode = call.attrs, POOL_GRADIENTS[call.op.name]
+    shape = known_shape(static_shape(call.args[1]), f"{mode}_pool2d_backward: the data")
+    return _pool.Pool2dWorkload.make(shape, mode, [int(v) for v in attrs.pool_size], [int(v) for v in attrs.strides],
                                      [int(v) for v in attrs.padding], [int(v) for v in attrs.dilation],
-                                     bool(attrs.ceil_mode))
+                                     bool(attrs.ceil_mode), mode == "max" or bool(attrs.count_include_pad))
 
 
-def _decide_max_pool2d_backward(call: relax.Call, shapes: tuple, target: tvm.target.Target) -> Decision:
-    op, attrs = "relax.grad.max_pool2d_backward", call.attrs
+def _decide_pool2d_backward(call: relax.Call, shapes: tuple, target: tvm.target.Target) -> Decision:
+    op, attrs = call.op.name, call.attrs
     if target.kind.name != "llvm":
         return Decision(op, shapes, None, f"no tvm_ext pooling gradient on {target.kind.name}")
     if (str(attrs.layout), str(attrs.out_layout)) != ("NCHW", "NCHW"):
@@ -98,12 +101,12 @@ def _decide_max_pool2d_backward(call: relax.Call, shapes: tuple, target: tvm.tar
     if static_shape(call.args[0]) is None or static_shape(call.args[1]) is None:
         return Decision(op, shapes, None, _SYMBOLIC)
     try:
-        wl = max_pool2d_backward_workload(call)
+        wl = pool2d_backward_workload(call)
     except ValueError as err:
         return Decision(op, shapes, None, str(err))
     if (wl.N, wl.C, wl.OH, wl.OW) != static_shape(call.args[0]):
         return Decision(op, shapes, None, f"dY {static_shape(call.args[0])} is not the pooling's output")
-    return Decision(op, shapes, "max_pool2d_backward")
+    return Decision(op, shapes, f"{wl.mode}_pool2d_backward")
 
 
 # conv2d(x, dY) with these layouts is the weight gradient of the convolution of x that gave dY
