@@ -121,3 +121,26 @@ def test_weight_gradient_inner_loop_is_vfmadd_without_spills(mcpu, register):
         assert block.fma_on_isa_registers == block.fma
         assert all(register in ln for ln in block.lines if "vfmadd" in ln)
         assert not block.spills, [ln for ln in block.lines if "rsp" in ln]
+
+
+@pytest.mark.parametrize("x_shape,w_shape,stride", [
+    ((2, 128, 28, 28), (64, 128, 1, 1), 1),
+    ((1, 192, 56, 56), (72, 192, 1, 1), 2),  # strided, output channels past the last whole block
+])
+def test_one_by_one_tasks_take_several_input_blocks(x_shape, w_shape, stride):
+    """A 1x1 layer with large images: a task reduces several input blocks' dW (WeightGradPlan.ib_tile),
+    reading each chunk of dY once for them; the result is the same."""
+    from tvm_ext.kernels.conv2d import Conv2dWorkload
+    from tvm_ext.kernels.conv2d_backward_weight import plan_conv2d_backward_weight
+    from tvm_ext.target import resolve_target, vector_isa
+
+    plan = plan_conv2d_backward_weight(Conv2dWorkload.make(x_shape, w_shape, stride, 0),
+                                       vector_isa(resolve_target("llvm")))
+    assert plan.ib_tile > 1 and plan.ICB % plan.ib_tile == 0
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    case = {"x_shape": x_shape, "w_shape": w_shape, "stride": stride, "padding": 0, "dilation": 1, "groups": 1}
+    dy = rng.standard_normal(_dy_shape(case)).astype(np.float32)
+    dw = ops.conv2d_backward_weight(x, dy, w_shape, stride=stride)
+    expected, _ = _reference_dw(x, w_shape, dy, stride, 0, 1, 1)
+    assert rel_err(dw, expected) <= 1e-5
