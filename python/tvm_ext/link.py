@@ -33,10 +33,11 @@ def build_threads() -> int:
 
 
 def _parts(mod: tvm.IRModule, count: int) -> list[tvm.IRModule]:
-    """The PrimFuncs of `mod` dealt round-robin into `count` modules with `mod`'s attributes
-    (a network's kernels come in the order of its layers, so neighbours of one cost share out)."""
-    kernels = [(gvar, func) for gvar, func in mod.functions_items() if isinstance(func, tirx.PrimFunc)]
-    kernels.sort(key=lambda item: item[0].name_hint)  # the same split for the same module
+    """The PrimFuncs of `mod`, sorted by name (the same split for the same module: kernels of one
+    kind and similar cost sit together) and dealt round-robin into `count` modules with `mod`'s
+    attributes."""
+    kernels = sorted(((gvar, func) for gvar, func in mod.functions_items() if isinstance(func, tirx.PrimFunc)),
+                     key=lambda item: item[0].name_hint)
     return [tvm.IRModule(dict(kernels[i::count]), attrs=mod.attrs) for i in range(count) if kernels[i::count]]
 
 
@@ -48,6 +49,9 @@ def compile_relax(mod: tvm.IRModule, target: tvm.target.Target, relax_pipeline: 
         mod = relax_pipeline(mod)
     attrs = dict(mod.attrs) if mod.attrs else {}
     ext_libs = list(attrs.get("external_mods", []))
+    device = [lib.kind for lib in ext_libs if vm_build._is_device_module(lib)]
+    if device:
+        raise ValueError(f"tvm_ext: device modules {device} in an LLVM CPU build")
     params = dict(attrs.get("const_name_to_constant", {}))
     builder = relax.ExecBuilder()
     leftover = vm_build._vmcodegen(builder, mod, "bytecode")
@@ -65,8 +69,5 @@ def compile_relax(mod: tvm.IRModule, target: tvm.target.Target, relax_pipeline: 
             libs = list(pool.map(build, parts))
     else:
         libs = [build(part) for part in parts]
-    device = [lib for lib in ext_libs if vm_build._is_device_module(lib)]
-    if device:
-        raise ValueError(f"tvm_ext: device modules {[lib.kind for lib in device]} in an LLVM CPU build")
     lib = libs[0] if libs else None
     return relax.VMExecutable(vm_build._ffi_api.VMLink(builder, target, lib, [*libs[1:], *ext_libs], params))

@@ -118,6 +118,10 @@ def test_avg_pool_gradient_matches_autograd(shape, kernel, stride, padding, ceil
 def test_avg_pool_gradient_checks_its_arguments():
     with pytest.raises(ValueError, match="dy has shape"):
         ops.avg_pool2d_backward(np.ones((1, 2, 3, 3), np.float32), (1, 2, 8, 8), 2)
-    with pytest.raises(ValueError, match="x_shape must be 4 non-negative"):
+    with pytest.raises(ValueError, match="x_shape must be an integer or 4 integers"):
         ops.avg_pool2d_backward(np.ones((1, 2, 4, 4), np.float32), (2, 8, 8), 2)
+    with pytest.raises(ValueError, match="x_shape must be 4 non-negative"):
+        ops.avg_pool2d_backward(np.ones((1, 2, 4, 4), np.float32), 8, 2)
+    with pytest.raises(ValueError, match="x_shape must be 4 non-negative"):
+        ops.avg_pool2d_backward(np.ones((1, 2, 4, 4), np.float32), (1, -2, 8, 8), 2)
     assert ops.avg_pool2d_backward(np.ones((0, 2, 4, 4), np.float32), (0, 2, 8, 8), 2).shape == (0, 2, 8, 8)

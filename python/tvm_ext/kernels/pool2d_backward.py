@@ -108,7 +108,7 @@ def max_pool2d_backward_blocked_func(wl: Pool2dWorkload, block: int, relu_mask: 
     return builder.get()
 
 
-def window_count(wl: Pool2dWorkload, oh, ow) -> tirx.PrimExpr:
+def _window_count(wl: Pool2dWorkload, oh, ow) -> tirx.PrimExpr:
     """The pixels average pooling `wl` divides output (oh, ow) by: its window clipped to the
     padded input (count_include_pad) or to the input (:func:`~tvm_ext.kernels.pool2d.pool2d_func`)."""
 
@@ -143,7 +143,7 @@ def avg_pool2d_backward_blocked_func(wl: Pool2dWorkload, block: int) -> tirx.Pri
             with T.grid(wl.H, wl.W) as (h, w), T.vectorized(0, block) as c:
                 T.buffer_store(dx, T.float32(0), [n, b, h, w, c])
             with T.grid(wl.OH, wl.OW) as (oh, ow):
-                area = T.Bind(T.Cast("float32", window_count(wl, oh, ow)))
+                area = T.Bind(T.Cast("float32", _window_count(wl, oh, ow)))
                 with T.vectorized(0, block) as c:
                     T.buffer_store(grad, dy[n, b, oh, ow, c] / area, [c])
                 with T.grid(kh, kw) as (i, j):

@@ -54,7 +54,7 @@ def vector_erf(x: tirx.PrimExpr) -> tirx.PrimExpr:
     vector erf: GELU's epilogue). Norbert Juffa's float32 erff: for |x| <= 0.927734375 an odd
     polynomial x + x p(x^2), above it 1 - exp(q(|x|)) with the sign of x, q a polynomial with
     q(t) ~ log(erfc(t)) and the exp :func:`vector_exp`. Both halves are computed and one is
-    selected. Within 1.5 ulp of float64 erf over the whole float32 line (test_pool_activation);
+    selected. Within 1.5 ulp of float64 erf over the whole float32 line (test_gelu_channels_last);
     |x| is clamped to 4 in the second half (erf(4) rounds to 1), so +-inf give +-1, and a NaN
     (every comparison false) takes the first half and stays a NaN.
 

@@ -38,6 +38,7 @@ from .forward import (
     check_array,
     check_conv_shapes,
     check_elements,
+    check_ints,
     checked_pool_workload,
     conv2d,
     conv_options,
@@ -235,7 +236,10 @@ def avg_pool2d_backward(dy, x_shape: Sequence[int], kernel_size, stride=None, pa
     windows overlap. Options as :func:`~tvm_ext.ops.avg_pool2d`; a `dy` of another shape than the
     pooling's output raises ValueError."""
     dy = check_array("avg_pool2d_backward dy", dy, 4)
-    x_shape = tuple(_nonnegative("avg_pool2d_backward: x_shape", x_shape))
+    shape = check_ints("avg_pool2d_backward: x_shape", x_shape, (4,))
+    if not isinstance(shape, tuple) or min(shape) < 0:
+        raise ValueError(f"avg_pool2d_backward: x_shape must be 4 non-negative ints (N, C, H, W), got {x_shape!r}")
+    x_shape = shape
     wl = checked_pool_workload("avg_pool2d_backward", "avg", x_shape, kernel_size, stride, padding, 1, ceil_mode,
                                count_include_pad)
     n, c, h, w = x_shape
@@ -249,9 +253,3 @@ def avg_pool2d_backward(dy, x_shape: Sequence[int], kernel_size, stride=None, pa
                      target, [dy.reshape(*dy.shape, 1)], (n, c, h, w, 1))
     return out.reshape(x_shape)
 
-
-def _nonnegative(name: str, shape: Sequence[int]) -> list[int]:
-    values = [int(v) for v in shape]
-    if len(values) != 4 or min(values) < 0:
-        raise ValueError(f"{name} must be 4 non-negative ints (N, C, H, W), got {tuple(shape)}")
-    return values
