@@ -19,6 +19,9 @@ over its taps, divided by the window's count as the forward divided (padding cou
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
@@ -63,48 +66,59 @@ def max_pool2d_backward_func(wl: Pool2dWorkload) -> tirx.PrimFunc:
     return builder.get()
 
 
+@contextlib.contextmanager
+def _blocked_gradient(wl: Pool2dWorkload, block: int, mode: str) -> Iterator[tuple]:
+    """The frame both blocked pooling gradients share: parameters dY, [X (max),] dX, in blocks of
+    `block` channels, and one parallel task per block of an image, its dX block zeroed first.
+    Yields (builder, dy, x or None, dx, n, b) inside the task."""
+    if wl.mode != mode or wl.C % block:
+        raise ValueError(f"{mode}_pool2d_backward: a {wl.mode} pooling of {wl.C} channels in blocks of {block}")
+    blocks = wl.C // block
+    with IRBuilder() as builder, T.prim_func(s_tir=True):
+        T.func_name(f"{mode}_pool2d_backward")
+        T.func_attr({"tirx.noalias": True, KERNEL_ATTR: f"{mode}_pool2d_backward"})
+        dy = param_buffer("dy", (wl.N, blocks, wl.OH, wl.OW, block))
+        x = param_buffer("x", (wl.N, blocks, wl.H, wl.W, block)) if mode == "max" else None
+        dx = param_buffer("dx", (wl.N, blocks, wl.H, wl.W, block))
+        with T.sblock("root"), T.parallel(0, wl.N * blocks) as task:
+            n, b = T.Bind(task // blocks), T.Bind(task % blocks)
+            with T.grid(wl.H, wl.W) as (h, w), T.vectorized(0, block) as c:
+                T.buffer_store(dx, T.float32(0), [n, b, h, w, c])
+            yield builder, dy, x, dx, n, b
+
+
 def max_pool2d_backward_blocked_func(wl: Pool2dWorkload, block: int, relu_mask: bool = False) -> tirx.PrimFunc:
     """dX (N, C/block, H, W, block) of the max pooling `wl` (C a multiple of `block`), from dY
     (N, C/block, OH, OW, block) and X (N, C/block, H, W, block): one task per block of an image,
     the block's channels in vectors (module docstring). `relu_mask`: where(X > 0, dX, 0)."""
-    if wl.mode != "max" or wl.C % block:
-        raise ValueError(f"max_pool2d_backward: a {wl.mode} pooling of {wl.C} channels in blocks of {block}")
     (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
-    top, left, blocks = wl.padding[0], wl.padding[1], wl.C // block
-    with IRBuilder() as builder, T.prim_func(s_tir=True):
-        T.func_name("max_pool2d_backward")
-        T.func_attr({"tirx.noalias": True, KERNEL_ATTR: "max_pool2d_backward"})
-        dy = param_buffer("dy", (wl.N, blocks, wl.OH, wl.OW, block))
-        x = param_buffer("x", (wl.N, blocks, wl.H, wl.W, block))
-        dx = param_buffer("dx", (wl.N, blocks, wl.H, wl.W, block))
-        with T.sblock("root"), T.parallel(0, wl.N * blocks) as task:
-            n, b = T.Bind(task // blocks), T.Bind(task % blocks)
-            best = IRBuilder.name("best", T.alloc_buffer((block,), "float32"))
-            at = IRBuilder.name("at", T.alloc_buffer((block,), "int32"))
-            grad = IRBuilder.name("grad", T.alloc_buffer((block,), "float32"))
-            with T.grid(wl.H, wl.W) as (h, w), T.vectorized(0, block) as c:
-                T.buffer_store(dx, T.float32(0), [n, b, h, w, c])
-            with T.grid(wl.OH, wl.OW) as (oh, ow):
-                with T.vectorized(0, block) as c:
-                    T.buffer_store(at, T.int32(-1), [c])
-                    T.buffer_store(best, T.float32(0), [c])
-                with T.grid(kh, kw) as (i, j):
-                    h = T.Bind(oh * sh - top + i * dh)
-                    w = T.Bind(ow * sw - left + j * dw)
-                    with T.If(tirx.all(h >= 0, h < wl.H, w >= 0, w < wl.W)), T.Then(), T.vectorized(0, block) as c:
-                        value, tap = x[n, b, h, w, c], i * kw + j
-                        take = tirx.any(at[c] < 0, value > best[c], tirx.isnan(value))
-                        T.buffer_store(at, tirx.Select(take, tap, at[c]), [c])  # (then at == tap iff taken)
-                        T.buffer_store(best, tirx.Select(at[c] == tap, value, best[c]), [c])
-                with T.vectorized(0, block) as c:
-                    keep = best[c] > T.float32(0) if relu_mask else at[c] >= 0
-                    T.buffer_store(grad, tirx.Select(keep, dy[n, b, oh, ow, c], T.float32(0)), [c])
-                with T.grid(kh, kw) as (i, j):
-                    h = T.Bind(oh * sh - top + i * dh)
-                    w = T.Bind(ow * sw - left + j * dw)
-                    with T.If(tirx.all(h >= 0, h < wl.H, w >= 0, w < wl.W)), T.Then(), T.vectorized(0, block) as c:
-                        T.buffer_store(dx, dx[n, b, h, w, c] + tirx.Select(at[c] == i * kw + j, grad[c], T.float32(0)),
-                                       [n, b, h, w, c])
+    top, left = wl.padding[0], wl.padding[1]
+    with _blocked_gradient(wl, block, "max") as (builder, dy, x, dx, n, b):
+        assert x is not None  # (max pooling's gradient reads X)
+        best = IRBuilder.name("best", T.alloc_buffer((block,), "float32"))
+        at = IRBuilder.name("at", T.alloc_buffer((block,), "int32"))
+        grad = IRBuilder.name("grad", T.alloc_buffer((block,), "float32"))
+        with T.grid(wl.OH, wl.OW) as (oh, ow):
+            with T.vectorized(0, block) as c:
+                T.buffer_store(at, T.int32(-1), [c])
+                T.buffer_store(best, T.float32(0), [c])
+            with T.grid(kh, kw) as (i, j):
+                h = T.Bind(oh * sh - top + i * dh)
+                w = T.Bind(ow * sw - left + j * dw)
+                with T.If(tirx.all(h >= 0, h < wl.H, w >= 0, w < wl.W)), T.Then(), T.vectorized(0, block) as c:
+                    value, tap = x[n, b, h, w, c], i * kw + j
+                    take = tirx.any(at[c] < 0, value > best[c], tirx.isnan(value))
+                    T.buffer_store(at, tirx.Select(take, tap, at[c]), [c])  # (then at == tap iff taken)
+                    T.buffer_store(best, tirx.Select(at[c] == tap, value, best[c]), [c])
+            with T.vectorized(0, block) as c:
+                keep = best[c] > T.float32(0) if relu_mask else at[c] >= 0
+                T.buffer_store(grad, tirx.Select(keep, dy[n, b, oh, ow, c], T.float32(0)), [c])
+            with T.grid(kh, kw) as (i, j):
+                h = T.Bind(oh * sh - top + i * dh)
+                w = T.Bind(ow * sw - left + j * dw)
+                with T.If(tirx.all(h >= 0, h < wl.H, w >= 0, w < wl.W)), T.Then(), T.vectorized(0, block) as c:
+                    T.buffer_store(dx, dx[n, b, h, w, c] + tirx.Select(at[c] == i * kw + j, grad[c], T.float32(0)),
+                                   [n, b, h, w, c])
     return builder.get()
 
 
@@ -128,27 +142,17 @@ def avg_pool2d_backward_blocked_func(wl: Pool2dWorkload, block: int) -> tirx.Pri
     (N, C/block, OH, OW, block): one task per block of an image (its windows write only its
     pixels), each window's dY / count added to its taps inside the input, vectors of the block's
     channels. TVM's legalized gradient sums, for every input pixel, the windows that may hold it."""
-    if wl.mode != "avg" or wl.C % block:
-        raise ValueError(f"avg_pool2d_backward: a {wl.mode} pooling of {wl.C} channels in blocks of {block}")
     (kh, kw), (sh, sw) = wl.kernel, wl.stride
-    top, left, blocks = wl.padding[0], wl.padding[1], wl.C // block
-    with IRBuilder() as builder, T.prim_func(s_tir=True):
-        T.func_name("avg_pool2d_backward")
-        T.func_attr({"tirx.noalias": True, KERNEL_ATTR: "avg_pool2d_backward"})
-        dy = param_buffer("dy", (wl.N, blocks, wl.OH, wl.OW, block))
-        dx = param_buffer("dx", (wl.N, blocks, wl.H, wl.W, block))
-        with T.sblock("root"), T.parallel(0, wl.N * blocks) as task:
-            n, b = T.Bind(task // blocks), T.Bind(task % blocks)
-            grad = IRBuilder.name("grad", T.alloc_buffer((block,), "float32"))
-            with T.grid(wl.H, wl.W) as (h, w), T.vectorized(0, block) as c:
-                T.buffer_store(dx, T.float32(0), [n, b, h, w, c])
-            with T.grid(wl.OH, wl.OW) as (oh, ow):
-                area = T.Bind(T.Cast("float32", _window_count(wl, oh, ow)))
-                with T.vectorized(0, block) as c:
-                    T.buffer_store(grad, dy[n, b, oh, ow, c] / area, [c])
-                with T.grid(kh, kw) as (i, j):
-                    h = T.Bind(oh * sh - top + i)
-                    w = T.Bind(ow * sw - left + j)
-                    with T.If(tirx.all(h >= 0, h < wl.H, w >= 0, w < wl.W)), T.Then(), T.vectorized(0, block) as c:
-                        T.buffer_store(dx, dx[n, b, h, w, c] + grad[c], [n, b, h, w, c])
+    top, left = wl.padding[0], wl.padding[1]
+    with _blocked_gradient(wl, block, "avg") as (builder, dy, _, dx, n, b):
+        grad = IRBuilder.name("grad", T.alloc_buffer((block,), "float32"))
+        with T.grid(wl.OH, wl.OW) as (oh, ow):
+            area = T.Bind(T.Cast("float32", _window_count(wl, oh, ow)))
+            with T.vectorized(0, block) as c:
+                T.buffer_store(grad, dy[n, b, oh, ow, c] / area, [c])
+            with T.grid(kh, kw) as (i, j):
+                h = T.Bind(oh * sh - top + i)
+                w = T.Bind(ow * sw - left + j)
+                with T.If(tirx.all(h >= 0, h < wl.H, w >= 0, w < wl.W)), T.Then(), T.vectorized(0, block) as c:
+                    T.buffer_store(dx, dx[n, b, h, w, c] + grad[c], [n, b, h, w, c])
     return builder.get()
