@@ -297,6 +297,27 @@ def test_activation_gradients_follow_pytorch(name):
     assert rel_err(dx.numpy(), xt.grad.numpy()) <= 1e-5
 
 
+def _pooled_loss_gradient(x: np.ndarray, w: np.ndarray, producer: str, rng, relax_pool, torch_pool):
+    """(module, tvm_ext's dx, float64 autograd's dx) of the loss sum(pool(h) * r), h = relu(x) or
+    conv2d(x, w) (padding 1), r random in the pooling's output shape (drawn from `rng`)."""
+    bb = relax.BlockBuilder()
+    xv = relax.Var("x", relax.TensorType(x.shape, "float32"))
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            h = relax.op.nn.relu(xv) if producer == "relu" else relax.op.nn.conv2d(xv, relax.const(w), padding=1)
+            pooled = bb.emit(relax_pool(bb.emit(h)))
+            r = rng.standard_normal([int(v) for v in pooled.ty.shape]).astype(np.float32)
+            loss = bb.emit_output(relax.op.sum(relax.op.multiply(pooled, relax.const(r))))
+        bb.emit_func_output(loss)
+    mod = relax.transform.Gradient("main")(bb.get())
+    _, (dx,) = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main_adjoint"](tvm.runtime.tensor(x))
+    xt = torch.from_numpy(x).double().requires_grad_()
+    wt = torch.from_numpy(w).double()
+    h = torch.relu(xt) if producer == "relu" else torch.nn.functional.conv2d(xt, wt, padding=1)
+    (torch_pool(h) * torch.from_numpy(r).double()).sum().backward()
+    return mod, dx.numpy(), xt.grad.numpy()
+
+
 @pytest.mark.parametrize("producer", ["relu", "conv"])
 def test_stem_max_pool_gradient_matches_autograd(producer):
     """ResNet's stem: a 3x3 stride-2 max pooling with padding after a relu (or a convolution).
@@ -306,23 +327,9 @@ def test_stem_max_pool_gradient_matches_autograd(producer):
     rng = np.random.default_rng(6)
     x = rng.standard_normal((2, 16, 12, 12)).astype(np.float32)
     w = (rng.standard_normal((16, 16, 3, 3)) * 0.2).astype(np.float32)
-    r = rng.standard_normal((2, 16, 6, 6)).astype(np.float32)
-    bb = relax.BlockBuilder()
-    xv = relax.Var("x", relax.TensorType(x.shape, "float32"))
-    with bb.function("main", [xv]):
-        with bb.dataflow():
-            h = relax.op.nn.relu(xv) if producer == "relu" else relax.op.nn.conv2d(xv, relax.const(w), padding=1)
-            h = bb.emit(h)
-            pooled = relax.op.nn.max_pool2d(h, 3, 2, 1)
-            loss = bb.emit_output(relax.op.sum(relax.op.multiply(pooled, relax.const(r))))
-        bb.emit_func_output(loss)
-    mod = relax.transform.Gradient("main")(bb.get())
-    _, (dx,) = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main_adjoint"](tvm.runtime.tensor(x))
-    xt = torch.from_numpy(x).double().requires_grad_()
-    wt = torch.from_numpy(w).double()
-    h = torch.relu(xt) if producer == "relu" else torch.nn.functional.conv2d(xt, wt, padding=1)
-    (torch.nn.functional.max_pool2d(h, 3, 2, 1) * torch.from_numpy(r).double()).sum().backward()
-    assert rel_err(dx.numpy(), xt.grad.numpy()) <= 1e-5
+    mod, dx, expected = _pooled_loss_gradient(x, w, producer, rng, lambda h: relax.op.nn.max_pool2d(h, 3, 2, 1),
+                                              lambda h: torch.nn.functional.max_pool2d(h, 3, 2, 1))
+    assert rel_err(dx, expected) <= 1e-5
     # the pooling's gradient on the blocked kernel; after a relu, with the relu's gradient fused
     pooling = [name for name in built_kernels(mod, TARGET) if name.startswith("tvm_ext_max_pool2d_backward")]
     assert len(pooling) == 1 and pooling[0].endswith("_relu_mask") == (producer == "relu"), pooling
@@ -471,25 +478,10 @@ def test_avg_pool_gradient_matches_autograd(kernel, stride, padding, ceil_mode, 
     rng = np.random.default_rng(8)
     x = rng.standard_normal((2, 24, 11, 11)).astype(np.float32)
     w = (rng.standard_normal((24, 24, 3, 3)) * 0.2).astype(np.float32)
-    bb = relax.BlockBuilder()
-    xv = relax.Var("x", relax.TensorType(x.shape, "float32"))
-    with bb.function("main", [xv]):
-        with bb.dataflow():
-            h = relax.op.nn.relu(xv) if producer == "relu" else relax.op.nn.conv2d(xv, relax.const(w), padding=1)
-            h = bb.emit(h)
-            pooled = bb.emit(relax.op.nn.avg_pool2d(h, kernel, stride, padding, ceil_mode=ceil_mode,
-                                                    count_include_pad=count_include_pad))
-            r = rng.standard_normal([int(v) for v in pooled.ty.shape]).astype(np.float32)
-            loss = bb.emit_output(relax.op.sum(relax.op.multiply(pooled, relax.const(r))))
-        bb.emit_func_output(loss)
-    mod = relax.transform.Gradient("main")(bb.get())
-    _, (dx,) = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main_adjoint"](tvm.runtime.tensor(x))
-    xt = torch.from_numpy(x).double().requires_grad_()
-    wt = torch.from_numpy(w).double()
-    h = torch.relu(xt) if producer == "relu" else torch.nn.functional.conv2d(xt, wt, padding=1)
-    pooled = torch.nn.functional.avg_pool2d(h, kernel, stride, padding, ceil_mode=ceil_mode,
-                                            count_include_pad=count_include_pad)
-    (pooled * torch.from_numpy(r).double()).sum().backward()
-    assert rel_err(dx.numpy(), xt.grad.numpy()) <= 1e-5
+    options = {"ceil_mode": ceil_mode, "count_include_pad": count_include_pad}
+    mod, dx, expected = _pooled_loss_gradient(
+        x, w, producer, rng, lambda h: relax.op.nn.avg_pool2d(h, kernel, stride, padding, **options),
+        lambda h: torch.nn.functional.avg_pool2d(h, kernel, stride, padding, **options))
+    assert rel_err(dx, expected) <= 1e-5
     pooling = [name for name in built_kernels(mod, TARGET) if name.startswith("tvm_ext_avg_pool2d_backward")]
     assert len(pooling) == 1 and pooling[0].endswith("_exclude_pad") != count_include_pad, pooling
