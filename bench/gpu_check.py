@@ -11,6 +11,9 @@ engine), compiles it with nvcc for this GPU, and for every kernel:
   against cuDNN with TF32 on, the bf16 ones (exported with `--engines ... mma_bf16 wgmma_bf16`)
   against cuDNN on bf16 tensors;
 - prints GFLOP/s and, for FFMA, % of the fp32 FFMA peak it measures itself with an FFMA-chain kernel.
+A training gradient's kernel (ResNet-50's layers by default: dX per stride phase, dW as x^T
+convolved with dY^T, see gpu_export.py) is checked as the convolution it computes and timed
+against cuDNN's own dgrad or wgrad of its layer; a second table sums each pass's kernels.
 A layer exported with split-K (a grid too small to fill the GPU; "K/n" in the tile column) runs
 its two kernels, the slices and their sum, and both are timed together. A Winograd entry (engine
 "winograd", fp32 on the FFMA tile; "F(4x4)" in the tile column) runs and times its three kernels
@@ -265,15 +268,55 @@ def run_layer(torch, device: CudaDevice, entry: dict, cubin: Path, repeat: int) 
     ref = F.conv2d(pad(as_read(x).double()), as_read(w).double(), **options)
     scale = ref.abs().max().item()
     err = (got.double() - ref).abs().max().item() / scale
-    # the baseline at the same precision: fp32, TF32 allowed, bf16 tensors
+    # the baseline at the same precision: fp32, TF32 allowed, bf16 tensors; for a gradient's
+    # kernel cuDNN's own pass of the layer (all of dX, where ours is one stride phase of it)
     xp, wb = (pad(x).bfloat16(), w.bfloat16()) if bf16 else (pad(x), w)
+    baseline, what = (lambda: F.conv2d(xp, wb, **options)), ""
+    if entry.get("pass", "forward") != "forward":
+        baseline, what = gradient_baseline(torch, entry["pass"], entry["of"], device.torch_device)
     set_tf32(torch, tf32)
     t_ours = device.median_ms(ours, repeat)
-    t_base = device.median_ms(lambda: F.conv2d(xp, wb, **options), repeat)
+    t_base = device.median_ms(baseline, repeat)
     set_tf32(torch, False)
     precision = "TF32" if tf32 else "bf16" if bf16 else "fp32"
     return {"err": err, "ok": err < error_bound(engine, w[0].numel()), "ours_ms": t_ours, "cudnn_ms": t_base,
-            "cudnn": f"{device.baseline} {precision}"}
+            "cudnn": f"{device.baseline} {precision}{what}"}
+
+
+def gradient_baseline(torch, pass_name: str, layer: dict, torch_device: str):
+    """(call, label) of cuDNN's dX or dW of `layer` (a manifest entry's "of") through PyTorch."""
+    grad = torch.nn.grad
+    x = torch.randn(*layer["x_nchw"], device=torch_device)
+    w = torch.randn(*layer["w_oihw"], device=torch_device)
+    top, left, bottom, right = layer["padding"]
+    if (top, left) != (bottom, right):  # PyTorch pads symmetrically: pad x itself
+        x = torch.nn.functional.pad(x, (left, right, top, bottom))
+        top = left = 0
+    options = dict(stride=tuple(layer["stride"]), padding=(top, left), dilation=tuple(layer["dilation"]),
+                   groups=layer["groups"])
+    dy = torch.randn_like(torch.nn.functional.conv2d(x, w, **options))
+    if pass_name == "data_gradient":
+        return (lambda: grad.conv2d_input(x.shape, w, dy, **options)), " dgrad"
+    return (lambda: grad.conv2d_weight(x, w.shape, dy, **options)), " wgrad"
+
+
+def training_passes(rows: list[dict]) -> list[str]:
+    """A table of each layer's dX and dW: the sum of its kernels (dX's stride phases) against
+    cuDNN's pass, timed in the same run."""
+    passes: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if "of_pass" in row:
+            passes.setdefault(tuple(row["of_pass"]), []).append(row)
+    if not passes:
+        return []
+    lines = ["", "| layer | pass | kernels | ms | cuDNN ms | speed-up |", "|" + "---|" * 6]
+    for (set_name, layer, name), parts in passes.items():
+        ours = sum(part["ours_ms"] for part in parts)
+        base = parts[0]["cudnn_ms"]
+        pass_name = "dX" if name == "data_gradient" else "dW"
+        lines.append(f"| {set_name} {layer} | {pass_name} | {len(parts)} | {ours:.3f} | {base:.3f} | "
+                     f"{base / ours if ours else float('nan'):.2f}x |")
+    return lines
 
 
 def error_bound(engine: str, reduction: int) -> float:
@@ -455,6 +498,11 @@ def main(argv=None) -> int:
             if winograd:  # with the strategy's estimate of its speed-up over the direct tile
                 m, (direct_ms, winograd_ms) = entry["winograd"]["m"], entry["estimate_ms"]
                 tile = f"F({m}x{m}), {tile}, est. {direct_ms / winograd_ms:.1f}x"
+            if entry.get("pass", "forward") != "forward":  # which gradient, and its phase of dX
+                engine += " dW" if entry["pass"] == "weight_gradient" else " dX"
+                if entry.get("phases", 1) > 1:
+                    engine += " phase {},{} of {}".format(*entry["phase"], entry["phases"])
+                result.update(of_pass=[entry["set"], entry["layer"], entry["pass"]])
             line = (f"| {entry['set']} {entry['layer']} | {engine} | {tile} | "
                     f"{result['err']:.1e}{'' if result['ok'] else ' FAIL'} | {result['ours_ms']:.3f} | "
                     f"{gflops:,.0f} | {pct} | {bound} | {result['cudnn']} | {result['cudnn_ms']:.3f} | "
@@ -464,6 +512,8 @@ def main(argv=None) -> int:
     for index, entry in enumerate(layers):
         if index not in done:
             print(f"| {entry['name']} | budget of {args.budget_s:.0f} s spent: not run |")
+    lines += training_passes(rows)
+    print("\n".join(training_passes(rows)), flush=True)
     failed = [r["name"] for r in rows if not r.get("ok")]
     skipped = sum(_is_wgmma(e) and e not in layers and _wanted(args, e) for e in manifest["layers"])
     print(f"{len(rows) - len(failed)}/{len(layers)} layers correct; "

@@ -1,13 +1,16 @@
 """Generate the CUDA C of tvm_ext's maxDNN convolution for the GPU check's layers (no GPU needed).
 
 Writes one .cu file per layer and engine (FFMA; Winograd F(4x4) on the FFMA tile, for the layers
-it can run; tf32 tensor cores through mma.sync and, for Hopper, wgmma) and manifest.json (shapes,
-and each kernel's launch and parameter order) into --out. bench/gpu_check.py compiles and runs
+it can run; tf32 tensor cores through mma.sync and, for Hopper, wgmma), for ResNet-50's layers
+also their training gradients on the FFMA tile (dX per stride phase, dW as x^T conv dY^T: the
+kernels a training graph runs), and manifest.json (shapes, each kernel's launch and parameter
+order, and a gradient's layer) into --out. bench/gpu_check.py compiles and runs
 them with nvcc and CuPy on a GPU machine, so that machine needs no TVM: apache-tvm's wheel is
 100 MB and the GPU machines lent here take 64 MiB.
 
     python bench/gpu_export.py --out bench/gpu_kernels            # AlexNet/OverFeat b128, ResNet-50 b32
     python bench/gpu_export.py --out /tmp/k --sets alexnet --batch 4 --layers 2
+    python bench/gpu_export.py --train-sets              # no training passes (dX, dW of resnet50's layers)
     python bench/gpu_export.py --sass ...     # with each k loop's SASS instruction mix
 """
 
@@ -53,10 +56,36 @@ def wgmma_arch(source: str, arch: str) -> str:
 
 
 ENGINES = ("ffma", "ffma:maxdnn", "winograd", "mma_tf32", "mma_tf32:64", "wgmma_tf32")  # the default variants
+# a training step's three convolutions of a layer, for the layers of TRAIN_SETS (the gradients on
+# the "ffma" engine); the other sets' layers run forward only
+PASSES = ("forward", "data_gradient", "weight_gradient")
+TRAIN_SETS = ("resnet50",)
+
+
+def pass_workloads(wl, passes: tuple[str, ...] = PASSES) -> list[tuple[str, dict, object]]:
+    """(pass, its manifest fields, the forward convolution its kernel computes) for layer `wl`,
+    as a training graph runs them (tvm_ext.transform.gradients): dX as a stride-1 convolution of
+    dY per stride phase (one at stride 1; phases no tap reaches are zeros, no kernel), dW as the
+    convolution of x^T with dY^T (groups=1 only: a grouped dW stays with stock TVM)."""
+    from tvm_ext.kernels.conv2d import Conv2dWorkload
+    from tvm_ext.kernels.conv2d_backward_data import data_gradient_phases
+    from tvm_ext.transform.gradients import weight_gradient_as_conv2d
+
+    out = [("forward", {}, wl)] if "forward" in passes else []
+    if "data_gradient" in passes:
+        phases = [p for p in data_gradient_phases(wl) if not p.zero]
+        for p in phases:
+            dx = Conv2dWorkload.make((wl.N, wl.K, p.rows[1] - p.rows[0], p.cols[1] - p.cols[0]),
+                                     (wl.C, wl.K // wl.groups, len(p.taps_h), len(p.taps_w)), 1, p.padding,
+                                     p.dilation, wl.groups)
+            out.append(("data_gradient", {"phase": [p.a, p.b], "phases": len(phases)}, dx))
+    if "weight_gradient" in passes and wl.groups == 1:
+        out.append(("weight_gradient", {}, weight_gradient_as_conv2d(wl)))
+    return out
 
 
 def export(out: Path, sets: dict[str, int], layers: int | None, arch: str, engines: tuple[str, ...] = ENGINES,
-           sass: bool = False) -> list[dict]:
+           sass: bool = False, train_sets: tuple[str, ...] = TRAIN_SETS) -> list[dict]:
     from tvm_ext.kernels.conv2d import Conv2dWorkload
     from tvm_ext.kernels.cuda import maxdnn as cc
     from tvm_ext.kernels.cuda import winograd as cw
@@ -64,12 +93,15 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str, engin
     out.mkdir(parents=True, exist_ok=True)
     entries = []
     for set_name, batch in sets.items():
-        for layer in load_layers(set_name)[:layers]:
+        for index, layer in enumerate(load_layers(set_name)[:layers]):
+            # a training step's passes: the first layer's input is the images, which need no dX
+            passes = ("forward",) if set_name not in train_sets else PASSES if index else ("forward", "weight_gradient")
             groups = layer.get("groups", 1)
-            wl = Conv2dWorkload.make((batch, layer["C"], layer["H"], layer["W"]),
-                                     (layer["K"], layer["C"] // groups, layer["R"], layer["S"]),
-                                     stride=layer["stride"], padding=layer["pad"], groups=groups)
-            for variant in engines:
+            layer_wl = Conv2dWorkload.make((batch, layer["C"], layer["H"], layer["W"]),
+                                           (layer["K"], layer["C"] // groups, layer["R"], layer["S"]),
+                                           stride=layer["stride"], padding=layer["pad"], groups=groups)
+            for pass_name, pass_fields, wl, variant in ((p, f, w, v) for p, f, w in pass_workloads(layer_wl, passes)
+                                                       for v in engines if p == "forward" or v == "ffma"):
                 engine, _, warp_rows = variant.partition(":")
                 start = time.perf_counter()
                 target = {"kind": "cuda", "arch": "sm_90a" if engine.startswith("wgmma") else arch}
@@ -99,8 +131,14 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str, engin
                 engine = (variant.replace("winograd:", "winograd_f").replace(":shared", "_shared")
                           .replace(":static", "_static").replace(":maxdnn", "_maxdnn").replace(":", "_w"))
                 name = f"{set_name}_{layer['name']}_{engine}"
+                if pass_name == "data_gradient":
+                    name += "_dx{}{}".format(*pass_fields["phase"])
+                elif pass_name == "weight_gradient":
+                    name += "_dw"
                 (out / f"{name}.cu").write_text(source)
                 entries.append(_entry(name, set_name, layer["name"], engine, wl, plan, source))
+                if pass_name != "forward":  # the layer whose gradient this is, for cuDNN's own pass
+                    entries[-1].update(pass_fields, **{"pass": pass_name}, of=_shapes(layer_wl))
                 mix = ""
                 if sass:
                     loop = entries[-1]["sass_loop"] = sass_loop(source, arch)
@@ -122,18 +160,20 @@ def export(out: Path, sets: dict[str, int], layers: int | None, arch: str, engin
     return entries
 
 
+def _shapes(wl) -> dict:
+    return {"x_nchw": [wl.N, wl.C, wl.H, wl.W], "w_oihw": [wl.K, wl.C // wl.groups, wl.KH, wl.KW],
+            "stride": list(wl.stride), "padding": list(wl.padding), "dilation": list(wl.dilation),
+            "groups": wl.groups}
+
+
 def _entry(name: str, set_name: str, layer: str, engine: str, wl, plan, source: str) -> dict:
     """The manifest entry bench/gpu_check.py launches and checks the layer from: its tensors'
     shapes ("params") and its kernels in launch order ("launches"), each with its arguments."""
     from tvm_ext.kernels.cuda import maxdnn as cc
     from tvm_ext.kernels.cuda import winograd as cw
 
-    entry = {
-        "name": name, "set": set_name, "layer": layer, "engine": engine, "file": f"{name}.cu",
-        "x_nchw": [wl.N, wl.C, wl.H, wl.W], "w_oihw": [wl.K, wl.C // wl.groups, wl.KH, wl.KW],
-        "stride": list(wl.stride), "padding": list(wl.padding), "dilation": list(wl.dilation),
-        "groups": wl.groups, "flops": wl.flops,
-    }
+    entry = {"name": name, "set": set_name, "layer": layer, "engine": engine, "file": f"{name}.cu", **_shapes(wl),
+             "flops": wl.flops}
     if isinstance(plan, cw.WinogradPlan):  # input transform, the a² GEMMs, output transform
         _, g, _ = plan.matrices
         entry.update(tile=[plan.gemm.tile.rows, plan.gemm.tile.cols],
@@ -182,11 +222,14 @@ def main(argv=None) -> int:
                              "shared tile instead of gathered from the input; ':static': 128 x 64 tiles where "
                              "the default's 128 x 128 needs dynamic shared memory, as in 0.5.7); wgmma_bf16: "
                              "the same on bf16 (weights packed as bf16 pairs)")
+    parser.add_argument("--train-sets", nargs="*", default=list(TRAIN_SETS),
+                        help="sets whose layers also get a training step's gradients, dX (a kernel per stride "
+                             "phase) and dW, on the FFMA tile (none: forward only)")
     parser.add_argument("--sass", action="store_true",
                         help="also record each kernel's k-loop SASS mix for --arch (needs nvcc and nvdisasm)")
     args = parser.parse_args(argv)
     sets = {name: args.batch or DEFAULT_SETS.get(name, 32) for name in args.sets}
-    export(args.out, sets, args.layers, args.arch, tuple(args.engines), args.sass)
+    export(args.out, sets, args.layers, args.arch, tuple(args.engines), args.sass, tuple(args.train_sets))
     return 0
 
 

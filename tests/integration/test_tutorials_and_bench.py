@@ -185,7 +185,7 @@ def test_gpu_check_pipeline_without_gpu(tmp_path):
         pytest.skip("nvcc is not installed")
     from tvm_ext.kernels.cuda import toolchain
 
-    args = ["--out", str(tmp_path), "--sets", "overfeat", "--batch", "4", "--layers", "1"]
+    args = ["--out", str(tmp_path), "--sets", "overfeat", "--batch", "4", "--layers", "1", "--train-sets"]
     sass = toolchain.find_nvdisasm() is not None
     out = _run("bench/gpu_export.py", *args, *(["--sass"] if sass else []))
     assert "overfeat_conv1_ffma" in out and "tile 96x128 grid (98, 1, 1) threads 12x8" in out  # 96 filters
@@ -219,22 +219,30 @@ def test_gpu_check_pipeline_without_gpu(tmp_path):
            # CRS order, and RSC with split-K (AlexNet conv2 at batch 2: 69 blocks, 5 slices of taps),
            # and conv2 (5x5) as Winograd F(4x4, 5x5): three kernels; both on wgmma (conv2's A fragments
            # gathered from the input, or from a shared tile), tf32 and bf16 (weights packed in pairs);
-           # and mma.sync tf32.
+           # and mma.sync tf32; the training gradients on the FFMA tile: conv1's dW (its input is
+           # the images: no dX), conv2's dX (stride 1: one phase, split-K) and dW.
            "EXPORT_ARGS": "--sets alexnet --batch 2 --layers 2 --engines ffma ffma:maxdnn winograd "
-                          "mma_tf32 wgmma_tf32 wgmma_tf32:shared wgmma_bf16"}
+                          "mma_tf32 wgmma_tf32 wgmma_tf32:shared wgmma_bf16 --train-sets alexnet"}
     result = subprocess.run(["bash", "bench/gpu_check.sh", "--emulate", "--repeat", "0"], cwd=ROOT,
                             capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "13/13 layers correct" in result.stdout
+    assert "16/16 layers correct" in result.stdout
     report = json.loads((tmp_path / "report" / "gpu_check.json").read_text())
     wgmma = ["wgmma_tf32", "wgmma_tf32_shared", "wgmma_bf16"]
     ffma = ["ffma", "ffma_maxdnn"]  # choose_tile's (16 x 8 threads) and maxDNN's 64 x 64
-    assert [row["engine"] for row in report["layers"]] == [*ffma, "mma_tf32", *wgmma, *ffma, "winograd", "mma_tf32",
-                                                            *wgmma]
+    assert [row["engine"] for row in report["layers"]] == [*ffma, "mma_tf32", *wgmma, "ffma", *ffma, "winograd",
+                                                            "mma_tf32", *wgmma, "ffma", "ffma"]
     assert all(row["ok"] for row in report["layers"])
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert [e.get("splits") for e in manifest["layers"]] == [*[1] * 6, 5, 5, 1, 5, 5, 5, 5]
-    assert [len(e["launches"]) for e in manifest["layers"]] == [*[1] * 6, 2, 2, 3, 2, 2, 2, 2]
+    assert [e.get("pass", "forward") for e in manifest["layers"]] == [
+        *["forward"] * 6, "weight_gradient", *["forward"] * 7, "data_gradient", "weight_gradient"]
+    assert [e.get("splits") for e in manifest["layers"]] == [*[1] * 7, 5, 5, 1, 5, 5, 5, 5, 25, 1]
+    assert [len(e["launches"]) for e in manifest["layers"]] == [*[1] * 7, 2, 2, 3, 2, 2, 2, 2, 2, 1]
+    # dW of conv1 is x^T (3 images of 2 channels) convolved with dY^T (64 filters, 55 x 55 taps;
+    # the padding row below the image no tap reads dropped: (2, 2, 1, 1))
+    assert manifest["layers"][6]["x_nchw"] == [3, 2, 224, 224] and manifest["layers"][6]["w_oihw"] == [64, 2, 55, 55]
+    assert manifest["layers"][6]["padding"] == [2, 2, 1, 1] and manifest["layers"][6]["dilation"] == [4, 4]
+    assert "| alexnet conv2 | ffma dX | " in result.stdout and "| alexnet conv2 | dW | 1 | " in result.stdout
     assert "| alexnet conv2 | ffma | 96x64 (12x8), K/5 |" in result.stdout  # 1458 columns: 64 wide
     # wgmma: conv1's 64 x 128 tile fits 48 KB in tf32 (bf16's k steps of 16 double the data tile);
     # conv2's 96 x 128 (192 filters) has its output tile in dynamic shared memory, which the check

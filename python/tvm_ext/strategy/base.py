@@ -217,6 +217,10 @@ class Emitter(Protocol):
         where the target's layout has such blocks; `mask`: an activation's output and the
         activation whose gradient the epilogue applies last, :attr:`~tvm_ext.kernels.conv2d.Epilogue.mask`)."""
 
+    def conv2d_backward_weight(self, call: relax.Call, decision: Decision) -> relax.Expr:
+        """A weight gradient, conv2d(x, dY) in :data:`~.decide.WEIGHT_GRADIENT_LAYOUTS`, as kernel
+        calls giving dW in OIHW."""
+
     def other_op(self, call: relax.Call, decision: Decision) -> relax.Expr:
         """Any other op :func:`~.decide.decide` gives a kernel (a pooling, global pooling, mean
         over H and W, activation, channel scale (a squeeze-excitation gate), concatenation or

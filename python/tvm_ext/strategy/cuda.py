@@ -157,16 +157,54 @@ class CudaEmitter:
                                          + suffix)
         plan = _maxdnn.MaxDNNPlan.make(wl, decided.tile, epilogue, decided.splits)
         args = [self.chwn(data), self._weight(call.args[1], plan)]
-        name = _name("maxdnn_conv2d", *shape) + suffix
+        return self.nchw(self._maxdnn(plan, args, epilogue_args, _name("maxdnn_conv2d", *shape) + suffix))
+
+    def _maxdnn(self, plan: _maxdnn.MaxDNNPlan, args: list, epilogue_args: list, name: str) -> relax.Var:
+        """The maxDNN kernel of `plan` on CHWN data and laid-out weights (`args`): its CHWN result."""
         if plan.splits == 1:
-            func = _maxdnn.maxdnn_conv2d_func(plan, symbol=name)
-            return self.nchw(self._call(func, name, args + epilogue_args, plan.y_shape))
+            return self._call(_maxdnn.maxdnn_conv2d_func(plan, symbol=name), name, args + epilogue_args, plan.y_shape)
         # split-K: the slices' partial sums, then their sum with the epilogue
         sliced = name + f"_split{plan.splits}"
         func = _maxdnn.maxdnn_conv2d_func(plan, symbol=sliced)
         partial = self._call(func, sliced, args, plan.shapes()["partial"])
         reduce = _maxdnn.split_reduce_func(plan, symbol=name + _maxdnn.REDUCE_SUFFIX)
-        return self.nchw(self._call(reduce, name + _maxdnn.REDUCE_SUFFIX, [partial] + epilogue_args, plan.y_shape))
+        return self._call(reduce, name + _maxdnn.REDUCE_SUFFIX, [partial] + epilogue_args, plan.y_shape)
+
+    def _permuted(self, expr: relax.Expr, axes: tuple[int, ...], kernel: str) -> relax.Var:
+        """permute_dims(`expr`, `axes`) (axes of its NCHW view) in one pass, from the CHWN tensor
+        behind it where one of our kernels made it."""
+        known = self.produced_chwn(expr)
+        if known is not None:  # CHWN axis of each NCHW one: N=3, C=0, H=1, W=2
+            expr, axes = known, tuple(_memory_bound.NCHW_TO_CHWN.index(a) for a in axes)
+        shape = _shape(expr)
+        out = tuple(shape[a] for a in axes)
+        return self._call(_memory_bound.transpose_func(shape, axes, kernel), _name(kernel, shape, axes), [expr], out)
+
+    def conv2d_backward_weight(self, call: relax.Call, decision: Decision) -> relax.Expr:
+        """dW = conv2d(x, dY) in the weight gradient's layouts (:data:`~.decide.WEIGHT_GRADIENT_LAYOUTS`)
+        on the maxDNN tile, as the forward convolution those layouts describe
+        (:func:`~tvm_ext.transform.gradients.weight_gradient_as_conv2d`): its CHWN data is x as
+        NHWC, its weights dY as (OH, OW, N, K) (RSC order) or (N, OH, OW, K),
+        and its CHWN output (K, KH, KW, C) is dW transposed to OIHW. Each is one transpose (dY's
+        and x's from the CHWN tensor our kernels wrote, where they did): the kernel reduces over
+        images x dY's pixels with split-K where its grid is small."""
+        plan = _cuda_plan(decision)
+        if not isinstance(plan, _maxdnn.MaxDNNPlan):
+            raise UnsupportedError(f"{decision.op} {decision.shapes}: the weight gradient runs on the direct tile")
+        wl = plan.wl  # images: x's channels; channels: x's images; filters: dY's channels
+        x, dy = call.args
+        data = self._permuted(x, (0, 2, 3, 1), "weight_gradient_data")
+        weight = self._permuted(dy, (2, 3, 0, 1) if plan.k_order == "rsc" else (0, 2, 3, 1), "weight_gradient_dy")
+        weight = self.bb.emit(relax.op.reshape(weight, (1, wl.C * wl.KH * wl.KW, wl.K)))
+        if plan.tile.wgmma is not None:
+            weight = self._pack_wgmma_weight(weight, plan)
+        name = _name("maxdnn_conv2d_backward_weight", (wl.C, wl.N, wl.H, wl.W), (wl.K, wl.KH, wl.KW),
+                     f"s{wl.stride[0]}x{wl.stride[1]}_p{'x'.join(map(str, wl.padding))}"
+                     f"_d{wl.dilation[0]}x{wl.dilation[1]}")
+        dw_t = self._maxdnn(plan, [data, weight], [], name)  # (K, KH, KW, C): dW's O, H, W, I
+        shape, axes = _shape(dw_t), (0, 3, 1, 2)
+        return self._call(_memory_bound.transpose_func(shape, axes, "weight_gradient_out"),
+                          _name("weight_gradient_out", shape), [dw_t], tuple(shape[a] for a in axes))
 
     def _winograd_conv2d(self, plan: _winograd.WinogradPlan, weight: relax.Constant, data: relax.Expr,
                          epilogue_args: list, name: str) -> relax.Expr:

@@ -16,7 +16,7 @@ from ..target import vector_isa
 from .base import ACTIVATION_OPS, DATA_MOVEMENT_OPS, POOLS, Decision, channel_scale_operands, is_relu6, pool_workload
 from .cuda_engine import FUSED_ACTIVATIONS, conv2d_decision
 
-__all__ = ["channel_affine_reason", "decide", "epilogue_activation"]
+__all__ = ["channel_affine_reason", "decide", "epilogue_activation", "is_weight_gradient"]
 
 
 def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", winograd: bool = True) -> Decision:
@@ -47,7 +47,7 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
     attrs = call.attrs
     layouts = (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout))
     if layouts == WEIGHT_GRADIENT_LAYOUTS:
-        return _decide_weight_gradient(call, shapes, target)
+        return _decide_weight_gradient(call, shapes, target, engine)
     if layouts != ("NCHW", "OIHW", "NCHW"):
         return Decision(op, shapes, None, f"layout {attrs.data_layout}/{attrs.kernel_layout} is not NCHW/OIHW")
     out_dtype = str(attrs.out_dtype)
@@ -116,10 +116,21 @@ def _decide_pool2d_backward(call: relax.Call, shapes: tuple, target: tvm.target.
 WEIGHT_GRADIENT_LAYOUTS = ("CNHW", "IOHW", "CNHW")
 
 
-def _decide_weight_gradient(call: relax.Call, shapes: tuple, target: tvm.target.Target) -> Decision:
+def is_weight_gradient(call: relax.Call) -> bool:
+    """Whether `call` is a conv2d in :data:`WEIGHT_GRADIENT_LAYOUTS` (a weight gradient)."""
+    if not isinstance(call.op, tvm.ir.Op) or call.op.name != "relax.nn.conv2d":
+        return False
+    attrs = call.attrs
+    return (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout)) == WEIGHT_GRADIENT_LAYOUTS
+
+
+def _decide_weight_gradient(call: relax.Call, shapes: tuple, target: tvm.target.Target,
+                            engine: str = "ffma") -> Decision:
     """A conv2d in the weight gradient's layouts: tvm_ext's X^T dY kernel where it computes
     exactly this, the reason otherwise."""
     op, attrs = "relax.nn.conv2d", call.attrs
+    if target.kind.name == "cuda":
+        return _decide_cuda_weight_gradient(call, shapes, engine)
     if target.kind.name != "llvm":
         return Decision(op, shapes, None, f"the weight gradient has no tvm_ext kernel on {target.kind.name}")
     out_dtype = str(attrs.out_dtype)
@@ -141,6 +152,38 @@ def _decide_weight_gradient(call: relax.Call, shapes: tuple, target: tvm.target.
                                           "more taps than the convolution's")
     plan = _weight_grad.plan_conv2d_backward_weight(wl, vector_isa(target))
     return Decision(op, shapes, "conv2d_backward_weight", "the weight gradient: X^T dY on the BRGEMM", plan)
+
+
+def _weight_gradient_workload(call: relax.Call) -> _conv.Conv2dWorkload:
+    """The NCHW/OIHW reading of a conv2d in the weight gradient's layouts: x^T (x's channels as
+    images of its images as channels) convolved with dY^T (K filters over the images, dY's pixels
+    as taps), giving dW^T. A GEMM engine without an X^T dY kernel runs dW as this forward
+    convolution (its reduction: images x dY's pixels). Raises ValueError if it is not valid."""
+    attrs = call.attrs
+    x, dy = (known_shape(static_shape(arg), name) for arg, name in zip(call.args, ("the data", "dY"), strict=True))
+    return _conv.Conv2dWorkload.make((x[1], x[0], x[2], x[3]), (dy[1], dy[0], dy[2], dy[3]),
+                                     [int(s) for s in attrs.strides], [int(p) for p in attrs.padding],
+                                     [int(d) for d in attrs.dilation], int(attrs.groups))
+
+
+def _decide_cuda_weight_gradient(call: relax.Call, shapes: tuple, engine: str) -> Decision:
+    """A weight gradient on CUDA: the maxDNN tile on its forward reading (_weight_gradient_workload)."""
+    op = "relax.nn.conv2d"
+    dtypes = {dtype(call.args[0]), dtype(call.args[1]), dtype(call)}
+    if dtypes != {"float32"}:
+        return Decision(op, shapes, None, f"dtype {sorted(dtypes)} is not float32")
+    if int(call.attrs.groups) != 1:
+        return Decision(op, shapes, None, f"a weight gradient of {int(call.attrs.groups)} groups (the kernel takes 1)")
+    if static_shape(call.args[0]) is None or static_shape(call.args[1]) is None:
+        return Decision(op, shapes, None, _SYMBOLIC)
+    try:
+        wl = _weight_gradient_workload(call)
+    except ValueError as err:
+        return Decision(op, shapes, None, str(err))
+    kernel, reason, plan = conv2d_decision(wl, engine)
+    return Decision(op, shapes, kernel, f"the weight gradient as a forward convolution of x^T and dY^T "
+                                        f"({wl.N * wl.OH * wl.OW} columns, a reduction of {wl.C * wl.KH * wl.KW}): "
+                                        + reason, plan)
 
 
 def epilogue_activation(name: str, target: tvm.target.Target) -> Decision:

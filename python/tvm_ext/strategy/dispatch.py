@@ -20,7 +20,7 @@ from .borders import read_masks_padded, write_borders
 from .cpu import CpuEmitter
 from .cuda import CudaEmitter
 from .cuda_engine import engine_for
-from .decide import decide
+from .decide import decide, is_weight_gradient
 from .fusion import affine_of, batch_norm_epilogue_of, epilogue_of, pool_gradient_of
 
 logger = logging.getLogger("tvm_ext")
@@ -49,7 +49,7 @@ def legalize_map(target: tvm.target.Target) -> dict:
             logger.info("tvm_ext: %s %s stays with stock TVM: %s", decision.op, decision.shapes, decision.reason)
             return call.op.get_attr("FLegalize")(bb, call)
         emitter = make_emitter(bb, target)
-        if decision.kernel == "conv2d_backward_weight" and isinstance(emitter, CpuEmitter):
+        if is_weight_gradient(call):
             return emitter.conv2d_backward_weight(call, decision)
         if decision.plan is not None:
             return emitter.conv2d(call, call.args[0], decision)
@@ -156,7 +156,7 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                 decision = decide(call, target, self.engine, winograd)
                 if decision.kernel is None:
                     return call
-                if decision.kernel == "conv2d_backward_weight" and isinstance(self.emitter, CpuEmitter):
+                if is_weight_gradient(call):
                     return self.emitter.conv2d_backward_weight(call, decision)
                 if decision.plan is not None:
                     return self.emitter.conv2d(call, call.args[0], decision, padded_out=self.padded_out)

@@ -49,7 +49,7 @@ from ..relax_info import dtype, image_shape, prim_value, static_shape
 
 __all__ = ["BatchNormGradient", "PhaseInterleave", "activation_gradient", "adaptive_avg_pool2d_gradient",
            "batch_norm_gradient", "conv2d_gradient", "read_batch_norm_gradient", "read_phase_interleave",
-           "read_phase_weight", "weight_gradient_input"]
+           "read_phase_weight", "weight_gradient_as_conv2d", "weight_gradient_input"]
 
 LEVEL = 11  # above TVM's registration (10)
 
@@ -205,6 +205,16 @@ def weight_gradient_input(wl: Conv2dWorkload) -> tuple[tuple[int, int], tuple[in
         keep.append(size - (excess - trimmed))
         pads.append(after - trimmed)
     return (keep[0], keep[1]), (top, left, pads[0], pads[1])
+
+
+def weight_gradient_as_conv2d(wl: Conv2dWorkload) -> Conv2dWorkload:
+    """The weight gradient of `wl` (groups=1) as the NCHW/OIHW forward convolution its conv2d in
+    the weight gradient's layouts is: x^T (x's channels as images, cropped as
+    :func:`weight_gradient_input` says) convolved with dY^T (K filters, dY's pixels as taps),
+    giving dW with its first two axes swapped; how CUDA's maxDNN tile runs it."""
+    (rows, cols), padding = weight_gradient_input(wl)
+    return Conv2dWorkload.make((wl.C, wl.N, rows, cols), (wl.K, wl.N, wl.OH, wl.OW), wl.dilation, padding,
+                               wl.stride, 1)
 
 
 def _weight_gradient(x: relax.Expr, dy: relax.Expr, wl: Conv2dWorkload) -> relax.Expr:

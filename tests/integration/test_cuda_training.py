@@ -1,0 +1,168 @@
+"""Training graphs through the CUDA strategy, built without a GPU, numbers from the emulator: dX on
+the forward maxDNN kernel (tvm_ext's gradient writes it as forward convolutions of dY), dW on the
+same kernel as the forward convolution of x^T and dY^T (a reduction over images x dY's pixels,
+split-K where the grid is small)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from reference import random_conv_cases, rel_err, torch_conv
+from tvm import relax
+
+import tvm_ext
+from tvm_ext.models.training import DIGITS_CNN_SHAPES, digits_cnn, digits_cnn_init, digits_cnn_torch
+from tvm_ext.testing import cuda_emulator
+from tvm_ext.testing.relax_emulator import emulated_executable, lower
+
+TARGET = "cuda -arch=sm_90"
+pytestmark = pytest.mark.skipif(not cuda_emulator.have_compiler(), reason="g++ is not installed")
+
+
+def _conv_loss_gradient(case: dict) -> tuple[tvm.IRModule, np.ndarray]:
+    """main(x, w) = sum(conv2d(x, w) * r), differentiated: main_adjoint gives (dX, dW) for dY = r."""
+    pads = case["padding"] if isinstance(case["padding"], tuple) else (case["padding"],) * 4
+    out_shape = torch_conv(torch.zeros(case["x_shape"]), torch.zeros(case["w_shape"]), case["stride"],
+                           case["padding"], case["dilation"], case["groups"]).shape
+    r = np.random.default_rng(9).standard_normal(tuple(out_shape)).astype(np.float32)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(case["x_shape"], "float32"))
+    w = relax.Var("w", relax.TensorType(case["w_shape"], "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.conv2d(x, w, strides=case["stride"], padding=pads, dilation=case["dilation"],
+                                           groups=case["groups"]))
+            loss = bb.emit_output(relax.op.sum(relax.op.multiply(y, relax.const(r))))
+        bb.emit_func_output(loss)
+    return relax.transform.Gradient("main")(bb.get()), r
+
+
+def _check_gradients(case: dict, seed: int, tensor_cores: bool | str = False) -> tvm.IRModule:
+    mod, r = _conv_loss_gradient(case)
+    lowered = lower(mod, TARGET, tensor_cores=tensor_cores)
+    vm = relax.VirtualMachine(emulated_executable(lowered, TARGET), tvm.cpu())
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(case["x_shape"]).astype(np.float32)
+    w = rng.standard_normal(case["w_shape"]).astype(np.float32)
+    _, (dx, dw) = vm["main_adjoint"](tvm.runtime.tensor(x), tvm.runtime.tensor(w))
+    xt = torch.from_numpy(x).double().requires_grad_()
+    wt = torch.from_numpy(w).double().requires_grad_()
+    y = torch_conv(xt, wt, case["stride"], case["padding"], case["dilation"], case["groups"])
+    (y * torch.from_numpy(r).double()).sum().backward()
+    bound = 1e-5 if tensor_cores is False else 5e-3  # tf32: 10-bit mantissas
+    assert rel_err(dx.numpy(), xt.grad.numpy()) <= bound, case
+    assert rel_err(dw.numpy(), wt.grad.numpy()) <= bound, case
+    return lowered
+
+
+def _weight_gradient_rows(mod: tvm.IRModule, tensor_cores: bool | str = False) -> list:
+    report = tvm_ext.dispatch_report(mod, TARGET, function="main_adjoint", tensor_cores=tensor_cores)
+    return [row for row in report if row.op == "nn.conv2d" and "weight gradient" in row.reason]
+
+
+# stride 1 and 2, dilation, asymmetric padding, 1x1, batches of 8 (RSC order, float4 loads) and 3
+CASES = [
+    {"x_shape": (8, 16, 10, 9), "w_shape": (24, 16, 3, 3), "stride": 1, "padding": 1, "dilation": 1, "groups": 1},
+    {"x_shape": (3, 8, 11, 11), "w_shape": (16, 8, 3, 3), "stride": 2, "padding": 1, "dilation": 1, "groups": 1},
+    {"x_shape": (2, 5, 12, 10), "w_shape": (7, 5, 3, 3), "stride": 1, "padding": (2, 0, 1, 2), "dilation": 2,
+     "groups": 1},
+    {"x_shape": (8, 32, 7, 7), "w_shape": (64, 32, 1, 1), "stride": 1, "padding": 0, "dilation": 1, "groups": 1},
+    {"x_shape": (4, 8, 13, 12), "w_shape": (8, 8, 5, 5), "stride": (2, 3), "padding": 2, "dilation": 1, "groups": 1},
+]
+RANDOM = [case for case in random_conv_cases(40, 20261205) if case["groups"] == 1][:6]
+
+
+@pytest.mark.parametrize("case", CASES + RANDOM, ids=[f"c{i}" for i in range(len(CASES))]
+                         + [f"r{i}" for i in range(len(RANDOM))])
+def test_conv2d_gradients_on_the_maxdnn_tile(case):
+    mod = _check_gradients(case, seed=1)
+    names = [gv.name_hint for gv, func in mod.functions_items() if isinstance(func, tvm.tirx.PrimFunc)]
+    assert any(name.startswith("tvm_ext_maxdnn_conv2d_backward_weight_") for name in names), names
+
+
+def test_weight_gradient_is_reported_on_the_tile_and_splits_its_reduction():
+    """A small grid with a long reduction (16 x 16 pixels of 16 images, two channel steps a tap):
+    split-K slices of its taps summed by a second kernel; dispatch_report says so."""
+    case = {"x_shape": (16, 16, 16, 16), "w_shape": (32, 16, 3, 3), "stride": 1, "padding": 1, "dilation": 1,
+            "groups": 1}
+    mod, _ = _conv_loss_gradient(case)
+    rows = _weight_gradient_rows(mod)
+    assert len(rows) == 1 and rows[0].kernel == "maxdnn_conv2d", rows
+    assert "a reduction of 4096" in rows[0].reason and "split-K slices of its taps" in rows[0].reason, rows[0].reason
+    lowered = _check_gradients(case, seed=2)
+    names = [gv.name_hint for gv, func in lowered.functions_items() if isinstance(func, tvm.tirx.PrimFunc)]
+    assert any(name.startswith("tvm_ext_maxdnn_conv2d_backward_weight_") and name.endswith("_reduce")
+               for name in names), names
+
+
+def test_weight_gradient_on_tensor_cores():
+    case = {"x_shape": (8, 16, 9, 9), "w_shape": (32, 16, 3, 3), "stride": 1, "padding": 1, "dilation": 1,
+            "groups": 1}
+    mod, _ = _conv_loss_gradient(case)
+    assert [row.reason.split(": ", 1)[1].split(" tile")[0] for row in _weight_gradient_rows(mod, "tf32")] \
+        == ["32x64 mma_tf32"]
+    _check_gradients(case, seed=3, tensor_cores="tf32")
+
+
+def test_grouped_weight_gradient_stays_with_stock_tvm_with_a_reason():
+    case = {"x_shape": (2, 8, 6, 6), "w_shape": (8, 4, 3, 3), "stride": 1, "padding": 1, "dilation": 1, "groups": 2}
+    mod, _ = _conv_loss_gradient(case)
+    assert [(row.kernel, row.reason) for row in _weight_gradient_rows(mod)] == [
+        ("fallback", "a weight gradient of 2 groups (the kernel takes 1)")]
+    _check_gradients(case, seed=4)
+
+
+@pytest.mark.parametrize("index", range(len(RANDOM)))
+def test_weight_gradient_as_conv2d_is_what_the_graph_runs(index):
+    """weight_gradient_as_conv2d (bench/gpu_export.py's dW kernels) is the workload the strategy
+    plans for the gradient's conv2d, whose output is dW transposed."""
+    from tvm_ext.kernels.conv2d import Conv2dWorkload
+    from tvm_ext.transform.gradients import weight_gradient_as_conv2d
+
+    case = RANDOM[index]
+    wl = Conv2dWorkload.make(case["x_shape"], case["w_shape"], case["stride"], case["padding"], case["dilation"])
+    forward = weight_gradient_as_conv2d(wl)
+    rows = _weight_gradient_rows(_conv_loss_gradient(case)[0])
+    assert [row.shapes for row in rows] == [((forward.C, forward.N, forward.H, forward.W), (wl.N, wl.K, wl.OH, wl.OW))]
+    assert f"a reduction of {wl.N * wl.OH * wl.OW}" in rows[0].reason
+    assert (forward.N, forward.K, forward.OH, forward.OW) == (wl.C, wl.K, wl.KH, wl.KW)
+
+
+def test_a_small_cnn_training_step_on_cuda():
+    """Five SGD steps of the 8x8-digits CNN (SetupTrainer, built for CUDA, run on the emulator):
+    every convolution's forward, dX and dW on the maxDNN tile, losses equal to PyTorch's."""
+    from tvm.relax.training import SetupTrainer, Trainer
+    from tvm.relax.training.loss import CrossEntropyLoss
+    from tvm.relax.training.optimizer import SGD
+
+    batch, lr, steps = 16, 0.2, 5
+    rng = np.random.default_rng(5)
+    images = rng.uniform(0, 1, (steps * batch, 1, 8, 8)).astype(np.float32)
+    labels = rng.integers(0, 10, steps * batch).astype(np.int64)
+    train_mod = SetupTrainer(CrossEntropyLoss(reduction="mean"), SGD(lr),
+                             [relax.TensorType((batch, 10), "float32"), relax.TensorType((batch,), "int64")],
+                             legalize=False)(digits_cnn(batch))
+    report = tvm_ext.dispatch_report(train_mod, TARGET, function="backbone_loss_adjoint")
+    convs = [row for row in report if row.op == "nn.conv2d"]
+    assert {row.kernel for row in convs} == {"maxdnn_conv2d"}, [(r.kernel, r.reason) for r in convs]
+    assert sum("weight gradient" in row.reason for row in convs) == 2
+    lowered = lower(train_mod, TARGET)
+    trainer = Trainer(lowered, relax.VirtualMachine(emulated_executable(lowered, TARGET), tvm.cpu()), tvm.cpu(),
+                      False)
+    init = digits_cnn_init()
+    trainer.load_params([init[name] for name in DIGITS_CNN_SHAPES])
+    losses = [float(trainer.update([images[s * batch:(s + 1) * batch]], [labels[s * batch:(s + 1) * batch]]).numpy())
+              for s in range(steps)]
+    params = {name: torch.tensor(value, dtype=torch.float64, requires_grad=True) for name, value in init.items()}
+    sgd = torch.optim.SGD(params.values(), lr=lr)
+    expected = []
+    for s in range(steps):
+        x, y = (torch.from_numpy(a[s * batch:(s + 1) * batch]) for a in (images, labels))
+        loss = torch.nn.functional.cross_entropy(digits_cnn_torch(params, x.double()), y)
+        sgd.zero_grad()
+        loss.backward()
+        sgd.step()
+        expected.append(loss.item())
+    np.testing.assert_allclose(losses, expected, rtol=1e-4)
