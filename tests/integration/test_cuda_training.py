@@ -130,6 +130,65 @@ def test_weight_gradient_as_conv2d_is_what_the_graph_runs(index):
     assert (forward.N, forward.K, forward.OH, forward.OW) == (wl.C, wl.K, wl.KH, wl.KW)
 
 
+# (mode, producer, kernel, stride, padding, dilation, ceil_mode, count_include_pad)
+POOLS = [
+    ("max", "relu", 3, 2, 1, 1, False, True),  # ResNet's stem: relu's gradient fused (fails before: no build)
+    ("max", "conv", 3, 2, 1, 1, False, True),
+    ("max", "relu", 2, 2, 0, 2, True, True),
+    ("avg", "relu", 3, 2, 1, 1, False, True),
+    ("avg", "conv", 3, 2, 1, 1, True, False),
+    ("avg", "conv", 2, 1, 0, 1, False, True),
+]
+
+
+@pytest.mark.parametrize("mode, producer, kernel, stride, padding, dilation, ceil_mode, count_include_pad", POOLS)
+def test_pooling_gradients_on_cuda(mode, producer, kernel, stride, padding, dilation, ceil_mode, count_include_pad):
+    """max/avg pooling's gradient (after a relu: its gradient too) as a CHWN kernel of ours, on the
+    emulator against float64 autograd. Before, a relu's and a max pooling's gradients were one
+    stock function that dlight's GPU Reduction rule scheduled and the build then rejected ("No
+    matched reducer": a ResNet training graph did not build for CUDA)."""
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((8, 4, 3, 3)).astype(np.float32)
+    pool_options = dict(pool_size=(kernel, kernel), strides=(stride, stride), padding=(padding, padding),
+                        ceil_mode=ceil_mode)
+    if mode == "max":
+        pool_options["dilation"] = (dilation, dilation)
+    else:
+        pool_options["count_include_pad"] = count_include_pad
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 4, 11, 11), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            h = bb.emit(relax.op.nn.conv2d(x, relax.const(w), padding=1))
+            h = bb.emit(relax.op.nn.relu(h)) if producer == "relu" else h
+            y = bb.emit((relax.op.nn.max_pool2d if mode == "max" else relax.op.nn.avg_pool2d)(h, **pool_options))
+            r = rng.standard_normal([int(v) for v in y.ty.shape]).astype(np.float32)
+            loss = bb.emit_output(relax.op.sum(relax.op.multiply(y, relax.const(r))))
+        bb.emit_func_output(loss)
+    mod = relax.transform.Gradient("main")(bb.get())
+    report = tvm_ext.dispatch_report(mod, TARGET, function="main_adjoint")
+    assert [row.kernel.split()[0] for row in report if row.op.endswith("pool2d_backward")] == [f"{mode}_pool2d_backward"]
+    lowered = lower(mod, TARGET)
+    names = [gv.name_hint for gv, func in lowered.functions_items() if isinstance(func, tvm.tirx.PrimFunc)]
+    fused = mode == "max" and producer == "relu"
+    assert sum(name.startswith(f"tvm_ext_{mode}_pool2d_backward") and name.endswith("_relu_mask") == fused
+               for name in names) == 1, names
+    if fused and stride == 2:  # the whole CUDA build (stock TVM's part too) goes through
+        tvm_ext.build(mod, TARGET)
+    xv = rng.standard_normal((4, 4, 11, 11)).astype(np.float32)
+    _, (dx,) = relax.VirtualMachine(emulated_executable(lowered, TARGET), tvm.cpu())["main_adjoint"](
+        tvm.runtime.tensor(xv))
+    xt = torch.from_numpy(xv).double().requires_grad_()
+    ht = torch.nn.functional.conv2d(xt, torch.from_numpy(w).double(), padding=1)
+    ht = torch.relu(ht) if producer == "relu" else ht
+    if mode == "max":
+        yt = torch.nn.functional.max_pool2d(ht, kernel, stride, padding, dilation, ceil_mode)
+    else:
+        yt = torch.nn.functional.avg_pool2d(ht, kernel, stride, padding, ceil_mode, count_include_pad)
+    (yt * torch.from_numpy(r).double()).sum().backward()
+    assert rel_err(dx.numpy(), xt.grad.numpy()) <= 1e-5
+
+
 def test_a_small_cnn_training_step_on_cuda():
     """Five SGD steps of the 8x8-digits CNN (SetupTrainer, built for CUDA, run on the emulator):
     every convolution's forward, dX and dW on the maxDNN tile, losses equal to PyTorch's."""

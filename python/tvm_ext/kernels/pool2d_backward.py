@@ -29,7 +29,8 @@ from tvm.tirx.script import builder as T
 from .common import KERNEL_ATTR, param_buffer
 from .pool2d import Pool2dWorkload
 
-__all__ = ["avg_pool2d_backward_blocked_func", "max_pool2d_backward_blocked_func", "max_pool2d_backward_func"]
+__all__ = ["avg_pool2d_backward_blocked_func", "max_pool2d_backward_blocked_func", "max_pool2d_backward_func",
+           "window_count"]
 
 
 def max_pool2d_backward_func(wl: Pool2dWorkload) -> tirx.PrimFunc:
@@ -122,7 +123,7 @@ def max_pool2d_backward_blocked_func(wl: Pool2dWorkload, block: int, relu_mask: 
     return builder.get()
 
 
-def _window_count(wl: Pool2dWorkload, oh, ow) -> tirx.PrimExpr:
+def window_count(wl: Pool2dWorkload, oh, ow) -> tirx.PrimExpr:
     """The pixels average pooling `wl` divides output (oh, ow) by: its window clipped to the
     padded input (count_include_pad) or to the input (:func:`~tvm_ext.kernels.pool2d.pool2d_func`)."""
 
@@ -147,7 +148,7 @@ def avg_pool2d_backward_blocked_func(wl: Pool2dWorkload, block: int) -> tirx.Pri
     with _blocked_gradient(wl, block, "avg") as (builder, dy, _, dx, n, b):
         grad = IRBuilder.name("grad", T.alloc_buffer((block,), "float32"))
         with T.grid(wl.OH, wl.OW) as (oh, ow):
-            area = T.Bind(T.Cast("float32", _window_count(wl, oh, ow)))
+            area = T.Bind(T.Cast("float32", window_count(wl, oh, ow)))
             with T.vectorized(0, block) as c:
                 T.buffer_store(grad, dy[n, b, oh, ow, c] / area, [c])
             with T.grid(kh, kw) as (i, j):

@@ -197,6 +197,13 @@ def readers_of(func: relax.Function) -> dict[relax.Var, list]:
     return readers
 
 
+def pool_tag(wl: _pool.Pool2dWorkload) -> str:
+    """A pooling's window, stride, padding, dilation, rounding and count, as a kernel name's part."""
+    return (f"k{wl.kernel[0]}x{wl.kernel[1]}_s{wl.stride[0]}x{wl.stride[1]}_p{'x'.join(map(str, wl.padding))}"
+            f"_d{wl.dilation[0]}x{wl.dilation[1]}{'_ceil' if wl.ceil_mode else ''}"
+            f"{'' if wl.count_include_pad else '_exclude_pad'}")
+
+
 def add_kernel(bb: relax.BlockBuilder, func: tvm.tirx.PrimFunc, name: str) -> tvm.ir.GlobalVar:
     """`func` added to the module as an opaque kernel (FuseOps leaves it alone)."""
     return bb.add_func(func.with_attr("op_pattern", OPAQUE), name)
@@ -220,6 +227,10 @@ class Emitter(Protocol):
     def conv2d_backward_weight(self, call: relax.Call, decision: Decision) -> relax.Expr:
         """A weight gradient, conv2d(x, dY) in :data:`~.decide.WEIGHT_GRADIENT_LAYOUTS`, as kernel
         calls giving dW in OIHW."""
+
+    def pool2d_backward(self, call: relax.Call, relu_mask: bool = False) -> relax.Expr:
+        """{max,avg}_pool2d_backward(dY, x) as kernel calls; `relu_mask` (max pooling): also
+        relu's gradient of x, where(x > 0, dX, 0)."""
 
     def other_op(self, call: relax.Call, decision: Decision) -> relax.Expr:
         """Any other op :func:`~.decide.decide` gives a kernel (a pooling, global pooling, mean

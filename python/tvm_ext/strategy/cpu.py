@@ -31,7 +31,7 @@ from ..target import vector_isa
 from ..transform.gradients import BatchNormGradient, read_phase_interleave, read_phase_weight
 from ..tuning import pool_space as _pool_space
 from ..tuning import space as _space
-from .base import POOLS, Activation, Decision, add_kernel, alpha, channel_scale_operands, pool_workload
+from .base import POOLS, Activation, Decision, add_kernel, alpha, channel_scale_operands, pool_tag, pool_workload
 from .decide import pool2d_backward_workload
 from .fusion import mask_of
 
@@ -45,12 +45,6 @@ def _tag(plan: _conv.Conv2dPlan | _weight_grad.WeightGradPlan) -> str:
             f"_p{'x'.join(map(str, wl.padding))}_d{wl.dilation[0]}x{wl.dilation[1]}_g{wl.groups}"
             f"_x{plan.ic_bn}y{plan.oc_bn}{f'_in{data_bn}' if data_bn else ''}"
             f"{'_nchw' if getattr(plan, 'nchw_in', False) else ''}")
-
-
-def _pool_tag(wl: _pool.Pool2dWorkload) -> str:
-    """A pooling's window, stride, padding, dilation and rounding, as a name part."""
-    return (f"k{wl.kernel[0]}x{wl.kernel[1]}_s{wl.stride[0]}x{wl.stride[1]}_p{'x'.join(map(str, wl.padding))}"
-            f"_d{wl.dilation[0]}x{wl.dilation[1]}{'_ceil' if wl.ceil_mode else ''}")
 
 
 def _cpu_plan(decision: Decision) -> _conv.Conv2dPlan:
@@ -618,8 +612,8 @@ class CpuEmitter:
             args = [self.pack(dy, block, padded=True), self.pack(x, block, padded=True)]
         else:  # the gradient of a mean reads no x
             func, args = _pool_backward.avg_pool2d_backward_blocked_func(wl, block), [self.pack(dy, block, padded=True)]
-        name = (f"tvm_ext_{wl.mode}_pool2d_backward_{wl.N}x{blocks}x{wl.H}x{wl.W}x{block}_{_pool_tag(wl)}"
-                f"{'' if wl.count_include_pad else '_exclude_pad'}{'_relu_mask' if relu_mask else ''}")
+        name = (f"tvm_ext_{wl.mode}_pool2d_backward_{wl.N}x{blocks}x{wl.H}x{wl.W}x{block}_{pool_tag(wl)}"
+                f"{'_relu_mask' if relu_mask else ''}")
         out = self._call(func, name, args, (wl.N, blocks, wl.H, wl.W, block))
         return self.unpack(out, known_shape(image_shape(x), f"{wl.mode}_pool2d_backward: the data")[1])
 

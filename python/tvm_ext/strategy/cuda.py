@@ -32,7 +32,8 @@ from ..errors import UnsupportedError
 from ..kernels.cuda import maxdnn as _maxdnn
 from ..kernels.cuda import memory_bound as _memory_bound
 from ..kernels.cuda import winograd as _winograd
-from .base import OPAQUE, Activation, Decision, alpha, pool_workload
+from .base import OPAQUE, Activation, Decision, alpha, pool_tag, pool_workload
+from .decide import pool2d_backward_workload
 
 _TO_NCHW = "tvm_ext_chwn_to_nchw"
 
@@ -218,7 +219,21 @@ class CudaEmitter:
         out = _winograd.output_transform_func(plan, name + "_output")
         return self.nchw(self._call(out, name + "_output", [mm, *epilogue_args], plan.y_shape))
 
+    def pool2d_backward(self, call: relax.Call, relu_mask: bool = False) -> relax.Expr:
+        """{max,avg}_pool2d_backward(dY, x) in CHWN, reading dY and x as our kernels wrote them
+        (:func:`~tvm_ext.kernels.cuda.memory_bound.pool2d_backward_chwn_func`); `relu_mask`
+        (max pooling): relu's gradient of x too."""
+        wl = pool2d_backward_workload(call)
+        dy, x = call.args[:2]
+        args = [self.chwn(dy)] + ([self.chwn(x)] if wl.mode == "max" else [])
+        out = (wl.C, wl.H, wl.W, wl.N)
+        name = _name(f"{wl.mode}_pool2d_backward", out, pool_tag(wl)) + ("_relu_mask" if relu_mask else "")
+        func = _memory_bound.pool2d_backward_chwn_func(wl, relu_mask)
+        return self.nchw(self._call(func, name, args, out))
+
     def other_op(self, call: relax.Call, decision: Decision) -> relax.Expr:
+        if decision.kernel in ("max_pool2d_backward", "avg_pool2d_backward"):
+            return self.pool2d_backward(call)
         data = call.args[0]
         if decision.kernel in ("global_avg_pool2d", "max_pool2d", "avg_pool2d"):
             source = self.chwn(data)

@@ -92,7 +92,7 @@ def pool2d_backward_workload(call: relax.Call) -> _pool.Pool2dWorkload:
 
 def _decide_pool2d_backward(call: relax.Call, shapes: tuple, target: tvm.target.Target) -> Decision:
     op, attrs = call.op.name, call.attrs
-    if target.kind.name != "llvm":
+    if target.kind.name not in ("llvm", "cuda"):
         return Decision(op, shapes, None, f"no tvm_ext pooling gradient on {target.kind.name}")
     if (str(attrs.layout), str(attrs.out_layout)) != ("NCHW", "NCHW"):
         return Decision(op, shapes, None, f"layout {attrs.layout} is not NCHW")

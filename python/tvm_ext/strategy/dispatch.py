@@ -172,7 +172,7 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                 return self.emitter.channel_affine([call.args[i] for i in inputs],
                                                    None if scale is None else scale.value.numpy(),
                                                    None if shift is None else shift.value.numpy(), activation)
-            if composite.startswith("tvm_ext.max_pool2d_backward") and isinstance(self.emitter, CpuEmitter):
+            if composite.startswith("tvm_ext.max_pool2d_backward"):
                 return self.emitter.pool2d_backward(_outside(pool_gradient_of(func), func, call), relu_mask=True)
             if composite.startswith("tvm_ext.batch_norm_training") and isinstance(self.emitter, CpuEmitter):
                 norm, residual, relu = batch_norm_epilogue_of(func)

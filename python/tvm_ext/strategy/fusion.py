@@ -183,11 +183,12 @@ def fusion_patterns(target: tvm.target.Target) -> list:
 def _pool_gradient_patterns(target: tvm.target.Target) -> list:
     """where(x > 0, max_pool2d_backward(dY, x), 0): a max pooling's gradient and the gradient of
     the relu whose output x it pooled (ResNet's stem), one blocked kernel call
-    (:func:`~tvm_ext.kernels.pool2d_backward.max_pool2d_backward_blocked_func`). CPUs only."""
+    (:func:`~tvm_ext.kernels.pool2d_backward.max_pool2d_backward_blocked_func`; on CUDA
+    :func:`~tvm_ext.kernels.cuda.memory_bound.pool2d_backward_chwn_func`)."""
     from tvm.relax.dpl import is_op, wildcard
 
     def check(ctx) -> bool:
-        if target.kind.name != "llvm" or reads_inside_or_leaks(ctx):
+        if target.kind.name not in ("llvm", "cuda") or reads_inside_or_leaks(ctx):
             return False
         pool, mask = ctx.annotated_expr["pool"], ctx.annotated_expr["mask"]
         mask = ctx.value_to_bound_var.get(mask, mask)  # (the matcher gives a bound variable's value)
@@ -212,7 +213,7 @@ def _batch_norm_patterns(target: tvm.target.Target) -> list:
     from tvm.relax.dpl import is_op, is_tuple_get_item, wildcard
 
     def check(ctx) -> bool:
-        if target.kind.name != "llvm" or reads_inside_or_leaks(ctx):
+        if target.kind.name not in ("llvm", "cuda") or reads_inside_or_leaks(ctx):
             return False
         norm = ctx.annotated_expr["norm"]
         if decide(norm, target).kernel != "batch_norm_training":
@@ -272,7 +273,7 @@ def _affine_patterns(target: tvm.target.Target) -> list:
     from tvm.relax.dpl import is_const, is_op, wildcard
 
     def check(ctx) -> bool:
-        if target.kind.name != "llvm" or reads_inside_or_leaks(ctx):
+        if target.kind.name not in ("llvm", "cuda") or reads_inside_or_leaks(ctx):
             return False
         head = ctx.annotated_expr["head"]
         if isinstance(head, relax.Call) and isinstance(head.op, tvm.ir.Op) and head.op.name == "relax.concat":

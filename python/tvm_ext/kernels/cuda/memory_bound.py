@@ -9,11 +9,19 @@ expressions (no padded copy), as the CPU kernels do.
 
 from __future__ import annotations
 
-from tvm import s_tir, te, tirx
+import contextlib
+import math
+from collections.abc import Iterator
 
+from tvm import s_tir, te, tirx
+from tvm.script.ir_builder import IRBuilder
+from tvm.tirx.script import builder as T
+
+from ..common import param_buffer
 from ..conv2d import KERNEL_ATTR
 from ..elementwise import flat_activation_func
 from ..pool2d import Pool2dWorkload, max_identity, nan_max_reducer
+from ..pool2d_backward import window_count
 
 THREADS = 256  # per block: enough warps to hide memory latency, small enough for full occupancy
 
@@ -54,6 +62,30 @@ NCHW_TO_CHWN = (1, 2, 3, 0)
 CHWN_TO_NCHW = (3, 0, 1, 2)
 
 
+@contextlib.contextmanager
+def thread_per_element(count: int) -> Iterator[tirx.PrimExpr]:
+    """The flat index of this thread's element over a grid of :data:`THREADS`-thread blocks (an
+    IRBuilder frame); the body runs only for indices below `count`."""
+    blocks = -(-count // THREADS)
+    with T.thread_binding(0, blocks, thread="blockIdx.x") as bx, \
+            T.thread_binding(0, THREADS, thread="threadIdx.x") as tx:
+        index = T.Bind(bx * THREADS + tx)
+        if blocks * THREADS == count:
+            yield index
+        else:
+            with T.If(index < count), T.Then():
+                yield index
+
+
+def to_coordinates(index: tirx.PrimExpr, extents: tuple[int, ...]) -> list[tirx.PrimExpr]:
+    """`index` as coordinates of a row-major grid of `extents` (each bound once)."""
+    coords = []
+    for i, extent in enumerate(extents):
+        inner = math.prod(extents[i + 1:])
+        coords.append(T.Bind(index // inner % extent if i else index // inner))
+    return coords
+
+
 def pool2d_chwn_func(wl: Pool2dWorkload) -> tirx.PrimFunc:
     """max/avg pooling of CHWN data (C, H, W, N) -> (C, OH, OW, N); `wl` in NCHW terms."""
     x = te.placeholder((wl.C, wl.H, wl.W, wl.N), "float32", name="data")
@@ -75,18 +107,66 @@ def pool2d_chwn_func(wl: Pool2dWorkload) -> tirx.PrimFunc:
     s = te.compute(shape, lambda c, oh, ow, n: te.sum(term(c, oh, ow, n, tirx.const(0.0, "float32")),
                                                       axis=[rh, rw]), name="window_sum")
 
-    def count(size, o, k, st, p0, p1):
-        start = o * st - p0
-        if wl.count_include_pad:
-            return tirx.min(start + k, size + p1) - start
-        return tirx.min(start + k, size) - tirx.max(start, 0)
-
     def mean(c, oh, ow, n):
-        area = count(wl.H, oh, kh, sh, top, wl.padding[2]) * count(wl.W, ow, kw, sw, left, wl.padding[3])
-        return s[c, oh, ow, n] / tirx.Cast("float32", area)
+        return s[c, oh, ow, n] / tirx.Cast("float32", window_count(wl, oh, ow))
 
     y = te.compute(shape, mean, name="output")
     return bind_threads(te.create_prim_func([x, y]), "avg_pool2d", reducer="window_sum")
+
+
+def pool2d_backward_chwn_func(wl: Pool2dWorkload, relu_mask: bool = False) -> tirx.PrimFunc:
+    """dX (C, H, W, N) of the max or average pooling `wl` (NCHW terms) from dY (C, OH, OW, N) and,
+    for max, its input X (C, H, W, N): one thread per pixel of dX sums the windows that hold it
+    (gathered: no atomics, no zeroing pass). A max window's dY goes to its maximum as PyTorch
+    picks it (:mod:`tvm_ext.kernels.pool2d_backward`'s rule, each thread re-scanning its
+    windows); `relu_mask` (max): only where that maximum is > 0, relu's gradient of X fused. An
+    average window's dY is divided by the count its forward divided by."""
+    if relu_mask and wl.mode != "max":
+        raise ValueError("pool2d_backward: relu_mask applies to a max pooling's gradient")
+    (kh, kw), (sh, sw), (dh, dw) = wl.kernel, wl.stride, wl.dilation
+    top, left = wl.padding[0], wl.padding[1]
+    zero = tirx.const(0.0, "float32")
+
+    def inside(h, w) -> tirx.PrimExpr:
+        return tirx.all(h >= 0, h < wl.H, w >= 0, w < wl.W)
+
+    with IRBuilder() as builder, T.prim_func(s_tir=True):
+        kernel = f"{wl.mode}_pool2d_backward"
+        T.func_name(kernel)
+        T.func_attr({"tirx.noalias": True, KERNEL_ATTR: kernel})
+        dy = param_buffer("dy", (wl.C, wl.OH, wl.OW, wl.N))
+        x = param_buffer("x", (wl.C, wl.H, wl.W, wl.N)) if wl.mode == "max" else None
+        dx = param_buffer("dx", (wl.C, wl.H, wl.W, wl.N))
+        with T.sblock("root"), thread_per_element(wl.C * wl.H * wl.W * wl.N) as index:
+            c, h, w, n = to_coordinates(index, (wl.C, wl.H, wl.W, wl.N))
+            acc = IRBuilder.name("acc", T.alloc_buffer((1,), "float32", scope="local"))
+            T.buffer_store(acc, zero, [0])
+            with T.serial(0, kh) as i, T.serial(0, kw) as j:  # the taps (i, j) by which windows reach (h, w)
+                rows, cols = T.Bind(h + top - i * dh), T.Bind(w + left - j * dw)
+                oh, ow = T.Bind(tirx.floordiv(rows, sh)), T.Bind(tirx.floordiv(cols, sw))
+                with T.If(tirx.all(rows >= 0, cols >= 0, tirx.floormod(rows, sh) == 0, tirx.floormod(cols, sw) == 0,
+                                   oh < wl.OH, ow < wl.OW)), T.Then():
+                    if x is None:
+                        count = T.Cast("float32", window_count(wl, oh, ow))
+                        T.buffer_store(acc, acc[0] + dy[c, oh, ow, n] / count, [0])
+                    else:
+                        best = IRBuilder.name("best", T.alloc_buffer((1,), "float32", scope="local"))
+                        at = IRBuilder.name("at", T.alloc_buffer((1,), "int32", scope="local"))
+                        T.buffer_store(at, T.int32(-1), [0])
+                        T.buffer_store(best, zero, [0])
+                        with T.serial(0, kh) as a, T.serial(0, kw) as b:
+                            hh, ww = T.Bind(oh * sh - top + a * dh), T.Bind(ow * sw - left + b * dw)
+                            with T.If(inside(hh, ww)), T.Then():
+                                value = T.Bind(x[c, hh, ww, n])
+                                with T.If(tirx.any(at[0] < 0, value > best[0], tirx.isnan(value))), T.Then():
+                                    T.buffer_store(best, value, [0])
+                                    T.buffer_store(at, a * kw + b, [0])
+                        keep = at[0] == i * kw + j
+                        if relu_mask:
+                            keep = tirx.all(keep, best[0] > zero)
+                        T.buffer_store(acc, acc[0] + tirx.Select(keep, dy[c, oh, ow, n], zero), [0])
+            T.buffer_store(dx, acc[0], [c, h, w, n])
+    return builder.get()
 
 
 def global_avg_pool2d_chwn_func(shape) -> tirx.PrimFunc:

@@ -29,7 +29,6 @@ the transforms' error growth.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -45,7 +44,7 @@ from .. import winograd as _cpu
 from ..conv2d import KERNEL_ATTR, Conv2dWorkload, param_buffer
 from ..winograd import weighted_sum
 from . import maxdnn as _maxdnn
-from .memory_bound import THREADS
+from .memory_bound import THREADS, thread_per_element, to_coordinates
 from .toolchain import generate_source
 
 KERNEL_NAME = "winograd_conv2d"  # the three kernels: <symbol>_input, <symbol>_gemm, <symbol>_output
@@ -214,30 +213,6 @@ def transform_weight(plan: WinogradPlan, weight: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(u.reshape(a * a, plan.wl.C, plan.wl.K), dtype=np.float32)
 
 
-@contextlib.contextmanager
-def _thread_per_element(count: int):
-    """The flat index of this thread's element over a grid of :data:`THREADS`-thread blocks; the
-    body runs only for indices below `count`."""
-    blocks = -(-count // THREADS)
-    with T.thread_binding(0, blocks, thread="blockIdx.x") as bx, \
-            T.thread_binding(0, THREADS, thread="threadIdx.x") as tx:
-        index = T.Bind(bx * THREADS + tx)
-        if blocks * THREADS == count:
-            yield index
-        else:
-            with T.If(index < count), T.Then():
-                yield index
-
-
-def _split(index: tirx.PrimExpr, extents: tuple[int, ...]) -> list[tirx.PrimExpr]:
-    """`index` as coordinates of a row-major grid of `extents` (each bound once)."""
-    coords = []
-    for i, extent in enumerate(extents):
-        inner = math.prod(extents[i + 1:])
-        coords.append(T.Bind(index // inner % extent if i else index // inner))
-    return coords
-
-
 def input_transform_func(plan: WinogradPlan, symbol: str = KERNEL_NAME + "_input") -> tirx.PrimFunc:
     """x (C, H, W, N) -> V (a² C, tile rows, tile columns, N), V = B^T d B per a x a tile d of
     the zero-padded input; group xi * a + nu of the GEMM's input channels."""
@@ -250,8 +225,8 @@ def input_transform_func(plan: WinogradPlan, symbol: str = KERNEL_NAME + "_input
         T.func_attr({"global_symbol": symbol, "tirx.noalias": True})
         x = param_buffer("x", plan.shapes()["x"])
         v = param_buffer("v", plan.shapes()["v"])
-        with T.sblock("root"), _thread_per_element(wl.C * th * tw * wl.N) as index:
-            c, ty, tx, n = _split(index, (wl.C, th, tw, wl.N))
+        with T.sblock("root"), thread_per_element(wl.C * th * tw * wl.N) as index:
+            c, ty, tx, n = to_coordinates(index, (wl.C, th, tw, wl.N))
             d = []
             for i in range(a):
                 h = ty * m + (i - top)
@@ -283,8 +258,8 @@ def output_transform_func(plan: WinogradPlan, symbol: str = KERNEL_NAME + "_outp
         bias = param_buffer("bias", shapes["bias"]) if ep.bias else None
         residual = param_buffer("residual", shapes["residual"]) if ep.residual else None
         y = param_buffer("y", shapes["y"])
-        with T.sblock("root"), _thread_per_element(wl.K * th * tw * wl.N) as index:
-            k, ty, tx, n = _split(index, (wl.K, th, tw, wl.N))
+        with T.sblock("root"), thread_per_element(wl.K * th * tw * wl.N) as index:
+            k, ty, tx, n = to_coordinates(index, (wl.K, th, tw, wl.N))
             s = [[T.Bind(products[(xi * a + nu) * wl.K + k, ty, tx, n]) for nu in range(a)] for xi in range(a)]
             at_s = [[T.Bind(weighted_sum(at[i], [s[xi][nu] for xi in range(a)])) for nu in range(a)] for i in range(m)]
             for i in range(m):
