@@ -167,7 +167,8 @@ def test_pooling_gradients_on_cuda(mode, producer, kernel, stride, padding, dila
         bb.emit_func_output(loss)
     mod = relax.transform.Gradient("main")(bb.get())
     report = tvm_ext.dispatch_report(mod, TARGET, function="main_adjoint")
-    assert [row.kernel.split()[0] for row in report if row.op.endswith("pool2d_backward")] == [f"{mode}_pool2d_backward"]
+    kernels = [row.kernel.split()[0] for row in report if row.op.endswith("pool2d_backward")]
+    assert kernels == [f"{mode}_pool2d_backward"]
     lowered = lower(mod, TARGET)
     names = [gv.name_hint for gv, func in lowered.functions_items() if isinstance(func, tvm.tirx.PrimFunc)]
     fused = mode == "max" and producer == "relu"

@@ -33,24 +33,29 @@ __all__ = ["BatchNorm", "batch_norm_backward_func", "batch_norm_forward_func"]
 @dataclasses.dataclass(frozen=True)
 class BatchNorm:
     """A training-mode batch norm over the channels of a blocked (N, C / block, H, W, block)
-    tensor; gamma and beta one value per channel (C = blocks x block)."""
+    tensor (the CPU kernels'; `layout` "CHWN": a (C, H, W, N) one, CUDA's,
+    :mod:`tvm_ext.kernels.cuda.batch_norm`); gamma and beta one value per channel."""
 
-    shape: tuple[int, ...]  # (N, C / block, H, W, block)
+    shape: tuple[int, ...]  # (N, C / block, H, W, block), or (C, H, W, N)
     epsilon: float
     scale: bool = True
     center: bool = True
     residual: bool = False  # the forward adds a shortcut (x's shape) to y
     relu: bool = False  # the forward's y goes through a relu (after the shortcut)
+    layout: str = "NCHWc"
 
     def __post_init__(self) -> None:
-        if len(self.shape) != 5 or min(self.shape) < 1:
-            raise ValueError(f"batch_norm: {self.shape} is not a blocked (N, C/c, H, W, c) shape")
+        rank = {"NCHWc": 5, "CHWN": 4}.get(self.layout)
+        if rank is None:
+            raise ValueError(f"batch_norm: layout {self.layout!r} is not NCHWc or CHWN")
+        if len(self.shape) != rank or min(self.shape) < 1:
+            raise ValueError(f"batch_norm: {self.shape} is not a {self.layout} shape")
         if not self.epsilon >= 0:
             raise ValueError(f"batch_norm: epsilon must be >= 0, got {self.epsilon}")
 
     @property
     def channels(self) -> int:
-        return self.shape[1] * self.shape[4]
+        return self.shape[0] if self.layout == "CHWN" else self.shape[1] * self.shape[4]
 
     def tag(self) -> str:
         return ("x".join(map(str, self.shape)) + "_scale" * self.scale + "_center" * self.center
@@ -79,6 +84,13 @@ def _reduce(bn: BatchNorm, b, sums: list) -> None:
     with T.vectorized(0, block) as lane:
         for total, (out, _) in zip(totals, sums, strict=True):
             T.buffer_store(out, total[lane], [b * block + lane])
+
+
+def _blocked(bn: BatchNorm) -> int:
+    """The block of a blocked batch norm (the layout these kernels take)."""
+    if bn.layout != "NCHWc":
+        raise ValueError(f"batch_norm (CPU): a {bn.layout} tensor, not blocked NCHWc")
+    return bn.shape[4]
 
 
 def _rstd(bn: BatchNorm, var: tirx.Buffer, c):
@@ -141,7 +153,7 @@ def batch_norm_forward_func(bn: BatchNorm, normalize: bool = True) -> tirx.PrimF
     them, the shortcut (x's shape) if it adds one, then the outputs y (x's shape, if
     `normalize`; relu(y + shortcut) with those), mean (C,) and var (C,). Without `normalize`,
     the statistics only (for a gradient whose forward ran elsewhere)."""
-    block = bn.shape[4]
+    block = _blocked(bn)
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("batch_norm_forward")
         T.func_attr({"tirx.noalias": True, KERNEL_ATTR: "batch_norm_training"})
@@ -178,7 +190,7 @@ def batch_norm_backward_func(bn: BatchNorm) -> tirx.PrimFunc:
     """The gradient kernel of `bn`: parameters x, dy (x's shape), mean (C,), var (C,) of the
     forward pass, gamma (C,) if `bn` scales, then the outputs dx (x's shape), dgamma (C,) and
     dbeta (C,) (module docstring)."""
-    block = bn.shape[4]
+    block = _blocked(bn)
     count = float(bn.shape[0] * bn.shape[2] * bn.shape[3])
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("batch_norm_backward")
