@@ -91,8 +91,8 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
         pairs = weight_and_bias_gradients(func, resolved) if resolved.kind.name == "llvm" else {}
         bias_sums = [bindings[db_var] for _, db_var, _ in pairs.values()]
         interleaves = _phase_interleaves(bindings, fused, resolved) if resolved.kind.name == "llvm" else []
-        chains = {dx: chain for chain, dx in batch_norm_gradients(func).values()} \
-            if resolved.kind.name == "llvm" else {}  # (each chain is listed under its three results)
+        # (each chain is listed under its three results)
+        chains = {dx: chain for chain, dx in batch_norm_gradients(func).values()}
         norm_gradients = [call for chain in chains.values() for call in chain.calls]
 
         def reshaped_matrix(expr: relax.Expr, transposed: bool) -> bool:
@@ -141,7 +141,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
             elif any(expr.same_as(part) for part in norm_gradients):
                 report.append(DispatchRow(expr.op.name.removeprefix("relax."), (static_shape(expr),),
                                           "batch_norm_backward",
-                                          "a training-mode batch norm's dX, dgamma and dbeta, in blocks", runs))
+                                          "a training-mode batch norm's dX, dgamma and dbeta, one kernel", runs))
             elif isinstance(expr.op, tvm.ir.Op) and any(expr.same_as(summed) for summed in bias_sums):
                 shapes = (static_shape(expr.args[0]), static_shape(expr))
                 report.append(DispatchRow(expr.op.name.removeprefix("relax."), shapes, "conv2d_backward_weight",

@@ -190,6 +190,84 @@ def test_pooling_gradients_on_cuda(mode, producer, kernel, stride, padding, dila
     assert rel_err(dx.numpy(), xt.grad.numpy()) <= 1e-5
 
 
+class _NormNet(torch.nn.Module):
+    """conv-bn-relu, conv-bn + shortcut -> relu, conv-bn (its y read as is), global mean, dense:
+    a training-mode batch norm in each of its three forms."""
+
+    def __init__(self):
+        super().__init__()
+        conv = lambda c, k: torch.nn.Conv2d(c, k, 3, padding=1, bias=False)  # noqa: E731
+        self.c1, self.b1 = conv(3, 8), torch.nn.BatchNorm2d(8)
+        self.c2, self.b2 = conv(8, 8), torch.nn.BatchNorm2d(8)
+        self.c3, self.b3 = conv(8, 12), torch.nn.BatchNorm2d(12)
+        self.fc = torch.nn.Linear(12, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.b1(self.c1(x)))
+        h = torch.relu(self.b2(self.c2(h)) + h)
+        return self.fc(self.b3(self.c3(h)).mean((2, 3)))
+
+
+def test_training_mode_batch_norms_on_cuda():
+    """Batch norms with batch statistics, forward (with relu and shortcut fused) and backward, as
+    CHWN kernels of ours (a block a channel); every parameter's gradient against float64 autograd
+    on the emulator, and the CUDA build goes through. Before, they were stock TVM's decomposition."""
+    import copy
+
+    from tvm_ext.models.training import loss_gradient
+
+    torch.manual_seed(0)
+    x = np.random.default_rng(1).standard_normal((4, 3, 9, 7)).astype(np.float32)
+    mod, params, loss = loss_gradient(_NormNet().train(), x)
+    report = tvm_ext.dispatch_report(mod, TARGET, function="main_adjoint")
+    assert [row.kernel for row in report if row.op == "nn.batch_norm"] == ["batch_norm_training"] * 3
+    assert [row.kernel for row in report if row.op in ("variance", "rsqrt")] == ["batch_norm_backward"] * 6
+    lowered = lower(mod, TARGET)
+    names = [gv.name_hint for gv, func in lowered.functions_items() if isinstance(func, tvm.tirx.PrimFunc)]
+    assert sorted(name for name in names if "batch_norm" in name) == [
+        "tvm_ext_batch_norm_backward_chwn_12x9x7x4_scale_center",
+        "tvm_ext_batch_norm_backward_chwn_8x9x7x4_scale_center",
+        "tvm_ext_batch_norm_chwn_12x9x7x4_scale_center", "tvm_ext_batch_norm_chwn_8x9x7x4_scale_center_relu",
+        "tvm_ext_batch_norm_chwn_8x9x7x4_scale_center_residual_relu"]
+    vm = relax.VirtualMachine(emulated_executable(lowered, TARGET), tvm.cpu())
+    _, grads = vm["main_adjoint"](tvm.runtime.tensor(x), *[tvm.runtime.tensor(p) for p in params])
+    reference = copy.deepcopy(loss).double()
+    reference(torch.from_numpy(x).double()).backward()
+    expected = [p.grad.numpy() for p in reference.parameters()]
+    assert len(grads) == len(expected) == 11
+    for got, want in zip(grads, expected, strict=True):
+        assert rel_err(got.numpy(), want) <= 1e-5
+    tvm_ext.build(mod, TARGET)
+
+
+def test_batch_norm_running_statistics_on_cuda():
+    """A training-mode batch norm's whole result, (y, new running mean, new running variance), as
+    TVM's batch_norm defines it (momentum 0.1, the biased variance), on the emulator."""
+    rng = np.random.default_rng(2)
+    stats = [rng.uniform(0.5, 1.5, 6), rng.uniform(-0.5, 0.5, 6), rng.uniform(-0.5, 0.5, 6), rng.uniform(0.5, 1.5, 6)]
+    gamma, beta, moving_mean, moving_var = (relax.const(v.astype(np.float32)) for v in stats)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((3, 6, 5, 4), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.nn.batch_norm(x, gamma, beta, moving_mean, moving_var, axis=1, epsilon=1e-5,
+                                                        momentum=0.1, training=True))
+        bb.emit_func_output(out)
+    lowered = lower(bb.get(), TARGET)
+    assert any(gv.name_hint.startswith("tvm_ext_batch_norm_chwn_") for gv, _ in lowered.functions_items())
+    xv = (rng.standard_normal((3, 6, 5, 4)) * 2 + 1).astype(np.float32)
+    y, new_mean, new_var = relax.VirtualMachine(emulated_executable(lowered, TARGET), tvm.cpu())["main"](
+        tvm.runtime.tensor(xv))
+    xd = xv.astype(np.float64)
+    mean, var = xd.mean((0, 2, 3)), xd.var((0, 2, 3))
+    shape = (1, 6, 1, 1)
+    expected = (xd - mean.reshape(shape)) / np.sqrt(var.reshape(shape) + 1e-5) * stats[0].reshape(shape) \
+        + stats[1].reshape(shape)
+    assert rel_err(y.numpy(), expected) <= 1e-5
+    assert rel_err(new_mean.numpy(), 0.9 * stats[2] + 0.1 * mean) <= 1e-6
+    assert rel_err(new_var.numpy(), 0.9 * stats[3] + 0.1 * var) <= 1e-6
+
+
 def test_a_small_cnn_training_step_on_cuda():
     """Five SGD steps of the 8x8-digits CNN (SetupTrainer, built for CUDA, run on the emulator):
     every convolution's forward, dX and dW on the maxDNN tile, losses equal to PyTorch's."""

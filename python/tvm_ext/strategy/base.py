@@ -204,6 +204,27 @@ def pool_tag(wl: _pool.Pool2dWorkload) -> str:
             f"{'' if wl.count_include_pad else '_exclude_pad'}")
 
 
+def bound_value(bb: relax.BlockBuilder, expr: relax.Expr) -> relax.Expr | None:
+    """The value bound to variable `expr` in the function `bb` is building, else None."""
+    return bb.lookup_binding(expr) if isinstance(expr, relax.Var) else None
+
+
+def tuple_field(bb: relax.BlockBuilder, expr: relax.Expr) -> relax.Expr:
+    """`expr`, or the tuple field it names (Gradient passes a tuple-valued op's adjoint as a
+    tuple, of which dY is a field; a batch norm's y is its tuple's first), so that an emitter
+    finds the field's own layout."""
+    value = bound_value(bb, expr)
+    while value is not None and isinstance(value, relax.TupleGetItem):
+        tuple_value = value.tuple_value
+        if isinstance(tuple_value, relax.Var):
+            tuple_value = bound_value(bb, tuple_value)
+        if tuple_value is None or not isinstance(tuple_value, relax.Tuple):
+            break
+        expr = tuple_value.fields[value.index]
+        value = bound_value(bb, expr)
+    return expr
+
+
 def add_kernel(bb: relax.BlockBuilder, func: tvm.tirx.PrimFunc, name: str) -> tvm.ir.GlobalVar:
     """`func` added to the module as an opaque kernel (FuseOps leaves it alone)."""
     return bb.add_func(func.with_attr("op_pattern", OPAQUE), name)
@@ -227,6 +248,19 @@ class Emitter(Protocol):
     def conv2d_backward_weight(self, call: relax.Call, decision: Decision) -> relax.Expr:
         """A weight gradient, conv2d(x, dY) in :data:`~.decide.WEIGHT_GRADIENT_LAYOUTS`, as kernel
         calls giving dW in OIHW."""
+
+    def new_block(self) -> None:
+        """Forget what was emitted for earlier blocks (their dataflow variables are out of scope)."""
+
+    def batch_norm_training(self, call: relax.Call, residual: relax.Expr | None = None,
+                            relu: bool = False) -> relax.Expr:
+        """A training-mode batch norm: (y, the new running mean, the new running variance), or
+        relu(y + residual) alone for a fused composite."""
+
+    def batch_norm_backward(self, found) -> tuple[relax.Expr, relax.Var, relax.Var]:
+        """(dX, dgamma, dbeta) of a training-mode batch norm's gradient (a
+        :class:`~tvm_ext.transform.gradients.BatchNormGradient` over the function being built)."""
+        ...
 
     def pool2d_backward(self, call: relax.Call, relu_mask: bool = False) -> relax.Expr:
         """{max,avg}_pool2d_backward(dY, x) as kernel calls; `relu_mask` (max pooling): also

@@ -31,7 +31,18 @@ from ..target import vector_isa
 from ..transform.gradients import BatchNormGradient, read_phase_interleave, read_phase_weight
 from ..tuning import pool_space as _pool_space
 from ..tuning import space as _space
-from .base import POOLS, Activation, Decision, add_kernel, alpha, channel_scale_operands, pool_tag, pool_workload
+from .base import (
+    POOLS,
+    Activation,
+    Decision,
+    add_kernel,
+    alpha,
+    bound_value,
+    channel_scale_operands,
+    pool_tag,
+    pool_workload,
+    tuple_field,
+)
 from .decide import pool2d_backward_workload
 from .fusion import mask_of
 
@@ -93,7 +104,7 @@ class CpuEmitter:
         convolution of 72 channels in blocks of 16 writes 80; those 8 hold finite values,
         zeros from a convolution). Only consumers that ignore them ask: a convolution (zero
         weights for them), pooling and activations (one channel at a time)."""
-        expr = self._field_of(expr)
+        expr = tuple_field(self.bb, expr)
         if not isinstance(expr, relax.Var):
             return None
         value = self.bb.lookup_binding(expr)
@@ -505,7 +516,7 @@ class CpuEmitter:
         channels = known_shape(image_shape(found.x), "batch_norm: the data")[1]
         x, block = self._batch_norm_input(found.x)
         shape = known_shape(image_shape(x), "batch_norm: the blocked data")
-        dy = self.pack(self._field_of(found.dy), block)
+        dy = self.pack(tuple_field(self.bb, found.dy), block)
         statistics = self._batch_statistics.get(x)
         if statistics is None:
             norm = _batch_norm.BatchNorm(shape, found.epsilon, scale=False, center=False)
@@ -519,23 +530,8 @@ class CpuEmitter:
                                         [shape, (channels,), (channels,)])
         return self.unpack(dx, channels), dgamma, dbeta
 
-    def _field_of(self, expr: relax.Expr) -> relax.Expr:
-        """`expr`, or the tuple field it names (Gradient passes a tuple-valued op's adjoint as a
-        tuple, of which dY is a field), so that the field's blocked form is found."""
-        value = self._value_of(expr)
-        while value is not None and isinstance(value, relax.TupleGetItem):
-            tuple_value = value.tuple_value
-            if isinstance(tuple_value, relax.Var):
-                tuple_value = self._value_of(tuple_value)
-            if tuple_value is None or not isinstance(tuple_value, relax.Tuple):
-                break
-            expr = tuple_value.fields[value.index]
-            value = self._value_of(expr)
-        return expr
-
     def _value_of(self, expr: relax.Expr) -> relax.Expr | None:
-        """The value bound to variable `expr` in the function being built, else None."""
-        return self.bb.lookup_binding(expr) if isinstance(expr, relax.Var) else None
+        return bound_value(self.bb, expr)
 
     def interleaved_phases(self, call: relax.Call) -> relax.Expr | None:
         """A strided convolution's dX as :mod:`~tvm_ext.transform.gradients` writes it (its stride

@@ -29,10 +29,13 @@ import tvm
 from tvm import relax
 
 from ..errors import UnsupportedError
+from ..kernels import batch_norm as _batch_norm
+from ..kernels.cuda import batch_norm as _cuda_batch_norm
 from ..kernels.cuda import maxdnn as _maxdnn
 from ..kernels.cuda import memory_bound as _memory_bound
 from ..kernels.cuda import winograd as _winograd
-from .base import OPAQUE, Activation, Decision, alpha, pool_tag, pool_workload
+from ..transform.gradients import BatchNormGradient
+from .base import OPAQUE, Activation, Decision, alpha, pool_tag, pool_workload, tuple_field
 from .decide import pool2d_backward_workload
 
 _TO_NCHW = "tvm_ext_chwn_to_nchw"
@@ -66,13 +69,26 @@ class CudaEmitter:
         self.target = target
         self.engine = engine  # "ffma" (fp32), or a tensor-core engine: engine_for()
         self.winograd = winograd  # constant-weight 3x3/5x5 stride-1 layers may run as Winograd
+        # a training-mode batch norm's statistics (CHWN x -> mean, var), for its gradient
+        self._batch_statistics: dict[relax.Expr, tuple[relax.Var, relax.Var]] = {}
+
+    def new_block(self) -> None:
+        self._batch_statistics.clear()
 
     def _call(self, func: tvm.tirx.PrimFunc, name: str, args: list, shape: tuple) -> relax.Var:
         gvar = self.bb.add_func(func.with_attr("op_pattern", OPAQUE), name)
         return self.bb.emit(relax.call_tir(gvar, args, relax.TensorType(shape, "float32")))
 
+    def _calls(self, func: tvm.tirx.PrimFunc, name: str, args: list, shapes: list[tuple]) -> list[relax.Var]:
+        """The outputs of kernel `func`, which writes several tensors of `shapes`."""
+        gvar = self.bb.add_func(func.with_attr("op_pattern", OPAQUE), name)
+        out = self.bb.emit(relax.call_tir(gvar, args, [relax.TensorType(shape, "float32") for shape in shapes]))
+        return [self.bb.emit(relax.TupleGetItem(out, i)) for i in range(len(shapes))]
+
     def produced_chwn(self, expr: relax.Expr) -> relax.Expr | None:
-        """The CHWN tensor behind `expr` if `expr` is the NCHW view of one of our kernels' results."""
+        """The CHWN tensor behind `expr` if `expr` is the NCHW view of one of our kernels' results
+        (or a tuple's field that is one)."""
+        expr = tuple_field(self.bb, expr)
         if not isinstance(expr, relax.Var):
             return None
         value = self.bb.lookup_binding(expr)
@@ -219,6 +235,51 @@ class CudaEmitter:
         out = _winograd.output_transform_func(plan, name + "_output")
         return self.nchw(self._call(out, name + "_output", [mm, *epilogue_args], plan.y_shape))
 
+    def batch_norm_training(self, call: relax.Call, residual: relax.Expr | None = None,
+                            relu: bool = False) -> relax.Expr:
+        """A batch norm with batch statistics in CHWN: (y, the new running mean, the new running
+        variance) as TVM's batch_norm computes them, y and the statistics by one kernel
+        (:func:`~tvm_ext.kernels.cuda.batch_norm.batch_norm_forward_chwn_func`). With a `residual`
+        or `relu` (a fused composite, whose running statistics nobody reads): relu(y + residual)."""
+        data, gamma, beta, moving_mean, moving_var = call.args
+        attrs = call.attrs
+        x = self.chwn(data)
+        norm = _batch_norm.BatchNorm(_shape(x), float(attrs.epsilon), bool(attrs.scale), bool(attrs.center),
+                                     residual=residual is not None, relu=relu, layout="CHWN")
+        args = [x, *([gamma] if norm.scale else []), *([beta] if norm.center else []),
+                *([self.chwn(residual)] if residual is not None else [])]
+        y, mean, var = self._calls(_cuda_batch_norm.batch_norm_forward_chwn_func(norm),
+                                   _name("batch_norm_chwn", norm.tag()), args,
+                                   [norm.shape, (norm.channels,), (norm.channels,)])
+        self._batch_statistics[x] = (mean, var)
+        if residual is not None or relu:
+            return self.nchw(y)
+        momentum = float(attrs.momentum)
+        keep, take = relax.const(1 - momentum, "float32"), relax.const(momentum, "float32")
+        running = [relax.op.add(relax.op.multiply(keep, old), relax.op.multiply(take, new))
+                   for old, new in ((moving_mean, mean), (moving_var, var))]
+        return relax.Tuple([self.bb.emit(self.nchw(y)), *running])
+
+    def batch_norm_backward(self, found: BatchNormGradient) -> tuple[relax.Expr, relax.Var, relax.Var]:
+        """(dX, dgamma, dbeta) of a training-mode batch norm's gradient in CHWN, one kernel
+        (:func:`~tvm_ext.kernels.cuda.batch_norm.batch_norm_backward_chwn_func`), from the
+        statistics the forward kernel computed for the same x (computed again where it did not run)."""
+        x = self.chwn(found.x)
+        shape = _shape(x)
+        statistics = self._batch_statistics.get(x)
+        if statistics is None:
+            norm = _batch_norm.BatchNorm(shape, found.epsilon, scale=False, center=False, layout="CHWN")
+            mean, var = self._calls(_cuda_batch_norm.batch_norm_forward_chwn_func(norm, normalize=False),
+                                    _name("batch_statistics_chwn", norm.tag()), [x],
+                                    [(norm.channels,), (norm.channels,)])
+            statistics = self._batch_statistics[x] = (mean, var)
+        norm = _batch_norm.BatchNorm(shape, found.epsilon, scale=found.gamma is not None, layout="CHWN")
+        args = [x, self.chwn(found.dy), *statistics, *([found.gamma] if found.gamma is not None else [])]
+        dx, dgamma, dbeta = self._calls(_cuda_batch_norm.batch_norm_backward_chwn_func(norm),
+                                        _name("batch_norm_backward_chwn", norm.tag()), args,
+                                        [shape, (norm.channels,), (norm.channels,)])
+        return self.bb.emit(self.nchw(dx)), dgamma, dbeta
+
     def pool2d_backward(self, call: relax.Call, relu_mask: bool = False) -> relax.Expr:
         """{max,avg}_pool2d_backward(dY, x) in CHWN, reading dY and x as our kernels wrote them
         (:func:`~tvm_ext.kernels.cuda.memory_bound.pool2d_backward_chwn_func`); `relu_mask`
@@ -234,6 +295,8 @@ class CudaEmitter:
     def other_op(self, call: relax.Call, decision: Decision) -> relax.Expr:
         if decision.kernel in ("max_pool2d_backward", "avg_pool2d_backward"):
             return self.pool2d_backward(call)
+        if decision.kernel == "batch_norm_training":
+            return self.batch_norm_training(call)
         data = call.args[0]
         if decision.kernel in ("global_avg_pool2d", "max_pool2d", "avg_pool2d"):
             source = self.chwn(data)

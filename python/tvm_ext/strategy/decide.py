@@ -280,9 +280,10 @@ def _decide_layer_norm(call: relax.Call, shapes: tuple, target: tvm.target.Targe
 
 def _decide_batch_norm_training(call: relax.Call, shapes: tuple, target: tvm.target.Target) -> Decision:
     """A batch norm with batch statistics (training mode): tvm_ext's blocked kernel
-    (:mod:`tvm_ext.kernels.batch_norm`) for a static NCHW float32 tensor on CPUs."""
+    (:mod:`tvm_ext.kernels.batch_norm`; on CUDA :mod:`tvm_ext.kernels.cuda.batch_norm`) for a
+    static NCHW float32 tensor."""
     op, data = "relax.nn.batch_norm", call.args[0]
-    if target.kind.name != "llvm":
+    if target.kind.name not in ("llvm", "cuda"):
         return Decision(op, shapes, None, f"no training-mode batch norm kernel on {target.kind.name}")
     reason = _nchw_reason(data)
     if reason is None and static_shape(data) is None:  # the statistics reduce over the batch: not per image

@@ -92,8 +92,7 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
 
         def _new_block(self) -> None:
             """A block's dataflow variables are not seen past it: the emitter reuses no copy of them."""
-            if isinstance(self.emitter, CpuEmitter):
-                self.emitter.new_block()
+            self.emitter.new_block()
 
         def visit_var_binding_(self, binding: relax.VarBinding) -> None:
             self.padded_out = binding.var in self.padded_readers
@@ -131,12 +130,10 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                 return None
             found, dx_var = entry
             if dx_var not in self.norm_outputs:
-                emitter = self.emitter
-                assert isinstance(emitter, CpuEmitter)
                 remapped = dataclasses.replace(
                     found, x=self.visit_expr(found.x), dy=self.visit_expr(found.dy),
                     gamma=None if found.gamma is None else self.visit_expr(found.gamma))
-                self.norm_outputs[dx_var] = emitter.batch_norm_backward(remapped)
+                self.norm_outputs[dx_var] = self.emitter.batch_norm_backward(remapped)
             dx, dgamma, dbeta = self.norm_outputs[dx_var]
             var = self.binding.var
             return dx if var.same_as(dx_var) else dgamma if var.same_as(found.dgamma) else dbeta
@@ -174,7 +171,7 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                                                    None if shift is None else shift.value.numpy(), activation)
             if composite.startswith("tvm_ext.max_pool2d_backward"):
                 return self.emitter.pool2d_backward(_outside(pool_gradient_of(func), func, call), relu_mask=True)
-            if composite.startswith("tvm_ext.batch_norm_training") and isinstance(self.emitter, CpuEmitter):
+            if composite.startswith("tvm_ext.batch_norm_training"):
                 norm, residual, relu = batch_norm_epilogue_of(func)
                 return self.emitter.batch_norm_training(
                     _outside(norm, func, call), None if residual is None else call.args[residual], relu)
@@ -202,7 +199,7 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                 lowering.padded_readers = _padded_readers(mod, func)
                 if isinstance(lowering.emitter, CpuEmitter):
                     lowering.gradient_pairs = weight_and_bias_gradients(func, target)
-                    lowering.norm_gradients = batch_norm_gradients(func)
+                lowering.norm_gradients = batch_norm_gradients(func)
                 lowering.builder_.update_func(gvar, lowering.visit_expr(func))
         lowered = relax.transform.DeadCodeElimination()(lowering.builder_.get())
         if isinstance(lowering.emitter, CpuEmitter):  # blocked CPU layouts: no padded copies

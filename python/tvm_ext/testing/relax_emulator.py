@@ -81,13 +81,16 @@ class _EmulatedKernel:
             base = cuda_name.removesuffix("_ptr")
             self.order[cuda_name] = aliases[base] if base in aliases else params.index(base)
 
+        self.outputs = 1  # the last parameters it writes (set from its call: emulated_executable)
+
     def __call__(self, *tensors) -> None:
         arrays = [np.ascontiguousarray(t.numpy()) for t in tensors]
-        out = arrays[-1]
-        out[...] = np.nan  # what the kernel does not write shows
+        for out in arrays[-self.outputs:]:
+            out[...] = np.nan  # what the kernel does not write shows
         named = {cuda_name: arrays[index] for cuda_name, index in self.order.items()}
         run_kernel(self.source, self.kernel, self.grid, self.block, named, self.shared_bytes)
-        tensors[-1].copyfrom(out)
+        for tensor, out in zip(tensors[-self.outputs:], arrays[-self.outputs:], strict=True):
+            tensor.copyfrom(out)
 
 
 def emulated_executable(lowered: tvm.IRModule, target, prefix: str = "tvm_ext.emulated.") -> relax.VMExecutable:
@@ -97,15 +100,19 @@ def emulated_executable(lowered: tvm.IRModule, target, prefix: str = "tvm_ext.em
     target = resolve_target(target)
     ours = {gvar.name_hint: func for gvar, func in lowered.functions_items()
             if isinstance(func, tvm.tirx.PrimFunc) and KERNEL_ATTR in func.attrs}
-    for name, func in ours.items():
-        tvm_ffi.register_global_func(prefix + name, _EmulatedKernel(name, func, target), override=True)
+    kernels = {name: _EmulatedKernel(name, func, target) for name, func in ours.items()}
+    for name, kernel in kernels.items():
+        tvm_ffi.register_global_func(prefix + name, kernel, override=True)
 
     @relax.expr_functor.mutator
     class _ToPacked(relax.PyExprMutator):
         def visit_call_(self, call: relax.Call) -> relax.Expr:
             call = super().visit_call_(call)
             if call.op == tvm.ir.Op.get("relax.call_tir") and call.args[0].name_hint in ours:
-                return relax.call_dps_packed(prefix + call.args[0].name_hint, call.args[1], call.ty)
+                name = call.args[0].name_hint
+                kernels[name].outputs = len(ours[name].params) - len(call.args[1].fields)
+                out = list(call.ty.fields) if isinstance(call.ty, relax.TupleType) else call.ty
+                return relax.call_dps_packed(prefix + name, call.args[1], out)
             return call
 
     rewriter = _ToPacked(lowered)
