@@ -90,7 +90,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
         plumbing = _split_plumbing(func, bindings, stages) if name == "main" else []
         pairs = weight_and_bias_gradients(func, resolved) if resolved.kind.name == "llvm" else {}
         bias_sums = [bindings[db_var] for _, db_var, _ in pairs.values()]
-        interleaves = _phase_interleaves(bindings, fused, resolved) if resolved.kind.name == "llvm" else []
+        interleaves = _phase_interleaves(bindings, fused, resolved)
         # (each chain is listed under its three results)
         chains = {dx: chain for chain, dx in batch_norm_gradients(func).values()}
         norm_gradients = [call for chain in chains.values() for call in chain.calls]
@@ -137,7 +137,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
             if any(expr.same_as(part) for part in interleaves):
                 report.append(DispatchRow(expr.op.name.removeprefix("relax."), (static_shape(expr),),
                                           "interleave_phases",
-                                          "a strided convolution's dX from its stride phases, in blocks", runs))
+                                          "a strided convolution's dX from its stride phases, one kernel", runs))
             elif any(expr.same_as(part) for part in norm_gradients):
                 report.append(DispatchRow(expr.op.name.removeprefix("relax."), (static_shape(expr),),
                                           "batch_norm_backward",
@@ -178,10 +178,10 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
 
 
 def _phase_interleaves(bindings: dict, mod: tvm.IRModule, target: tvm.target.Target) -> list[relax.Call]:
-    """The calls of each strided convolution's dX that the CPU lowering turns into one
-    interleave_phases kernel (`CpuEmitter.interleaved_phases`): the chain
-    :func:`~tvm_ext.transform.gradients.read_phase_interleave` reads, and a relu mask after it,
-    where every phase with taps is a convolution on a tvm_ext kernel (fused or not)."""
+    """The calls of each strided convolution's dX that the lowering turns into one
+    interleave_phases kernel (`CpuEmitter.interleaved_phases`, `CudaEmitter.interleaved_phases`):
+    the chain :func:`~tvm_ext.transform.gradients.read_phase_interleave` reads, and on CPUs a relu
+    mask after it, where every phase with taps is a convolution on a tvm_ext kernel (fused or not)."""
     def value_of(expr):
         return bindings.get(expr) if isinstance(expr, relax.Var) else None
 
@@ -198,6 +198,8 @@ def _phase_interleaves(bindings: dict, mod: tvm.IRModule, target: tvm.target.Tar
         parts = [] if chain is None else [part for part in chain.parts if part is not None]
         if chain is not None and parts and all(on_kernel(part) for part in parts):
             found += chain.calls
+    if target.kind.name != "llvm":
+        return found
     crops = [call for call in found if _is_call_to(call, "relax.strided_slice")]
     for where in list(bindings.values()):  # where(y > 0, dX, 0) after one: the kernel's mask
         kept = value_of(where.args[1]) if _is_call_to(where, "relax.where") else None

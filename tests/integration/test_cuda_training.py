@@ -80,6 +80,13 @@ def test_conv2d_gradients_on_the_maxdnn_tile(case):
     mod = _check_gradients(case, seed=1)
     names = [gv.name_hint for gv, func in mod.functions_items() if isinstance(func, tvm.tirx.PrimFunc)]
     assert any(name.startswith("tvm_ext_maxdnn_conv2d_backward_weight_") for name in names), names
+    # a strided dX: its phases interleaved by one CHWN kernel, not stacked, padded and cropped in NCHW
+    # (where the chain has the form the CPU's kernel takes too: not a phase with fewer rows than its share)
+    report = tvm_ext.dispatch_report(_conv_loss_gradient(case)[0], TARGET, function="main_adjoint")
+    interleaved = any(row.kernel == "interleave_phases" for row in report)
+    assert interleaved or case not in CASES or case["stride"] == 1
+    assert any(name.startswith("tvm_ext_interleave_phases_chwn_") for name in names) == interleaved, names
+    assert ("R.stack" in mod["main_adjoint"].script()) != interleaved or case["stride"] == 1
 
 
 def test_weight_gradient_is_reported_on_the_tile_and_splits_its_reduction():

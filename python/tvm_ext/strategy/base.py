@@ -262,6 +262,11 @@ class Emitter(Protocol):
         :class:`~tvm_ext.transform.gradients.BatchNormGradient` over the function being built)."""
         ...
 
+    def interleaved_phases(self, call: relax.Call) -> relax.Expr | None:
+        """A strided convolution's dX from its stride phases' convolutions
+        (:func:`~tvm_ext.transform.gradients.read_phase_interleave`, ending at `call`) as a
+        kernel call; None where `call` ends no such chain or its phases are not our kernels'."""
+
     def pool2d_backward(self, call: relax.Call, relu_mask: bool = False) -> relax.Expr:
         """{max,avg}_pool2d_backward(dY, x) as kernel calls; `relu_mask` (max pooling): also
         relu's gradient of x, where(x > 0, dX, 0)."""

@@ -24,6 +24,8 @@ empty, which is a correct but poor use of the maxDNN tile.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import tvm
 from tvm import relax
@@ -34,8 +36,8 @@ from ..kernels.cuda import batch_norm as _cuda_batch_norm
 from ..kernels.cuda import maxdnn as _maxdnn
 from ..kernels.cuda import memory_bound as _memory_bound
 from ..kernels.cuda import winograd as _winograd
-from ..transform.gradients import BatchNormGradient
-from .base import OPAQUE, Activation, Decision, alpha, pool_tag, pool_workload, tuple_field
+from ..transform.gradients import BatchNormGradient, read_phase_interleave
+from .base import OPAQUE, Activation, Decision, alpha, bound_value, pool_tag, pool_workload, tuple_field
 from .decide import pool2d_backward_workload
 
 _TO_NCHW = "tvm_ext_chwn_to_nchw"
@@ -279,6 +281,24 @@ class CudaEmitter:
                                         _name("batch_norm_backward_chwn", norm.tag()), args,
                                         [shape, (norm.channels,), (norm.channels,)])
         return self.bb.emit(self.nchw(dx)), dgamma, dbeta
+
+    def interleaved_phases(self, call: relax.Call) -> relax.Expr | None:
+        """A strided convolution's dX as :mod:`~tvm_ext.transform.gradients` writes it (its stride
+        phases stacked, reshaped and cropped: :func:`~tvm_ext.transform.gradients.read_phase_interleave`)
+        as one CHWN kernel reading the phases' convolutions as they wrote them
+        (:func:`~tvm_ext.kernels.cuda.memory_bound.interleave_phases_chwn_func`); None otherwise."""
+        found = read_phase_interleave(call, functools.partial(bound_value, self.bb))
+        if found is None:
+            return None
+        phases = [None if part is None else self.produced_chwn(part) for part in found.parts]
+        if any(part is not None and phase is None for part, phase in zip(found.parts, phases, strict=True)):
+            return None
+        n, c, h, w = _shape(call)
+        shapes = [None if phase is None else _shape(phase) for phase in phases]
+        tag = "_".join("0" if shape is None else f"{shape[1]}x{shape[2]}" for shape in shapes)
+        name = _name("interleave_phases_chwn", (c, h, w, n), f"s{found.stride[0]}x{found.stride[1]}", tag)
+        func = _memory_bound.interleave_phases_chwn_func((c, h, w, n), found.stride, shapes)
+        return self.nchw(self._call(func, name, [phase for phase in phases if phase is not None], (c, h, w, n)))
 
     def pool2d_backward(self, call: relax.Call, relu_mask: bool = False) -> relax.Expr:
         """{max,avg}_pool2d_backward(dY, x) in CHWN, reading dY and x as our kernels wrote them

@@ -146,10 +146,9 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                 return paired
             call = super().visit_call_(call)
             if isinstance(call.op, tvm.ir.Op):
-                if isinstance(self.emitter, CpuEmitter):  # a strided convolution's dX, from its phases
-                    interleaved = self.emitter.interleaved_phases(call)
-                    if interleaved is not None:
-                        return interleaved
+                interleaved = self.emitter.interleaved_phases(call)  # a strided convolution's dX, from its phases
+                if interleaved is not None:
+                    return interleaved
                 decision = decide(call, target, self.engine, winograd)
                 if decision.kernel is None:
                     return call

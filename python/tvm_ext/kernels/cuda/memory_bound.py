@@ -169,6 +169,34 @@ def pool2d_backward_chwn_func(wl: Pool2dWorkload, relu_mask: bool = False) -> ti
     return builder.get()
 
 
+def interleave_phases_chwn_func(out_shape, stride: tuple[int, int], phases: list) -> tirx.PrimFunc:
+    """dX (C, H, W, N) from a strided convolution's stride phases in CHWN: phase (a, b) (row-major
+    over the stride; None where it is zero) is (C, rows, cols, N) and fills pixels
+    (a + s_h * q, b + s_w * p), zeros past its rows and columns (the CPU's
+    :func:`~tvm_ext.kernels.conv2d_backward_data.interleave_phases_func`). Parameters: the non-zero
+    phases in order, then dX; one thread per pixel of dX, which reads the one phase it is in."""
+    c_, h_, w_, n_ = (int(v) for v in out_shape)
+    sh, sw = stride
+    zero = tirx.const(0.0, "float32")
+    with IRBuilder() as builder, T.prim_func(s_tir=True):
+        T.func_name("interleave_phases_chwn")
+        T.func_attr({"tirx.noalias": True, KERNEL_ATTR: "interleave_phases"})
+        inputs = [None if shape is None else param_buffer(f"phase{i}", tuple(int(v) for v in shape))
+                  for i, shape in enumerate(phases)]
+        dx = param_buffer("dx", (c_, h_, w_, n_))
+        with T.sblock("root"), thread_per_element(c_ * h_ * w_ * n_) as index:
+            c, h, w, n = to_coordinates(index, (c_, h_, w_, n_))
+            q, p = T.Bind(h // sh), T.Bind(w // sw)
+            value = zero
+            for i, source in enumerate(inputs):
+                if source is not None:
+                    rows, cols = int(source.shape[1]), int(source.shape[2])
+                    inside = tirx.all(h % sh == i // sw, w % sw == i % sw, q < rows, p < cols)
+                    value = tirx.if_then_else(inside, source[c, q, p, n], value)
+            T.buffer_store(dx, value, [c, h, w, n])
+    return builder.get()
+
+
 def global_avg_pool2d_chwn_func(shape) -> tirx.PrimFunc:
     """Mean over H and W of CHWN data (C, H, W, N) -> (C, 1, 1, N)."""
     c, h, w, n = (int(v) for v in shape)
