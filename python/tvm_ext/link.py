@@ -16,6 +16,8 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax import vm_build
 
+from .target import check_cpu_features
+
 __all__ = ["build_threads", "compile_relax"]
 
 # Below this many kernels a module each thread would not pay for its thread and LLVM module.
@@ -55,6 +57,7 @@ def compile_relax(mod: tvm.IRModule, target: tvm.target.Target, relax_pipeline: 
     params = dict(attrs.get("const_name_to_constant", {}))
     builder = relax.ExecBuilder()
     leftover = vm_build._vmcodegen(builder, mod, "bytecode")
+    check_cpu_features(leftover, target)
     kernels = sum(isinstance(func, tirx.PrimFunc) for _, func in leftover.functions_items())
     count = max(1, min(threads or build_threads(), kernels // MIN_KERNELS_PER_PART))
     parts = [vm_build._auto_attach_system_lib_prefix(part, target) for part in _parts(leftover, count)]

@@ -117,6 +117,41 @@ NEON = VectorISA("neon", 4, 32, ("fmla",), "v")
 SSE = VectorISA("sse", 4, 16, ("mulps",), "%xmm")
 
 
+# A kernel's attribute naming the LLVM CPU features its code needs beyond its vector ISA's
+# (a bfloat16 BRGEMM: "avx512bf16"): compiled for a CPU without them, LLVM aborts the process
+# ("Do not know how to split this operator's operand!"), so builds check first.
+CPU_FEATURES_ATTR = "tvm_ext.cpu_features"
+
+
+def check_cpu_features(mod, target: TargetLike) -> None:
+    """Raise UnsupportedError, naming the kernel and the feature, if a PrimFunc of `mod` needs an
+    LLVM CPU feature (:data:`CPU_FEATURES_ATTR`) that `target` lacks; before anything compiles."""
+    from tvm import tirx
+
+    from .errors import UnsupportedError
+
+    resolved = resolve_target(target)
+    for gvar, func in mod.functions_items():
+        needs = func.attrs.get(CPU_FEATURES_ATTR) if isinstance(func, tirx.PrimFunc) and func.attrs else None
+        if needs is None:
+            continue
+        with resolved:
+            missing = [f for f in str(needs).split(",") if not codegen.llvm_cpu_has_features([f], resolved)]
+        if missing:
+            raise UnsupportedError(f"kernel {gvar.name_hint} needs the CPU feature(s) {missing}, which target "
+                                   f"{resolved} lacks")
+
+
+def has_avx512_bf16(target: TargetLike) -> bool:
+    """Whether the (resolved) LLVM target has AVX512-BF16's `vdpbf16ps`, which the bfloat16
+    BRGEMM issues (:class:`~tvm_ext.intrin.cpu.BRGEMM` with dtype "bfloat16")."""
+    resolved = resolve_target(target)
+    if resolved.kind.name != "llvm":
+        return False
+    with resolved:
+        return bool(codegen.llvm_cpu_has_features(["avx512bf16", "avx512f"], resolved))
+
+
 def vector_isa(target: TargetLike) -> VectorISA:
     """The widest fp32 FMA vector ISA the (resolved) LLVM target has."""
     resolved = resolve_target(target)

@@ -15,10 +15,19 @@ channels of a block, k the pixels of a row, the batch (images, rows).
 The register tile must fit the ISA's register file (m_r*n_r/lanes accumulators + n_r/lanes B
 vectors + 1 broadcast): a tile that does not fit spills inside the inner loop and runs about 3x
 slower, so :meth:`BRGEMM.validate` refuses it.
+
+dtype "bfloat16" (AVX512-BF16): A and B are bf16, C fp32, and one `vdpbf16ps` multiplies a pair
+of channels of A (one 32-bit broadcast) by the same pair of B for each of 16 output lanes, adding
+both products to the fp32 accumulator: 2x the fp32 FMA's work per instruction. B is packed in
+pairs, (batch..., k / 2, n, 2), the pair innermost (oneDNN's and LIBXSMM's VNNI layout). TVM
+legalizes bf16 vectors to 16-bit integers, which LLVM's intrinsic does not take, so the
+instruction is a small LLVM IR function imported into the module (`pragma_import_llvm`) and
+inlined (:data:`DPBF16PS_LLVM`; see docs/low_precision.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import re
@@ -71,9 +80,21 @@ class BRGEMM:
         strided, other = (self.k, self.m_r) if self.a_transposed else (self.m_r, self.k)
         return (b0, (b1 - 1) * dh + 1, (strided - 1) * self.stride + (b2 - 1) * dw + 1, other)
 
+    @property
+    def pairs(self) -> bool:
+        """Whether A and B are bf16 with B packed in pairs of k (the dot-product instruction)."""
+        return self.dtype == "bfloat16"
+
+    def b_shape(self, batch: tuple | None = None) -> tuple:
+        b0, b1, b2 = batch or self.batch
+        return (b0, b1, b2, self.k // 2, self.n_r, 2) if self.pairs else (b0, b1, b2, self.k, self.n_r)
+
     def validate(self, isa: VectorISA | None = None) -> None:
-        if self.dtype != "float32":
-            raise ValueError(f"BRGEMM: dtype {self.dtype} is not supported (float32 only)")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"BRGEMM: dtype {self.dtype} is not supported (float32 or bfloat16)")
+        if self.pairs and (self.k % 2 or self.lanes != 16 or self.a_transposed):
+            raise ValueError(f"BRGEMM: bfloat16 takes pairs of k (k={self.k}) over 16 lanes (AVX512-BF16, "
+                             f"{self.lanes} given), A not transposed")
         if min(self.m_r, self.n_r, self.k, self.lanes, self.stride, *self.batch, *self.dilation) < 1:
             raise ValueError(f"BRGEMM: every extent must be positive: {self}")
         if self.prefetch < 0:
@@ -200,10 +221,22 @@ def _signature(spec: BRGEMM, strided: bool) -> tuple[tuple, tirx.Buffer, tirx.Bu
     """
     handles = [T.arg(name, T.handle()) for name in "abc"]
     batch = tuple(T.arg(f"b{i}", T.int32()) if b > 1 else 1 for i, b in enumerate(spec.batch))
-    b0, b1, b2 = batch
-    shapes = (spec.a_shape(batch), (b0, b1, b2, spec.k, spec.n_r), (spec.m_r, spec.n_r))
-    return (batch, *(operand_buffer(handle, shape, spec.dtype, strided, unit_last=handle.name != "a")
-                     for handle, shape in zip(handles, shapes, strict=True)))
+    shapes = (spec.a_shape(batch), spec.b_shape(batch), (spec.m_r, spec.n_r))
+    dtypes = (spec.dtype, spec.dtype, "float32")
+    # (a pair of A is loaded as one 32-bit word: its channels contiguous)
+    return (batch, *(operand_buffer(handle, shape, dtype, strided, unit_last=handle.name != "a" or spec.pairs)
+                     for handle, shape, dtype in zip(handles, shapes, dtypes, strict=True)))
+
+
+def _b_index(spec: BRGEMM, i0, i1, i2, k, n) -> list:
+    """Where B holds channel `k` of output lane `n` of batch entry (i0, i1, i2)."""
+    return [i0, i1, i2, k // 2, n, k % 2] if spec.pairs else [i0, i1, i2, k, n]
+
+
+def _product(spec: BRGEMM, a_value: tirx.PrimExpr, b_value: tirx.PrimExpr) -> tirx.PrimExpr:
+    if spec.pairs:  # bf16 operands, each product and the sum in fp32
+        return tirx.Cast("float32", a_value) * tirx.Cast("float32", b_value)
+    return a_value * b_value
 
 
 def _a_index(spec: BRGEMM, i0, i1, i2, m, k) -> list:
@@ -239,14 +272,29 @@ def _description(spec: BRGEMM) -> tirx.PrimFunc:
                 vm, vn, vi0, vi1, vi2, vk = v
                 c_index = [vm, vn]
                 a_index = _a_index(spec, vi0, vi1, vi2, vm, vk)
-                b_index = [vi0, vi1, vi2, vk, vn]
+                b_index = _b_index(spec, vi0, vi1, vi2, vk, vn)
                 T.reads(c[tuple(c_index)], a[tuple(a_index)], b[tuple(b_index)])
                 T.writes(c[tuple(c_index)])
                 if spec.init:
                     with T.init():
                         T.buffer_store(c, tirx.const(0.0, "float32"), c_index)
-                T.buffer_store(c, c[tuple(c_index)] + a[tuple(a_index)] * b[tuple(b_index)], c_index)
+                T.buffer_store(c, c[tuple(c_index)] + _product(spec, a[tuple(a_index)], b[tuple(b_index)]), c_index)
     return builder.get()
+
+
+# vdpbf16ps on zmm registers, as a function LLVM inlines (the operands as 32-bit lanes: TVM
+# cannot pass bf16 vectors); linkonce_odr: each kernel's import of it is one definition.
+DPBF16PS = "tvmext_dpbf16ps"
+DPBF16PS_LLVM = f"""
+define linkonce_odr <16 x float> @{DPBF16PS}(<16 x float> %acc, <16 x i32> %a, <16 x i32> %b) #0 {{
+  %av = bitcast <16 x i32> %a to <32 x bfloat>
+  %bv = bitcast <16 x i32> %b to <32 x bfloat>
+  %r = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> %acc, <32 x bfloat> %av, <32 x bfloat> %bv)
+  ret <16 x float> %r
+}}
+declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
+attributes #0 = {{ alwaysinline }}
+"""
 
 
 def _implementation(spec: BRGEMM) -> tirx.PrimFunc:
@@ -257,7 +305,7 @@ def _implementation(spec: BRGEMM) -> tirx.PrimFunc:
     most 1 KiB; "local" buffers and larger ones (a 14x32 AVX-512 tile is 1.8 KiB) go to a heap
     workspace, where the accumulators were loaded and stored around every FMA (4x slower).
     """
-    vec, lanes = f"{spec.dtype}x{spec.lanes}", spec.lanes
+    vec, lanes = f"float32x{spec.lanes}", spec.lanes
     ku, nv = spec.k_unroll, spec.vectors
     tile = [(i, j) for i in range(spec.m_r) for j in range(nv)]
     with IRBuilder() as builder, T.prim_func(s_tir=True):
@@ -266,27 +314,47 @@ def _implementation(spec: BRGEMM) -> tirx.PrimFunc:
         with T.sblock("root"):
             _regions(spec, a, b, c)
             acc = [IRBuilder.name(f"acc{i}", T.alloc_buffer((nv,), vec)) for i in range(spec.m_r)]
-            bv = IRBuilder.name("bv", T.alloc_buffer((nv,), vec))
+            bv = IRBuilder.name("bv", T.alloc_buffer((nv,), f"int32x{lanes}" if spec.pairs else vec))
             for i, j in tile:
-                start = (T.broadcast(tirx.const(0.0, spec.dtype), lanes) if spec.init
+                start = (T.broadcast(tirx.const(0.0, "float32"), lanes) if spec.init
                          else c.vload([i, j * lanes], vec))
                 T.buffer_store(acc[i], start, [j])
-            with T.serial(batch[0]) as i0:
-                IRBuilder.name("i0", i0)
+            with contextlib.ExitStack() as frames:
+                if spec.pairs:
+                    frames.enter_context(T.attr(0, "pragma_import_llvm", DPBF16PS_LLVM))
+                i0 = IRBuilder.name("i0", frames.enter_context(T.serial(batch[0])))
                 if spec.prefetch and spec.batch[0] > 1 and not spec.a_transposed:
                     _prefetch_block(spec, a, batch, i0 + spec.prefetch)
-                with T.grid(*batch[1:]) as (i1, i2), T.serial(spec.k // ku) as k0, T.unroll(ku) as k1:
+                steps = spec.k // 2 if spec.pairs else spec.k  # a pair of k per step in bf16
+                ku = max(d for d in range(1, min(ku, steps) + 1) if steps % d == 0)
+                with T.grid(*batch[1:]) as (i1, i2), T.serial(steps // ku) as k0, T.unroll(ku) as k1:
                     IRBuilder.name_many(["i1", "i2", "k0", "k1"], [i1, i2, k0, k1])
                     k = k0 * ku + k1
-                    for j in range(nv):
-                        T.buffer_store(bv, b.vload([i0, i1, i2, k, j * lanes], vec), [j])
-                    for i, j in tile:
-                        a_value = T.broadcast(a[tuple(_a_index(spec, i0, i1, i2, i, k))], lanes)
-                        T.buffer_store(acc[i], T.call_llvm_pure_intrin(vec, "llvm.fmuladd", a_value, bv[j],
-                                                                       acc[i][j]), [j])
+                    if spec.pairs:
+                        _pair_step(spec, a, b, acc, bv, tile, (i0, i1, i2), k)
+                    else:
+                        for j in range(nv):
+                            T.buffer_store(bv, b.vload([i0, i1, i2, k, j * lanes], vec), [j])
+                        for i, j in tile:
+                            a_value = T.broadcast(a[tuple(_a_index(spec, i0, i1, i2, i, k))], lanes)
+                            T.buffer_store(acc[i], T.call_llvm_pure_intrin(vec, "llvm.fmuladd", a_value, bv[j],
+                                                                           acc[i][j]), [j])
             for i, j in tile:
                 T.buffer_store(c, acc[i][j], [i, slice(j * lanes, (j + 1) * lanes)])
     return builder.get()
+
+
+def _pair_step(spec: BRGEMM, a: tirx.Buffer, b: tirx.Buffer, acc: list, bv: tirx.Buffer, tile: list,
+               batch: tuple, pair) -> None:
+    """One bf16 step: channels 2 * pair and 2 * pair + 1 of the batch entry, by vdpbf16ps."""
+    lanes, words = spec.lanes, f"int32x{spec.lanes}"
+    for j in range(spec.vectors):  # 16 output lanes x a pair of channels: one 64-byte load
+        T.buffer_store(bv, T.reinterpret(words, b.vload([*batch, pair, j * lanes, 0], f"bfloat16x{2 * lanes}")), [j])
+    for i, j in tile:
+        i0, i1, i2 = batch
+        pair_of_a = T.reinterpret("int32", a.vload(_a_index(spec, i0, i1, i2, i, 2 * pair), "bfloat16x2"))
+        T.buffer_store(acc[i], T.call_extern(f"float32x{lanes}", DPBF16PS, acc[i][j], T.broadcast(pair_of_a, lanes),
+                                             bv[j]), [j])
 
 
 def _prefetch_block(spec: BRGEMM, a: tirx.Buffer, batch: tuple, i0: tirx.PrimExpr) -> None:

@@ -92,9 +92,9 @@ def activation_expr(name: str, value: tirx.PrimExpr, alpha: float = 0.01, *,
     return eval(text, {"T": tvm.script.tirx, "v": value, **functions})  # noqa: S307
 
 
-def param_buffer(name: str, shape, align: int = -1) -> tirx.Buffer:
-    """A float32 parameter `name` of the PrimFunc being built and its buffer (named in capitals)."""
-    return IRBuilder.name(name.upper(), T.match_buffer(T.arg(name, T.handle()), shape, "float32", align=align))
+def param_buffer(name: str, shape, align: int = -1, dtype: str = "float32") -> tirx.Buffer:
+    """A parameter `name` of the PrimFunc being built and its buffer (named in capitals)."""
+    return IRBuilder.name(name.upper(), T.match_buffer(T.arg(name, T.handle()), shape, dtype, align=align))
 
 
 # A scratch buffer of at most this many bytes lives on the task's stack (TVM puts those of less

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
+import ml_dtypes
 import numpy as np
 from tvm import s_tir, te, tirx
 from tvm.script.ir_builder import IRBuilder
@@ -31,7 +32,7 @@ from tvm.tirx.script import builder as T
 
 from ..intrin.cpu import BRGEMM, default_tile, get_brgemm_intrin, register_tiles
 from ..intrin.cpu_depthwise import DepthwiseTile, get_depthwise_intrin
-from ..target import AVX2, AVX512, NEON, SSE, VectorISA
+from ..target import AVX2, AVX512, CPU_FEATURES_ATTR, NEON, SSE, VectorISA
 from .common import (
     ACTIVATIONS,
     KERNEL_ATTR,
@@ -72,8 +73,8 @@ class Conv2dWorkload:
             raise ValueError(f"conv2d: data must be 4-D NCHW, got shape {tuple(x_shape)}")
         if len(w_shape) != 4:
             raise ValueError(f"conv2d: weight must be 4-D OIHW, got shape {tuple(w_shape)}")
-        if dtype != "float32":
-            raise ValueError(f"conv2d: dtype {dtype} is not supported (float32 only)")
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"conv2d: dtype {dtype} is not supported (float32, or bfloat16 data and weights)")
         N, C, H, W = (int(v) for v in x_shape)
         K, Cg, KH, KW = (int(v) for v in w_shape)
         if groups < 1 or C % groups or K % groups:
@@ -198,6 +199,8 @@ class Conv2dPlan:
 
     def blocked_weight_shape(self) -> tuple[int, ...]:
         wl = self.wl
+        if wl.dtype == "bfloat16":  # pairs of input channels innermost (the dot-product instruction's)
+            return (self.OCB, wl.C // self.ic_bn, wl.KH, wl.KW, self.ic_bn // 2, self.oc_bn, 2)
         if self.kind == "depthwise":
             return (self.OCB, wl.KH, wl.KW, self.oc_bn)
         if self.kind == "grouped":  # per output block, the weights of each channel of a group
@@ -296,6 +299,10 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
         return dataclasses.replace(plan_conv2d(wl, isa, m_r, n_r, wl.C // wl.groups, row_order), data_bn=data_bn)
     lanes = isa.lanes
     Cg, Kg = wl.C // wl.groups, wl.K // wl.groups
+    if wl.dtype == "bfloat16":
+        reason = bf16_reason(wl, isa)
+        if reason is not None:
+            raise ValueError(f"conv2d: bfloat16: {reason}")
     if wl.depthwise:
         oc_bn = n_r or _largest_divisor(wl.C, 4 * lanes, lanes) or _largest_divisor(wl.C, 4 * lanes)
         return Conv2dPlan(wl, "depthwise", oc_bn, oc_bn, m_r or min(wl.OW, depthwise_m_r(oc_bn, lanes)))
@@ -317,7 +324,7 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
     tile = default_tile(isa, n_choices, wl.OW)
     if m_r is not None:
         tile = (min(m_r, wl.OW), tile[1])
-    ic = ic_bn or _largest_divisor(Cg, 16 if Cg > 16 else Cg)
+    ic = ic_bn or _largest_divisor(Cg, 16 if Cg > 16 else Cg, 2 if wl.dtype == "bfloat16" else 1)
     # A strided 1x1 reads a sparse subset of its input (every other pixel of every other row),
     # which the prefetchers fetch poorly: streaming it once per output block cost AVX2 (16-channel
     # blocks, twice AVX-512's passes) 73% -> 91% of peak on ResNet-50's 256x56x56 -> 512 layer,
@@ -337,6 +344,20 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
         else:
             row_order = "ob_oh"
     return Conv2dPlan(wl, "brgemm", ic, tile[1], tile[0], row_order=row_order)
+
+
+def bf16_reason(wl: Conv2dWorkload, isa: VectorISA) -> str | None:
+    """Why a bfloat16 convolution `wl` has no kernel on `isa`, or None: the BRGEMM's pairs of
+    input channels need AVX512-BF16 (16 lanes; :func:`~tvm_ext.target.has_avx512_bf16` says
+    whether the CPU has the instruction) and an even number of channels per group, and only
+    dense convolutions take it so far."""
+    if isa.lanes != 16:
+        return f"the {isa.name} BRGEMM has no bf16 dot product (AVX512-BF16 only)"
+    if wl.groups != 1:
+        return f"{wl.groups} groups (dense convolutions only)"
+    if wl.C % 2:
+        return f"{wl.C} input channels: not pairs"
+    return None
 
 
 def nchw_input_reason(plan: Conv2dPlan) -> str | None:
@@ -481,7 +502,11 @@ def _segment(plan: Conv2dPlan, name: str, width: int, start: int, row: tuple, ou
             w_ob = 0 if plan.oihw_weight else v_ob  # (the task's block of weights)
             r = plan.in_bn // plan.ic_bn  # channel blocks of the kernel in a block of the data
             block, channel = (icb // r, icb % r * plan.ic_bn + v["ic"]) if r > 1 else (icb, v["ic"])
-            product = x[v_n, block, h, col, channel] * w[w_ob, v["icb"], v["kh"], v["kw"], v["ic"], v_o]
+            if wl.dtype == "bfloat16":  # products and sums in fp32; weights in pairs of channels
+                product = (tirx.Cast("float32", x[v_n, block, h, col, channel])
+                           * tirx.Cast("float32", w[w_ob, v["icb"], v["kh"], v["kw"], v["ic"] // 2, v_o, v["ic"] % 2]))
+            else:
+                product = x[v_n, block, h, col, channel] * w[w_ob, v["icb"], v["kh"], v["kw"], v["ic"], v_o]
         index = out_index(v_n, v_ob, v_oh, v_ow, v_o)
         with T.init():
             T.buffer_store(out, T.float32(0), index)
@@ -560,8 +585,8 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("conv")
         # NCHW data may be a user's array (NumPy aligns to 16 bytes): it is only broadcast, element by element
-        x = param_buffer("x", plan.data_shape(), align=USER_ALIGNMENT if plan.nchw_in else -1)
-        w = param_buffer("w", plan.weight_shape(), align=USER_ALIGNMENT if plan.oihw_weight else -1)
+        x = param_buffer("x", plan.data_shape(), align=USER_ALIGNMENT if plan.nchw_in else -1, dtype=wl.dtype)
+        w = param_buffer("w", plan.weight_shape(), align=USER_ALIGNMENT if plan.oihw_weight else -1, dtype=wl.dtype)
         bias = param_buffer("b", (plan.OCB, plan.oc_bn)) if epilogue.bias else None
         residual_shape = wl.out_shape if epilogue.nchw_out else plan.out_shape()
         residual = param_buffer("r", residual_shape) if epilogue.residual else None
@@ -690,7 +715,7 @@ def tensorize_brgemm_segments(sch: s_tir.Schedule, plan: Conv2dPlan, lanes: int,
         unroll = int(sch.get(block).annotations.get(BRGEMM_UNROLL, 1))
         tiles.append((name, ow_inner, BRGEMM(m_r=m_r, n_r=n_r, k=plan.ic_bn, lanes=lanes,
                                              batch=(int(sch.get(icb).extent), wl.KH, wl.KW), stride=wl.stride[1],
-                                             dilation=wl.dilation, init=True, unroll=unroll)))
+                                             dilation=wl.dilation, dtype=wl.dtype, init=True, unroll=unroll)))
     for name, loop, spec in tiles:
         sch.tensorize(loop, get_brgemm_intrin(spec))
         _drop_init(sch, sch.get_sblock(f"{name}_o"))  # the block blockize made around the call
@@ -802,7 +827,8 @@ def conv2d_blocked_kernel(plan: Conv2dPlan, lanes: int, epilogue: Epilogue = Epi
     """The scheduled blocked convolution, tagged with its kernel name."""
     sch = s_tir.Schedule(conv2d_blocked_func(plan, epilogue))
     schedule_conv2d_blocked(sch, plan, lanes)
-    return sch.mod["main"].with_attr(KERNEL_ATTR, f"{plan.kind}_conv2d")
+    func = sch.mod["main"].with_attr(KERNEL_ATTR, f"{plan.kind}_conv2d")
+    return func.with_attr(CPU_FEATURES_ATTR, "avx512bf16") if plan.wl.dtype == "bfloat16" else func
 
 
 def _weight_tile(plan: Conv2dPlan, rows: tirx.Buffer, ob, ib, q0, o0, store: Callable) -> None:
@@ -895,6 +921,9 @@ def pack_weight_array(plan: Conv2dPlan, weight: np.ndarray) -> np.ndarray:
     else:
         blocked = padded.reshape(k // plan.oc_bn, plan.oc_bn, c // plan.ic_bn, plan.ic_bn, kh, kw)
         blocked = blocked.transpose(0, 2, 4, 5, 3, 1)
+    if wl.dtype == "bfloat16":  # rounded to nearest even; pairs of input channels innermost
+        pairs = blocked.reshape(*blocked.shape[:4], plan.ic_bn // 2, 2, plan.oc_bn).transpose(0, 1, 2, 3, 4, 6, 5)
+        return np.ascontiguousarray(pairs.astype(np.float32).astype(ml_dtypes.bfloat16))
     return np.ascontiguousarray(blocked)
 
 

@@ -32,7 +32,7 @@ from ..kernels import layout as _layout
 from ..kernels import pool2d as _pool
 from ..kernels import script as _script
 from ..kernels.common import KERNEL_ATTR, STACK_BUFFER_CONFIG, USER_ALIGNMENT
-from ..target import TargetLike, resolve_target, vector_isa
+from ..target import TargetLike, check_cpu_features, resolve_target, vector_isa
 
 logger = logging.getLogger("tvm_ext")
 
@@ -285,6 +285,7 @@ def compile_kernel(func: tvm.tirx.PrimFunc, target: tvm.target.Target) -> tvm.ru
     a generated kernel declares each buffer where it lives)."""
     name = "tvm_ext_" + str(func.attrs[KERNEL_ATTR])  # te.create_prim_func says "main"
     mod = tvm.IRModule({name: func.with_attr("global_symbol", name)})
+    check_cpu_features(mod, target)
     current = tvm.transform.PassContext.current()  # the caller's context, with the stack buffers' config
     with tvm.transform.PassContext(opt_level=current.opt_level, required_pass=list(current.required_pass),
                                    disabled_pass=list(current.disabled_pass), instruments=list(current.instruments),

@@ -1,0 +1,117 @@
+"""bfloat16 convolutions on the BRGEMM microkernel (AVX512-BF16 `vdpbf16ps`): bf16 data and
+weights (pairs of input channels), fp32 products, sums and output. Checked against float64 on
+the bf16-rounded inputs (what the instruction multiplies exactly)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import tvm
+from reference import rel_err
+from tvm import s_tir, te
+
+from tvm_ext.errors import UnsupportedError
+from tvm_ext.intrin.cpu import BRGEMM, brgemm_from_name, get_brgemm_intrin
+from tvm_ext.kernels.conv2d import Conv2dWorkload, Epilogue, conv2d_blocked_kernel, pack_weight_array, plan_conv2d
+from tvm_ext.ops.forward import compile_kernel
+from tvm_ext.target import AVX2, AVX512, CPU_FEATURES_ATTR, has_avx512_bf16, resolve_target
+
+TARGET = resolve_target("llvm")
+needs_bf16 = pytest.mark.skipif(not has_avx512_bf16(TARGET), reason="this CPU has no AVX512-BF16")
+
+
+@needs_bf16
+@pytest.mark.parametrize("batch, stride", [((1, 1, 1), 1), ((3, 3, 3), 2)])
+def test_bf16_brgemm_is_correct(batch, stride):
+    """The microkernel tensorized into a plain batch-reduce: A (rows x channels) by B in pairs."""
+    m, n, k = 12, 32, 16
+    b0, b1, b2 = batch
+    width = (m - 1) * stride + b2
+    a = te.placeholder((b0, b1, width, k), "bfloat16", name="A")
+    b = te.placeholder((b0, b1, b2, k // 2, n, 2), "bfloat16", name="B")
+    r = [te.reduce_axis((0, e), f"b{d}") for d, e in enumerate(batch)]
+    kk = te.reduce_axis((0, k), "k")
+    c = te.compute((m, n), lambda i, j: te.sum(a[r[0], r[1], i * stride + r[2], kk].astype("float32")
+                                               * b[r[0], r[1], r[2], kk // 2, j, kk % 2].astype("float32"),
+                                               axis=[*r, kk]), name="C")
+    sch = s_tir.Schedule(te.create_prim_func([a, b, c]))
+    i, j, *reduction = sch.get_loops(sch.get_sblock("C"))
+    io, ii = sch.split(i, [None, 6])
+    jo, ji = sch.split(j, [None, n])
+    sch.reorder(io, jo, ii, ji, *reduction)
+    sch.decompose_reduction(sch.get_sblock("C"), ii)
+    sch.tensorize(ii, get_brgemm_intrin(BRGEMM(6, n, k, 16, batch, stride, dtype="bfloat16")))
+    lib = tvm.compile(sch.mod, TARGET)
+    assert lib.mod.inspect_source("asm").count("vdpbf16ps") >= 2 * 6 * 8  # the tile's steps, unrolled
+    rng = np.random.default_rng(0)
+    av = rng.standard_normal((b0, b1, width, k)).astype(ml_dtypes.bfloat16)
+    bv = rng.standard_normal((b0, b1, b2, k // 2, n, 2)).astype(ml_dtypes.bfloat16)
+    out = tvm.runtime.empty((m, n), "float32")
+    lib(tvm.runtime.tensor(av), tvm.runtime.tensor(bv), out)
+    a64, b64 = av.astype(np.float64), bv.astype(np.float64)
+    ref = sum(a64[x0, x1, x2 + stride * np.arange(m)] @ b64[x0, x1, x2].transpose(0, 2, 1).reshape(k, n)
+              for x0 in range(b0) for x1 in range(b1) for x2 in range(b2))
+    assert rel_err(out.numpy(), ref) <= 1e-6
+
+
+def _run_conv(x_shape, w_shape, stride, padding, dilation, seed=0):
+    wl = Conv2dWorkload.make(x_shape, w_shape, stride, padding, dilation, dtype="bfloat16")
+    plan = plan_conv2d(wl, AVX512)
+    lib = compile_kernel(conv2d_blocked_kernel(plan, 16, Epilogue()), TARGET)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(x_shape).astype(ml_dtypes.bfloat16)
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    n, c, h, width = x_shape
+    top, left, bottom, right = wl.padding
+    padded = np.zeros((n, c, h + top + bottom, width + left + right), ml_dtypes.bfloat16)
+    padded[:, :, top:top + h, left:left + width] = x
+    blocked = padded.reshape(n, c // plan.ic_bn, plan.ic_bn, *padded.shape[2:]).transpose(0, 1, 3, 4, 2)
+    out = tvm.runtime.empty(plan.out_shape(), "float32")
+    lib(tvm.runtime.tensor(np.ascontiguousarray(blocked)), tvm.runtime.tensor(pack_weight_array(plan, w)), out)
+    got = out.numpy().transpose(0, 1, 4, 2, 3).reshape(n, plan.K_pad, wl.OH, wl.OW)[:, :wl.K]
+    xt = torch.nn.functional.pad(torch.from_numpy(x.astype(np.float64)), (left, right, top, bottom))
+    wt = torch.from_numpy(w.astype(ml_dtypes.bfloat16).astype(np.float64))
+    return got, torch.nn.functional.conv2d(xt, wt, None, stride, 0, dilation).numpy()
+
+
+# ResNet-like, strided, asymmetric padding, dilation, K past the blocks, 6 channels (pairs of a block of 6)
+CASES = [((1, 64, 14, 14), (64, 64, 3, 3), 1, 1, 1), ((2, 32, 9, 11), (48, 32, 3, 3), 2, 1, 1),
+         ((1, 6, 8, 8), (16, 6, 1, 1), 1, 0, 1), ((1, 64, 10, 10), (40, 64, 3, 3), 1, 2, 2),
+         ((3, 16, 7, 9), (32, 16, 5, 5), 1, (2, 1, 2, 3), 1), ((1, 128, 8, 8), (256, 128, 1, 1), 2, 0, 1),
+         ((2, 8, 13, 6), (24, 8, 3, 1), (2, 1), (1, 0, 1, 0), (1, 1)), ((1, 4, 31, 31), (16, 4, 7, 7), 2, 3, 1)]
+
+
+@needs_bf16
+@pytest.mark.parametrize("case", CASES, ids=[f"c{i}" for i in range(len(CASES))])
+def test_bf16_conv2d_matches_float64_of_bf16_inputs(case):
+    got, expected = _run_conv(*case)
+    assert rel_err(got, expected) <= 1e-5
+
+
+def test_bf16_plans_refuse_what_the_microkernel_does_not_take():
+    wl = Conv2dWorkload.make((1, 32, 8, 8), (32, 32, 3, 3), 1, 1, dtype="bfloat16")
+    with pytest.raises(ValueError, match="AVX512-BF16 only"):
+        plan_conv2d(wl, AVX2)
+    with pytest.raises(ValueError, match="2 groups"):
+        plan_conv2d(Conv2dWorkload.make((1, 32, 8, 8), (32, 16, 3, 3), 1, 1, groups=2, dtype="bfloat16"), AVX512)
+    with pytest.raises(ValueError, match="3 input channels: not pairs"):
+        plan_conv2d(Conv2dWorkload.make((1, 3, 8, 8), (32, 3, 3, 3), 1, 1, dtype="bfloat16"), AVX512)
+    with pytest.raises(ValueError, match="float32, or bfloat16"):
+        Conv2dWorkload.make((1, 32, 8, 8), (32, 32, 3, 3), dtype="float16")
+    with pytest.raises(ValueError, match="pairs of k"):
+        BRGEMM(4, 16, 7, 16, dtype="bfloat16").validate()
+    spec = BRGEMM(4, 32, 16, 16, (2, 3, 3), 2, dtype="bfloat16", init=True)
+    assert brgemm_from_name(spec.name) == spec
+
+
+def test_a_bf16_kernel_refuses_a_cpu_without_avx512_bf16():
+    """LLVM aborts the whole process on vdpbf16ps for a CPU without it: the build says so first."""
+    kernel = conv2d_blocked_kernel(plan_conv2d(Conv2dWorkload.make((1, 32, 8, 8), (32, 32, 3, 3), 1, 1,
+                                                                   dtype="bfloat16"), AVX512), 16, Epilogue())
+    assert str(kernel.attrs[CPU_FEATURES_ATTR]) == "avx512bf16"
+    with pytest.raises(UnsupportedError, match="avx512bf16"):
+        compile_kernel(kernel, tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"}))
+    fp32 = conv2d_blocked_kernel(plan_conv2d(Conv2dWorkload.make((1, 32, 8, 8), (32, 32, 3, 3), 1, 1), AVX512), 16)
+    assert CPU_FEATURES_ATTR not in fp32.attrs
