@@ -11,7 +11,10 @@ and prints ms (median), GFLOP/s, % of the measured peak (bench/peak.py), the rat
 bytes tvm_ext's layout needs (the input's zero border, zero output channels). A CSV goes to
 bench/results/. Benchmarks print; they never assert.
 
-Usage: python bench/layers.py --set resnet50 --batch 1 --threads 1 [--layers K] [--repeat R]
+With `--dtype bf16`: tvm_ext's bfloat16 blocked kernel (AVX512-BF16 BRGEMM; dense layers), its
+fp32 kernel and PyTorch's bf16 convolution in channels_last (oneDNN: AMX where the CPU has it).
+
+Usage: python bench/layers.py --set resnet50 --batch 1 --threads 1 [--layers K] [--repeat R] [--dtype bf16]
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-stock", action="store_true", help="skip stock TVM (slow on big layers)")
     ap.add_argument("--target", default="llvm")
     ap.add_argument("--csv", default="")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     return ap.parse_args(argv)
 
 
@@ -48,6 +52,7 @@ ARGS = _parse_args()
 os.environ["TVM_NUM_THREADS"] = str(ARGS.threads)
 os.environ["OMP_NUM_THREADS"] = str(ARGS.threads)
 
+import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import tvm  # noqa: E402
@@ -88,8 +93,9 @@ def _median_ms(fn, repeat: int, min_ms: float = 20.0) -> float:
 def bench_blocked(plan: K.Conv2dPlan, target, repeat: int) -> float:
     lib = tvm.compile(K.conv2d_blocked_kernel(plan, tvm_ext.vector_isa(target).lanes), target)
     rng = np.random.default_rng(0)
-    args = [tvm.runtime.tensor(rng.standard_normal(s, dtype=np.float32)) for s in (plan.data_shape(),
-                                                                                   plan.weight_shape())]
+    dtype = ml_dtypes.bfloat16 if plan.wl.dtype == "bfloat16" else np.float32
+    args = [tvm.runtime.tensor(rng.standard_normal(s).astype(dtype)) for s in (plan.data_shape(),
+                                                                              plan.weight_shape())]
     args.append(tvm.runtime.empty(plan.out_shape(), "float32", tvm.cpu()))
     fn = lib.mod["main"]
     return _median_ms(lambda: fn(*args), repeat)
@@ -110,9 +116,9 @@ def bench_stock_tvm(wl: K.Conv2dWorkload, target, repeat: int) -> float:
     return _median_ms(lambda: vm["main"](xs, ws), repeat, min_ms=0.0)
 
 
-def bench_torch(wl: K.Conv2dWorkload, channels_last: bool, repeat: int) -> float:
-    x = torch.randn(wl.N, wl.C, wl.H, wl.W)
-    w = torch.randn(wl.K, wl.C // wl.groups, wl.KH, wl.KW)
+def bench_torch(wl: K.Conv2dWorkload, channels_last: bool, repeat: int, dtype=None) -> float:
+    x = torch.randn(wl.N, wl.C, wl.H, wl.W, dtype=dtype)
+    w = torch.randn(wl.K, wl.C // wl.groups, wl.KH, wl.KW, dtype=dtype)
     top, left, bottom, right = wl.padding
     if (top, left) != (bottom, right):
         x = torch.nn.functional.pad(x, (left, right, top, bottom))
@@ -149,6 +155,43 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
+def main_bf16(target, layers: list[dict]) -> int:
+    """--dtype bf16: the bf16 kernel against our fp32 one and PyTorch's bf16, same run."""
+    from tvm_ext.target import has_avx512_bf16
+
+    isa = tvm_ext.vector_isa(target)
+    print(f"# tvm_ext bf16 layer benchmark: set={ARGS.set} batch={ARGS.batch} threads={ARGS.threads} "
+          f"target={target} avx512_bf16={has_avx512_bf16(target)}")
+    header = ["layer", "shape", "bf16_ms", "bf16_GFLOP/s", "fp32_ms", "x_vs_fp32", "torch_bf16_cl_ms",
+              "x_vs_torch_bf16"]
+    print(" | ".join(header))
+    rows = []
+    for layer in layers:
+        shapes = ((ARGS.batch, layer["C"], layer["H"], layer["W"]),
+                  (layer["K"], layer["C"] // layer.get("groups", 1), layer["R"], layer["S"]))
+        args = (layer["stride"], layer["pad"], 1, layer.get("groups", 1))
+        wl = K.Conv2dWorkload.make(*shapes, *args, dtype="bfloat16")
+        if not has_avx512_bf16(target):  # (the kernel compiles only for a CPU with the instruction)
+            print(f"{layer['name']} | skipped: no AVX512-BF16 on {target}")
+            continue
+        try:
+            plan = K.plan_conv2d(wl, isa)
+        except ValueError as err:
+            print(f"{layer['name']} | skipped: {err}")
+            continue
+        ms = bench_blocked(plan, target, ARGS.repeat)
+        fp32 = bench_blocked(K.plan_conv2d(K.Conv2dWorkload.make(*shapes, *args), isa), target, ARGS.repeat)
+        t_torch = bench_torch(wl, True, ARGS.repeat, torch.bfloat16)
+        row = [layer["name"], f"{wl.C}x{wl.H}x{wl.W}->{wl.K} {wl.KH}x{wl.KW}/s{wl.stride[0]}", f"{ms:.3f}",
+               f"{wl.flops / ms / 1e6:.1f}", f"{fp32:.3f}", f"{fp32 / ms:.2f}", f"{t_torch:.3f}", f"{t_torch / ms:.2f}"]
+        rows.append(row)
+        print(" | ".join(row), flush=True)
+    if rows:
+        print(f"# geomean: bf16 vs our fp32 {geomean([float(r[5]) for r in rows]):.2f}x, "
+              f"vs PyTorch bf16 {geomean([float(r[7]) for r in rows]):.2f}x")
+    return 0
+
+
 def main() -> int:
     target = tvm_ext.resolve_target(ARGS.target)
     isa = tvm_ext.vector_isa(target)
@@ -159,6 +202,8 @@ def main() -> int:
     layers = load_layers(ARGS.set)
     if ARGS.layers:
         layers = layers[: ARGS.layers]
+    if ARGS.dtype == "bf16":
+        return main_bf16(target, layers)
     print(f"# tvm_ext layer benchmark: set={ARGS.set} batch={ARGS.batch} threads={ARGS.threads} "
           f"target={target} isa={isa.name} peak={peak_gflops:.1f} GFLOP/s (bench/peak.py)")
     header = ["layer", "shape", "kernel", "tile", "ms", "GFLOP/s", "%peak", "x_torch_nchw", "x_torch_cl",

@@ -87,6 +87,18 @@ def test_layers_bench_smoke(tmp_path):
     assert json.loads((ROOT / "bench" / "workloads.json").read_text())["resnet50"]
 
 
+def test_layers_bench_bf16_smoke():
+    """--dtype bf16: the stem's 3 channels are skipped with the reason; the next layer is timed
+    (where the CPU has AVX512-BF16) against our fp32 kernel and PyTorch's bf16."""
+    from tvm_ext.target import has_avx512_bf16
+
+    out = _run("bench/layers.py", "--set", "resnet50", "--layers", "2", "--repeat", "2", "--dtype", "bf16")
+    assert "stem_7x7s2 | skipped: " in out
+    if has_avx512_bf16("llvm"):
+        assert "3 input channels: not pairs" in out and "s2_1x1_64-64 | 64x56x56->64" in out
+        assert "# geomean: bf16 vs our fp32" in out
+
+
 def test_tutorial_02_compile_a_network():
     out = _run("tutorials/02_compile_a_network.py")
     assert "relative error against PyTorch" in out and "brgemm_conv2d epilogue" in out
