@@ -152,6 +152,16 @@ def has_avx512_bf16(target: TargetLike) -> bool:
         return bool(codegen.llvm_cpu_has_features(["avx512bf16", "avx512f"], resolved))
 
 
+def has_amx_bf16(target: TargetLike) -> bool:
+    """Whether the (resolved) LLVM target has AMX with bf16 (`tdpbf16ps`; Sapphire Rapids and
+    later), which the BRGEMM's "amx" engine issues."""
+    resolved = resolve_target(target)
+    if resolved.kind.name != "llvm":
+        return False
+    with resolved:
+        return bool(codegen.llvm_cpu_has_features(["amx-bf16", "amx-tile"], resolved))
+
+
 def vector_isa(target: TargetLike) -> VectorISA:
     """The widest fp32 FMA vector ISA the (resolved) LLVM target has."""
     resolved = resolve_target(target)

@@ -1,6 +1,6 @@
-"""bfloat16 convolutions on the BRGEMM microkernel (AVX512-BF16 `vdpbf16ps`): bf16 data and
-weights (pairs of input channels), fp32 products, sums and output. Checked against float64 on
-the bf16-rounded inputs (what the instruction multiplies exactly)."""
+"""bfloat16 convolutions on the BRGEMM microkernel, on AVX512-BF16's `vdpbf16ps` and on AMX tiles
+(`tdpbf16ps`): bf16 data and weights (pairs of input channels), fp32 products, sums and output.
+Checked against float64 on the bf16-rounded inputs (what the instructions multiply exactly)."""
 
 from __future__ import annotations
 
@@ -16,17 +16,23 @@ from tvm_ext.errors import UnsupportedError
 from tvm_ext.intrin.cpu import BRGEMM, brgemm_from_name, get_brgemm_intrin
 from tvm_ext.kernels.conv2d import Conv2dWorkload, Epilogue, conv2d_blocked_kernel, pack_weight_array, plan_conv2d
 from tvm_ext.ops.forward import compile_kernel
-from tvm_ext.target import AVX2, AVX512, CPU_FEATURES_ATTR, has_avx512_bf16, resolve_target
+from tvm_ext.target import AVX2, AVX512, CPU_FEATURES_ATTR, has_amx_bf16, has_avx512_bf16, resolve_target
 
 TARGET = resolve_target("llvm")
-needs_bf16 = pytest.mark.skipif(not has_avx512_bf16(TARGET), reason="this CPU has no AVX512-BF16")
+ENGINES = [pytest.param("fma", marks=pytest.mark.skipif(not has_avx512_bf16(TARGET), reason="no AVX512-BF16")),
+           pytest.param("amx", marks=pytest.mark.skipif(not has_amx_bf16(TARGET), reason="no AMX-BF16"))]
 
 
-@needs_bf16
-@pytest.mark.parametrize("batch, stride", [((1, 1, 1), 1), ((3, 3, 3), 2)])
-def test_bf16_brgemm_is_correct(batch, stride):
+@pytest.mark.parametrize("engine", ENGINES)
+# (m_r, k, batch, stride): AMX's tiles of 16 rows, two of them, a short one, 16 and 64 channels
+@pytest.mark.parametrize("m_r, k, batch, stride", [(6, 16, (1, 1, 1), 1), (12, 16, (3, 3, 3), 2),
+                                                   (16, 32, (1, 1, 1), 1), (32, 32, (2, 3, 3), 1),
+                                                   (24, 64, (1, 3, 3), 2)])
+def test_bf16_brgemm_is_correct(engine, m_r, k, batch, stride):
     """The microkernel tensorized into a plain batch-reduce: A (rows x channels) by B in pairs."""
-    m, n, k = 12, 32, 16
+    if engine == "fma" and m_r > 14:
+        pytest.skip("a tile of more than 14 rows does not fit 32 vector registers")
+    m, n = 2 * m_r, 32
     b0, b1, b2 = batch
     width = (m - 1) * stride + b2
     a = te.placeholder((b0, b1, width, k), "bfloat16", name="A")
@@ -38,13 +44,17 @@ def test_bf16_brgemm_is_correct(batch, stride):
                                                axis=[*r, kk]), name="C")
     sch = s_tir.Schedule(te.create_prim_func([a, b, c]))
     i, j, *reduction = sch.get_loops(sch.get_sblock("C"))
-    io, ii = sch.split(i, [None, 6])
+    io, ii = sch.split(i, [None, m_r])
     jo, ji = sch.split(j, [None, n])
     sch.reorder(io, jo, ii, ji, *reduction)
     sch.decompose_reduction(sch.get_sblock("C"), ii)
-    sch.tensorize(ii, get_brgemm_intrin(BRGEMM(6, n, k, 16, batch, stride, dtype="bfloat16")))
+    sch.tensorize(ii, get_brgemm_intrin(BRGEMM(m_r, n, k, 16, batch, stride, dtype="bfloat16", engine=engine)))
     lib = tvm.compile(sch.mod, TARGET)
-    assert lib.mod.inspect_source("asm").count("vdpbf16ps") >= 2 * 6 * 8  # the tile's steps, unrolled
+    asm = lib.mod.inspect_source("asm")
+    if engine == "amx":  # two C tiles a row of tiles, each a tdpbf16ps a step
+        assert asm.count("tdpbf16ps") >= 2 * -(-m_r // 16) and "ldtilecfg" in asm
+    else:
+        assert asm.count("vdpbf16ps") >= 2 * m_r and "tdpbf16ps" not in asm
     rng = np.random.default_rng(0)
     av = rng.standard_normal((b0, b1, width, k)).astype(ml_dtypes.bfloat16)
     bv = rng.standard_normal((b0, b1, b2, k // 2, n, 2)).astype(ml_dtypes.bfloat16)
@@ -56,9 +66,9 @@ def test_bf16_brgemm_is_correct(batch, stride):
     assert rel_err(out.numpy(), ref) <= 1e-6
 
 
-def _run_conv(x_shape, w_shape, stride, padding, dilation, seed=0):
+def _run_conv(x_shape, w_shape, stride, padding, dilation, engine, seed=0):
     wl = Conv2dWorkload.make(x_shape, w_shape, stride, padding, dilation, dtype="bfloat16")
-    plan = plan_conv2d(wl, AVX512)
+    plan = plan_conv2d(wl, AVX512, engine=engine)
     lib = compile_kernel(conv2d_blocked_kernel(plan, 16, Epilogue()), TARGET)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(x_shape).astype(ml_dtypes.bfloat16)
@@ -76,17 +86,19 @@ def _run_conv(x_shape, w_shape, stride, padding, dilation, seed=0):
     return got, torch.nn.functional.conv2d(xt, wt, None, stride, 0, dilation).numpy()
 
 
-# ResNet-like, strided, asymmetric padding, dilation, K past the blocks, 6 channels (pairs of a block of 6)
+# ResNet-like, strided, asymmetric padding, dilation, K past the blocks, 6 channels (pairs of a block
+# of 6), rows of 56 pixels (AMX: a tile row of 32 and a tail of 24), 7 x 7 pixels of 256 channels
 CASES = [((1, 64, 14, 14), (64, 64, 3, 3), 1, 1, 1), ((2, 32, 9, 11), (48, 32, 3, 3), 2, 1, 1),
          ((1, 6, 8, 8), (16, 6, 1, 1), 1, 0, 1), ((1, 64, 10, 10), (40, 64, 3, 3), 1, 2, 2),
          ((3, 16, 7, 9), (32, 16, 5, 5), 1, (2, 1, 2, 3), 1), ((1, 128, 8, 8), (256, 128, 1, 1), 2, 0, 1),
-         ((2, 8, 13, 6), (24, 8, 3, 1), (2, 1), (1, 0, 1, 0), (1, 1)), ((1, 4, 31, 31), (16, 4, 7, 7), 2, 3, 1)]
+         ((2, 8, 13, 6), (24, 8, 3, 1), (2, 1), (1, 0, 1, 0), (1, 1)), ((1, 4, 31, 31), (16, 4, 7, 7), 2, 3, 1),
+         ((1, 64, 56, 56), (64, 64, 3, 3), 1, 1, 1), ((2, 256, 7, 7), (512, 256, 1, 1), 1, 0, 1)]
 
 
-@needs_bf16
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("case", CASES, ids=[f"c{i}" for i in range(len(CASES))])
-def test_bf16_conv2d_matches_float64_of_bf16_inputs(case):
-    got, expected = _run_conv(*case)
+def test_bf16_conv2d_matches_float64_of_bf16_inputs(case, engine):
+    got, expected = _run_conv(*case, engine)
     assert rel_err(got, expected) <= 1e-5
 
 
@@ -104,10 +116,18 @@ def test_bf16_plans_refuse_what_the_microkernel_does_not_take():
         BRGEMM(4, 16, 7, 16, dtype="bfloat16").validate()
     spec = BRGEMM(4, 32, 16, 16, (2, 3, 3), 2, dtype="bfloat16", init=True)
     assert brgemm_from_name(spec.name) == spec
+    amx = BRGEMM(32, 32, 32, 16, (2, 3, 3), 2, dtype="bfloat16", init=True, engine="amx")
+    assert amx.name.endswith("_amx") and brgemm_from_name(amx.name) == amx
+    with pytest.raises(ValueError, match="AMX takes bfloat16 tiles"):
+        BRGEMM(33, 32, 32, 16, dtype="bfloat16", engine="amx").validate()
+    with pytest.raises(ValueError, match="AMX takes bfloat16 tiles"):
+        BRGEMM(16, 16, 32, 16, engine="amx").validate()
+    with pytest.raises(ValueError, match="the AMX engine takes bfloat16"):
+        plan_conv2d(Conv2dWorkload.make((1, 32, 8, 8), (32, 32, 3, 3), 1, 1), AVX512, engine="amx")
 
 
-def test_a_bf16_kernel_refuses_a_cpu_without_avx512_bf16():
-    """LLVM aborts the whole process on vdpbf16ps for a CPU without it: the build says so first."""
+def test_a_bf16_kernel_refuses_a_cpu_without_its_instructions():
+    """LLVM aborts the whole process on vdpbf16ps (or AMX) for a CPU without it: the build says so first."""
     kernel = conv2d_blocked_kernel(plan_conv2d(Conv2dWorkload.make((1, 32, 8, 8), (32, 32, 3, 3), 1, 1,
                                                                    dtype="bfloat16"), AVX512), 16, Epilogue())
     assert str(kernel.attrs[CPU_FEATURES_ATTR]) == "avx512bf16"
@@ -115,3 +135,7 @@ def test_a_bf16_kernel_refuses_a_cpu_without_avx512_bf16():
         compile_kernel(kernel, tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"}))
     fp32 = conv2d_blocked_kernel(plan_conv2d(Conv2dWorkload.make((1, 32, 8, 8), (32, 32, 3, 3), 1, 1), AVX512), 16)
     assert CPU_FEATURES_ATTR not in fp32.attrs
+    amx = conv2d_blocked_kernel(plan_conv2d(Conv2dWorkload.make((1, 32, 8, 8), (32, 32, 3, 3), 1, 1,
+                                                                dtype="bfloat16"), AVX512, engine="amx"), 16)
+    with pytest.raises(UnsupportedError, match="amx-bf16"):  # Zen 4: AVX512-BF16, no AMX
+        compile_kernel(amx, tvm.target.Target({"kind": "llvm", "mcpu": "znver4"}))

@@ -58,6 +58,9 @@ class BRGEMM:
     prefetch: int = 1
     # A indexed (batch..., k * stride, m): one pixel's channels contiguous (the weight gradient).
     a_transposed: bool = False
+    # "fma": vector registers (FMA, or vdpbf16ps in bfloat16); "amx": bfloat16 on AMX tiles
+    # (:mod:`tvm_ext.intrin.cpu_amx`)
+    engine: str = "fma"
 
     @property
     def k_unroll(self) -> int:
@@ -95,13 +98,19 @@ class BRGEMM:
         if self.pairs and (self.k % 2 or self.lanes != 16 or self.a_transposed):
             raise ValueError(f"BRGEMM: bfloat16 takes pairs of k (k={self.k}) over 16 lanes (AVX512-BF16, "
                              f"{self.lanes} given), A not transposed")
+        if self.engine not in ("fma", "amx"):
+            raise ValueError(f"BRGEMM: engine {self.engine!r} is not 'fma' or 'amx'")
+        if self.engine == "amx" and (not self.pairs or self.m_r > 32 or self.n_r not in (16, 32)
+                                     or self.k % min(self.k, 32)):
+            raise ValueError(f"BRGEMM: AMX takes bfloat16 tiles of up to 32 rows and 16 or 32 columns, k in "
+                             f"steps of up to 32: {self}")
         if min(self.m_r, self.n_r, self.k, self.lanes, self.stride, *self.batch, *self.dilation) < 1:
             raise ValueError(f"BRGEMM: every extent must be positive: {self}")
         if self.prefetch < 0:
             raise ValueError(f"BRGEMM: prefetch distance {self.prefetch} is negative")
         if self.n_r % self.lanes:
             raise ValueError(f"BRGEMM: n_r={self.n_r} is not a multiple of the {self.lanes} lanes")
-        if isa is not None:
+        if isa is not None and self.engine == "fma":  # (AMX's tiles are not vector registers)
             if isa.lanes != self.lanes:
                 raise ValueError(f"BRGEMM: {isa.name} has {isa.lanes} lanes, not {self.lanes}")
             if self.registers() > isa.registers:
@@ -119,12 +128,12 @@ class BRGEMM:
             f"_b{b0}x{b1}x{b2}_s{self.stride}_d{dh}x{dw}_u{self.k_unroll}{'_init' if self.init else ''}"
             # The default distance is unnamed: records tuned before prefetching name no distance.
             f"{'' if self.prefetch == BRGEMM.prefetch else f'_p{self.prefetch}'}"
-            f"{'_at' if self.a_transposed else ''}"
+            f"{'_at' if self.a_transposed else ''}{'_amx' if self.engine == 'amx' else ''}"
         )
 
 
 _NAME = re.compile(r"tvm_ext\.brgemm_(\w+?)_(\d+)x(\d+)x(\d+)_l(\d+)_b(\d+)x(\d+)x(\d+)_s(\d+)_d(\d+)x(\d+)"
-                   r"_u(\d+)(_init)?(?:_p(\d+))?(_at)?\b")
+                   r"_u(\d+)(_init)?(?:_p(\d+))?(_at)?(_amx)?\b")
 
 
 def brgemm_from_name(name: str) -> BRGEMM:
@@ -136,10 +145,11 @@ def brgemm_from_name(name: str) -> BRGEMM:
     match = _NAME.fullmatch(name)
     if match is None:
         raise ValueError(f"{name!r} is not the name of a tvm_ext BRGEMM intrinsic")
-    dtype, *v, init, prefetch, transposed = match.groups()
+    dtype, *v, init, prefetch, transposed, amx = match.groups()
     m_r, n_r, k, lanes, b0, b1, b2, stride, dh, dw, unroll = (int(x) for x in v)
     return BRGEMM(m_r, n_r, k, lanes, (b0, b1, b2), stride, (dh, dw), dtype, init is not None, unroll,
-                  BRGEMM.prefetch if prefetch is None else int(prefetch), transposed is not None)
+                  BRGEMM.prefetch if prefetch is None else int(prefetch), transposed is not None,
+                  "amx" if amx else "fma")
 
 
 def register_named(text: str) -> list[str]:
@@ -305,6 +315,10 @@ def _implementation(spec: BRGEMM) -> tirx.PrimFunc:
     most 1 KiB; "local" buffers and larger ones (a 14x32 AVX-512 tile is 1.8 KiB) go to a heap
     workspace, where the accumulators were loaded and stored around every FMA (4x slower).
     """
+    if spec.engine == "amx":
+        from .cpu_amx import amx_implementation
+
+        return amx_implementation(spec, _signature, _a_index, _regions)
     vec, lanes = f"float32x{spec.lanes}", spec.lanes
     ku, nv = spec.k_unroll, spec.vectors
     tile = [(i, j) for i in range(spec.m_r) for j in range(nv)]

@@ -158,6 +158,9 @@ class Conv2dPlan:
     # blocks its producer wrote (each group within one block; ic_bn is then the group's channels),
     # instead of a copy re-blocked to ic_bn (:func:`plan_conv2d`). 0: the data's blocks are ic_bn.
     data_bn: int = 0
+    # The microkernel's engine: "fma" (vector registers) or "amx" (a bfloat16 workload on AMX
+    # tiles: :mod:`tvm_ext.intrin.cpu_amx`)
+    engine: str = "fma"
 
     @property
     def in_bn(self) -> int:
@@ -281,12 +284,24 @@ def data_block_reason(wl: Conv2dWorkload, isa: VectorISA, data_bn: int) -> str |
 
 
 def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r: int | None = None,
-                ic_bn: int | None = None, row_order: str | None = None, data_bn: int | None = None) -> Conv2dPlan:
+                ic_bn: int | None = None, row_order: str | None = None, data_bn: int | None = None,
+                engine: str = "fma") -> Conv2dPlan:
     """Choose blocking and register tile analytically (tuning overrides m_r / n_r / ic_bn).
 
     `data_bn`: read the data in its producer's blocks of that many channels, wider than a group
     (:func:`data_block_reason`): each group is one block of the kernel's (ic_bn = the group's
-    channels), at an offset in a block of the data."""
+    channels), at an offset in a block of the data. `engine` "amx": a bfloat16 workload on AMX
+    tiles (the CPU must have AMX-BF16: :func:`~tvm_ext.target.has_amx_bf16`), blocks of 32
+    channels (a tile row of bf16 inputs; 16 output channels a tile) and rows of up to 32 pixels."""
+    if engine == "amx":
+        if wl.dtype != "bfloat16":
+            raise ValueError(f"conv2d: the AMX engine takes bfloat16, not {wl.dtype}")
+        plan = plan_conv2d(wl, isa, row_order=row_order)
+        ic = ic_bn or _largest_divisor(wl.C, 32, 2)
+        oc = n_r or (32 if wl.K > 16 else 16)
+        return dataclasses.replace(plan, ic_bn=ic, oc_bn=oc, m_r=m_r or min(32, wl.OW), engine="amx")
+    if engine != "fma":
+        raise ValueError(f"conv2d: engine {engine!r} is not 'fma' or 'amx'")
     if data_bn is not None:
         reason = data_block_reason(wl, isa, data_bn)
         if reason is not None:
@@ -715,7 +730,8 @@ def tensorize_brgemm_segments(sch: s_tir.Schedule, plan: Conv2dPlan, lanes: int,
         unroll = int(sch.get(block).annotations.get(BRGEMM_UNROLL, 1))
         tiles.append((name, ow_inner, BRGEMM(m_r=m_r, n_r=n_r, k=plan.ic_bn, lanes=lanes,
                                              batch=(int(sch.get(icb).extent), wl.KH, wl.KW), stride=wl.stride[1],
-                                             dilation=wl.dilation, dtype=wl.dtype, init=True, unroll=unroll)))
+                                             dilation=wl.dilation, dtype=wl.dtype, init=True, unroll=unroll,
+                                             engine=plan.engine)))
     for name, loop, spec in tiles:
         sch.tensorize(loop, get_brgemm_intrin(spec))
         _drop_init(sch, sch.get_sblock(f"{name}_o"))  # the block blockize made around the call
@@ -828,6 +844,8 @@ def conv2d_blocked_kernel(plan: Conv2dPlan, lanes: int, epilogue: Epilogue = Epi
     sch = s_tir.Schedule(conv2d_blocked_func(plan, epilogue))
     schedule_conv2d_blocked(sch, plan, lanes)
     func = sch.mod["main"].with_attr(KERNEL_ATTR, f"{plan.kind}_conv2d")
+    if plan.engine == "amx":
+        return func.with_attr(CPU_FEATURES_ATTR, "amx-bf16,amx-tile")
     return func.with_attr(CPU_FEATURES_ATTR, "avx512bf16") if plan.wl.dtype == "bfloat16" else func
 
 

@@ -44,6 +44,8 @@ def _describe(plan: _conv.Conv2dPlan, epilogue: _conv.Epilogue, lanes: int, regi
     for flag in ("nchw_in", "oihw_weight", "data_bn"):  # unnamed by default: records tuned before them keep their text
         if not described[flag]:
             del described[flag]
+    if described["engine"] == "fma":  # likewise
+        del described["engine"]
     epilogue_fields = dataclasses.asdict(epilogue)
     if epilogue_fields["mask"] is None:  # likewise
         del epilogue_fields["mask"]
