@@ -11,8 +11,9 @@ and prints ms (median), GFLOP/s, % of the measured peak (bench/peak.py), the rat
 bytes tvm_ext's layout needs (the input's zero border, zero output channels). A CSV goes to
 bench/results/. Benchmarks print; they never assert.
 
-With `--dtype bf16`: tvm_ext's bfloat16 blocked kernel (AVX512-BF16 BRGEMM; dense layers), its
-fp32 kernel and PyTorch's bf16 convolution in channels_last (oneDNN: AMX where the CPU has it).
+With `--dtype bf16`: tvm_ext's bfloat16 blocked kernel (dense layers) on each engine the CPU has
+(AMX tiles; AVX512-BF16 vectors), its fp32 kernel and PyTorch's bf16 convolution in channels_last
+(oneDNN: AMX where the CPU has it).
 
 Usage: python bench/layers.py --set resnet50 --batch 1 --threads 1 [--layers K] [--repeat R] [--dtype bf16]
 """
@@ -156,14 +157,16 @@ def geomean(values: list[float]) -> float:
 
 
 def main_bf16(target, layers: list[dict]) -> int:
-    """--dtype bf16: the bf16 kernel against our fp32 one and PyTorch's bf16, same run."""
-    from tvm_ext.target import has_avx512_bf16
+    """--dtype bf16: the bf16 kernel on each engine the CPU has (AMX tiles, AVX512-BF16 vectors)
+    against our fp32 kernel and PyTorch's bf16, same run."""
+    from tvm_ext.target import has_amx_bf16, has_avx512_bf16
 
     isa = tvm_ext.vector_isa(target)
+    engines = [e for e, has in (("amx", has_amx_bf16(target)), ("fma", has_avx512_bf16(target))) if has]
     print(f"# tvm_ext bf16 layer benchmark: set={ARGS.set} batch={ARGS.batch} threads={ARGS.threads} "
-          f"target={target} avx512_bf16={has_avx512_bf16(target)}")
-    header = ["layer", "shape", "bf16_ms", "bf16_GFLOP/s", "fp32_ms", "x_vs_fp32", "torch_bf16_cl_ms",
-              "x_vs_torch_bf16"]
+          f"target={target} engines={engines} (amx: AMX tiles; fma: AVX512-BF16 vdpbf16ps)")
+    header = ["layer", "shape", *[f"{e}_{col}" for e in engines for col in ("ms", "GFLOP/s")], "fp32_ms",
+              "torch_bf16_cl_ms", *[f"x_{e}_vs_fp32" for e in engines], *[f"x_{e}_vs_torch_bf16" for e in engines]]
     print(" | ".join(header))
     rows = []
     for layer in layers:
@@ -171,24 +174,28 @@ def main_bf16(target, layers: list[dict]) -> int:
                   (layer["K"], layer["C"] // layer.get("groups", 1), layer["R"], layer["S"]))
         args = (layer["stride"], layer["pad"], 1, layer.get("groups", 1))
         wl = K.Conv2dWorkload.make(*shapes, *args, dtype="bfloat16")
-        if not has_avx512_bf16(target):  # (the kernel compiles only for a CPU with the instruction)
-            print(f"{layer['name']} | skipped: no AVX512-BF16 on {target}")
+        if not engines:  # (a kernel compiles only for a CPU with its instructions)
+            print(f"{layer['name']} | skipped: no AVX512-BF16 or AMX on {target}")
             continue
         try:
-            plan = K.plan_conv2d(wl, isa)
+            plans = [K.plan_conv2d(wl, isa, engine=engine) for engine in engines]
         except ValueError as err:
             print(f"{layer['name']} | skipped: {err}")
             continue
-        ms = bench_blocked(plan, target, ARGS.repeat)
+        times = [bench_blocked(plan, target, ARGS.repeat) for plan in plans]
         fp32 = bench_blocked(K.plan_conv2d(K.Conv2dWorkload.make(*shapes, *args), isa), target, ARGS.repeat)
         t_torch = bench_torch(wl, True, ARGS.repeat, torch.bfloat16)
-        row = [layer["name"], f"{wl.C}x{wl.H}x{wl.W}->{wl.K} {wl.KH}x{wl.KW}/s{wl.stride[0]}", f"{ms:.3f}",
-               f"{wl.flops / ms / 1e6:.1f}", f"{fp32:.3f}", f"{fp32 / ms:.2f}", f"{t_torch:.3f}", f"{t_torch / ms:.2f}"]
+        row = [layer["name"], f"{wl.C}x{wl.H}x{wl.W}->{wl.K} {wl.KH}x{wl.KW}/s{wl.stride[0]}",
+               *[v for ms in times for v in (f"{ms:.3f}", f"{wl.flops / ms / 1e6:.1f}")], f"{fp32:.3f}",
+               f"{t_torch:.3f}", *[f"{fp32 / ms:.2f}" for ms in times], *[f"{t_torch / ms:.2f}" for ms in times]]
         rows.append(row)
         print(" | ".join(row), flush=True)
     if rows:
-        print(f"# geomean: bf16 vs our fp32 {geomean([float(r[5]) for r in rows]):.2f}x, "
-              f"vs PyTorch bf16 {geomean([float(r[7]) for r in rows]):.2f}x")
+        ratios = len(header) - 2 * len(engines)
+        summary = [f"{engine} {geomean([float(r[ratios + i]) for r in rows]):.2f}x our fp32, "
+                   f"{geomean([float(r[ratios + len(engines) + i]) for r in rows]):.2f}x PyTorch bf16"
+                   for i, engine in enumerate(engines)]
+        print("# geomean: " + "; ".join(summary))
     return 0
 
 
