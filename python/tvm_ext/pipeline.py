@@ -27,6 +27,7 @@ from .errors import UnsupportedError
 from .kernels.common import KERNEL_ATTR
 from .link import compile_relax
 from .strategy.cuda_engine import engine_for
+from .strategy.decide import PRECISIONS
 from .strategy.dispatch import legalize_map, lower_to_kernels
 from .strategy.fusion import fusion_passes
 from .target import TargetLike, resolve_target
@@ -77,8 +78,14 @@ def check_images_per_call(images_per_call: int | None) -> None:
         raise ValueError(f"images_per_call must be a positive int or None, got {images_per_call!r}")
 
 
+def check_precision(precision: str) -> None:
+    """"fp32" or "bf16", checked before anything compiles."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+
+
 def pipeline(target: TargetLike = None, database=None, images_per_call: int | None = None, *,
-             tensor_cores: bool | str = False, winograd: bool = True) -> tvm.transform.Pass:
+             tensor_cores: bool | str = False, winograd: bool = True, precision: str = "fp32") -> tvm.transform.Pass:
     """The Relax pipeline for `tvm.compile(mod, target, relax_pipeline=...)`.
 
     `images_per_call`: how many images of a batch the convolutional trunk runs at a time
@@ -101,13 +108,22 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
     the output's range instead of 4e-7. On CPUs (:mod:`tvm_ext.kernels.winograd`) from 32
     channels; on CUDA (:mod:`tvm_ext.kernels.cuda.winograd`, FFMA engine only) where its
     estimate beats the direct tile's. False keeps every convolution direct.
+
+    `precision` "bf16" (CPUs): convolutions with constant weights run in bfloat16 on AMX tiles
+    (Sapphire Rapids and later; :mod:`tvm_ext.intrin.cpu_amx`): their input rounded to bf16 as it
+    is packed for them, their weights at build time, fp32 accumulation and output (so the
+    activations between kernels stay fp32); those that cannot (no AMX, depthwise or grouped, an
+    odd channel count, run-time weights) stay fp32, and `dispatch_report` says which and why.
     """
     from .tuning.records import open_database, shipped_database
 
     check_images_per_call(images_per_call)
+    check_precision(precision)
     resolved = resolve_target(target)
     if resolved.kind.name == "cuda":
         engine_for(tensor_cores, resolved)  # a bad value fails here, not inside the pass
+        if precision != "fp32":
+            raise UnsupportedError("pipeline: precision applies to CPU targets (CUDA: tensor_cores='bf16')")
         if database is not None:
             raise UnsupportedError("pipeline: tuning records apply to CPU targets only (the CUDA kernels use "
                                    "their analytic tiles)")
@@ -125,7 +141,8 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
                 [split_batch(images_per_call)]
                 + cpu_pipeline.library_dispatch_passes(resolved)
                 + fusion_passes(resolved)
-                + _lowering_passes(resolved, lower_to_kernels(resolved, database, winograd=winograd),
+                + _lowering_passes(resolved, lower_to_kernels(resolved, database, winograd=winograd,
+                                                              precision=precision),
                                    [Guarded(dlight.cpu.GEMV()), Guarded(OnAlignedAccesses(dlight.cpu.Reduction())),
                                     ParallelVectorize()])
                 + cpu_pipeline.dataflow_lower_passes(resolved)
@@ -170,15 +187,16 @@ def _cuda_pipeline(target: tvm.target.Target, tensor_cores: bool | str, winograd
 
 def build(mod: tvm.IRModule, target: TargetLike = None, database=None,
           images_per_call: int | None = None, *, tensor_cores: bool | str = False,
-          winograd: bool = True) -> relax.VMExecutable:
+          winograd: bool = True, precision: str = "fp32") -> relax.VMExecutable:
     """Compile a Relax module through tvm_ext; run it with `relax.VirtualMachine(ex, tvm.cpu())`
     (`tvm.cuda()` for a CUDA target; without a GPU a CUDA build still compiles, and its executable
     carries the kernels' CUDA C for inspection).
 
-    `database`, `images_per_call`, `tensor_cores` and `winograd`: see :func:`pipeline`.
+    `database`, `images_per_call`, `tensor_cores`, `winograd` and `precision`: see :func:`pipeline`.
     """
     resolved = resolve_target(target)
-    relax_pipeline = pipeline(resolved, database, images_per_call, tensor_cores=tensor_cores, winograd=winograd)
+    relax_pipeline = pipeline(resolved, database, images_per_call, tensor_cores=tensor_cores, winograd=winograd,
+                              precision=precision)
     if resolved.kind.name == "llvm":
         with _without_gpu_passes():
             return compile_relax(mod, resolved, relax_pipeline)

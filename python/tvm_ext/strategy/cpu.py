@@ -234,6 +234,10 @@ class CpuEmitter:
         channels = plan.wl.K  # the NCHW view's: a depthwise convolution reading padded blocks computes more
         weight = call.args[1]
         constant = weight.value.numpy() if isinstance(weight, tvm.ir.Constant) else None
+        if plan.wl.dtype == "bfloat16":
+            if mask is None and constant is not None:
+                return self._bf16_conv2d(plan, data, constant, bias, residual, activation, suffix, padded_out)
+            plan = _conv.plan_conv2d(dataclasses.replace(plan.wl, dtype="float32"), self.isa)  # (decide's guard)
         constant_bias = bias is None or isinstance(bias, np.ndarray)
         padded = None if constant is None or not constant_bias else self._read_padded(plan, data, constant, bias)
         if padded is not None:
@@ -259,6 +263,24 @@ class CpuEmitter:
         if not blocked_out:
             return self._call_tir(func, name, args, wl.out_shape)
         return self.unpack(self._call(func, name, args, plan.out_shape()), channels)
+
+    def _bf16_conv2d(self, plan: _conv.Conv2dPlan, data: relax.Expr, weight: np.ndarray,
+                     bias: np.ndarray | relax.Expr | None, residual: relax.Expr | None,
+                     activation: Activation | None, suffix: str, padded_out: bool) -> relax.Expr:
+        """A bfloat16 convolution (AMX; `precision="bf16"`): the data packed in blocks as for fp32,
+        then rounded to bf16 (one pass), the weights rounded and packed here; the kernel
+        accumulates and writes fp32 with the same epilogue, so its readers are unchanged."""
+        wl = plan.wl
+        blocked_out = plan.K_pad == wl.K or padded_out
+        packed = self.pack(data, plan.in_bn, wl.padding, padded=True)
+        args = [self.bb.emit(relax.op.astype(packed, "bfloat16")),
+                relax.const(_conv.pack_weight_array(plan, weight))]
+        operands, epilogue = self._epilogue(plan, bias, residual, activation, blocked_out, None)
+        name = f"tvm_ext_{plan.kind}_conv2d_{_tag(plan)}_bf16_{plan.engine}{suffix}"
+        func = _space.default_kernel(plan, epilogue, self.isa)  # (tuning records are fp32's)
+        if not blocked_out:
+            return self._call_tir(func, name, args + operands, wl.out_shape)
+        return self.unpack(self._call(func, name, args + operands, plan.out_shape()), wl.K)
 
     def _pack_weight(self, plan: _conv.Conv2dPlan, weight: relax.Expr, tag: str) -> relax.Var:
         """Run-time weights in `plan`'s blocks; a data gradient's phase weights

@@ -3,6 +3,8 @@ it. Fusion, lowering, legalization and the dispatch report all ask it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import tvm
 from tvm import relax
 
@@ -12,18 +14,24 @@ from ..kernels import pool2d as _pool
 from ..kernels import winograd as _winograd
 from ..kernels.common import ACTIVATIONS
 from ..relax_info import dtype, image_shape, known_shape, shape_text, static_shape, symbolic_batch
-from ..target import vector_isa
+from ..target import has_amx_bf16, vector_isa
 from .base import ACTIVATION_OPS, DATA_MOVEMENT_OPS, POOLS, Decision, channel_scale_operands, is_relu6, pool_workload
 from .cuda_engine import FUSED_ACTIVATIONS, conv2d_decision
 
-__all__ = ["channel_affine_reason", "decide", "epilogue_activation", "is_weight_gradient"]
+__all__ = ["PRECISIONS", "bf16_conv2d_reason", "channel_affine_reason", "decide", "epilogue_activation",
+           "is_weight_gradient"]
 
 
-def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", winograd: bool = True) -> Decision:
+PRECISIONS = ("fp32", "bf16")
+
+
+def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", winograd: bool = True,
+           precision: str = "fp32") -> Decision:
     """The kernel for `call` on `target`, or why stock TVM keeps it (`engine`: CUDA's
     convolution engine, see :func:`tvm_ext.strategy.cuda_engine.engine_for`; `winograd`: whether a
     convolution with constant weights may run as Winograd, :mod:`tvm_ext.kernels.winograd` and
-    :mod:`tvm_ext.kernels.cuda.winograd`)."""
+    :mod:`tvm_ext.kernels.cuda.winograd`; `precision` "bf16": a CPU convolution may run in
+    bfloat16 on AMX, :func:`bf16_conv2d_reason`)."""
     op = call.op.name if isinstance(call.op, tvm.ir.Op) else str(call.op)
     tensors = [arg for arg in call.args if isinstance(arg.ty, relax.TensorType)]
     shapes = tuple(shape_text(arg) for arg in tensors)
@@ -70,12 +78,31 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
     if target.kind.name == "cuda":
         kernel, reason, cuda_plan = conv2d_decision(wl, engine, winograd)
         return Decision(op, shapes, kernel, reason, cuda_plan)
+    bf16 = None
+    if precision == "bf16":
+        bf16 = bf16_conv2d_reason(wl, call.args[1], target)
+        if bf16 is None:
+            plan = _conv.plan_conv2d(dataclasses.replace(wl, dtype="bfloat16"), vector_isa(target), engine="amx")
+            return Decision(op, shapes, f"{plan.kind}_conv2d", "bf16 on AMX tiles, fp32 accumulation and output",
+                            plan)
+        bf16 = f"fp32 ({bf16})"
     if winograd and not _winograd.eligible(wl):
         plan = _winograd.winograd_plan(wl, vector_isa(target))
     else:
         plan = _conv.plan_conv2d(wl, vector_isa(target))
-    reason = "; ".join(part for part in (plan.reason, _per_image(tensors[0])) if part)
+    reason = "; ".join(part for part in (bf16, plan.reason, _per_image(tensors[0])) if part)
     return Decision(op, shapes, f"{plan.kind}_conv2d", reason, plan)
+
+
+def bf16_conv2d_reason(wl: _conv.Conv2dWorkload, weight: relax.Expr, target: tvm.target.Target) -> str | None:
+    """Why the float32 convolution `wl` does not run in bfloat16 on `target` (`precision="bf16"`),
+    or None: the AMX kernel (:mod:`tvm_ext.intrin.cpu_amx`) needs AMX-BF16, a dense convolution of
+    pairs of channels, and constant weights (rounded and packed at build time)."""
+    if not has_amx_bf16(target):
+        return "the CPU has no AMX-BF16"
+    if not isinstance(weight, tvm.ir.Constant):
+        return "run-time weights"
+    return _conv.bf16_reason(dataclasses.replace(wl, dtype="bfloat16"), vector_isa(target))
 
 
 POOL_GRADIENTS = {"relax.grad.max_pool2d_backward": "max", "relax.grad.avg_pool2d_backward": "avg"}

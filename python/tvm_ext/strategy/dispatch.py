@@ -60,10 +60,11 @@ def legalize_map(target: tvm.target.Target) -> dict:
 
 
 def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: bool | str = False,
-                     winograd: bool = True) -> tvm.transform.Pass:
+                     winograd: bool = True, precision: str = "fp32") -> tvm.transform.Pass:
     """Replace the composite functions of :func:`fusion_patterns` and every op :func:`decide`
     gives a kernel with tvm_ext kernel calls, in program order, so that each kernel can read
-    its producer's blocked output (see :class:`~.cpu.CpuEmitter`)."""
+    its producer's blocked output (see :class:`~.cpu.CpuEmitter`); `precision`: see
+    :func:`~.decide.decide`."""
 
     @relax.expr_functor.mutator
     class _Lower(relax.PyExprMutator):
@@ -149,7 +150,7 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                 interleaved = self.emitter.interleaved_phases(call)  # a strided convolution's dX, from its phases
                 if interleaved is not None:
                     return interleaved
-                decision = decide(call, target, self.engine, winograd)
+                decision = decide(call, target, self.engine, winograd, precision)
                 if decision.kernel is None:
                     return call
                 if is_weight_gradient(call):
@@ -185,7 +186,7 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
             elif bias is not None:  # one value per output channel, from one per channel or one for all
                 bias = np.broadcast_to(bias.value.numpy().reshape(-1), out_channels).copy()
             return self.emitter.conv2d(
-                conv, conv.args[0], decide(conv, target, self.engine, winograd), bias=bias,
+                conv, conv.args[0], decide(conv, target, self.engine, winograd, precision), bias=bias,
                 residual=None if residual is None else call.args[residual], activation=activation,
                 suffix=suffix, padded_out=self.padded_out,
                 mask=None if mask is None else (call.args[mask.param], Activation(mask.name, mask.alpha)))

@@ -1,0 +1,79 @@
+"""`tvm_ext.build(mod, target, precision="bf16")`: convolutions in bfloat16 on AMX tiles where they
+can (fp32 accumulation and output), fp32 elsewhere with the reason in `dispatch_report`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from reference import rel_err
+from tvm import relax
+
+import tvm_ext
+from tvm_ext.errors import UnsupportedError
+from tvm_ext.models.torch_reference import to_torch
+from tvm_ext.target import has_amx_bf16
+
+BF16 = "bf16 on AMX tiles, fp32 accumulation and output"
+needs_amx = pytest.mark.skipif(not has_amx_bf16("llvm"), reason="this CPU has no AMX-BF16")
+
+
+def _net(seed: int = 0) -> tvm.IRModule:
+    """A 3-channel stem (no bf16: channels in pairs), a residual block, a strided 1x1, a grouped
+    3x3 and a 3x3 of 40 filters (padded to 64 in blocks of 32), global mean."""
+    rng = np.random.default_rng(seed)
+
+    def const(*shape, scale=0.2):
+        return relax.const((rng.standard_normal(shape) * scale).astype(np.float32))
+
+    op = relax.op
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, 3, 20, 18), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(op.nn.relu(op.add(op.nn.conv2d(x, const(32, 3, 3, 3), padding=1), const(1, 32, 1, 1))))
+            z = bb.emit(op.nn.relu(op.add(op.nn.conv2d(y, const(32, 32, 3, 3), padding=1), const(1, 32, 1, 1))))
+            z = bb.emit(op.nn.relu(op.add(op.nn.conv2d(z, const(32, 32, 3, 3), padding=1), y)))
+            z = bb.emit(op.nn.conv2d(z, const(64, 32, 1, 1), strides=2))
+            z = bb.emit(op.nn.conv2d(z, const(64, 16, 3, 3), padding=1, groups=4))
+            z = bb.emit(op.nn.conv2d(z, const(40, 64, 3, 3), padding=1))
+            out = bb.emit_output(op.mean(z, axis=[2, 3]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_report_says_which_convolutions_run_in_bf16_and_why_not():
+    mod = _net()
+    reasons = [row.reason for row in tvm_ext.dispatch_report(mod, "llvm", precision="bf16") if row.op == "nn.conv2d"]
+    if has_amx_bf16("llvm"):
+        assert reasons[0].startswith("fp32 (3 input channels: not pairs)")
+        assert reasons[1:4] == [BF16] * 3 and reasons[5] == BF16
+        assert reasons[4].startswith("fp32 (4 groups")
+    # a CPU without AMX (Zen 4 has AVX512-BF16 only): every convolution fp32, with the reason
+    zen4 = [row.reason for row in tvm_ext.dispatch_report(mod, {"kind": "llvm", "mcpu": "znver4"}, precision="bf16")
+            if row.op == "nn.conv2d"]
+    assert all(reason.startswith("fp32 (the CPU has no AMX-BF16)") for reason in zen4[1:]), zen4
+    # the default precision names none of it
+    assert not any("bf16" in row.reason or "fp32 (" in row.reason for row in tvm_ext.dispatch_report(mod, "llvm"))
+
+
+@needs_amx
+def test_bf16_network_matches_float64_within_bf16_rounding():
+    mod = _net()
+    vm = relax.VirtualMachine(tvm_ext.build(mod, "llvm", precision="bf16"), tvm.cpu())
+    x = np.random.default_rng(1).standard_normal((2, 3, 20, 18)).astype(np.float32)
+    got = vm["main"](tvm.runtime.tensor(x)).numpy()
+    expected = to_torch(mod, torch.float64)(torch.from_numpy(x).double()).numpy()
+    # inputs of each bf16 convolution rounded to 8 bits of mantissa: about 2^-9 a rounding
+    assert 1e-5 < rel_err(got, expected) < 2e-2
+
+
+def test_precision_is_checked_before_anything_compiles():
+    mod = _net()
+    with pytest.raises(ValueError, match="precision must be one of"):
+        tvm_ext.build(mod, "llvm", precision="fp16")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        tvm_ext.dispatch_report(mod, "llvm", precision="int8")
+    with pytest.raises(UnsupportedError, match="precision applies to CPU targets"):
+        tvm_ext.pipeline("cuda -arch=sm_90", precision="bf16")
