@@ -4,6 +4,8 @@ For each network (tvm_ext.models, seeded weights shared by every runtime), batch
 - tvm_ext: `tvm_ext.build` for the host CPU (with the tuning records shipped for it, if any);
 - tvm_ext_untuned: the same with no tuning records (the analytic schedules; not run by default);
 - tvm_ext_direct: the same with `winograd=False`, every convolution direct (not run by default);
+- tvm_ext_bf16: the same with `precision="bf16"` (convolutions in bfloat16 on AMX), and
+  pytorch_bf16: PyTorch eager under bf16 autocast (oneDNN): `--precision bf16` adds both;
 - ONNX Runtime (CPU): the same network exported with torch.onnx, all graph optimizations,
   intra-op threads set;
 - PyTorch eager: the same graph evaluated op by op in inference mode, best of NCHW and
@@ -21,6 +23,7 @@ same round, with their range; outputs are checked against ONNX Runtime's. A CSV 
 bench/results/.
 
 Usage: python bench/e2e.py [--models resnet50,vgg16,...] [--batches 1,16] [--threads 1,2] [--repeat 10] [--rounds 3]
+       [--precision bf16]
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=10, help="timed runs per round (median)")
     ap.add_argument("--rounds", type=int, default=3, help="turns each runtime takes, round-robin")
     ap.add_argument("--runtimes", default=",".join(RUNTIMES))
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                    help="bf16: also tvm_ext_bf16 and pytorch_bf16 (outputs then differ by bf16 rounding)")
     ap.add_argument("--stock-batches", default="1", help="batches at which stock TVM runs (it is slow)")
     ap.add_argument("--target", default="llvm")
     ap.add_argument("--csv", default="")
@@ -122,7 +127,7 @@ def _child(args: argparse.Namespace) -> None:
 
     x = None
     result: dict = {}
-    if runtime in ("tvm_ext", "tvm_ext_untuned", "tvm_ext_direct", "stock_tvm"):
+    if runtime in ("tvm_ext", "tvm_ext_untuned", "tvm_ext_direct", "tvm_ext_bf16", "stock_tvm"):
         import tvm
         from tvm import relax
 
@@ -145,7 +150,9 @@ def _child(args: argparse.Namespace) -> None:
         x = np.load(Path(artifact).with_name("input.npy"))
         result["ms"] = time_calls(lambda: session.run(None, {name: x}), args.repeat)
         output = session.run(None, {name: x})[0]
-    else:  # pytorch: best of NCHW and channels_last
+    else:  # pytorch (pytorch_bf16: under bf16 autocast): best of NCHW and channels_last
+        import contextlib
+
         import torch
 
         from tvm_ext import models
@@ -162,14 +169,15 @@ def _child(args: argparse.Namespace) -> None:
             forward = to_torch(mod)
         x = np.load(Path(artifact).with_name("input.npy"))
         best = None
-        with torch.inference_mode():
+        bf16 = torch.autocast("cpu", dtype=torch.bfloat16) if runtime == "pytorch_bf16" else contextlib.nullcontext()
+        with torch.inference_mode(), bf16:
             for fmt in (torch.contiguous_format, torch.channels_last):
                 xt = torch.from_numpy(x).contiguous(memory_format=fmt)
                 times = time_calls(lambda xt=xt: forward(xt), args.repeat)
                 if best is None or statistics.median(times) < statistics.median(best[0]):
                     best = (times, "channels_last" if fmt is torch.channels_last else "NCHW")
             result["ms"], result["note"] = best
-            output = forward(torch.from_numpy(x)).numpy()
+            output = forward(torch.from_numpy(x)).float().numpy()
     np.save(out, output)
     result["rss_mib"] = _peak_rss_mib()
     print(json.dumps(result))
@@ -191,8 +199,8 @@ def _prepare(model: str, batch: int, runtimes: list[str], stock: bool, target, f
     mod, _ = models.get(model, batch=batch)
     folder.mkdir(parents=True, exist_ok=True)
     np.save(folder / "input.npy", np.random.default_rng(0).standard_normal(models.image_shape(mod)).astype("float32"))
-    artifacts = {"pytorch": str(folder / "pytorch")}
-    for runtime in ("tvm_ext", "tvm_ext_untuned", "tvm_ext_direct"):
+    artifacts = {"pytorch": str(folder / "pytorch"), "pytorch_bf16": str(folder / "pytorch")}
+    for runtime in ("tvm_ext", "tvm_ext_untuned", "tvm_ext_direct", "tvm_ext_bf16"):
         if runtime not in runtimes:
             continue
         # No records at all, not even the shipped ones: the analytic schedules.
@@ -202,7 +210,8 @@ def _prepare(model: str, batch: int, runtimes: list[str], stock: bool, target, f
             start = time.perf_counter()
             path = folder / f"{runtime}_t{t}.so"
             tvm_ext.build(mod, target, database=database, images_per_call=t or None,
-                          winograd=runtime != "tvm_ext_direct").export_library(str(path))
+                          winograd=runtime != "tvm_ext_direct",
+                          precision="bf16" if runtime == "tvm_ext_bf16" else "fp32").export_library(str(path))
             print(f"  built {model} batch {batch} with {runtime} in {time.perf_counter() - start:.0f} s", flush=True)
             artifacts[f"{runtime}_t{t}"] = str(path)
     if "stock_tvm" in runtimes and stock:
@@ -233,6 +242,8 @@ def main(argv=None) -> int:
     target = tvm_ext.resolve_target(args.target)
     peaks = peak_bench.load_or_measure()
     runtimes = [r for r in args.runtimes.split(",") if r]
+    if args.precision == "bf16":
+        runtimes += [r for r in ("tvm_ext_bf16", "pytorch_bf16") if r not in runtimes]
     # Built networks, exported models and outputs take 2-7 GB a model: a temporary folder is
     # removed as each model is done (it filled the disk over a few runs when it was kept).
     keep = bool(args.work_dir)
