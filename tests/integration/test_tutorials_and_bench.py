@@ -183,6 +183,17 @@ def test_e2e_bench_smoke(tmp_path):
     assert low <= float(ort["tvm_ext_speedup"]) <= high and ours["speedup_range"] == "1.00-1.00"
 
 
+def test_e2e_bench_bf16_smoke(tmp_path):
+    """--precision bf16 adds tvm_ext_bf16 and pytorch_bf16 to the rounds; their outputs differ from
+    fp32 by bf16 rounding, not more (MobileNet-v2's 1x1 layers in bf16 where the CPU has AMX)."""
+    table = tmp_path / "e2e.csv"
+    _run("bench/e2e.py", "--models", "mobilenet_v2", "--batches", "1", "--threads", "1", "--repeat", "2",
+         "--rounds", "1", "--runtimes", "onnxruntime", "--precision", "bf16", "--csv", str(table))
+    rows = {row["runtime"]: row for row in csv.DictReader(table.open())}
+    assert set(rows) == {"onnxruntime", "tvm_ext_bf16", "pytorch_bf16"}
+    assert float(rows["tvm_ext_bf16"]["err_vs_ort"]) <= 5e-2
+
+
 @pytest.mark.slow
 def test_tune_bench_smoke():
     out = _run("bench/tune.py", "--layers", "1", "--trials", "4", "--no-stock")
