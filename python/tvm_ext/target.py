@@ -135,31 +135,31 @@ def check_cpu_features(mod, target: TargetLike) -> None:
         needs = func.attrs.get(CPU_FEATURES_ATTR) if isinstance(func, tirx.PrimFunc) and func.attrs else None
         if needs is None:
             continue
-        with resolved:
-            missing = [f for f in str(needs).split(",") if not codegen.llvm_cpu_has_features([f], resolved)]
+        missing = [f for f in str(needs).split(",") if not _has_features(resolved, [f])]
         if missing:
             raise UnsupportedError(f"kernel {gvar.name_hint} needs the CPU feature(s) {missing}, which target "
                                    f"{resolved} lacks")
 
 
-def has_avx512_bf16(target: TargetLike) -> bool:
-    """Whether the (resolved) LLVM target has AVX512-BF16's `vdpbf16ps`, which the bfloat16
-    BRGEMM issues (:class:`~tvm_ext.intrin.cpu.BRGEMM` with dtype "bfloat16")."""
+def _has_features(target: TargetLike, features: list[str]) -> bool:
+    """Whether `target` is an LLVM CPU with every one of the LLVM `features`."""
     resolved = resolve_target(target)
     if resolved.kind.name != "llvm":
         return False
     with resolved:
-        return bool(codegen.llvm_cpu_has_features(["avx512bf16", "avx512f"], resolved))
+        return bool(codegen.llvm_cpu_has_features(features, resolved))
+
+
+def has_avx512_bf16(target: TargetLike) -> bool:
+    """Whether the (resolved) LLVM target has AVX512-BF16's `vdpbf16ps`, which the bfloat16
+    BRGEMM issues (:class:`~tvm_ext.intrin.cpu.BRGEMM` with dtype "bfloat16")."""
+    return _has_features(target, ["avx512bf16", "avx512f"])
 
 
 def has_amx_bf16(target: TargetLike) -> bool:
     """Whether the (resolved) LLVM target has AMX with bf16 (`tdpbf16ps`; Sapphire Rapids and
     later), which the BRGEMM's "amx" engine issues."""
-    resolved = resolve_target(target)
-    if resolved.kind.name != "llvm":
-        return False
-    with resolved:
-        return bool(codegen.llvm_cpu_has_features(["amx-bf16", "amx-tile"], resolved))
+    return _has_features(target, ["amx-bf16", "amx-tile"])
 
 
 def vector_isa(target: TargetLike) -> VectorISA:

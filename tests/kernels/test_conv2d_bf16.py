@@ -139,3 +139,10 @@ def test_a_bf16_kernel_refuses_a_cpu_without_its_instructions():
                                                                 dtype="bfloat16"), AVX512, engine="amx"), 16)
     with pytest.raises(UnsupportedError, match="amx-bf16"):  # Zen 4: AVX512-BF16, no AMX
         compile_kernel(amx, tvm.target.Target({"kind": "llvm", "mcpu": "znver4"}))
+
+
+def test_cpu_feature_queries_read_the_target_not_the_host():
+    assert has_avx512_bf16({"kind": "llvm", "mcpu": "znver4"}) and not has_amx_bf16({"kind": "llvm", "mcpu": "znver4"})
+    assert has_amx_bf16({"kind": "llvm", "mcpu": "sapphirerapids"})
+    assert not has_avx512_bf16({"kind": "llvm", "mcpu": "skylake-avx512"})
+    assert not has_amx_bf16("cuda -arch=sm_90") and not has_avx512_bf16("cuda -arch=sm_90")
