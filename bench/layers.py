@@ -159,10 +159,11 @@ def geomean(values: list[float]) -> float:
 def main_bf16(target, layers: list[dict]) -> int:
     """--dtype bf16: the bf16 kernel on each engine the CPU has (AMX tiles, AVX512-BF16 vectors)
     against our fp32 kernel and PyTorch's bf16, same run."""
-    from tvm_ext.target import has_amx_bf16, has_avx512_bf16
+    from tvm_ext.target import amx_permitted, has_amx_bf16, has_avx512_bf16
 
     isa = tvm_ext.vector_isa(target)
-    engines = [e for e, has in (("amx", has_amx_bf16(target)), ("fma", has_avx512_bf16(target))) if has]
+    engines = [e for e, has in (("amx", has_amx_bf16(target) and amx_permitted()), ("fma", has_avx512_bf16(target)))
+               if has]
     print(f"# tvm_ext bf16 layer benchmark: set={ARGS.set} batch={ARGS.batch} threads={ARGS.threads} "
           f"target={target} engines={engines} (amx: AMX tiles; fma: AVX512-BF16 vdpbf16ps)")
     header = ["layer", "shape", *[f"{e}_{col}" for e in engines for col in ("ms", "GFLOP/s")], "fp32_ms",

@@ -162,6 +162,24 @@ def has_amx_bf16(target: TargetLike) -> bool:
     return _has_features(target, ["amx-bf16", "amx-tile"])
 
 
+@functools.cache
+def amx_permitted() -> bool:
+    """Whether Linux lets this process use AMX's tile data: it must ask first
+    (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, kernels 5.16 and later; the AMX
+    kernels ask again at run time), and an AMX instruction without it kills the process (SIGILL).
+    Asked once, here, before a build chooses AMX."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    except (OSError, AttributeError):
+        return False
+
+
 def vector_isa(target: TargetLike) -> VectorISA:
     """The widest fp32 FMA vector ISA the (resolved) LLVM target has."""
     resolved = resolve_target(target)

@@ -16,11 +16,12 @@ from tvm_ext.errors import UnsupportedError
 from tvm_ext.intrin.cpu import BRGEMM, brgemm_from_name, get_brgemm_intrin
 from tvm_ext.kernels.conv2d import Conv2dWorkload, Epilogue, conv2d_blocked_kernel, pack_weight_array, plan_conv2d
 from tvm_ext.ops.forward import compile_kernel
-from tvm_ext.target import AVX2, AVX512, CPU_FEATURES_ATTR, has_amx_bf16, has_avx512_bf16, resolve_target
+from tvm_ext.target import AVX2, AVX512, CPU_FEATURES_ATTR, amx_permitted, has_amx_bf16, has_avx512_bf16, resolve_target
 
 TARGET = resolve_target("llvm")
 ENGINES = [pytest.param("fma", marks=pytest.mark.skipif(not has_avx512_bf16(TARGET), reason="no AVX512-BF16")),
-           pytest.param("amx", marks=pytest.mark.skipif(not has_amx_bf16(TARGET), reason="no AMX-BF16"))]
+           pytest.param("amx", marks=pytest.mark.skipif(not (has_amx_bf16(TARGET) and amx_permitted()),
+                                                        reason="no AMX-BF16, or the OS does not grant its tiles"))]
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -146,3 +147,13 @@ def test_cpu_feature_queries_read_the_target_not_the_host():
     assert has_amx_bf16({"kind": "llvm", "mcpu": "sapphirerapids"})
     assert not has_avx512_bf16({"kind": "llvm", "mcpu": "skylake-avx512"})
     assert not has_amx_bf16("cuda -arch=sm_90") and not has_avx512_bf16("cuda -arch=sm_90")
+
+
+def test_amx_tiles_are_granted_where_the_cpu_and_kernel_have_them():
+    """Linux 5.16 and later grant a process AMX's tile data on request (the kernels need it)."""
+    import os
+
+    release = tuple(int(v) for v in os.uname().release.split(".")[:2] if v.isdigit())
+    if not has_amx_bf16(TARGET) or release < (5, 16):
+        pytest.skip("no AMX-BF16 on this CPU, or a kernel before 5.16")
+    assert amx_permitted()

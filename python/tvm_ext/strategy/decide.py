@@ -14,7 +14,7 @@ from ..kernels import pool2d as _pool
 from ..kernels import winograd as _winograd
 from ..kernels.common import ACTIVATIONS
 from ..relax_info import dtype, image_shape, known_shape, shape_text, static_shape, symbolic_batch
-from ..target import has_amx_bf16, vector_isa
+from ..target import amx_permitted, has_amx_bf16, vector_isa
 from .base import ACTIVATION_OPS, DATA_MOVEMENT_OPS, POOLS, Decision, channel_scale_operands, is_relu6, pool_workload
 from .cuda_engine import FUSED_ACTIVATIONS, conv2d_decision
 
@@ -100,6 +100,8 @@ def bf16_conv2d_reason(wl: _conv.Conv2dWorkload, weight: relax.Expr, target: tvm
     pairs of channels, and constant weights (rounded and packed at build time)."""
     if not has_amx_bf16(target):
         return "the CPU has no AMX-BF16"
+    if not amx_permitted():
+        return "the OS does not let this process use AMX tiles (arch_prctl refused)"
     if not isinstance(weight, tvm.ir.Constant):
         return "run-time weights"
     return _conv.bf16_reason(dataclasses.replace(wl, dtype="bfloat16"), vector_isa(target))
