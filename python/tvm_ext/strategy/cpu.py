@@ -271,6 +271,8 @@ class CpuEmitter:
         then rounded to bf16 (one pass), the weights rounded and packed here; the kernel
         accumulates and writes fp32 with the same epilogue, so its readers are unchanged."""
         wl = plan.wl
+        if weight.shape[1] < wl.C:  # the zero channel that pairs an odd count (the pack adds the data's)
+            weight = np.concatenate([weight, np.zeros((wl.K, wl.C - weight.shape[1], wl.KH, wl.KW), weight.dtype)], 1)
         blocked_out = plan.K_pad == wl.K or padded_out
         packed = self.pack(data, plan.in_bn, wl.padding, padded=True)
         args = [self.bb.emit(relax.op.astype(packed, "bfloat16")),

@@ -81,8 +81,9 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
     bf16 = None
     if precision == "bf16":
         bf16 = bf16_conv2d_reason(wl, call.args[1], target)
-        if bf16 is None:
-            plan = _conv.plan_conv2d(dataclasses.replace(wl, dtype="bfloat16"), vector_isa(target), engine="amx")
+        if bf16 is None:  # an odd channel count (an RGB stem) gets a zero channel: pairs
+            paired = dataclasses.replace(wl, C=wl.C + wl.C % 2, dtype="bfloat16")
+            plan = _conv.plan_conv2d(paired, vector_isa(target), engine="amx")
             return Decision(op, shapes, f"{plan.kind}_conv2d", "bf16 on AMX tiles, fp32 accumulation and output",
                             plan)
         bf16 = f"fp32 ({bf16})"
@@ -96,14 +97,17 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
 
 def bf16_conv2d_reason(wl: _conv.Conv2dWorkload, weight: relax.Expr, target: tvm.target.Target) -> str | None:
     """Why the float32 convolution `wl` does not run in bfloat16 on `target` (`precision="bf16"`),
-    or None: the AMX kernel (:mod:`tvm_ext.intrin.cpu_amx`) needs AMX-BF16, a dense convolution of
-    pairs of channels, and constant weights (rounded and packed at build time)."""
+    or None: the AMX kernel (:mod:`tvm_ext.intrin.cpu_amx`) needs AMX-BF16, a dense convolution
+    (an odd channel count gets a zero channel) and constant weights (rounded and packed at build
+    time)."""
     if not has_amx_bf16(target):
         return "the CPU has no AMX-BF16"
     if not amx_permitted():
         return "the OS does not let this process use AMX tiles (arch_prctl refused)"
     if not isinstance(weight, tvm.ir.Constant):
         return "run-time weights"
+    if wl.groups == 1 and wl.C % 2:  # (a zero channel pairs the last one)
+        wl = dataclasses.replace(wl, C=wl.C + 1)
     return _conv.bf16_reason(dataclasses.replace(wl, dtype="bfloat16"), vector_isa(target))
 
 
