@@ -55,6 +55,9 @@ def _onnx_file(path: Path) -> Path:
     (["demo", "--target", "nonsense"], "--target: cannot read target 'nonsense'"),
     (["tune", "--target", "cuda"], "runs on the CPU (LLVM targets)"),
     (["report", "--tensor-cores", "tf32"], "--tensor-cores applies to CUDA targets"),
+    (["report", "--target", "cuda", "--precision", "bf16"], "--precision applies to CPU targets"),
+    (["demo", "--precision", "fp16"], "--precision: invalid choice: 'fp16'"),
+    (["bench", "--precision", "bf16"], "unrecognized arguments for bench: --precision"),
     (["tune", "--ship", "--work-dir", "records"], "--ship writes into tvm_ext/schedules"),
     # Options a subcommand does not use are rejected, not ignored.
     (["demo", "--tensor-cores", "tf32"], "unrecognized arguments for demo: --tensor-cores"),
@@ -82,6 +85,17 @@ def test_onnx_file_arguments_are_checked_up_front(tmp_path, nothing_built, capsy
         assert cli.main(argv) == 2, argv
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_report_with_bf16_precision_says_which_convolutions_run_in_bf16(capsys):
+    from tvm_ext.target import amx_permitted, has_amx_bf16
+
+    assert cli.main(["report", "--model", "resnet18", "--precision", "bf16"]) == 0
+    out = capsys.readouterr().out
+    if has_amx_bf16("llvm") and amx_permitted():
+        assert out.count("bf16 on AMX tiles") >= 20  # every convolution, the stem with a zero channel
+    else:
+        assert "fp32 (the CPU has no AMX-BF16)" in out or "fp32 (the OS does not let" in out
 
 
 def test_options_each_subcommand_takes_are_accepted():
