@@ -237,7 +237,9 @@ class CpuEmitter:
         if plan.wl.dtype == "bfloat16":
             if mask is None and constant is not None:
                 return self._bf16_conv2d(plan, data, constant, bias, residual, activation, suffix, padded_out)
-            plan = _conv.plan_conv2d(dataclasses.replace(plan.wl, dtype="float32"), self.isa)  # (decide's guard)
+            # (an activation gradient's mask: fp32; the data's own channel count, not the paired one)
+            channels_in = known_shape(image_shape(data), "conv2d: the data")[1]
+            plan = _conv.plan_conv2d(dataclasses.replace(plan.wl, C=channels_in, dtype="float32"), self.isa)
         constant_bias = bias is None or isinstance(bias, np.ndarray)
         padded = None if constant is None or not constant_bias else self._read_padded(plan, data, constant, bias)
         if padded is not None:
