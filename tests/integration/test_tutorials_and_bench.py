@@ -104,6 +104,15 @@ def test_tutorial_02_compile_a_network():
     assert "relative error against PyTorch" in out and "brgemm_conv2d epilogue" in out
 
 
+def test_tutorial_06_bf16():
+    from tvm_ext.target import amx_permitted, has_amx_bf16
+
+    out = _run("tutorials/06_bf16.py")
+    assert "bf16 against fp32: relative error" in out and "same top-5 classes: True" in out
+    if has_amx_bf16("llvm") and amx_permitted():
+        assert "20 of 20 convolutions in bf16" in out
+
+
 @pytest.mark.slow
 def test_tutorial_03_autotune(tmp_path):
     out = _run("tutorials/03_autotune.py", "--trials", "8", "--work-dir", str(tmp_path / "records"))
