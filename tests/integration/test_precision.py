@@ -77,3 +77,25 @@ def test_precision_is_checked_before_anything_compiles():
         tvm_ext.dispatch_report(mod, "llvm", precision="int8")
     with pytest.raises(UnsupportedError, match="precision applies to CPU targets"):
         tvm_ext.pipeline("cuda -arch=sm_90", precision="bf16")
+
+
+def test_a_symbolic_batch_stays_fp32_with_the_reason():
+    """The bf16 kernels are planned per static shape; a symbolic batch's convolutions run in fp32
+    (before: the build failed inside TVM, an InternalError of the batch loop's buffer views)."""
+    n = tvm.tirx.Var("n", "int64")
+    rng = np.random.default_rng(2)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((n, 16, 10, 10), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            weight = relax.const((rng.standard_normal((32, 16, 3, 3)) * 0.2).astype(np.float32))
+            out = bb.emit_output(relax.op.nn.relu(relax.op.nn.conv2d(x, weight, padding=1)))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    reasons = [row.reason for row in tvm_ext.dispatch_report(mod, "llvm", precision="bf16") if row.op == "nn.conv2d"]
+    if AMX:
+        assert reasons[0].startswith("fp32 (a symbolic batch"), reasons
+    vm = relax.VirtualMachine(tvm_ext.build(mod, "llvm", precision="bf16"), tvm.cpu())
+    xv = rng.standard_normal((3, 16, 10, 10)).astype(np.float32)
+    got = vm["main"](tvm.runtime.tensor(xv)).numpy()
+    assert rel_err(got, to_torch(mod, torch.float64)(torch.from_numpy(xv).double()).numpy()) < 1e-5

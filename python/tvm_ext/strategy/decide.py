@@ -81,6 +81,8 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
     bf16 = None
     if precision == "bf16":
         bf16 = bf16_conv2d_reason(wl, call.args[1], target)
+        if bf16 is None and symbolic_batch(tensors[0]) is not None:
+            bf16 = "a symbolic batch (the bf16 kernels are per static shape)"
         if bf16 is None:  # an odd channel count (an RGB stem) gets a zero channel: pairs
             paired = dataclasses.replace(wl, C=wl.C + wl.C % 2, dtype="bfloat16")
             plan = _conv.plan_conv2d(paired, vector_isa(target), engine="amx")
@@ -159,8 +161,8 @@ def is_weight_gradient(call: relax.Call) -> bool:
 
 def _decide_weight_gradient(call: relax.Call, shapes: tuple, target: tvm.target.Target,
                             engine: str = "ffma") -> Decision:
-    """A conv2d in the weight gradient's layouts: tvm_ext's X^T dY kernel where it computes
-    exactly this, the reason otherwise."""
+    """A conv2d in the weight gradient's layouts: tvm_ext's X^T dY kernel (CPUs) or the maxDNN
+    tile on its forward reading (CUDA) where it computes exactly this, the reason otherwise."""
     op, attrs = "relax.nn.conv2d", call.attrs
     if target.kind.name == "cuda":
         return _decide_cuda_weight_gradient(call, shapes, engine)
