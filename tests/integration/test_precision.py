@@ -79,9 +79,10 @@ def test_precision_is_checked_before_anything_compiles():
         tvm_ext.pipeline("cuda -arch=sm_90", precision="bf16")
 
 
-def test_a_symbolic_batch_stays_fp32_with_the_reason():
-    """The bf16 kernels are planned per static shape; a symbolic batch's convolutions run in fp32
-    (before: the build failed inside TVM, an InternalError of the batch loop's buffer views)."""
+def test_a_symbolic_batch_runs_in_bf16():
+    """The bf16 kernel for one image runs over a symbolic batch, as fp32's does (before: the
+    build failed inside TVM, the batch loop's per-image views taken with an access_ptr of a bf16
+    buffer, whose element type TVM's legalization changes)."""
     n = tvm.tirx.Var("n", "int64")
     rng = np.random.default_rng(2)
     bb = relax.BlockBuilder()
@@ -93,9 +94,10 @@ def test_a_symbolic_batch_stays_fp32_with_the_reason():
         bb.emit_func_output(out)
     mod = bb.get()
     reasons = [row.reason for row in tvm_ext.dispatch_report(mod, "llvm", precision="bf16") if row.op == "nn.conv2d"]
-    if AMX:
-        assert reasons[0].startswith("fp32 (a symbolic batch"), reasons
+    assert reasons == ([BF16] if AMX else reasons) and (AMX or reasons[0].startswith("fp32 ("))
     vm = relax.VirtualMachine(tvm_ext.build(mod, "llvm", precision="bf16"), tvm.cpu())
-    xv = rng.standard_normal((3, 16, 10, 10)).astype(np.float32)
-    got = vm["main"](tvm.runtime.tensor(xv)).numpy()
-    assert rel_err(got, to_torch(mod, torch.float64)(torch.from_numpy(xv).double()).numpy()) < 1e-5
+    for batch in (1, 3):
+        xv = rng.standard_normal((batch, 16, 10, 10)).astype(np.float32)
+        got = vm["main"](tvm.runtime.tensor(xv)).numpy()
+        error = rel_err(got, to_torch(mod, torch.float64)(torch.from_numpy(xv).double()).numpy())
+        assert (1e-5 < error < 2e-2) if AMX else error < 1e-5

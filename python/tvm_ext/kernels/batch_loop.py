@@ -50,7 +50,10 @@ def batch_loop(func: tirx.PrimFunc, batched: Sequence[int], outputs: int = 1) ->
         alignment = int(param.data_alignment) if int(param.data_alignment) > 0 else 64
         offset = image * per_image
         if per_image * tvm.runtime.DataType(param.dtype).bits // 8 % alignment == 0:
-            before.append(tirx.DeclBuffer(param, data=whole.access_ptr("rw", offset=offset)))
+            # the image's first element's address (an access_ptr keeps the declared element type,
+            # which TVM's bf16 legalization changes under it: bf16 kernels failed to build)
+            first = tirx.BufferLoad(whole, [image, *[tirx.const(0, "int64")] * (len(param.shape) - 1)])
+            before.append(tirx.DeclBuffer(param, data=tirx.call_intrin("handle", "tirx.address_of", first)))
             continue
         before.append(tirx.AllocBuffer(param))
         flat = tirx.decl_buffer((per_image,), param.dtype, f"{param.name}_flat", data=param.data)

@@ -81,8 +81,6 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
     bf16 = None
     if precision == "bf16":
         bf16 = bf16_conv2d_reason(wl, call.args[1], target)
-        if bf16 is None and symbolic_batch(tensors[0]) is not None:
-            bf16 = "a symbolic batch (the bf16 kernels are per static shape)"
         if bf16 is None:  # an odd channel count (an RGB stem) gets a zero channel: pairs
             paired = dataclasses.replace(wl, C=wl.C + wl.C % 2, dtype="bfloat16")
             plan = _conv.plan_conv2d(paired, vector_isa(target), engine="amx")
