@@ -164,8 +164,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _median_ms(fn, repeat: int) -> float:
+def _median_ms(fn, repeat: int, warmup_s: float = 0.25) -> float:
+    """Median of `repeat` timed calls, after warm-up calls for `warmup_s` seconds (at least one):
+    TVM's pinned threads take some calls to reach their speed, AMX's more (ResNet-50 in bf16:
+    14 ms a call over the first 10, 8.7 ms warm)."""
+    start = time.perf_counter()
     fn()
+    while time.perf_counter() - start < warmup_s:
+        fn()
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
