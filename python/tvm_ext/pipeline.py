@@ -112,8 +112,9 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
     `precision` "bf16" (CPUs): convolutions with constant weights run in bfloat16 on AMX tiles
     (Sapphire Rapids and later; :mod:`tvm_ext.intrin.cpu_amx`): their input rounded to bf16 as it
     is packed for them, their weights at build time, fp32 accumulation and output (so the
-    activations between kernels stay fp32); those that cannot (no AMX, depthwise or grouped, an
-    odd channel count, run-time weights) stay fp32, and `dispatch_report` says which and why.
+    activations between kernels stay fp32; an odd channel count, an RGB stem's, gets a zero
+    channel); those that cannot (no AMX or the OS refusing its tiles, depthwise or grouped,
+    run-time weights) stay fp32, and `dispatch_report` says which and why.
     """
     from .tuning.records import open_database, shipped_database
 

@@ -162,6 +162,10 @@ def has_amx_bf16(target: TargetLike) -> bool:
     return _has_features(target, ["amx-bf16", "amx-tile"])
 
 
+# arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) on x86-64 Linux: syscall(158, 0x1023, 18)
+AMX_PERMISSION_SYSCALL = (158, 0x1023, 18)
+
+
 @functools.cache
 def amx_permitted() -> bool:
     """Whether Linux lets this process use AMX's tile data: it must ask first
@@ -175,7 +179,7 @@ def amx_permitted() -> bool:
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+        return libc.syscall(*AMX_PERMISSION_SYSCALL) == 0
     except (OSError, AttributeError):
         return False
 

@@ -64,9 +64,10 @@ class BRGEMM:
 
     @property
     def k_unroll(self) -> int:
-        """Unrolled k steps let LLVM hoist loads across steps until a large tile spills."""
-        limit = self.unroll
-        return max(d for d in range(1, min(limit, self.k) + 1) if self.k % d == 0)
+        """Unrolled k steps let LLVM hoist loads across steps until a large tile spills (a step:
+        one channel, or a pair of them in bfloat16)."""
+        steps = self.k // 2 if self.pairs else self.k
+        return max(d for d in range(1, min(self.unroll, steps) + 1) if steps % d == 0)
 
     @property
     def vectors(self) -> int:
@@ -340,7 +341,6 @@ def _implementation(spec: BRGEMM) -> tirx.PrimFunc:
                 if spec.prefetch and spec.batch[0] > 1 and not spec.a_transposed:
                     _prefetch_block(spec, a, batch, i0 + spec.prefetch)
                 steps = spec.k // 2 if spec.pairs else spec.k  # a pair of k per step in bf16
-                ku = max(d for d in range(1, min(ku, steps) + 1) if steps % d == 0)
                 with T.grid(*batch[1:]) as (i1, i2), T.serial(steps // ku) as k0, T.unroll(ku) as k1:
                     IRBuilder.name_many(["i1", "i2", "k0", "k1"], [i1, i2, k0, k1])
                     k = k0 * ku + k1
@@ -362,10 +362,10 @@ def _pair_step(spec: BRGEMM, a: tirx.Buffer, b: tirx.Buffer, acc: list, bv: tirx
                batch: tuple, pair) -> None:
     """One bf16 step: channels 2 * pair and 2 * pair + 1 of the batch entry, by vdpbf16ps."""
     lanes, words = spec.lanes, f"int32x{spec.lanes}"
+    i0, i1, i2 = batch
     for j in range(spec.vectors):  # 16 output lanes x a pair of channels: one 64-byte load
         T.buffer_store(bv, T.reinterpret(words, b.vload([*batch, pair, j * lanes, 0], f"bfloat16x{2 * lanes}")), [j])
     for i, j in tile:
-        i0, i1, i2 = batch
         pair_of_a = T.reinterpret("int32", a.vload(_a_index(spec, i0, i1, i2, i, 2 * pair), "bfloat16x2"))
         T.buffer_store(acc[i], T.call_extern(f"float32x{lanes}", DPBF16PS, acc[i][j], T.broadcast(pair_of_a, lanes),
                                              bv[j]), [j])

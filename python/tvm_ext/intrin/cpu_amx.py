@@ -23,11 +23,12 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
+from ..target import AMX_PERMISSION_SYSCALL
+
 __all__ = ["AMX_ROWS", "amx_implementation", "amx_k_step", "amx_llvm"]
 
 AMX_ROWS = 16  # rows of a tile register
 AMX_ROW_BYTES = 64
-_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
 
 
 def amx_k_step(k: int) -> int:
@@ -84,7 +85,7 @@ define linkonce_odr void @tvmext_amx_permit() #0 {{
   %ask = icmp eq i8 %done, 0
   br i1 %ask, label %request, label %ready
 request:
-  %r = call i64 (i64, ...) @syscall(i64 {_SYS_ARCH_PRCTL}, i64 {_ARCH_REQ_XCOMP_PERM}, i64 {_XFEATURE_XTILEDATA})
+  %r = call i64 (i64, ...) @syscall({", ".join(f"i64 {v}" for v in AMX_PERMISSION_SYSCALL)})
   store i8 1, ptr @tvmext_amx_permitted
   br label %ready
 ready:

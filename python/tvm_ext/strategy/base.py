@@ -230,6 +230,23 @@ def add_kernel(bb: relax.BlockBuilder, func: tvm.tirx.PrimFunc, name: str) -> tv
     return bb.add_func(func.with_attr("op_pattern", OPAQUE), name)
 
 
+def emit_kernel_outputs(bb: relax.BlockBuilder, func: tvm.tirx.PrimFunc, name: str, args: list,
+                        shapes: list[tuple]) -> list[relax.Var]:
+    """The float32 outputs of kernel `func`, which writes several tensors of `shapes`."""
+    out = bb.emit(relax.call_tir(add_kernel(bb, func, name), args,
+                                 [relax.TensorType(shape, "float32") for shape in shapes]))
+    return [bb.emit(relax.TupleGetItem(out, i)) for i in range(len(shapes))]
+
+
+def running_statistics(batch_norm: relax.Call, mean: relax.Expr, var: relax.Expr) -> list[relax.Expr]:
+    """The new running mean and variance of a training-mode `batch_norm` whose batch statistics are
+    `mean` and `var`, as TVM's batch_norm defines them: (1 - momentum) * old + momentum * new."""
+    momentum = float(batch_norm.attrs.momentum)
+    keep, take = relax.const(1 - momentum, "float32"), relax.const(momentum, "float32")
+    return [relax.op.add(relax.op.multiply(keep, old), relax.op.multiply(take, new))
+            for old, new in ((batch_norm.args[3], mean), (batch_norm.args[4], var))]
+
+
 class Emitter(Protocol):
     """What :mod:`.dispatch` asks of a target's emitter (:class:`.cpu.CpuEmitter`,
     :class:`.cuda.CudaEmitter`): the calls that replace one op, given the decision taken for it.

@@ -39,8 +39,10 @@ from .base import (
     alpha,
     bound_value,
     channel_scale_operands,
+    emit_kernel_outputs,
     pool_tag,
     pool_workload,
+    running_statistics,
     tuple_field,
 )
 from .decide import pool2d_backward_workload
@@ -503,10 +505,7 @@ class CpuEmitter:
         return known
 
     def _calls(self, func: tvm.tirx.PrimFunc, name: str, args: list, shapes: list[tuple]) -> list[relax.Var]:
-        """The outputs of kernel `func`, which writes several tensors of `shapes`."""
-        out = self.bb.emit(relax.call_tir(add_kernel(self.bb, func, name), args,
-                                          [relax.TensorType(shape, "float32") for shape in shapes]))
-        return [self.bb.emit(relax.TupleGetItem(out, i)) for i in range(len(shapes))]
+        return emit_kernel_outputs(self.bb, func, name, args, shapes)
 
     def batch_norm_training(self, call: relax.Call, residual: relax.Expr | None = None,
                             relu: bool = False) -> relax.Expr:
@@ -514,7 +513,7 @@ class CpuEmitter:
         as TVM's batch_norm computes them, y and the statistics by one blocked kernel
         (:func:`~tvm_ext.kernels.batch_norm.batch_norm_forward_func`). With a `residual` or
         `relu` (a fused composite, whose running statistics nobody reads): relu(y + residual) alone."""
-        data, gamma, beta, moving_mean, moving_var = call.args
+        data, gamma, beta = call.args[:3]
         attrs = call.attrs
         channels = known_shape(image_shape(data), "batch_norm: the data")[1]
         x, block = self._batch_norm_input(data)
@@ -528,11 +527,7 @@ class CpuEmitter:
         self._batch_statistics[x] = (mean, var)
         if residual is not None or relu:
             return self.unpack(y, channels)
-        momentum = float(attrs.momentum)
-        keep, take = relax.const(1 - momentum, "float32"), relax.const(momentum, "float32")
-        running = [relax.op.add(relax.op.multiply(keep, old), relax.op.multiply(take, new))
-                   for old, new in ((moving_mean, mean), (moving_var, var))]
-        return relax.Tuple([self.unpack(y, channels), *running])
+        return relax.Tuple([self.unpack(y, channels), *running_statistics(call, mean, var)])
 
     def batch_norm_backward(self, found: BatchNormGradient) -> tuple[relax.Expr, relax.Var, relax.Var]:
         """(dX, dgamma, dbeta) of a training-mode batch norm's gradient (`found`'s operands are

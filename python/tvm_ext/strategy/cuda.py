@@ -37,7 +37,18 @@ from ..kernels.cuda import maxdnn as _maxdnn
 from ..kernels.cuda import memory_bound as _memory_bound
 from ..kernels.cuda import winograd as _winograd
 from ..transform.gradients import BatchNormGradient, read_phase_interleave
-from .base import OPAQUE, Activation, Decision, alpha, bound_value, pool_tag, pool_workload, tuple_field
+from .base import (
+    Activation,
+    Decision,
+    add_kernel,
+    alpha,
+    bound_value,
+    emit_kernel_outputs,
+    pool_tag,
+    pool_workload,
+    running_statistics,
+    tuple_field,
+)
 from .decide import pool2d_backward_workload
 
 _TO_NCHW = "tvm_ext_chwn_to_nchw"
@@ -78,14 +89,10 @@ class CudaEmitter:
         self._batch_statistics.clear()
 
     def _call(self, func: tvm.tirx.PrimFunc, name: str, args: list, shape: tuple) -> relax.Var:
-        gvar = self.bb.add_func(func.with_attr("op_pattern", OPAQUE), name)
-        return self.bb.emit(relax.call_tir(gvar, args, relax.TensorType(shape, "float32")))
+        return self.bb.emit(relax.call_tir(add_kernel(self.bb, func, name), args, relax.TensorType(shape, "float32")))
 
     def _calls(self, func: tvm.tirx.PrimFunc, name: str, args: list, shapes: list[tuple]) -> list[relax.Var]:
-        """The outputs of kernel `func`, which writes several tensors of `shapes`."""
-        gvar = self.bb.add_func(func.with_attr("op_pattern", OPAQUE), name)
-        out = self.bb.emit(relax.call_tir(gvar, args, [relax.TensorType(shape, "float32") for shape in shapes]))
-        return [self.bb.emit(relax.TupleGetItem(out, i)) for i in range(len(shapes))]
+        return emit_kernel_outputs(self.bb, func, name, args, shapes)
 
     def produced_chwn(self, expr: relax.Expr) -> relax.Expr | None:
         """The CHWN tensor behind `expr` if `expr` is the NCHW view of one of our kernels' results
@@ -115,8 +122,7 @@ class CudaEmitter:
         out = tuple(shape[a] for a in _memory_bound.CHWN_TO_NCHW)
         name = _name(_TO_NCHW.removeprefix("tvm_ext_"), shape)
         func = _memory_bound.transpose_func(shape, _memory_bound.CHWN_TO_NCHW, "chwn_to_nchw")
-        gvar = self.bb.add_func(func.with_attr("op_pattern", OPAQUE), name)
-        return relax.call_tir(gvar, [chwn], relax.TensorType(out, "float32"))
+        return relax.call_tir(add_kernel(self.bb, func, name), [chwn], relax.TensorType(out, "float32"))
 
     def _weight(self, weight: relax.Expr, plan: _maxdnn.MaxDNNPlan) -> relax.Expr:
         """OIHW -> the plan's weights (:attr:`~tvm_ext.kernels.cuda.maxdnn.MaxDNNPlan.weight_shape`):
@@ -243,7 +249,7 @@ class CudaEmitter:
         variance) as TVM's batch_norm computes them, y and the statistics by one kernel
         (:func:`~tvm_ext.kernels.cuda.batch_norm.batch_norm_forward_chwn_func`). With a `residual`
         or `relu` (a fused composite, whose running statistics nobody reads): relu(y + residual)."""
-        data, gamma, beta, moving_mean, moving_var = call.args
+        data, gamma, beta = call.args[:3]
         attrs = call.attrs
         x = self.chwn(data)
         norm = _batch_norm.BatchNorm(_shape(x), float(attrs.epsilon), bool(attrs.scale), bool(attrs.center),
@@ -256,11 +262,7 @@ class CudaEmitter:
         self._batch_statistics[x] = (mean, var)
         if residual is not None or relu:
             return self.nchw(y)
-        momentum = float(attrs.momentum)
-        keep, take = relax.const(1 - momentum, "float32"), relax.const(momentum, "float32")
-        running = [relax.op.add(relax.op.multiply(keep, old), relax.op.multiply(take, new))
-                   for old, new in ((moving_mean, mean), (moving_var, var))]
-        return relax.Tuple([self.bb.emit(self.nchw(y)), *running])
+        return relax.Tuple([self.bb.emit(self.nchw(y)), *running_statistics(call, mean, var)])
 
     def batch_norm_backward(self, found: BatchNormGradient) -> tuple[relax.Expr, relax.Var, relax.Var]:
         """(dX, dgamma, dbeta) of a training-mode batch norm's gradient in CHWN, one kernel
