@@ -162,6 +162,19 @@ def has_amx_bf16(target: TargetLike) -> bool:
     return _has_features(target, ["amx-bf16", "amx-tile"])
 
 
+def has_vnni(target: TargetLike, lanes: int = 16) -> bool:
+    """Whether the (resolved) LLVM target has the int8 BRGEMM's `vpdpbusd` on `lanes` 32-bit lanes:
+    AVX512-VNNI's zmm (16), AVX-VNNI's ymm (8; Alder Lake and later, Zen 5)."""
+    if lanes == 16:
+        return _has_features(target, ["avx512vnni", "avx512f"])
+    return lanes == 8 and _has_features(target, ["avxvnni"])
+
+
+def has_amx_int8(target: TargetLike) -> bool:
+    """Whether the (resolved) LLVM target has AMX with int8 (`tdpbusd`)."""
+    return _has_features(target, ["amx-int8", "amx-tile"])
+
+
 # arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) on x86-64 Linux: syscall(158, 0x1023, 18)
 AMX_PERMISSION_SYSCALL = (158, 0x1023, 18)
 

@@ -95,7 +95,7 @@ def test_layers_bench_bf16_smoke():
     out = _run("bench/layers.py", "--set", "resnet50", "--layers", "2", "--repeat", "2", "--dtype", "bf16")
     assert "stem_7x7s2 | skipped: " in out
     if has_avx512_bf16("llvm"):
-        assert "3 input channels: not pairs" in out and "s2_1x1_64-64 | 64x56x56->64" in out
+        assert "3 input channels: not groups of 2" in out and "s2_1x1_64-64 | 64x56x56->64" in out
         assert "# geomean: " in out and "x PyTorch bf16" in out
 
 

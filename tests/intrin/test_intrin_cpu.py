@@ -37,7 +37,7 @@ def test_tile_register_budget():
     BRGEMM(14, 32, 16, 16).validate(AVX512)
     with pytest.raises(ValueError, match="multiple of the 8 lanes"):
         BRGEMM(6, 12, 16, 8).validate()
-    with pytest.raises(ValueError, match="float32 or bfloat16"):
+    with pytest.raises(ValueError, match="float32, bfloat16, int8"):
         BRGEMM(6, 16, 16, 8, dtype="float16").validate()
     assert all(BRGEMM(m, n, 1, isa.lanes).registers() <= isa.registers
                for isa in (AVX2, AVX512, NEON) for m, n in register_tiles(isa))

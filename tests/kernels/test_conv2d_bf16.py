@@ -109,19 +109,19 @@ def test_bf16_plans_refuse_what_the_microkernel_does_not_take():
         plan_conv2d(wl, AVX2)
     with pytest.raises(ValueError, match="2 groups"):
         plan_conv2d(Conv2dWorkload.make((1, 32, 8, 8), (32, 16, 3, 3), 1, 1, groups=2, dtype="bfloat16"), AVX512)
-    with pytest.raises(ValueError, match="3 input channels: not pairs"):
+    with pytest.raises(ValueError, match="3 input channels: not groups of 2"):
         plan_conv2d(Conv2dWorkload.make((1, 3, 8, 8), (32, 3, 3, 3), 1, 1, dtype="bfloat16"), AVX512)
-    with pytest.raises(ValueError, match="float32, or bfloat16"):
+    with pytest.raises(ValueError, match="float32, bfloat16 data and weights, or int8"):
         Conv2dWorkload.make((1, 32, 8, 8), (32, 32, 3, 3), dtype="float16")
-    with pytest.raises(ValueError, match="pairs of k"):
+    with pytest.raises(ValueError, match="groups of 2 channels of k"):
         BRGEMM(4, 16, 7, 16, dtype="bfloat16").validate()
     spec = BRGEMM(4, 32, 16, 16, (2, 3, 3), 2, dtype="bfloat16", init=True)
     assert brgemm_from_name(spec.name) == spec
     amx = BRGEMM(32, 32, 32, 16, (2, 3, 3), 2, dtype="bfloat16", init=True, engine="amx")
     assert amx.name.endswith("_amx") and brgemm_from_name(amx.name) == amx
-    with pytest.raises(ValueError, match="AMX takes bfloat16 tiles"):
+    with pytest.raises(ValueError, match="AMX takes bfloat16 or int8 tiles"):
         BRGEMM(33, 32, 32, 16, dtype="bfloat16", engine="amx").validate()
-    with pytest.raises(ValueError, match="AMX takes bfloat16 tiles"):
+    with pytest.raises(ValueError, match="AMX takes bfloat16 or int8 tiles"):
         BRGEMM(16, 16, 32, 16, engine="amx").validate()
     with pytest.raises(ValueError, match="the AMX engine takes bfloat16"):
         plan_conv2d(Conv2dWorkload.make((1, 32, 8, 8), (32, 32, 3, 3), 1, 1), AVX512, engine="amx")

@@ -23,6 +23,13 @@ pairs, (batch..., k / 2, n, 2), the pair innermost (oneDNN's and LIBXSMM's VNNI 
 legalizes bf16 vectors to 16-bit integers, which LLVM's intrinsic does not take, so the
 instruction is a small LLVM IR function imported into the module (`pragma_import_llvm`) and
 inlined (:data:`DPBF16PS_LLVM`; see docs/low_precision.md).
+
+dtype "int8" (AVX512-VNNI on 16 lanes, AVX-VNNI on 8): A is uint8, B int8, C int32, and one
+`vpdpbusd` multiplies a group of 4 channels of A (one 32-bit broadcast) by the same 4 of B for
+each output lane, adding the four products to the int32 accumulator (exact: no rounding). B is
+packed in groups of 4, (batch..., k / 4, n, 4). The instruction likewise is imported LLVM IR
+(:data:`DOT_PRODUCTS`): TVM 0.27's `dot_16x4_vnni` passes it int32 vectors, which LLVM 22's
+intrinsic (byte-vector operands) no longer takes.
 """
 
 from __future__ import annotations
@@ -41,6 +48,22 @@ from .registry import register_once
 
 
 @dataclasses.dataclass(frozen=True)
+class DotType:
+    """The element types of a BRGEMM dtype and the channels of k one 32-bit lane of B packs (the
+    dot-product instruction's group: 1 for fp32's FMA)."""
+
+    a: str
+    b: str
+    c: str
+    group: int
+
+
+DOT_TYPES = {"float32": DotType("float32", "float32", "float32", 1),
+             "bfloat16": DotType("bfloat16", "bfloat16", "float32", 2),
+             "int8": DotType("uint8", "int8", "int32", 4)}
+
+
+@dataclasses.dataclass(frozen=True)
 class BRGEMM:
     """Shape of one BRGEMM microkernel call (everything the generator needs)."""
 
@@ -51,22 +74,22 @@ class BRGEMM:
     batch: tuple[int, int, int] = (1, 1, 1)  # (channel blocks, kh, kw)
     stride: int = 1  # distance in A between two rows of C (the convolution stride)
     dilation: tuple[int, int] = (1, 1)
-    dtype: str = "float32"
+    dtype: str = "float32"  # a key of DOT_TYPES: "float32", "bfloat16" or "int8" (u8 x s8 -> s32)
     init: bool = False  # C = sum(...) (accumulators start at zero, C is only written) vs C += sum
     unroll: int = 1  # k steps unrolled in the implementation (largest divisor of k up to this)
     # Software prefetch of A this many channel blocks (batch entries along b0) ahead; 0: none.
     prefetch: int = 1
     # A indexed (batch..., k * stride, m): one pixel's channels contiguous (the weight gradient).
     a_transposed: bool = False
-    # "fma": vector registers (FMA, or vdpbf16ps in bfloat16); "amx": bfloat16 on AMX tiles
-    # (:mod:`tvm_ext.intrin.cpu_amx`)
+    # "fma": vector registers (FMA, vdpbf16ps in bfloat16, vpdpbusd in int8); "amx": bfloat16 or
+    # int8 on AMX tiles (:mod:`tvm_ext.intrin.cpu_amx`)
     engine: str = "fma"
 
     @property
     def k_unroll(self) -> int:
         """Unrolled k steps let LLVM hoist loads across steps until a large tile spills (a step:
-        one channel, or a pair of them in bfloat16)."""
-        steps = self.k // 2 if self.pairs else self.k
+        one channel, or a group of them: a pair in bfloat16, 4 in int8)."""
+        steps = self.k // self.group
         return max(d for d in range(1, min(self.unroll, steps) + 1) if steps % d == 0)
 
     @property
@@ -85,26 +108,35 @@ class BRGEMM:
         return (b0, (b1 - 1) * dh + 1, (strided - 1) * self.stride + (b2 - 1) * dw + 1, other)
 
     @property
-    def pairs(self) -> bool:
-        """Whether A and B are bf16 with B packed in pairs of k (the dot-product instruction)."""
-        return self.dtype == "bfloat16"
+    def types(self) -> DotType:
+        return DOT_TYPES[self.dtype]
+
+    @property
+    def group(self) -> int:
+        """Channels of k that B packs in each lane (a dot-product step): 1, 2 (bf16) or 4 (int8)."""
+        return self.types.group
 
     def b_shape(self, batch: tuple | None = None) -> tuple:
         b0, b1, b2 = batch or self.batch
-        return (b0, b1, b2, self.k // 2, self.n_r, 2) if self.pairs else (b0, b1, b2, self.k, self.n_r)
+        g = self.group
+        return (b0, b1, b2, self.k // g, self.n_r, g) if g > 1 else (b0, b1, b2, self.k, self.n_r)
 
     def validate(self, isa: VectorISA | None = None) -> None:
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"BRGEMM: dtype {self.dtype} is not supported (float32 or bfloat16)")
-        if self.pairs and (self.k % 2 or self.lanes != 16 or self.a_transposed):
-            raise ValueError(f"BRGEMM: bfloat16 takes pairs of k (k={self.k}) over 16 lanes (AVX512-BF16, "
-                             f"{self.lanes} given), A not transposed")
+        if self.dtype not in DOT_TYPES:
+            raise ValueError(f"BRGEMM: dtype {self.dtype} is not supported ({', '.join(DOT_TYPES)})")
+        g = self.group
+        lanes = (16,) if self.dtype == "bfloat16" else (8, 16)
+        if g > 1 and (self.k % g or self.lanes not in lanes or self.a_transposed):
+            raise ValueError(f"BRGEMM: {self.dtype} takes groups of {g} channels of k (k={self.k}) over "
+                             f"{' or '.join(map(str, lanes))} lanes ({self.lanes} given), A not transposed")
         if self.engine not in ("fma", "amx"):
             raise ValueError(f"BRGEMM: engine {self.engine!r} is not 'fma' or 'amx'")
-        if self.engine == "amx" and (not self.pairs or self.m_r > 32 or self.n_r not in (16, 32)
-                                     or self.k % min(self.k, 32)):
-            raise ValueError(f"BRGEMM: AMX takes bfloat16 tiles of up to 32 rows and 16 or 32 columns, k in "
-                             f"steps of up to 32: {self}")
+        if self.engine == "amx":
+            from .cpu_amx import amx_k_step
+
+            if g == 1 or self.m_r > 32 or self.n_r not in (16, 32) or self.k % amx_k_step(self):
+                raise ValueError(f"BRGEMM: AMX takes bfloat16 or int8 tiles of up to 32 rows and 16 or 32 "
+                                 f"columns, k in whole 64-byte steps: {self}")
         if min(self.m_r, self.n_r, self.k, self.lanes, self.stride, *self.batch, *self.dilation) < 1:
             raise ValueError(f"BRGEMM: every extent must be positive: {self}")
         if self.prefetch < 0:
@@ -233,20 +265,23 @@ def _signature(spec: BRGEMM, strided: bool) -> tuple[tuple, tirx.Buffer, tirx.Bu
     handles = [T.arg(name, T.handle()) for name in "abc"]
     batch = tuple(T.arg(f"b{i}", T.int32()) if b > 1 else 1 for i, b in enumerate(spec.batch))
     shapes = (spec.a_shape(batch), spec.b_shape(batch), (spec.m_r, spec.n_r))
-    dtypes = (spec.dtype, spec.dtype, "float32")
-    # (a pair of A is loaded as one 32-bit word: its channels contiguous)
-    return (batch, *(operand_buffer(handle, shape, dtype, strided, unit_last=handle.name != "a" or spec.pairs)
-                     for handle, shape, dtype in zip(handles, shapes, dtypes, strict=True)))
+    types = spec.types
+    # (a group of A is loaded as one 32-bit word: its channels contiguous)
+    return (batch, *(operand_buffer(handle, shape, dtype, strided, unit_last=handle.name != "a" or spec.group > 1)
+                     for handle, shape, dtype in zip(handles, shapes, (types.a, types.b, types.c), strict=True)))
 
 
 def _b_index(spec: BRGEMM, i0, i1, i2, k, n) -> list:
     """Where B holds channel `k` of output lane `n` of batch entry (i0, i1, i2)."""
-    return [i0, i1, i2, k // 2, n, k % 2] if spec.pairs else [i0, i1, i2, k, n]
+    g = spec.group
+    return [i0, i1, i2, k // g, n, k % g] if g > 1 else [i0, i1, i2, k, n]
 
 
 def _product(spec: BRGEMM, a_value: tirx.PrimExpr, b_value: tirx.PrimExpr) -> tirx.PrimExpr:
-    if spec.pairs:  # bf16 operands, each product and the sum in fp32
-        return tirx.Cast("float32", a_value) * tirx.Cast("float32", b_value)
+    """One product in C's type: bf16 operands multiplied and summed in fp32, int8's in int32."""
+    c = spec.types.c
+    if spec.group > 1:
+        return tirx.Cast(c, a_value) * tirx.Cast(c, b_value)
     return a_value * b_value
 
 
@@ -288,24 +323,37 @@ def _description(spec: BRGEMM) -> tirx.PrimFunc:
                 T.writes(c[tuple(c_index)])
                 if spec.init:
                     with T.init():
-                        T.buffer_store(c, tirx.const(0.0, "float32"), c_index)
+                        T.buffer_store(c, tirx.const(0, spec.types.c), c_index)
                 T.buffer_store(c, c[tuple(c_index)] + _product(spec, a[tuple(a_index)], b[tuple(b_index)]), c_index)
     return builder.get()
 
 
-# vdpbf16ps on zmm registers, as a function LLVM inlines (the operands as 32-bit lanes: TVM
-# cannot pass bf16 vectors); linkonce_odr: each kernel's import of it is one definition.
-DPBF16PS = "tvmext_dpbf16ps"
-DPBF16PS_LLVM = f"""
-define linkonce_odr <16 x float> @{DPBF16PS}(<16 x float> %acc, <16 x i32> %a, <16 x i32> %b) #0 {{
-  %av = bitcast <16 x i32> %a to <32 x bfloat>
-  %bv = bitcast <16 x i32> %b to <32 x bfloat>
-  %r = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> %acc, <32 x bfloat> %av, <32 x bfloat> %bv)
-  ret <16 x float> %r
+def _dot_llvm(name: str, acc: str, operand: str, intrinsic: str) -> str:
+    """A dot-product instruction as a function LLVM inlines, its operands passed as 32-bit lanes
+    (TVM cannot pass bf16 vectors, and LLVM 22's VNNI intrinsics take byte vectors) and bitcast;
+    linkonce_odr: each kernel's import of it is one definition."""
+    lanes = int(acc.split()[0][1:])
+    return f"""
+define linkonce_odr {acc} @{name}({acc} %acc, <{lanes} x i32> %a, <{lanes} x i32> %b) #0 {{
+  %av = bitcast <{lanes} x i32> %a to {operand}
+  %bv = bitcast <{lanes} x i32> %b to {operand}
+  %r = call {acc} @{intrinsic}({acc} %acc, {operand} %av, {operand} %bv)
+  ret {acc} %r
 }}
-declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
+declare {acc} @{intrinsic}({acc}, {operand}, {operand})
 attributes #0 = {{ alwaysinline }}
 """
+
+
+# (dtype, lanes) -> (function name, its LLVM IR): vdpbf16ps on zmm, vpdpbusd on zmm or ymm
+DOT_PRODUCTS = {
+    ("bfloat16", 16): ("tvmext_dpbf16ps", _dot_llvm("tvmext_dpbf16ps", "<16 x float>", "<32 x bfloat>",
+                                                    "llvm.x86.avx512bf16.dpbf16ps.512")),
+    ("int8", 16): ("tvmext_dpbusd16", _dot_llvm("tvmext_dpbusd16", "<16 x i32>", "<64 x i8>",
+                                                "llvm.x86.avx512.vpdpbusd.512")),
+    ("int8", 8): ("tvmext_dpbusd8", _dot_llvm("tvmext_dpbusd8", "<8 x i32>", "<32 x i8>",
+                                              "llvm.x86.avx512.vpdpbusd.256")),
+}
 
 
 def _implementation(spec: BRGEMM) -> tirx.PrimFunc:
@@ -320,7 +368,8 @@ def _implementation(spec: BRGEMM) -> tirx.PrimFunc:
         from .cpu_amx import amx_implementation
 
         return amx_implementation(spec, _signature, _a_index, _regions)
-    vec, lanes = f"float32x{spec.lanes}", spec.lanes
+    lanes, g = spec.lanes, spec.group
+    vec = f"{spec.types.c}x{lanes}"
     ku, nv = spec.k_unroll, spec.vectors
     tile = [(i, j) for i in range(spec.m_r) for j in range(nv)]
     with IRBuilder() as builder, T.prim_func(s_tir=True):
@@ -329,23 +378,23 @@ def _implementation(spec: BRGEMM) -> tirx.PrimFunc:
         with T.sblock("root"):
             _regions(spec, a, b, c)
             acc = [IRBuilder.name(f"acc{i}", T.alloc_buffer((nv,), vec)) for i in range(spec.m_r)]
-            bv = IRBuilder.name("bv", T.alloc_buffer((nv,), f"int32x{lanes}" if spec.pairs else vec))
+            bv = IRBuilder.name("bv", T.alloc_buffer((nv,), f"int32x{lanes}" if g > 1 else vec))
             for i, j in tile:
-                start = (T.broadcast(tirx.const(0.0, "float32"), lanes) if spec.init
+                start = (T.broadcast(tirx.const(0, spec.types.c), lanes) if spec.init
                          else c.vload([i, j * lanes], vec))
                 T.buffer_store(acc[i], start, [j])
             with contextlib.ExitStack() as frames:
-                if spec.pairs:
-                    frames.enter_context(T.attr(0, "pragma_import_llvm", DPBF16PS_LLVM))
+                if g > 1:
+                    frames.enter_context(T.attr(0, "pragma_import_llvm", DOT_PRODUCTS[spec.dtype, lanes][1]))
                 i0 = IRBuilder.name("i0", frames.enter_context(T.serial(batch[0])))
                 if spec.prefetch and spec.batch[0] > 1 and not spec.a_transposed:
                     _prefetch_block(spec, a, batch, i0 + spec.prefetch)
-                steps = spec.k // 2 if spec.pairs else spec.k  # a pair of k per step in bf16
+                steps = spec.k // g  # a group of k per step in bf16 and int8
                 with T.grid(*batch[1:]) as (i1, i2), T.serial(steps // ku) as k0, T.unroll(ku) as k1:
                     IRBuilder.name_many(["i1", "i2", "k0", "k1"], [i1, i2, k0, k1])
                     k = k0 * ku + k1
-                    if spec.pairs:
-                        _pair_step(spec, a, b, acc, bv, tile, (i0, i1, i2), k)
+                    if g > 1:
+                        _group_step(spec, a, b, acc, bv, tile, (i0, i1, i2), k)
                     else:
                         for j in range(nv):
                             T.buffer_store(bv, b.vload([i0, i1, i2, k, j * lanes], vec), [j])
@@ -358,16 +407,18 @@ def _implementation(spec: BRGEMM) -> tirx.PrimFunc:
     return builder.get()
 
 
-def _pair_step(spec: BRGEMM, a: tirx.Buffer, b: tirx.Buffer, acc: list, bv: tirx.Buffer, tile: list,
-               batch: tuple, pair) -> None:
-    """One bf16 step: channels 2 * pair and 2 * pair + 1 of the batch entry, by vdpbf16ps."""
-    lanes, words = spec.lanes, f"int32x{spec.lanes}"
+def _group_step(spec: BRGEMM, a: tirx.Buffer, b: tirx.Buffer, acc: list, bv: tirx.Buffer, tile: list,
+                batch: tuple, group) -> None:
+    """One bf16 or int8 step: channels g * group .. g * group + g - 1 of the batch entry, by the
+    dot-product instruction (vdpbf16ps, vpdpbusd)."""
+    lanes, g, words, types = spec.lanes, spec.group, f"int32x{spec.lanes}", spec.types
+    dot = DOT_PRODUCTS[spec.dtype, lanes][0]
     i0, i1, i2 = batch
-    for j in range(spec.vectors):  # 16 output lanes x a pair of channels: one 64-byte load
-        T.buffer_store(bv, T.reinterpret(words, b.vload([*batch, pair, j * lanes, 0], f"bfloat16x{2 * lanes}")), [j])
+    for j in range(spec.vectors):  # the output lanes x a group of channels: one vector load
+        T.buffer_store(bv, T.reinterpret(words, b.vload([*batch, group, j * lanes, 0], f"{types.b}x{g * lanes}")), [j])
     for i, j in tile:
-        pair_of_a = T.reinterpret("int32", a.vload(_a_index(spec, i0, i1, i2, i, 2 * pair), "bfloat16x2"))
-        T.buffer_store(acc[i], T.call_extern(f"float32x{lanes}", DPBF16PS, acc[i][j], T.broadcast(pair_of_a, lanes),
+        group_of_a = T.reinterpret("int32", a.vload(_a_index(spec, i0, i1, i2, i, g * group), f"{types.a}x{g}"))
+        T.buffer_store(acc[i], T.call_extern(f"{types.c}x{lanes}", dot, acc[i][j], T.broadcast(group_of_a, lanes),
                                              bv[j]), [j])
 
 

@@ -26,11 +26,12 @@ from collections.abc import Callable, Sequence
 
 import ml_dtypes
 import numpy as np
+import tvm
 from tvm import s_tir, te, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from ..intrin.cpu import BRGEMM, default_tile, get_brgemm_intrin, register_tiles
+from ..intrin.cpu import BRGEMM, DOT_TYPES, default_tile, get_brgemm_intrin, register_tiles
 from ..intrin.cpu_depthwise import DepthwiseTile, get_depthwise_intrin
 from ..target import AVX2, AVX512, CPU_FEATURES_ATTR, NEON, SSE, VectorISA
 from .common import (
@@ -63,6 +64,8 @@ class Conv2dWorkload:
     padding: tuple[int, int, int, int] = (0, 0, 0, 0)
     dilation: tuple[int, int] = (1, 1)
     groups: int = 1
+    # "float32"; "bfloat16" (data and weights bf16, fp32 sums and output); "int8" (uint8 data,
+    # int8 weights, int32 sums, then the output's quantization: :class:`Epilogue`)
     dtype: str = "float32"
 
     @staticmethod
@@ -73,8 +76,9 @@ class Conv2dWorkload:
             raise ValueError(f"conv2d: data must be 4-D NCHW, got shape {tuple(x_shape)}")
         if len(w_shape) != 4:
             raise ValueError(f"conv2d: weight must be 4-D OIHW, got shape {tuple(w_shape)}")
-        if dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"conv2d: dtype {dtype} is not supported (float32, or bfloat16 data and weights)")
+        if dtype not in DOT_TYPES:
+            raise ValueError(f"conv2d: dtype {dtype} is not supported (float32, bfloat16 data and weights, or "
+                             "int8: uint8 data and int8 weights)")
         N, C, H, W = (int(v) for v in x_shape)
         K, Cg, KH, KW = (int(v) for v in w_shape)
         if groups < 1 or C % groups or K % groups:
@@ -125,6 +129,19 @@ class Conv2dWorkload:
     def depthwise(self) -> bool:
         return self.groups == self.C and self.groups > 1 and self.K == self.C
 
+    @property
+    def data_dtype(self) -> str:
+        return DOT_TYPES[self.dtype].a
+
+    @property
+    def weight_dtype(self) -> str:
+        return DOT_TYPES[self.dtype].b
+
+    @property
+    def sum_dtype(self) -> str:
+        """What the products are summed in: float32, or int32 for int8."""
+        return DOT_TYPES[self.dtype].c
+
 
 @dataclasses.dataclass(frozen=True)
 class Conv2dPlan:
@@ -158,8 +175,8 @@ class Conv2dPlan:
     # blocks its producer wrote (each group within one block; ic_bn is then the group's channels),
     # instead of a copy re-blocked to ic_bn (:func:`plan_conv2d`). 0: the data's blocks are ic_bn.
     data_bn: int = 0
-    # The microkernel's engine: "fma" (vector registers) or "amx" (a bfloat16 workload on AMX
-    # tiles: :mod:`tvm_ext.intrin.cpu_amx`)
+    # The microkernel's engine: "fma" (vector registers) or "amx" (a bfloat16 or int8 workload on
+    # AMX tiles: :mod:`tvm_ext.intrin.cpu_amx`)
     engine: str = "fma"
 
     @property
@@ -190,7 +207,7 @@ class Conv2dPlan:
         """The kernel's blocked view (N, C/x, H, W, x) of its NCHW `data` (:attr:`nchw_in`)."""
         wl, plane = self.wl, self.wl.H * self.wl.W
         return IRBuilder.name("X_blocks", T.decl_buffer(
-            (wl.N, self.ICB, wl.H, wl.W, self.ic_bn), "float32", data=data.data,
+            (wl.N, self.ICB, wl.H, wl.W, self.ic_bn), wl.data_dtype, data=data.data,
             strides=(wl.C * plane, self.ic_bn * plane, wl.W, 1, plane)))
 
     def weight_shape(self) -> tuple[int, ...]:
@@ -202,8 +219,9 @@ class Conv2dPlan:
 
     def blocked_weight_shape(self) -> tuple[int, ...]:
         wl = self.wl
-        if wl.dtype == "bfloat16":  # pairs of input channels innermost (the dot-product instruction's)
-            return (self.OCB, wl.C // self.ic_bn, wl.KH, wl.KW, self.ic_bn // 2, self.oc_bn, 2)
+        g = DOT_TYPES[wl.dtype].group
+        if g > 1:  # groups of input channels innermost (the dot-product instruction's: bf16 pairs, int8 4)
+            return (self.OCB, wl.C // self.ic_bn, wl.KH, wl.KW, self.ic_bn // g, self.oc_bn, g)
         if self.kind == "depthwise":
             return (self.OCB, wl.KH, wl.KW, self.oc_bn)
         if self.kind == "grouped":  # per output block, the weights of each channel of a group
@@ -216,7 +234,7 @@ class Conv2dPlan:
     def pad_bytes(self) -> int:
         """Bytes the zero border adds to the input over the plain tensor."""
         wl = self.wl
-        return 4 * wl.N * wl.C * (wl.HP * wl.WP - wl.H * wl.W)
+        return tvm.DataType(wl.data_dtype).bits // 8 * wl.N * wl.C * (wl.HP * wl.WP - wl.H * wl.W)
 
     def row_segments(self) -> list[tuple[str, int, int]]:
         """(block name, width, first pixel) of each row segment: whole m_r tiles, then a tail.
@@ -292,12 +310,14 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
     (:func:`data_block_reason`): each group is one block of the kernel's (ic_bn = the group's
     channels), at an offset in a block of the data. `engine` "amx": a bfloat16 workload on AMX
     tiles (the CPU must have AMX-BF16: :func:`~tvm_ext.target.has_amx_bf16`), blocks of 32
-    channels (a tile row of bf16 inputs; 16 output channels a tile) and rows of up to 32 pixels."""
+    channels (a tile row of bf16 inputs; 16 output channels a tile) and rows of up to 32 pixels;
+    or an int8 workload (AMX-INT8), blocks of 64 channels."""
     if engine == "amx":
-        if wl.dtype != "bfloat16":
-            raise ValueError(f"conv2d: the AMX engine takes bfloat16, not {wl.dtype}")
-        plan = plan_conv2d(wl, isa, row_order=row_order)
-        ic = ic_bn or _largest_divisor(wl.C, 32, 2)
+        if wl.dtype not in ("bfloat16", "int8"):
+            raise ValueError(f"conv2d: the AMX engine takes bfloat16 or int8, not {wl.dtype}")
+        plan = plan_conv2d(wl, AVX512, row_order=row_order)
+        g = DOT_TYPES[wl.dtype].group
+        ic = ic_bn or _largest_divisor(wl.C, 16 * g, g)
         oc = n_r or (32 if wl.K > 16 else 16)
         return dataclasses.replace(plan, ic_bn=ic, oc_bn=oc, m_r=m_r or min(32, wl.OW), engine="amx")
     if engine != "fma":
@@ -314,10 +334,10 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
         return dataclasses.replace(plan_conv2d(wl, isa, m_r, n_r, wl.C // wl.groups, row_order), data_bn=data_bn)
     lanes = isa.lanes
     Cg, Kg = wl.C // wl.groups, wl.K // wl.groups
-    if wl.dtype == "bfloat16":
-        reason = bf16_reason(wl, isa)
+    if wl.dtype != "float32":
+        reason = low_precision_reason(wl, isa)
         if reason is not None:
-            raise ValueError(f"conv2d: bfloat16: {reason}")
+            raise ValueError(f"conv2d: {wl.dtype}: {reason}")
     if wl.depthwise:
         oc_bn = n_r or _largest_divisor(wl.C, 4 * lanes, lanes) or _largest_divisor(wl.C, 4 * lanes)
         return Conv2dPlan(wl, "depthwise", oc_bn, oc_bn, m_r or min(wl.OW, depthwise_m_r(oc_bn, lanes)))
@@ -339,7 +359,7 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
     tile = default_tile(isa, n_choices, wl.OW)
     if m_r is not None:
         tile = (min(m_r, wl.OW), tile[1])
-    ic = ic_bn or _largest_divisor(Cg, 16 if Cg > 16 else Cg, 2 if wl.dtype == "bfloat16" else 1)
+    ic = ic_bn or _largest_divisor(Cg, 16 if Cg > 16 else Cg, DOT_TYPES[wl.dtype].group)
     # A strided 1x1 reads a sparse subset of its input (every other pixel of every other row),
     # which the prefetchers fetch poorly: streaming it once per output block cost AVX2 (16-channel
     # blocks, twice AVX-512's passes) 73% -> 91% of peak on ResNet-50's 256x56x56 -> 512 layer,
@@ -361,24 +381,31 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
     return Conv2dPlan(wl, "brgemm", ic, tile[1], tile[0], row_order=row_order)
 
 
-def bf16_reason(wl: Conv2dWorkload, isa: VectorISA) -> str | None:
-    """Why a bfloat16 convolution `wl` has no kernel on `isa`, or None: the BRGEMM's pairs of
-    input channels need AVX512-BF16 (16 lanes; :func:`~tvm_ext.target.has_avx512_bf16` says
-    whether the CPU has the instruction) and an even number of channels per group, and only
-    dense convolutions take it so far."""
-    if isa.lanes != 16:
+def low_precision_reason(wl: Conv2dWorkload, isa: VectorISA) -> str | None:
+    """Why a bfloat16 or int8 convolution `wl` has no kernel on `isa`, or None. The BRGEMM's
+    groups of input channels need a dot-product instruction: bf16 pairs AVX512-BF16 (16 lanes;
+    :func:`~tvm_ext.target.has_avx512_bf16` says whether the CPU has it), int8's groups of 4
+    AVX512-VNNI (16 lanes) or AVX-VNNI (8; :func:`~tvm_ext.target.has_vnni`); whole groups of
+    input channels; only dense convolutions take them so far."""
+    g = DOT_TYPES[wl.dtype].group
+    if wl.dtype == "bfloat16" and isa.lanes != 16:
         return f"the {isa.name} BRGEMM has no bf16 dot product (AVX512-BF16 only)"
+    if wl.dtype == "int8" and isa.lanes not in (8, 16):
+        return f"the {isa.name} BRGEMM has no int8 dot product (AVX512-VNNI or AVX-VNNI)"
     if wl.groups != 1:
         return f"{wl.groups} groups (dense convolutions only)"
-    if wl.C % 2:
-        return f"{wl.C} input channels: not pairs"
+    if wl.C % g:
+        return f"{wl.C} input channels: not groups of {g}"
     return None
+
 
 
 def nchw_input_reason(plan: Conv2dPlan) -> str | None:
     """Why `plan` cannot read its data in NCHW (:attr:`Conv2dPlan.nchw_in`), or None if it can."""
     if plan.kind != "brgemm":
         return f"a {plan.kind} convolution reads channel vectors"
+    if plan.wl.dtype != "float32":
+        return f"{plan.wl.dtype} reads groups of channels as one word: blocked data"
     if plan.data_bn:
         return "it reads its producer's blocks"
     if any(plan.wl.padding):
@@ -427,6 +454,8 @@ def reading_nchw(plan: Conv2dPlan) -> Conv2dPlan:
 
 # the activations whose gradient an epilogue applies as a mask (Epilogue.mask)
 MASKS = ("relu", "leaky_relu")
+# the values of a quantized output's dtypes
+QUANTIZED_RANGES = {"uint8": (0, 255), "int8": (-128, 127)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -451,6 +480,12 @@ class Epilogue:
     # read in its padded copy (the next convolution's input, kept for its weight gradient), so
     # that the unpadded tensor need not outlive the forward pass.
     mask_pad: tuple[int, int, int, int] = (0, 0, 0, 0)
+    # An int8 workload's output (its sums are int32, times a per-channel scale: :func:`quantized_value`):
+    # "float32", or quantized to "uint8" / "int8" with this zero point (also the value of out_pad's
+    # border: the next convolution's padding) after a multiplication by out_scale.
+    out_dtype: str = "float32"
+    zero_point: int = 0
+    out_scale: float = 1.0
 
     def __post_init__(self):
         if self.activation is not None and self.activation not in ACTIVATIONS:
@@ -466,6 +501,17 @@ class Epilogue:
             raise ValueError(f"epilogue: mask {self.mask!r} not in {MASKS}")
         if any(self.mask_pad) and (self.mask is None or self.nchw_out):
             raise ValueError("epilogue: mask_pad applies to a mask read in the blocked layout")
+        if self.out_dtype not in QUANTIZED_RANGES and self.out_dtype != "float32":
+            raise ValueError(f"epilogue: out_dtype {self.out_dtype!r} is not float32, uint8 or int8")
+        low, high = QUANTIZED_RANGES.get(self.out_dtype, (0, 0))
+        if not low <= self.zero_point <= high:
+            raise ValueError(f"epilogue: zero_point {self.zero_point} is outside {self.out_dtype}'s range")
+        if self.quantized and (self.residual or self.mask or self.nchw_out):
+            raise ValueError("epilogue: a quantized output takes bias and an activation only")
+
+    @property
+    def quantized(self) -> bool:
+        return self.out_dtype in QUANTIZED_RANGES
 
     def out_shape(self, plan: Conv2dPlan) -> tuple[int, ...]:
         """The blocked output with its border: N, O/y, OH + top + bottom, OW + left + right, y."""
@@ -482,7 +528,7 @@ class Epilogue:
 
 
 def _alias(name: str, of: tirx.Buffer) -> tirx.Buffer:
-    return IRBuilder.name(name, T.decl_buffer(of.shape, "float32", data=of.data))
+    return IRBuilder.name(name, T.decl_buffer(of.shape, of.dtype, data=of.data))
 
 
 def _segment(plan: Conv2dPlan, name: str, width: int, start: int, row: tuple, out: tirx.Buffer,
@@ -517,14 +563,15 @@ def _segment(plan: Conv2dPlan, name: str, width: int, start: int, row: tuple, ou
             w_ob = 0 if plan.oihw_weight else v_ob  # (the task's block of weights)
             r = plan.in_bn // plan.ic_bn  # channel blocks of the kernel in a block of the data
             block, channel = (icb // r, icb % r * plan.ic_bn + v["ic"]) if r > 1 else (icb, v["ic"])
-            if wl.dtype == "bfloat16":  # products and sums in fp32; weights in pairs of channels
-                product = (tirx.Cast("float32", x[v_n, block, h, col, channel])
-                           * tirx.Cast("float32", w[w_ob, v["icb"], v["kh"], v["kw"], v["ic"] // 2, v_o, v["ic"] % 2]))
+            g = DOT_TYPES[wl.dtype].group
+            if g > 1:  # products and sums in fp32 (int32 for int8); weights in groups of channels
+                weight = w[w_ob, v["icb"], v["kh"], v["kw"], v["ic"] // g, v_o, v["ic"] % g]
+                product = tirx.Cast(wl.sum_dtype, x[v_n, block, h, col, channel]) * tirx.Cast(wl.sum_dtype, weight)
             else:
                 product = x[v_n, block, h, col, channel] * w[w_ob, v["icb"], v["kh"], v["kw"], v["ic"], v_o]
         index = out_index(v_n, v_ob, v_oh, v_ow, v_o)
         with T.init():
-            T.buffer_store(out, T.float32(0), index)
+            T.buffer_store(out, tirx.const(0, wl.sum_dtype), index)
         T.buffer_store(out, out[tuple(index)] + product, index)
 
 
@@ -546,6 +593,25 @@ def _epilogue_value(epilogue: Epilogue, src: tirx.PrimExpr, bias: tirx.PrimExpr 
         below = T.float32(0) if epilogue.mask == "relu" else value * T.float32(epilogue.alpha)
         value = T.Select(mask > T.float32(0), value, below)
     return value
+
+
+def quantized_value(epilogue: Epilogue, sums: tirx.PrimExpr, bias: tirx.PrimExpr | None,
+                    scale: tirx.PrimExpr) -> tirx.PrimExpr:
+    """An int8 convolution's output from its int32 sums: (+ bias) in int32, times the channel's
+    scale in fp32 (one rounding), the activation; for a uint8/int8 output times out_scale,
+    rounded to nearest (ties to even), + the zero point, saturated. Each step is one IEEE fp32
+    operation (no multiply-add to contract), so NumPy reproduces it bit for bit."""
+    value = sums + bias if epilogue.bias else sums
+    value = tirx.Cast("float32", value) * scale
+    if epilogue.activation:
+        value = activation_expr(epilogue.activation, value, epilogue.alpha)
+    if not epilogue.quantized:
+        return value
+    if epilogue.out_scale != 1.0:
+        value = value * T.float32(epilogue.out_scale)
+    low, high = QUANTIZED_RANGES[epilogue.out_dtype]
+    value = tirx.nearbyint(value) + T.float32(epilogue.zero_point)
+    return tirx.Cast(epilogue.out_dtype, T.max(T.min(value, T.float32(high)), T.float32(low)))
 
 
 def _write_nchw(plan: Conv2dPlan, epilogue: Epilogue, row_buffer: tirx.Buffer, width: int, start: int,
@@ -581,6 +647,18 @@ def _write_nchw(plan: Conv2dPlan, epilogue: Epilogue, row_buffer: tirx.Buffer, w
                                                 _load(residual, index), _load(mask, index)), index)
 
 
+def _scratch_rows(plan: Conv2dPlan, row: tuple, x: tirx.Buffer, w: tirx.Buffer) -> tuple[list, tuple]:
+    """Each row segment's sums in a scratch row of its own (L1-sized, private to the task;
+    declared inside the parallel loop: one per task. A block there to hold them would break
+    blockize, which drops bindings to variables outside its scope), for an epilogue that writes
+    them elsewhere; and the row's (n, ob, oh) bound for it."""
+    rows = [scratch_buffer(f"{name}_row", (width, plan.oc_bn), plan.wl.sum_dtype)
+            for name, width, _ in plan.row_segments()]
+    for (name, width, start), row_buffer in zip(plan.row_segments(), rows, strict=True):
+        _segment(plan, name, width, start, row, row_buffer, lambda *v: [v[3], v[4]], x, w)
+    return rows, tuple(IRBuilder.name(f"v_{name}", T.Bind(v)) for name, v in zip(("n", "ob", "oh"), row, strict=True))
+
+
 @functools.lru_cache(maxsize=1024)
 def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> tirx.PrimFunc:
     """The unscheduled blocked convolution (+ epilogue) as TensorIR, generated from the plan.
@@ -588,7 +666,9 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
     Parameters: data (N, C/x, H+pads, W+pads, x), weight (O/y, I/x, KH, KW, x, y) or depthwise
     (O/y, KH, KW, y) (OIHW with `plan.oihw_weight`), [bias (O/y, y)], [residual, in the output's
     shape and layout], [mask, likewise], then the output: blocked (N, O/y, OH, OW, y), or NCHW (N, K, OH, OW) with
-    `epilogue.nchw_out`. One parallel task per output row (per output block with
+    `epilogue.nchw_out`. An int8 workload takes its int32 bias and then a per-channel fp32 scale
+    (O/y, y) after the weight, and writes its output as `epilogue.out_dtype` says
+    (:func:`quantized_value`). One parallel task per output row (per output block with
     `plan.oihw_weight`, which lays out the block's weights first); inside a row the row is whole m_r tiles ("conv"), one
     narrower tail ("conv_tail") and the epilogue, applied while the row is in L1. Blocked, the
     tiles accumulate straight into the output (no row buffer, no copy); NCHW, into a private
@@ -597,12 +677,18 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
     """
     wl = plan.wl
     top, left, bottom, right = epilogue.out_pad
+    quantizing = wl.dtype == "int8"
+    if (not quantizing and epilogue.out_dtype != "float32") or (
+            quantizing and (epilogue.residual or epilogue.mask or epilogue.nchw_out or plan.oihw_weight)):
+        raise ValueError(f"conv2d: a {wl.dtype} workload cannot take {epilogue}")
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("conv")
         # NCHW data may be a user's array (NumPy aligns to 16 bytes): it is only broadcast, element by element
-        x = param_buffer("x", plan.data_shape(), align=USER_ALIGNMENT if plan.nchw_in else -1, dtype=wl.dtype)
-        w = param_buffer("w", plan.weight_shape(), align=USER_ALIGNMENT if plan.oihw_weight else -1, dtype=wl.dtype)
-        bias = param_buffer("b", (plan.OCB, plan.oc_bn)) if epilogue.bias else None
+        x = param_buffer("x", plan.data_shape(), align=USER_ALIGNMENT if plan.nchw_in else -1, dtype=wl.data_dtype)
+        w = param_buffer("w", plan.weight_shape(), align=USER_ALIGNMENT if plan.oihw_weight else -1,
+                         dtype=wl.weight_dtype)
+        bias = param_buffer("b", (plan.OCB, plan.oc_bn), dtype=wl.sum_dtype) if epilogue.bias else None
+        scale = param_buffer("scale", (plan.OCB, plan.oc_bn)) if quantizing else None
         residual_shape = wl.out_shape if epilogue.nchw_out else plan.out_shape()
         residual = param_buffer("r", residual_shape) if epilogue.residual else None
         mask_shape = residual_shape if epilogue.nchw_out else with_border(plan.out_shape(), epilogue.mask_pad)
@@ -617,10 +703,11 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
             # of its buffer. The epilogue reads Y and writes its alias: a block reading and writing
             # one buffer in place is not "compact dataflow", and `parallel` refuses a loop above
             # it. A border (out_pad) is written by blocks of its own, through a third alias.
-            y = param_buffer("y", epilogue.out_shape(plan))
+            y = param_buffer("y", epilogue.out_shape(plan), dtype=epilogue.out_dtype)
             y_tail, y_epilogue, y_border = (_alias(name, y) for name in ("Y_tail", "Y_epilogue", "Y_border"))
         if plan.nchw_in:  # after the parameters: a declared buffer opens a frame
             x = plan.data_view(x)
+        border = tirx.const(epilogue.zero_point, epilogue.out_dtype)
         with contextlib.ExitStack() as loops:
             if plan.oihw_weight:
                 # One task per output block: its weights laid out in a scratch of the task (the
@@ -637,19 +724,17 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
             IRBuilder.name_many(["n", "ob", "oh"], row)
             n, ob, oh = row
             if epilogue.nchw_out:
-                # Each row segment accumulates into a scratch row of its own (L1-sized, private
-                # to the task; declared inside the parallel loop: one per task. A block there to
-                # hold them would break blockize, which drops bindings to variables outside its
-                # scope) and its epilogue writes it to NCHW: the blocked output never reaches memory.
-                rows = [scratch_buffer(f"{name}_row", (width, plan.oc_bn))
-                        for name, width, _ in plan.row_segments()]
-                for (name, width, start), row_buffer in zip(plan.row_segments(), rows, strict=True):
-                    _segment(plan, name, width, start, row, row_buffer, lambda *v: [v[3], v[4]], x, w)
-                v_n, v_ob, v_oh = (IRBuilder.name(f"v_{name}", T.Bind(v))
-                                   for name, v in zip(("n", "ob", "oh"), row, strict=True))
+                # The blocked output never reaches memory: the epilogue writes each row to NCHW.
+                rows, (v_n, v_ob, v_oh) = _scratch_rows(plan, row, x, w)
                 for (_, width, start), row_buffer in zip(plan.row_segments(), rows, strict=True):
                     _write_nchw(plan, epilogue, row_buffer, width, start, out, bias, residual, mask, v_n, v_ob,
                                 v_oh)
+            elif quantizing:  # the int32 sums to the blocked output of the epilogue's dtype
+                rows, (v_n, v_ob, v_oh) = _scratch_rows(plan, row, x, w)
+                for (_, width, start), row_buffer in zip(plan.row_segments(), rows, strict=True):
+                    with T.serial(0, width) as ow, T.vectorized(0, plan.oc_bn) as o:
+                        value = quantized_value(epilogue, row_buffer[ow, o], _load(bias, [v_ob, o]), scale[v_ob, o])
+                        T.buffer_store(y_epilogue, value, [v_n, v_ob, v_oh + top, ow + (start + left), o])
             else:
                 for name, width, start in plan.row_segments():
                     _segment(plan, name, width, start, row, y_tail if start else y,
@@ -667,20 +752,22 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
                         if padded:  # the channels past K are zeros, whatever the input held (0 * inf)
                             value = T.Select(v_ob * plan.oc_bn + v_o < wl.K, value, T.float32(0))
                         T.buffer_store(y_epilogue, value, index)
-                # The zero border of a padded blocked output: each row's left and right columns
-                # by the task of the row, the rows above the first and below the last output row
-                # by loops of their own (after the parallel one: a few rows per output block).
+            if not epilogue.nchw_out:
+                # The zero border of a padded blocked output (a quantized output's zero point):
+                # each row's left and right columns by the task of the row, the rows above the
+                # first and below the last output row by loops of their own (after the parallel
+                # one: a few rows per output block).
                 for side, width, first in (("left", left, 0), ("right", right, left + wl.OW)):
                     if width:
                         with T.serial(0, width) as j, T.vectorized(0, plan.oc_bn) as o, T.sblock(f"border_{side}"):
                             v_n, v_ob, v_oh, v_j, v_o = T.axis.remap("SSSSS", [n, ob, oh, j, o])
-                            T.buffer_store(y_border, T.float32(0), [v_n, v_ob, v_oh + top, first + v_j, v_o])
+                            T.buffer_store(y_border, border, [v_n, v_ob, v_oh + top, first + v_j, v_o])
         for side, height, first in (("top", top, 0), ("bottom", bottom, top + wl.OH)):
             if height and not epilogue.nchw_out:
                 with (T.grid(wl.N, plan.OCB, height, epilogue.out_shape(plan)[3]) as (n, ob, i, j),
                       T.vectorized(0, plan.oc_bn) as o, T.sblock(f"border_{side}")):
                     v_n, v_ob, v_i, v_j, v_o = T.axis.remap("SSSSS", [n, ob, i, j, o])
-                    T.buffer_store(y_border, T.float32(0), [v_n, v_ob, first + v_i, v_j, v_o])
+                    T.buffer_store(y_border, border, [v_n, v_ob, first + v_i, v_j, v_o])
     return builder.get()
 
 
@@ -844,9 +931,17 @@ def conv2d_blocked_kernel(plan: Conv2dPlan, lanes: int, epilogue: Epilogue = Epi
     sch = s_tir.Schedule(conv2d_blocked_func(plan, epilogue))
     schedule_conv2d_blocked(sch, plan, lanes)
     func = sch.mod["main"].with_attr(KERNEL_ATTR, f"{plan.kind}_conv2d")
+    features = kernel_cpu_features(plan, lanes)
+    return func.with_attr(CPU_FEATURES_ATTR, features) if features else func
+
+
+def kernel_cpu_features(plan: Conv2dPlan, lanes: int) -> str | None:
+    """The LLVM CPU features `plan`'s kernel issues beyond its vector ISA's (:data:`CPU_FEATURES_ATTR`)."""
     if plan.engine == "amx":
-        return func.with_attr(CPU_FEATURES_ATTR, "amx-bf16,amx-tile")
-    return func.with_attr(CPU_FEATURES_ATTR, "avx512bf16") if plan.wl.dtype == "bfloat16" else func
+        return "amx-int8,amx-tile" if plan.wl.dtype == "int8" else "amx-bf16,amx-tile"
+    if plan.wl.dtype == "int8":
+        return "avx512vnni" if lanes == 16 else "avxvnni"
+    return "avx512bf16" if plan.wl.dtype == "bfloat16" else None
 
 
 def _weight_tile(plan: Conv2dPlan, rows: tirx.Buffer, ob, ib, q0, o0, store: Callable) -> None:
@@ -939,9 +1034,14 @@ def pack_weight_array(plan: Conv2dPlan, weight: np.ndarray) -> np.ndarray:
     else:
         blocked = padded.reshape(k // plan.oc_bn, plan.oc_bn, c // plan.ic_bn, plan.ic_bn, kh, kw)
         blocked = blocked.transpose(0, 2, 4, 5, 3, 1)
-    if wl.dtype == "bfloat16":  # rounded to nearest even; pairs of input channels innermost
-        pairs = blocked.reshape(*blocked.shape[:4], plan.ic_bn // 2, 2, plan.oc_bn).transpose(0, 1, 2, 3, 4, 6, 5)
-        return np.ascontiguousarray(pairs.astype(np.float32).astype(ml_dtypes.bfloat16))
+    g = DOT_TYPES[wl.dtype].group
+    if g > 1:  # groups of input channels innermost; bf16 rounded to nearest even
+        groups = blocked.reshape(*blocked.shape[:4], plan.ic_bn // g, g, plan.oc_bn).transpose(0, 1, 2, 3, 4, 6, 5)
+        if wl.dtype == "int8":
+            if weight.dtype != np.int8:
+                raise ValueError(f"pack_weight_array: int8 weights expected, got {weight.dtype}")
+            return np.ascontiguousarray(groups)
+        return np.ascontiguousarray(groups.astype(np.float32).astype(ml_dtypes.bfloat16))
     return np.ascontiguousarray(blocked)
 
 

@@ -108,7 +108,7 @@ def bf16_conv2d_reason(wl: _conv.Conv2dWorkload, weight: relax.Expr, target: tvm
         return "run-time weights"
     if wl.groups == 1 and wl.C % 2:  # (a zero channel pairs the last one)
         wl = dataclasses.replace(wl, C=wl.C + 1)
-    return _conv.bf16_reason(dataclasses.replace(wl, dtype="bfloat16"), vector_isa(target))
+    return _conv.low_precision_reason(dataclasses.replace(wl, dtype="bfloat16"), vector_isa(target))
 
 
 POOL_GRADIENTS = {"relax.grad.max_pool2d_backward": "max", "relax.grad.avg_pool2d_backward": "avg"}
