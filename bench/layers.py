@@ -15,7 +15,12 @@ With `--dtype bf16`: tvm_ext's bfloat16 blocked kernel (dense layers) on each en
 (AMX tiles; AVX512-BF16 vectors), its fp32 kernel and PyTorch's bf16 convolution in channels_last
 (oneDNN: AMX where the CPU has it).
 
-Usage: python bench/layers.py --set resnet50 --batch 1 --threads 1 [--layers K] [--repeat R] [--dtype bf16]
+With `--dtype int8`: tvm_ext's int8 blocked kernel (uint8 data, int8 weights, int32 sums, bias,
+relu and the uint8 requantization fused: what a quantized graph runs) on each engine the CPU has
+(AMX tiles; VNNI vectors), its fp32 kernel and PyTorch's quantized convolution (quint8 x qint8
+per-channel, channels_last) on its "onednn" (AMX where the CPU has it) and "x86" engines.
+
+Usage: python bench/layers.py --set resnet50 --batch 1 --threads 1 [--layers K] [--repeat R] [--dtype bf16|int8]
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-stock", action="store_true", help="skip stock TVM (slow on big layers)")
     ap.add_argument("--target", default="llvm")
     ap.add_argument("--csv", default="")
-    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "int8"])
     return ap.parse_args(argv)
 
 
@@ -91,13 +96,21 @@ def _median_ms(fn, repeat: int, min_ms: float = 20.0) -> float:
     return statistics.median(times) * 1e3
 
 
-def bench_blocked(plan: K.Conv2dPlan, target, repeat: int) -> float:
-    lib = tvm.compile(K.conv2d_blocked_kernel(plan, tvm_ext.vector_isa(target).lanes), target)
+def bench_blocked(plan: K.Conv2dPlan, target, repeat: int, lanes: int | None = None) -> float:
+    wl = plan.wl
+    # an int8 kernel as a quantized graph runs it: bias, relu and the uint8 output fused
+    epilogue = K.Epilogue(bias=True, activation="relu", out_dtype="uint8") if wl.dtype == "int8" else K.Epilogue()
+    lib = tvm.compile(K.conv2d_blocked_kernel(plan, lanes or tvm_ext.vector_isa(target).lanes, epilogue), target)
     rng = np.random.default_rng(0)
-    dtype = ml_dtypes.bfloat16 if plan.wl.dtype == "bfloat16" else np.float32
-    args = [tvm.runtime.tensor(rng.standard_normal(s).astype(dtype)) for s in (plan.data_shape(),
-                                                                              plan.weight_shape())]
-    args.append(tvm.runtime.empty(plan.out_shape(), "float32", tvm.cpu()))
+    numpy_type = {"bfloat16": ml_dtypes.bfloat16}.get
+    args = [tvm.runtime.tensor(rng.standard_normal(s).astype(numpy_type(wl.dtype, np.float32)))
+            for s in (plan.data_shape(), plan.weight_shape())]
+    if wl.dtype == "int8":
+        args = [tvm.runtime.tensor(rng.integers(0, 256, plan.data_shape()).astype(np.uint8)),
+                tvm.runtime.tensor(rng.integers(-128, 128, plan.weight_shape()).astype(np.int8)),
+                tvm.runtime.tensor(rng.integers(-1000, 1000, (plan.OCB, plan.oc_bn)).astype(np.int32)),
+                tvm.runtime.tensor(np.full((plan.OCB, plan.oc_bn), 1e-4, np.float32))]
+    args.append(tvm.runtime.empty(epilogue.out_shape(plan), epilogue.out_dtype, tvm.cpu()))
     fn = lib.mod["main"]
     return _median_ms(lambda: fn(*args), repeat)
 
@@ -151,6 +164,29 @@ def bench_prepacked(wl: K.Conv2dWorkload, target, repeat: int) -> float:
     return _median_ms(lambda: conv(x), repeat)
 
 
+def bench_torch_int8(wl: K.Conv2dWorkload, repeat: int, engine: str) -> float:
+    """PyTorch's quantized convolution (quint8 data, qint8 weights per output channel, bias, relu
+    fused, quint8 out; channels_last) on quantized `engine` ("onednn", "x86")."""
+    import torch.ao.nn.intrinsic.quantized as nniq
+
+    torch.backends.quantized.engine = engine
+    top, left, bottom, right = wl.padding
+    x = torch.rand(wl.N, wl.C, wl.H, wl.W)
+    if (top, left) != (bottom, right):
+        x, pad = torch.nn.functional.pad(x, (left, right, top, bottom)), 0
+    else:
+        pad = (top, left)
+    conv = nniq.ConvReLU2d(wl.C, wl.K, (wl.KH, wl.KW), wl.stride, pad, wl.dilation, wl.groups)
+    weight = torch.quantize_per_channel(torch.randn(wl.K, wl.C // wl.groups, wl.KH, wl.KW),
+                                        torch.rand(wl.K) * 0.01 + 1e-3, torch.zeros(wl.K, dtype=torch.long), 0,
+                                        torch.qint8)
+    conv.set_weight_bias(weight, torch.randn(wl.K))
+    conv.scale, conv.zero_point = 0.05, 0
+    xq = torch.quantize_per_tensor(x, 1 / 255, 0, torch.quint8).contiguous(memory_format=torch.channels_last)
+    with torch.inference_mode():
+        return _median_ms(lambda: conv(xq), repeat)
+
+
 def geomean(values: list[float]) -> float:
     values = [v for v in values if v > 0 and math.isfinite(v)]
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
@@ -200,6 +236,54 @@ def main_bf16(target, layers: list[dict]) -> int:
     return 0
 
 
+def main_int8(target, layers: list[dict]) -> int:
+    """--dtype int8: the int8 kernel on each engine the CPU has (AMX tiles, VNNI vectors) against
+    our fp32 kernel and PyTorch's quantized convolution on its oneDNN and x86 engines, same run."""
+    from tvm_ext.target import amx_permitted, has_amx_int8, has_vnni
+
+    isa = tvm_ext.vector_isa(target)
+    engines = [e for e, has in (("amx", has_amx_int8(target) and amx_permitted()), ("vnni", has_vnni(target, 16)))
+               if has]
+    torch_engines = [e for e in ("onednn", "x86") if e in torch.backends.quantized.supported_engines]
+    print(f"# tvm_ext int8 layer benchmark: set={ARGS.set} batch={ARGS.batch} threads={ARGS.threads} "
+          f"target={target} engines={engines} (amx: AMX tiles; vnni: AVX512-VNNI vpdpbusd); GOP/s count a "
+          "multiply-add as 2")
+    header = ["layer", "shape", *[f"{e}_{col}" for e in engines for col in ("ms", "GOP/s")], "fp32_ms",
+              *[f"torch_{e}_ms" for e in torch_engines], *[f"x_{e}_vs_fp32" for e in engines],
+              *[f"x_{e}_vs_torch_{t}" for e in engines for t in torch_engines]]
+    print(" | ".join(header))
+    rows = []
+    for layer in layers:
+        shapes = ((ARGS.batch, layer["C"], layer["H"], layer["W"]),
+                  (layer["K"], layer["C"] // layer.get("groups", 1), layer["R"], layer["S"]))
+        args = (layer["stride"], layer["pad"], 1, layer.get("groups", 1))
+        wl = K.Conv2dWorkload.make(*shapes, *args, dtype="int8")
+        if not engines:  # (a kernel compiles only for a CPU with its instructions)
+            print(f"{layer['name']} | skipped: no VNNI or AMX-INT8 on {target}")
+            continue
+        try:
+            plans = [K.plan_conv2d(wl, K.AVX512, engine="amx" if e == "amx" else "fma") for e in engines]
+        except ValueError as err:
+            print(f"{layer['name']} | skipped: {err}")
+            continue
+        times = [bench_blocked(plan, target, ARGS.repeat, lanes=16) for plan in plans]
+        fp32 = bench_blocked(K.plan_conv2d(K.Conv2dWorkload.make(*shapes, *args), isa), target, ARGS.repeat)
+        t_torch = [bench_torch_int8(wl, ARGS.repeat, e) for e in torch_engines]
+        row = [layer["name"], f"{wl.C}x{wl.H}x{wl.W}->{wl.K} {wl.KH}x{wl.KW}/s{wl.stride[0]}",
+               *[v for ms in times for v in (f"{ms:.3f}", f"{wl.flops / ms / 1e6:.1f}")], f"{fp32:.3f}",
+               *[f"{t:.3f}" for t in t_torch], *[f"{fp32 / ms:.2f}" for ms in times],
+               *[f"{t / ms:.2f}" for ms in times for t in t_torch]]
+        rows.append(row)
+        print(" | ".join(row), flush=True)
+    if rows:
+        first = len(header) - len(engines) * (1 + len(torch_engines))
+        columns = list(zip(*[[float(v) for v in r[first:]] for r in rows], strict=True))
+        names = header[first:]
+        means = [f"{name} {geomean(list(c)):.2f}" for name, c in zip(names, columns, strict=True)]
+        print("# geomean: " + ", ".join(means))
+    return 0
+
+
 def main() -> int:
     target = tvm_ext.resolve_target(ARGS.target)
     isa = tvm_ext.vector_isa(target)
@@ -212,6 +296,8 @@ def main() -> int:
         layers = layers[: ARGS.layers]
     if ARGS.dtype == "bf16":
         return main_bf16(target, layers)
+    if ARGS.dtype == "int8":
+        return main_int8(target, layers)
     print(f"# tvm_ext layer benchmark: set={ARGS.set} batch={ARGS.batch} threads={ARGS.threads} "
           f"target={target} isa={isa.name} peak={peak_gflops:.1f} GFLOP/s (bench/peak.py)")
     header = ["layer", "shape", "kernel", "tile", "ms", "GFLOP/s", "%peak", "x_torch_nchw", "x_torch_cl",

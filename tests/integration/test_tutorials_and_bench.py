@@ -99,6 +99,18 @@ def test_layers_bench_bf16_smoke():
         assert "# geomean: " in out and "x PyTorch bf16" in out
 
 
+def test_layers_bench_int8_smoke():
+    """--dtype int8: the stem's 3 channels are skipped with the reason; the next layer is timed
+    (where the CPU has VNNI or AMX-INT8) against our fp32 kernel and PyTorch's quantized conv."""
+    from tvm_ext.target import has_vnni
+
+    out = _run("bench/layers.py", "--set", "resnet50", "--layers", "2", "--repeat", "2", "--dtype", "int8")
+    assert "stem_7x7s2 | skipped: " in out
+    if has_vnni("llvm", 16):
+        assert "3 input channels: not groups of 4" in out and "s2_1x1_64-64 | 64x56x56->64" in out
+        assert "# geomean: " in out and "x_vnni_vs_fp32" in out
+
+
 def test_tutorial_02_compile_a_network():
     out = _run("tutorials/02_compile_a_network.py")
     assert "relative error against PyTorch" in out and "brgemm_conv2d epilogue" in out

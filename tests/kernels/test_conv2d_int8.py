@@ -228,3 +228,13 @@ def test_an_int8_kernel_names_the_cpu_features_it_needs():
     kernel = conv2d_blocked_kernel(plan_conv2d(wl, AVX512), 16, epilogue)
     with pytest.raises(UnsupportedError, match="avx512vnni"):
         compile_kernel(kernel, tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"}))
+
+
+def test_int8_feature_queries_read_the_target_not_the_host():
+    assert has_vnni({"kind": "llvm", "mcpu": "icelake-server"}, 16)
+    assert not has_vnni({"kind": "llvm", "mcpu": "icelake-server"}, 8)  # AVX-VNNI came with Alder Lake
+    alderlake = {"kind": "llvm", "mcpu": "alderlake"}
+    assert has_vnni(alderlake, 8) and not has_vnni(alderlake, 16)
+    assert not has_vnni({"kind": "llvm", "mcpu": "skylake-avx512"}, 16) and not has_vnni("llvm", 4)
+    assert has_amx_int8({"kind": "llvm", "mcpu": "sapphirerapids"})
+    assert not has_amx_int8({"kind": "llvm", "mcpu": "znver4"}) and not has_amx_int8("cuda -arch=sm_90")

@@ -729,7 +729,7 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
                 for (_, width, start), row_buffer in zip(plan.row_segments(), rows, strict=True):
                     _write_nchw(plan, epilogue, row_buffer, width, start, out, bias, residual, mask, v_n, v_ob,
                                 v_oh)
-            elif quantizing:  # the int32 sums to the blocked output of the epilogue's dtype
+            elif scale is not None:  # int8: the int32 sums to the blocked output of the epilogue's dtype
                 rows, (v_n, v_ob, v_oh) = _scratch_rows(plan, row, x, w)
                 for (_, width, start), row_buffer in zip(plan.row_segments(), rows, strict=True):
                     with T.serial(0, width) as ow, T.vectorized(0, plan.oc_bn) as o:
