@@ -30,6 +30,7 @@ from .strategy.cuda_engine import engine_for
 from .strategy.decide import PRECISIONS
 from .strategy.dispatch import legalize_map, lower_to_kernels
 from .strategy.fusion import fusion_passes
+from .strategy.quantized import lower_quantized_conv2d
 from .target import TargetLike, resolve_target
 from .transform.arena import plan_arena
 from .transform.split_batch import split_batch
@@ -115,6 +116,10 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
     activations between kernels stay fp32; an odd channel count, an RGB stem's, gets a zero
     channel); those that cannot (no AMX or the OS refusing its tiles, depthwise or grouped,
     run-time weights) stay fp32, and `dispatch_report` says which and why.
+
+    Quantized models in QDQ form (ONNX Runtime's `quantize_static`: each convolution between a
+    dequantize and a quantize) run their convolutions on the int8 kernels (AMX or VNNI), whatever
+    `precision` says (:mod:`tvm_ext.strategy.quantized`); the ops between them stay as imported.
     """
     from .tuning.records import open_database, shipped_database
 
@@ -139,7 +144,7 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         with resolved:
             passes = (
-                [split_batch(images_per_call)]
+                [lower_quantized_conv2d(resolved), split_batch(images_per_call)]
                 + cpu_pipeline.library_dispatch_passes(resolved)
                 + fusion_passes(resolved)
                 + _lowering_passes(resolved, lower_to_kernels(resolved, database, winograd=winograd,

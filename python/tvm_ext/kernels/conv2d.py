@@ -178,6 +178,15 @@ class Conv2dPlan:
     # The microkernel's engine: "fma" (vector registers) or "amx" (a bfloat16 or int8 workload on
     # AMX tiles: :mod:`tvm_ext.intrin.cpu_amx`)
     engine: str = "fma"
+    # Output channels per microkernel call where fewer than a block (0: the block, oc_bn): AMX's
+    # int8 tiles take 32 a call, and blocks of 64 let the next int8 convolution read whole
+    # 64-byte tile rows of them.
+    n_r: int = 0
+
+    @property
+    def tile_n(self) -> int:
+        """Output channels per microkernel call."""
+        return self.n_r or self.oc_bn
 
     @property
     def in_bn(self) -> int:
@@ -319,7 +328,10 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
         g = DOT_TYPES[wl.dtype].group
         ic = ic_bn or _largest_divisor(wl.C, 16 * g, g)
         oc = n_r or (32 if wl.K > 16 else 16)
-        return dataclasses.replace(plan, ic_bn=ic, oc_bn=oc, m_r=m_r or min(32, wl.OW), engine="amx")
+        # int8: blocks of 64 output channels (two calls of 32), the next int8 layer's input blocks
+        block = 64 if wl.dtype == "int8" and n_r is None and wl.K % 64 == 0 else oc
+        return dataclasses.replace(plan, ic_bn=ic, oc_bn=block, m_r=m_r or min(32, wl.OW), engine="amx",
+                                   n_r=oc if block != oc else 0)
     if engine != "fma":
         raise ValueError(f"conv2d: engine {engine!r} is not 'fma' or 'amx'")
     if data_bn is not None:
@@ -787,7 +799,7 @@ def _tile_segment(sch: s_tir.Schedule, plan: Conv2dPlan, block, width: int, lane
                    list(UNROLL_CHOICES))
         m_r, n_r, unroll = (sch.sample_categorical(c, [1 / len(c)] * len(c)) for c in choices)
     else:
-        m_r, n_r, unroll = min(plan.m_r, width), plan.oc_bn, 1
+        m_r, n_r, unroll = min(plan.m_r, width), plan.tile_n, 1
     ow_outer, ow_inner = sch.split(ow, [None, m_r], preserve_unit_iters=True)
     o_outer, o_inner = sch.split(o, [None, n_r], preserve_unit_iters=True)
     sch.reorder(o_outer, ow_outer, ow_inner, o_inner)  # one weight block is reused along the row

@@ -7,7 +7,9 @@ activations stay blocked. These kernels are those edges:
   N, C/x, H+pads, W+pads, x (the layout change and a zero border in one pass);
 - :func:`pad_nchwc_func`: blocked -> blocked with a zero border (the input of a padded
   convolution whose producer is blocked already: contiguous row copies);
-- :func:`unpack_nchwc_func`: blocked -> NCHW, dropping the channels that fill the last block.
+- :func:`unpack_nchwc_func`: blocked -> NCHW, dropping the channels that fill the last block;
+- :func:`pack_quantized_func`: NCHW uint8 or int8 -> blocked uint8 (an int8 convolution's input),
+  its border and the channels that fill the last block holding the zero point.
 
 The NCHW side is a (channel, pixel) transpose: with blocks of 8 channels or more (float32) it
 is done in 8x8 register tiles (:mod:`.transpose`), 2.5x faster than element by element; other
@@ -132,8 +134,10 @@ def pack_nchwc_func(shape: Sequence[int], block: int, padding: Sequence[int] = (
 PADDING_ATTR = "tvm_ext.padding"  # on pad_nchwc kernels: (top, left, bottom, right)
 
 
-def pad_nchwc_func(blocked_shape: Sequence[int], padding: Sequence[int], dtype: str = "float32") -> tirx.PrimFunc:
-    """(N, CB, H, W, c) -> (N, CB, H+top+bottom, W+left+right, c) with a zero border."""
+def pad_nchwc_func(blocked_shape: Sequence[int], padding: Sequence[int], dtype: str = "float32",
+                   value: int = 0) -> tirx.PrimFunc:
+    """(N, CB, H, W, c) -> (N, CB, H+top+bottom, W+left+right, c) with a border of `value` (a
+    quantized tensor's zero point)."""
     N, CB, H, W, c = (int(v) for v in blocked_shape)
     top, left, bottom, right = (int(p) for p in padding)
     x = te.placeholder((N, CB, H, W, c), dtype, name="data")
@@ -141,7 +145,7 @@ def pad_nchwc_func(blocked_shape: Sequence[int], padding: Sequence[int], dtype: 
     def body(n, cb, h, w, i):
         ih, iw = h - top, w - left
         inside = tirx.all(ih >= 0, ih < H, iw >= 0, iw < W)
-        return tirx.if_then_else(inside, x[n, cb, ih, iw, i], tirx.const(0.0, dtype))
+        return tirx.if_then_else(inside, x[n, cb, ih, iw, i], tirx.const(value, dtype))
 
     xp = te.compute((N, CB, H + top + bottom, W + left + right, c), body, name="data_padded")
     sch = s_tir.Schedule(te.create_prim_func([x, xp]))
@@ -169,6 +173,55 @@ def unpack_nchwc_func(blocked_shape: Sequence[int], channels: int, dtype: str = 
     else:
         sch.parallel(sch.fuse(n, k))
     return sch.mod["main"].with_attr(KERNEL_ATTR, "unpack_nchwc")
+
+
+def pack_quantized_func(shape: Sequence[int], block: int, padding: Sequence[int], zero_point: int,
+                        dtype: str = "uint8") -> tirx.PrimFunc:
+    """NCHW `shape` of `dtype` (uint8, or int8: + 128, its bits' top one flipped) -> blocked uint8
+    (N, ceil(C/block), H+top+bottom, W+left+right, block), the border and the channels past C
+    holding `zero_point` (uint8's): an int8 convolution's padding reads the zero point, so the sums
+    need no border correction, and the extra channels meet zero weights."""
+    N, C, H, W = (int(v) for v in shape)
+    if dtype not in ("uint8", "int8"):
+        raise ValueError(f"pack_quantized: {dtype} data is not uint8 or int8")
+    top, left, bottom, right = (int(p) for p in padding)
+    x = te.placeholder((N, C, H, W), dtype, name="data")
+
+    def body(n, cb, h, w, c):
+        ih, iw = h - top, w - left
+        inside = tirx.all(ih >= 0, ih < H, iw >= 0, iw < W, cb * block + c < C)
+        value = x[n, tirx.min(cb * block + c, C - 1), ih, iw]
+        value = value.astype("uint8") if dtype == "uint8" else (value.astype("int32") + 128).astype("uint8")
+        return tirx.if_then_else(inside, value, tirx.const(zero_point, "uint8"))
+
+    out_shape = (N, -(-C // block), H + top + bottom, W + left + right, block)
+    xb = te.compute(out_shape, body, name="data_blocked")
+    sch = s_tir.Schedule(te.create_prim_func([x, xb]))
+    n, cb, h, w_, c = sch.get_loops(sch.get_sblock("data_blocked"))
+    sch.reorder(c, w_)  # read rows of the source, scatter into an L1-sized destination row
+    sch.parallel(sch.fuse(n, cb, h))
+    return sch.mod["main"].with_attr(KERNEL_ATTR, "pack_quantized")
+
+
+def unpack_quantized_func(blocked_shape: Sequence[int], channels: int, dtype: str = "uint8") -> tirx.PrimFunc:
+    """Blocked uint8 (N, CB, H, W, c) -> NCHW `dtype` with `channels` channels: uint8 as it is,
+    int8 as the value - 128 (an int8 tensor kept as uint8 + 128: :func:`pack_quantized_func`)."""
+    N, CB, H, W, block = (int(v) for v in blocked_shape)
+    if not 0 < channels <= CB * block:
+        raise ValueError(f"unpack_quantized: {channels} channels do not fit {CB} blocks of {block}")
+    if dtype not in ("uint8", "int8"):
+        raise ValueError(f"unpack_quantized: {dtype} is not uint8 or int8")
+    xb = te.placeholder((N, CB, H, W, block), "uint8", name="data_blocked")
+
+    def body(n, k, h, w):
+        value = xb[n, k // block, h, w, k % block]
+        return value if dtype == "uint8" else (value.astype("int32") - 128).astype("int8")
+
+    y = te.compute((N, channels, H, W), body, name="data")
+    sch = s_tir.Schedule(te.create_prim_func([xb, y]))
+    n, k, h, w_ = sch.get_loops(sch.get_sblock("data"))
+    sch.parallel(sch.fuse(n, k))
+    return sch.mod["main"].with_attr(KERNEL_ATTR, "unpack_quantized")
 
 
 def pack_data_func(plan: Conv2dPlan) -> tirx.PrimFunc:

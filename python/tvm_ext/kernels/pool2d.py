@@ -25,7 +25,9 @@ def nan_max(a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
 
 def max_identity(dtype: str) -> tirx.PrimExpr:
     """What a window position outside the input counts as: -inf, so that a window of -inf is
-    -inf (the lowest finite value would make it -3.4e38)."""
+    -inf (the lowest finite value would make it -3.4e38); an integer dtype's lowest value."""
+    if dtype.startswith(("int", "uint")):
+        return tirx.min_value(dtype)
     return tirx.const(float("-inf"), dtype)
 
 
@@ -133,6 +135,8 @@ def pool2d_compute(wl: Pool2dWorkload, dtype: str = "float32", block: int | None
         terms = [tirx.if_then_else(*index(*idx, r=r), empty) for r in window]
         if block is None:
             return combine(terms[0], axis=list(window[0]))
+        if combine is nan_max and dtype.startswith(("int", "uint")):  # quantized data: no NaN
+            return functools.reduce(tirx.max, terms)
         if combine is nan_max:  # a chain of nan_max would read each partial result thrice: the
             # expression would grow as 3^taps. A chain of max, NaN if any term is, grows linearly.
             any_nan = functools.reduce(tirx.Or, [tirx.isnan(term) for term in terms])

@@ -119,7 +119,7 @@ def default_trace(workload: tvm.tirx.PrimFunc) -> tvm.s_tir.Trace:
     trace = sch.trace
     tiles = [inst for inst in trace.insts if inst.kind.name == "SamplePerfectTile"]
     samples = [inst for inst in trace.insts if inst.kind.name == "SampleCategorical"]
-    defaults = [value for _, width, _ in plan.row_segments() for value in (min(plan.m_r, width), plan.oc_bn, 1)]
+    defaults = [value for _, width, _ in plan.row_segments() for value in (min(plan.m_r, width), plan.tile_n, 1)]
     if len(tiles) != 3 or len(samples) != len(defaults):
         raise ValueError(f"conv2d space: {len(tiles)} tile and {len(samples)} categorical decisions, "
                          f"expected 3 and {len(defaults)}")

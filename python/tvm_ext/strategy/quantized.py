@@ -1,0 +1,432 @@
+"""Quantized convolutions in QDQ form lowered to the int8 kernels (LLVM CPU).
+
+An importer of a QDQ model (ONNX Runtime's `quantize_static`, docs/low_precision.md) writes each
+quantized convolution as float ops between quantize and dequantize:
+
+    x_f = dequantize(x_q, s_x, z_x)                  x_q uint8 or int8; s_x, z_x scalars
+    w_f = dequantize(W_q, s_w, z_w = 0, axis=0)      W_q an int8 constant; s_w per channel or one
+    y   = conv2d(x_f, w_f) [+ reshape(dequantize(B_q, s_b, 0))] [-> relu]
+    y_q = quantize(y, s_y, z_y)                      uint8 or int8
+
+which is an int8 convolution: the int32 sums of (x_q - z_x) * W_q, + the bias in units of
+s_x * s_w (B_q itself where s_b = s_x * s_w, as quantizers write it), times
+s_x * s_w / s_y, rounded to nearest even, + z_y, saturated — the int8 kernel's epilogue
+(:func:`~tvm_ext.kernels.conv2d.quantized_value`). :func:`lower_quantized_conv2d` replaces each
+y_q with that kernel's output, before anything folds the weights' dequantize into float
+constants (TVM's FoldConstant does), so it runs first in the pipeline.
+
+The kernel reads uint8: int8 data is packed as x + 128 (zero point + 128), and an int8 output is
+written as uint8 with zero point z_y + 128 (saturation the same) and read back through a view
+that subtracts 128. The padding holds the zero point, so (x_q - z_x) needs no correction at the
+border: the bias carries -z_x * sum(W_q) once. What stays float with stock TVM: everything that
+is not a convolution between a dequantize and a quantize, grouped convolutions, asymmetric
+weights, a symbolic shape; :func:`quantized_conv2d_reason` says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ..kernels import conv2d as _conv
+from ..kernels import layout as _layout
+from ..kernels import pool2d as _pool
+from ..kernels.quantized import Quantization, quantized_add_func
+from ..relax_info import static_shape
+from ..target import AVX2, AVX512, VectorISA, amx_permitted, has_amx_int8, has_vnni
+from .base import add_kernel, readers_of
+
+logger = logging.getLogger("tvm_ext")
+
+__all__ = ["QuantizedAdd", "QuantizedConv2d", "lower_quantized_conv2d", "match_quantized_add", "match_quantized_conv2d",
+           "quantized_conv2d_reason"]
+
+_UNPACK = "tvm_ext_unpack_quantized"
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedConv2d:
+    """A quantized convolution read off the graph (:func:`match_quantized_conv2d`)."""
+
+    data: relax.Expr  # x_q, NCHW uint8 or int8
+    data_zero: int  # z_x
+    data_scale: float  # s_x
+    weight: np.ndarray  # W_q, OIHW int8
+    weight_scale: np.ndarray  # s_w, (K,)
+    bias: np.ndarray | None  # the bias in float (B_q - z_b) * s_b, (K,)
+    conv: relax.Call  # the float conv2d (strides, padding, dilation)
+    activation: str | None
+    out_dtype: str  # uint8 or int8
+    out_zero: int
+    out_scale: float
+    inside: tuple[relax.Var, ...]  # the float values the kernel computes: read by nothing else
+
+
+def _const(expr: relax.Expr) -> np.ndarray | None:
+    return expr.value.numpy() if isinstance(expr, tvm.ir.Constant) else None
+
+
+def _is(expr, op: str) -> bool:
+    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == op
+
+
+def _scalar(expr: relax.Expr) -> float | None:
+    value = _const(expr)
+    return None if value is None or value.size != 1 else float(value.reshape(-1)[0])
+
+
+def match_quantized_conv2d(quantize: relax.Call, value_of) -> QuantizedConv2d | str:
+    """The quantized convolution `quantize` (a relax.quantize call) ends, or why it is not one
+    (`value_of`: a variable's bound value, or None). Checks the form only; see
+    :func:`quantized_conv2d_reason` for what the kernels take."""
+    out_dtype = str(quantize.attrs.out_dtype)
+    out_scale, out_zero = _scalar(quantize.args[1]), _scalar(quantize.args[2])
+    if out_dtype not in ("uint8", "int8") or out_scale is None or out_zero is None:
+        return "not a per-tensor uint8/int8 quantize"
+    inside = []
+
+    def through(expr, computed: bool = False):
+        """The value bound to `expr` (`computed`: one the kernel computes in place of the float ops)."""
+        if isinstance(expr, relax.Var) and value_of(expr) is not None:
+            if computed:
+                inside.append(expr)
+            return value_of(expr)
+        return expr
+
+    value = through(quantize.args[0], True)
+    activation = None
+    if _is(value, "relax.nn.relu"):
+        activation, value = "relu", through(value.args[0], True)
+    bias = None
+    if _is(value, "relax.add"):
+        a, b = (through(arg, True) for arg in value.args)
+        conv, other = (a, b) if _is(a, "relax.nn.conv2d") else (b, a)
+        if _is(other, "relax.reshape"):
+            other = through(other.args[0])
+        if not (_is(conv, "relax.nn.conv2d") and _is(other, "relax.dequantize")):
+            return "the add is not a convolution + a dequantized constant bias"
+        values, scale, zero = (_const(arg) for arg in other.args)
+        if values is None or scale is None or zero is None:
+            return "the bias is not a dequantized constant"
+        bias = ((values.astype(np.float64) - zero) * scale.astype(np.float64)).reshape(-1)
+        value = conv
+    if not _is(value, "relax.nn.conv2d"):
+        return "no convolution before the quantize"
+    conv = value
+    data, weight = (through(arg) for arg in conv.args)
+    if not (_is(data, "relax.dequantize") and _is(weight, "relax.dequantize")):
+        return "the convolution's operands are not dequantized"
+    data_scale, data_zero = _scalar(data.args[1]), _scalar(data.args[2])
+    w, w_scale, w_zero = (_const(arg) for arg in weight.args)
+    if data_scale is None or data_zero is None or str(data.args[0].ty.dtype.dtype) not in ("uint8", "int8"):
+        return "the data is not per-tensor uint8/int8"
+    if w is None or w_scale is None or w_zero is None or w.dtype != np.int8:
+        return "the weights are not a dequantized int8 constant"
+    if np.any(w_zero != 0):
+        return "asymmetric weights (a zero point other than 0)"
+    k = w.shape[0]
+    if bias is not None and bias.size not in (1, k):
+        return f"a bias of {bias.size} values for {k} channels"
+    return QuantizedConv2d(
+        data=data.args[0], data_zero=int(data_zero), data_scale=data_scale, weight=w,
+        weight_scale=np.broadcast_to(w_scale.astype(np.float64).reshape(-1), (k,)).copy(),
+        bias=None if bias is None else np.broadcast_to(bias, (k,)).copy(), conv=conv, activation=activation,
+        out_dtype=out_dtype, out_zero=int(out_zero), out_scale=out_scale, inside=tuple(inside))
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedAdd:
+    """quantize(dequantize(a) + dequantize(b) [-> relu]) read off the graph (:func:`match_quantized_add`):
+    a residual add between quantized convolutions."""
+
+    a: relax.Expr
+    a_quantization: Quantization  # (the uint8 zero point: + 128 for int8 data)
+    b: relax.Expr
+    b_quantization: Quantization
+    relu: bool
+    out_dtype: str
+    out_quantization: Quantization
+    inside: tuple[relax.Var, ...]
+
+
+def _u8_zero(zero: float, dtype: str) -> int:
+    return int(zero) + (128 if dtype == "int8" else 0)
+
+
+def match_quantized_add(quantize: relax.Call, value_of) -> QuantizedAdd | None:
+    """The quantized add `quantize` ends, if it ends one (per-tensor uint8/int8 operands and output)."""
+    out_dtype = str(quantize.attrs.out_dtype)
+    out_scale, out_zero = _scalar(quantize.args[1]), _scalar(quantize.args[2])
+    if out_dtype not in ("uint8", "int8") or out_scale is None or out_zero is None:
+        return None
+    inside = [quantize.args[0]]
+    value = value_of(quantize.args[0])
+    relu = _is(value, "relax.nn.relu")
+    if relu:
+        inside.append(value.args[0])
+        value = value_of(value.args[0])
+    if not _is(value, "relax.add"):
+        return None
+    operands = []
+    for arg in value.args:
+        dq = value_of(arg) if isinstance(arg, relax.Var) else None
+        if not _is(dq, "relax.dequantize"):
+            return None
+        scale, zero, dtype = _scalar(dq.args[1]), _scalar(dq.args[2]), str(dq.args[0].ty.dtype.dtype)
+        if scale is None or zero is None or dtype not in ("uint8", "int8"):
+            return None
+        operands.append((dq.args[0], Quantization(scale, _u8_zero(zero, dtype))))
+    (a, qa), (b, qb) = operands
+    return QuantizedAdd(a, qa, b, qb, relu, out_dtype, Quantization(out_scale, _u8_zero(out_zero, out_dtype)),
+                        tuple(v for v in inside if isinstance(v, relax.Var)))
+
+
+def int8_engine(target: tvm.target.Target) -> tuple[str, VectorISA] | None:
+    """The int8 kernels' engine and ISA on `target`: AMX tiles where the CPU has AMX-INT8 and the
+    OS grants them, else VNNI on zmm or ymm; None without either."""
+    if has_amx_int8(target) and amx_permitted():
+        return "amx", AVX512
+    if has_vnni(target, 16):
+        return "fma", AVX512
+    if has_vnni(target, 8):
+        return "fma", AVX2
+    return None
+
+
+def quantized_conv2d_reason(found: QuantizedConv2d, target: tvm.target.Target, readers: dict) -> str | None:
+    """Why `found` stays with stock TVM (float) on `target`, or None if an int8 kernel runs it."""
+    if int8_engine(target) is None:
+        return "the CPU has neither AMX-INT8 nor VNNI"
+    attrs = found.conv.attrs
+    if int(attrs.groups) != 1:
+        return f"{int(attrs.groups)} groups (dense convolutions only)"
+    if (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout)) != ("NCHW", "OIHW", "NCHW"):
+        return "not NCHW/OIHW"
+    if static_shape(found.data) is None:
+        return "a symbolic shape"
+    for var in found.inside:
+        if len(readers.get(var, [])) > 1:
+            return f"{var.name} is read outside the quantized convolution"
+    return None
+
+
+def _workload(found: QuantizedConv2d) -> _conv.Conv2dWorkload:
+    n, c, h, w = static_shape(found.data)
+    attrs = found.conv.attrs
+    k, _, kh, kw = found.weight.shape
+    channels = -(-c // 4) * 4  # whole groups of 4: the extra channels meet zero weights
+    return _conv.Conv2dWorkload.make((n, channels, h, w), (k, channels, kh, kw), [int(v) for v in attrs.strides],
+                                     [int(v) for v in attrs.padding], [int(v) for v in attrs.dilation],
+                                     dtype="int8")
+
+
+def _add(bb: relax.BlockBuilder, func: tvm.tirx.PrimFunc, name: str) -> tvm.ir.GlobalVar:
+    """`func` as a kernel of the module; private (this runs before TVM's library dispatch, which
+    would find every TE kernel's "main" symbol twice)."""
+    return add_kernel(bb, func.without_attr("global_symbol"), name)
+
+
+def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target: tvm.target.Target,
+                          blocked: relax.Expr | None = None) -> tuple[relax.Expr, relax.Var]:
+    """The int8 kernel calls that compute `found`'s quantize: (the NCHW view of the output, the
+    blocked uint8 output). The data is read from `blocked` (its blocked uint8 form, written by the
+    int8 convolution that produced it: its border is padded with the zero point if the
+    convolution has padding) where its blocks suit the kernel, else packed from NCHW."""
+    engine, isa = int8_engine(target) or ("fma", AVX512)
+    wl = _workload(found)
+    plan = _conv.plan_conv2d(wl, isa, engine=engine)
+    c = static_shape(found.data)[1]
+    if blocked is not None:
+        _, blocks, _, _, block = static_shape(blocked)
+        try:
+            plan = _conv.plan_conv2d(wl, isa, engine=engine, ic_bn=block) if blocks * block == wl.C else None
+        except ValueError:
+            plan = None
+        if plan is None or plan.ic_bn != block:
+            plan, blocked = _conv.plan_conv2d(wl, isa, engine=engine), None
+    data_dtype = str(found.data.ty.dtype.dtype)
+    data_zero = found.data_zero + (128 if data_dtype == "int8" else 0)  # uint8's
+    out_zero = found.out_zero + (128 if found.out_dtype == "int8" else 0)
+    weight = np.zeros((wl.K, wl.C, wl.KH, wl.KW), np.int8)
+    weight[:, :c] = found.weight
+    # float32 as ONNX Runtime's requantization: s_x * s_w / s_y per output channel
+    scale = (np.float32(found.data_scale) * found.weight_scale.astype(np.float32) / np.float32(found.out_scale))
+    sums_unit = np.float64(found.data_scale) * found.weight_scale  # the bias's unit: one step of the sums
+    bias = np.zeros(wl.K, np.int64) if found.bias is None else np.rint(found.bias / sums_unit).astype(np.int64)
+    bias -= data_zero * weight.astype(np.int64).sum(axis=(1, 2, 3))
+    if np.abs(bias).max(initial=0) >= 2**31:
+        raise ValueError("quantized conv2d: the bias does not fit int32")
+
+    def per_channel(values: np.ndarray, dtype) -> relax.Constant:
+        out = np.zeros(plan.K_pad, dtype)
+        out[: wl.K] = values
+        return relax.const(out.reshape(plan.OCB, plan.oc_bn))
+
+    shape = static_shape(found.data)
+    if blocked is None:
+        packed = bb.emit(relax.call_tir(
+            _add(bb, _layout.pack_quantized_func(shape, plan.in_bn, wl.padding, data_zero, data_dtype),
+                 f"tvm_ext_pack_quantized_{'x'.join(map(str, shape))}_{plan.in_bn}_z{data_zero}"),
+            [found.data], relax.TensorType(plan.data_shape(), "uint8")))
+    elif any(wl.padding):
+        bshape = static_shape(blocked)
+        packed = bb.emit(relax.call_tir(
+            _add(bb, _layout.pad_nchwc_func(bshape, wl.padding, "uint8", data_zero),
+                 f"tvm_ext_pad_quantized_{'x'.join(map(str, bshape))}_z{data_zero}"),
+            [blocked], relax.TensorType(plan.data_shape(), "uint8")))
+    else:
+        packed = blocked
+    epilogue = _conv.Epilogue(bias=True, activation=found.activation, out_dtype="uint8", zero_point=out_zero)
+    kernel = _conv.conv2d_blocked_kernel(plan, isa.lanes, epilogue)
+    tag = "x".join(map(str, (wl.N, wl.C, wl.H, wl.W, wl.K, wl.KH, wl.KW))) + f"_s{wl.stride[0]}{wl.stride[1]}"
+    out = bb.emit(relax.call_tir(
+        _add(bb, kernel, f"tvm_ext_int8_conv2d_{tag}_{plan.engine}"),
+        [packed, relax.const(_conv.pack_weight_array(plan, weight)), per_channel(bias, np.int32),
+         per_channel(scale, np.float32)], relax.TensorType(epilogue.out_shape(plan), "uint8")))
+    unpack = _layout.unpack_quantized_func(epilogue.out_shape(plan), wl.K, found.out_dtype)
+    view = relax.call_tir(_add(bb, unpack, f"{_UNPACK}_{'x'.join(map(str, plan.out_shape()))}_{found.out_dtype}"),
+                          [out], relax.TensorType(wl.out_shape, found.out_dtype))
+    return view, out
+
+
+def emit_quantized_add(bb: relax.BlockBuilder, found: QuantizedAdd, a: relax.Var, b: relax.Var,
+                       channels: int) -> tuple[relax.Expr, relax.Var]:
+    """(the NCHW view, the blocked uint8 sum) of `found` on the blocked uint8 forms `a` and `b`."""
+    shape = static_shape(a)
+    func = quantized_add_func(shape, found.a_quantization, found.b_quantization, found.out_quantization, found.relu)
+    tag = f"{'x'.join(map(str, shape))}_{abs(hash((found.a_quantization, found.b_quantization, found.out_quantization)))}"
+    out = bb.emit(relax.call_tir(_add(bb, func, f"tvm_ext_quantized_add_{tag}"), [a, b],
+                                 relax.TensorType(shape, "uint8")))
+    n, _, h, w, _ = shape
+    unpack = _layout.unpack_quantized_func(shape, channels, found.out_dtype)
+    view = relax.call_tir(_add(bb, unpack, f"{_UNPACK}_{'x'.join(map(str, shape))}_{found.out_dtype}"), [out],
+                          relax.TensorType((n, channels, h, w), found.out_dtype))
+    return view, out
+
+
+def quantized_conv2d_decisions(func: relax.Function, target: tvm.target.Target) -> dict:
+    """Each quantize binding of `func` that ends a quantized convolution -> the convolution
+    (:class:`QuantizedConv2d`) and why stock TVM keeps it (None: an int8 kernel runs it)."""
+    values = {}
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            if isinstance(binding, relax.VarBinding):
+                values[binding.var] = binding.value
+    readers = readers_of(func)
+    decisions = {}
+    for var, value in values.items():
+        if _is(value, "relax.quantize"):
+            found = match_quantized_conv2d(value, values.get)
+            if isinstance(found, QuantizedConv2d):
+                decisions[var] = (found, quantized_conv2d_reason(found, target, readers))
+    return decisions
+
+
+def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
+    """Replace every quantized convolution of the module's functions (the quantize that ends it)
+    with the int8 kernel calls where :func:`quantized_conv2d_reason` finds nothing against it;
+    the float ops it leaves unread are dropped."""
+
+    @relax.expr_functor.mutator
+    class _Lower(relax.PyExprMutator):
+        def __init__(self, mod: tvm.IRModule):
+            super().__init__(mod)
+            self.decisions: dict = {}
+            # an int8 convolution's NCHW output -> its blocked uint8 form, with the u8 zero point's
+            # offset of its dtype (0 for uint8, 128 for int8) and the channels it holds
+            self.blocked: dict[relax.Var, relax.Var] = {}
+            self.values: dict = {}  # the function's bindings (before lowering)
+            self.readers: dict = {}  # and their readers (readers_of)
+
+        def _add(self, binding: relax.VarBinding) -> bool:
+            """Emit the blocked quantized add `binding` ends, if it is one whose operands an int8
+            kernel wrote blocked (alike) and whose float values nothing else reads."""
+            found = match_quantized_add(binding.value, self.values.get) if _is(binding.value, "relax.quantize") else None
+            if found is None or any(len(self.readers.get(v, [])) > 1 for v in found.inside):
+                return False
+            a, b = (self.visit_expr(v) for v in (found.a, found.b))
+            blocked_a, blocked_b = self.blocked.get(a), self.blocked.get(b)
+            if blocked_a is None or blocked_b is None or static_shape(blocked_a) != static_shape(blocked_b):
+                return False
+            view, blocked = emit_quantized_add(self.builder_, found, blocked_a, blocked_b, static_shape(a)[1])
+            var = self.builder_.emit(self.builder_.normalize(view), binding.var.name)
+            self.set_var_remap(binding.var, var)
+            self.blocked[var] = blocked
+            return True
+
+        def _max_pool(self, binding: relax.VarBinding) -> bool:
+            """Emit max pooling on the blocked uint8 tensor an int8 kernel wrote, where the graph
+            pools its dequantized values and quantizes them alike (quantize(max_pool2d(
+            dequantize(x, s, z)), s, z) is max_pool2d(x): the quantization is monotonic)."""
+            quantize = binding.value
+            if not _is(quantize, "relax.quantize"):
+                return False
+            pool = self.values.get(quantize.args[0])
+            dq = self.values.get(pool.args[0]) if _is(pool, "relax.nn.max_pool2d") else None
+            if not _is(dq, "relax.dequantize") or str(dq.args[0].ty.dtype.dtype) != str(quantize.attrs.out_dtype):
+                return False
+            if any(_scalar(a) is None or _scalar(a) != _scalar(b) for a, b in zip(dq.args[1:], quantize.args[1:])):
+                return False
+            attrs = pool.attrs
+            if str(attrs.layout) != "NCHW" or len(self.readers.get(quantize.args[0], [])) > 1:
+                return False
+            data = self.visit_expr(dq.args[0])
+            blocked = self.blocked.get(data)
+            if blocked is None:
+                return False
+            n, blocks, h, w, block = static_shape(blocked)
+            wl = _pool.Pool2dWorkload.make((n, blocks * block, h, w), "max", [int(v) for v in attrs.pool_size],
+                                           [int(v) for v in attrs.strides], [int(v) for v in attrs.padding],
+                                           [int(v) for v in attrs.dilation], bool(attrs.ceil_mode))
+            shape = (n, blocks, wl.OH, wl.OW, block)
+            out = self.builder_.emit(relax.call_tir(
+                _add(self.builder_, _pool.pool2d_func(wl, "uint8", block), f"tvm_ext_quantized_{wl.kernel_name}"),
+                [blocked], relax.TensorType(shape, "uint8")))
+            channels, dtype = static_shape(data)[1], str(quantize.attrs.out_dtype)
+            view = relax.call_tir(_add(self.builder_, _layout.unpack_quantized_func(shape, channels, dtype),
+                                       f"{_UNPACK}_{'x'.join(map(str, shape))}_{dtype}"), [out],
+                                  relax.TensorType((n, channels, wl.OH, wl.OW), dtype))
+            var = self.builder_.emit(self.builder_.normalize(view), binding.var.name)
+            self.set_var_remap(binding.var, var)
+            self.blocked[var] = out
+            return True
+
+        def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+            decision = self.decisions.get(binding.var)
+            if decision is None:
+                if not (self._add(binding) or self._max_pool(binding)):
+                    super().visit_var_binding_(binding)
+                return None
+            found, reason = decision
+            if reason is not None:
+                logger.info("tvm_ext: a quantized conv2d %s stays with stock TVM: %s", static_shape(found.data),
+                            reason)
+                return super().visit_var_binding_(binding)
+            found = dataclasses.replace(found, data=self.visit_expr(found.data))
+            view, blocked = emit_quantized_conv2d(self.builder_, found, target, self.blocked.get(found.data))
+            var = self.builder_.emit(self.builder_.normalize(view), binding.var.name)
+            self.set_var_remap(binding.var, var)
+            if static_shape(blocked)[1] * static_shape(blocked)[4] == static_shape(var)[1]:  # whole blocks
+                self.blocked[var] = blocked
+            return None
+
+    @tvm.transform.module_pass(opt_level=0, name="tvm_ext.LowerQuantizedConv2d")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        if target.kind.name != "llvm":
+            return mod
+        lowering = _Lower(mod)
+        for gvar, func in mod.functions_items():
+            if isinstance(func, relax.Function) and "Composite" not in (func.attrs or {}):
+                lowering.decisions = quantized_conv2d_decisions(func, target)
+                lowering.values = {binding.var: binding.value for block in func.body.blocks
+                                   for binding in block.bindings if isinstance(binding, relax.VarBinding)}
+                lowering.readers = readers_of(func)
+                if any(reason is None for _, reason in lowering.decisions.values()):
+                    lowering.builder_.update_func(gvar, lowering.visit_expr(func))
+        return relax.transform.DeadCodeElimination()(lowering.builder_.get())
+
+    return _pass
