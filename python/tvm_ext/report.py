@@ -8,6 +8,7 @@ fuses it (:func:`tvm_ext.strategy.fusion.fusion_passes`), so that it names the k
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TypeGuard
 
 import tvm
@@ -21,9 +22,12 @@ from .strategy.cuda_engine import engine_for
 from .strategy.decide import decide
 from .strategy.dispatch import batch_norm_gradients, weight_and_bias_gradients
 from .strategy.fusion import fusion_passes, mask_of
+from .strategy.quantized import int8_engine, lower_quantized_conv2d, quantized_conv2d_decisions
 from .target import TargetLike, resolve_target
 from .transform.gradients import read_phase_interleave
 from .transform.split_batch import runs_per_inference, split_batch
+
+logger = logging.getLogger("tvm_ext")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +80,18 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
     engine = engine_for(tensor_cores, resolved if resolved.kind.name == "cuda" else None)
     if tensor_cores and resolved.kind.name != "cuda":
         raise UnsupportedError("dispatch_report: tensor_cores applies to CUDA targets")
+    int8_rows = []  # the quantized convolutions the int8 kernels run, in program order
+    if resolved.kind.name == "llvm" and function in [gvar.name_hint for gvar in mod.get_global_vars()]:
+        engine_name = (int8_engine(resolved) or ("", None))[0]
+        for found, reason in quantized_conv2d_decisions(mod[function], resolved).values():
+            if reason is None:
+                int8_rows.append(DispatchRow("nn.conv2d", (static_shape(found.data), found.weight.shape),
+                                             f"int8_conv2d ({engine_name})",
+                                             f"quantized (QDQ): uint8 data, int8 weights, {found.out_dtype} out"))
+            else:
+                logger.info("tvm_ext: a quantized conv2d stays in float: %s", reason)
+        with resolved:
+            mod = lower_quantized_conv2d(resolved)(mod)
     if resolved.kind.name != "cuda":  # the pipeline splits the batch on CPUs only
         mod = split_batch(images_per_call)(mod)
     with resolved:
@@ -134,6 +150,17 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
 
         def visit(expr) -> None:
             if not isinstance(expr, relax.Call) or any(expr.same_as(p) for p in plumbing):
+                return
+            if _is_call_to(expr, "relax.call_tir"):  # the quantized ops' kernels (strategy.quantized)
+                callee = expr.args[0].name_hint
+                if callee.startswith("tvm_ext_int8_conv2d") and int8_rows:
+                    report.append(dataclasses.replace(int8_rows.pop(0), runs=runs))
+                for prefix, op in (("tvm_ext_quantized_add", "add"), ("tvm_ext_quantized_max_pool", "nn.max_pool2d")):
+                    blocked = static_shape(expr.args[1].fields[0])
+                    if callee.startswith(prefix) and blocked is not None:
+                        n, blocks, h, w, block = blocked
+                        report.append(DispatchRow(op, ((n, blocks * block, h, w),), prefix.removeprefix("tvm_ext_"),
+                                                  "quantized (QDQ): on the int8 kernels' blocked uint8 outputs", runs))
                 return
             if any(expr.same_as(part) for part in interleaves):
                 report.append(DispatchRow(expr.op.name.removeprefix("relax."), (static_shape(expr),),

@@ -3,10 +3,7 @@
 
 A tensor is uint8 here whatever its dtype in the graph: an int8 one is held as value + 128 with
 its zero point + 128 (:func:`~tvm_ext.kernels.layout.pack_quantized_func`), which leaves every
-`q - zero_point` and every saturation the same. The arithmetic is the QDQ ops' own, as TVM
-legalizes them (relax's dequantize and quantize): dequantize (q - z) * s in float32, the float op,
-quantize round(x / s) + z (ties to even), saturated; so a network built with these kernels
-computes what its QDQ graph computes, operation for operation.
+`q - zero_point` and every saturation the same.
 """
 
 from __future__ import annotations
@@ -14,48 +11,75 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from tvm import s_tir, te, tirx
+import numpy as np
+from tvm import tirx
+from tvm.script.ir_builder import IRBuilder
+from tvm.tirx.script import builder as T
 
-from .common import KERNEL_ATTR
+from .common import KERNEL_ATTR, param_buffer
 
-__all__ = ["Quantization", "quantized_add_func"]
+__all__ = ["Quantization", "quantized_add_func", "quantized_add_terms"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Quantization:
-    """A per-tensor quantization: scale and zero point (the uint8 one: + 128 for int8)."""
+    """A per-tensor quantization: scale, zero point, dtype ("uint8", or "int8": held as uint8 + 128)."""
 
     scale: float
     zero_point: int
+    dtype: str = "uint8"
+
+    @property
+    def offset(self) -> int:
+        """What the uint8 a tensor is held in adds to its values."""
+        return 128 if self.dtype == "int8" else 0
 
 
-def _dequantize(q: tirx.PrimExpr, quantization: Quantization) -> tirx.PrimExpr:
-    return (q.astype("int32") - quantization.zero_point).astype("float32") * tirx.const(quantization.scale, "float32")
-
-
-def _quantize(value: tirx.PrimExpr, quantization: Quantization) -> tirx.PrimExpr:
-    rounded = tirx.nearbyint(value / tirx.const(quantization.scale, "float32")) + tirx.const(
-        float(quantization.zero_point), "float32")
-    return tirx.max(tirx.min(rounded, tirx.const(255.0, "float32")), tirx.const(0.0, "float32")).astype("uint8")
+def quantized_add_terms(a: Quantization, b: Quantization, out: Quantization) -> tuple[float, float, float]:
+    """(a's ratio, b's ratio, the fixed part) of ONNX Runtime's QLinearAdd on x86 (MLAS): the sum
+    is fixed + A * (s_a / s_c) + B * (s_b / s_c) on the raw values, in float32, with
+    fixed = z_c - (ratio_a * z_a + ratio_b * z_b) (its compiler contracts that into one multiply-add),
+    then rounded to nearest even and saturated. Matching it bit for bit keeps a network's outputs
+    on ORT's (a tie rounded the other way changes every later layer a little)."""
+    f32 = np.float32
+    ratio_a, ratio_b = f32(f32(a.scale) / f32(out.scale)), f32(f32(b.scale) / f32(out.scale))
+    fused = f32(np.float64(ratio_a) * a.zero_point + np.float64(f32(ratio_b * f32(b.zero_point))))
+    return float(ratio_a), float(ratio_b), float(f32(f32(out.zero_point) - fused))
 
 
 def quantized_add_func(blocked_shape: Sequence[int], a: Quantization, b: Quantization, out: Quantization,
                        relu: bool = False) -> tirx.PrimFunc:
-    """quantize(dequantize(A) + dequantize(B) [-> relu]) on blocked uint8 tensors of
-    `blocked_shape` (N, CB, H, W, c): a residual add between int8 convolutions."""
-    shape = tuple(int(v) for v in blocked_shape)
-    x = te.placeholder(shape, "uint8", name="a")
-    y = te.placeholder(shape, "uint8", name="b")
+    """The quantized sum of two blocked tensors of `blocked_shape` (N, CB, H, W, c): ONNX Runtime's
+    QLinearAdd arithmetic (:func:`quantized_add_terms`), [a relu: no value below the zero point],
+    written as `out.dtype` held in uint8. Explicit vectors, each product behind an arithmetic fence:
+    LLVM would contract a product and a sum into a multiply-add, one rounding fewer than MLAS."""
+    n, cb, h, w, block = (int(v) for v in blocked_shape)
+    lanes = next(v for v in (16, 8, 4, 2, 1) if block % v == 0)
+    ratio_a, ratio_b, fixed = quantized_add_terms(a, b, out)
+    low, high = (-128, 127) if out.dtype == "int8" else (0, 255)
+    if relu:
+        low = max(low, out.zero_point)
+    vec, words = f"float32x{lanes}", f"int32x{lanes}"
 
-    def body(*index):
-        value = _dequantize(x[index], a) + _dequantize(y[index], b)
-        if relu:
-            value = tirx.max(value, tirx.const(0.0, "float32"))
-        return _quantize(value, out)
+    def value(buffer, row, at, quantization: Quantization, ratio: float) -> tirx.PrimExpr:
+        held = T.Cast(words, buffer.vload([row, at], f"uint8x{lanes}"))
+        raw = held - T.Broadcast(T.int32(quantization.offset), lanes)
+        product = T.Cast(vec, raw) * T.Broadcast(T.float32(ratio), lanes)
+        return T.call_llvm_pure_intrin(vec, "llvm.arithmetic.fence", product)
 
-    z = te.compute(shape, body, name="sum")
-    sch = s_tir.Schedule(te.create_prim_func([x, y, z]))
-    n, cb, h, w, c = sch.get_loops(sch.get_sblock("sum"))
-    sch.parallel(sch.fuse(n, cb, h))
-    sch.vectorize(c)
-    return sch.mod["main"].with_attr(KERNEL_ATTR, "quantized_add").without_attr("global_symbol")
+    with IRBuilder() as builder, T.prim_func(s_tir=True):
+        T.func_name("quantized_add")
+        T.func_attr({"tirx.noalias": True, KERNEL_ATTR: "quantized_add"})
+        x, y, z = (param_buffer(name, (n, cb, h, w, block), dtype="uint8") for name in ("a", "b", "c"))
+        flat = [IRBuilder.name(f"{buf.name}_rows", T.decl_buffer((n * cb * h, w * block), "uint8", data=buf.data))
+                for buf in (x, y, z)]
+        with T.parallel(0, n * cb * h) as row, T.serial(0, w * block // lanes) as v:
+            at = v * lanes
+            total = T.call_llvm_pure_intrin(vec, "llvm.arithmetic.fence", T.Broadcast(T.float32(fixed), lanes)
+                                            + value(flat[0], row, at, a, ratio_a))
+            total = total + value(flat[1], row, at, b, ratio_b)
+            rounded = T.call_llvm_pure_intrin(vec, "llvm.nearbyint", total)
+            clamped = T.max(T.min(rounded, T.Broadcast(T.float32(high), lanes)), T.Broadcast(T.float32(low), lanes))
+            stored = T.Cast(words, clamped) + T.Broadcast(T.int32(out.offset), lanes)
+            T.buffer_store(flat[2], T.Cast(f"uint8x{lanes}", stored), [row, T.Ramp(at, 1, lanes)])
+    return builder.get()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import TypeGuard
 
 import numpy as np
 import tvm
@@ -36,7 +37,7 @@ from ..kernels import conv2d as _conv
 from ..kernels import layout as _layout
 from ..kernels import pool2d as _pool
 from ..kernels.quantized import Quantization, quantized_add_func
-from ..relax_info import static_shape
+from ..relax_info import known_shape, static_shape
 from ..target import AVX2, AVX512, VectorISA, amx_permitted, has_amx_int8, has_vnni
 from .base import add_kernel, readers_of
 
@@ -70,8 +71,12 @@ def _const(expr: relax.Expr) -> np.ndarray | None:
     return expr.value.numpy() if isinstance(expr, tvm.ir.Constant) else None
 
 
-def _is(expr, op: str) -> bool:
+def _is(expr, op: str) -> TypeGuard[relax.Call]:
     return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == op
+
+
+def _shape(expr: relax.Expr) -> tuple[int, ...]:
+    return known_shape(static_shape(expr), "a quantized tensor")
 
 
 def _scalar(expr: relax.Expr) -> float | None:
@@ -144,17 +149,13 @@ class QuantizedAdd:
     a residual add between quantized convolutions."""
 
     a: relax.Expr
-    a_quantization: Quantization  # (the uint8 zero point: + 128 for int8 data)
+    a_quantization: Quantization
     b: relax.Expr
     b_quantization: Quantization
     relu: bool
     out_dtype: str
     out_quantization: Quantization
     inside: tuple[relax.Var, ...]
-
-
-def _u8_zero(zero: float, dtype: str) -> int:
-    return int(zero) + (128 if dtype == "int8" else 0)
 
 
 def match_quantized_add(quantize: relax.Call, value_of) -> QuantizedAdd | None:
@@ -179,9 +180,9 @@ def match_quantized_add(quantize: relax.Call, value_of) -> QuantizedAdd | None:
         scale, zero, dtype = _scalar(dq.args[1]), _scalar(dq.args[2]), str(dq.args[0].ty.dtype.dtype)
         if scale is None or zero is None or dtype not in ("uint8", "int8"):
             return None
-        operands.append((dq.args[0], Quantization(scale, _u8_zero(zero, dtype))))
+        operands.append((dq.args[0], Quantization(scale, int(zero), dtype)))
     (a, qa), (b, qb) = operands
-    return QuantizedAdd(a, qa, b, qb, relu, out_dtype, Quantization(out_scale, _u8_zero(out_zero, out_dtype)),
+    return QuantizedAdd(a, qa, b, qb, relu, out_dtype, Quantization(out_scale, int(out_zero), out_dtype),
                         tuple(v for v in inside if isinstance(v, relax.Var)))
 
 
@@ -206,7 +207,7 @@ def quantized_conv2d_reason(found: QuantizedConv2d, target: tvm.target.Target, r
         return f"{int(attrs.groups)} groups (dense convolutions only)"
     if (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout)) != ("NCHW", "OIHW", "NCHW"):
         return "not NCHW/OIHW"
-    if static_shape(found.data) is None:
+    if static_shape(found.data) is None:  # (checked first: every other use is of a known shape)
         return "a symbolic shape"
     for var in found.inside:
         if len(readers.get(var, [])) > 1:
@@ -215,7 +216,7 @@ def quantized_conv2d_reason(found: QuantizedConv2d, target: tvm.target.Target, r
 
 
 def _workload(found: QuantizedConv2d) -> _conv.Conv2dWorkload:
-    n, c, h, w = static_shape(found.data)
+    n, c, h, w = _shape(found.data)
     attrs = found.conv.attrs
     k, _, kh, kw = found.weight.shape
     channels = -(-c // 4) * 4  # whole groups of 4: the extra channels meet zero weights
@@ -239,9 +240,9 @@ def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target
     engine, isa = int8_engine(target) or ("fma", AVX512)
     wl = _workload(found)
     plan = _conv.plan_conv2d(wl, isa, engine=engine)
-    c = static_shape(found.data)[1]
+    c = _shape(found.data)[1]
     if blocked is not None:
-        _, blocks, _, _, block = static_shape(blocked)
+        _, blocks, _, _, block = _shape(blocked)
         try:
             plan = _conv.plan_conv2d(wl, isa, engine=engine, ic_bn=block) if blocks * block == wl.C else None
         except ValueError:
@@ -266,14 +267,14 @@ def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target
         out[: wl.K] = values
         return relax.const(out.reshape(plan.OCB, plan.oc_bn))
 
-    shape = static_shape(found.data)
+    shape = _shape(found.data)
     if blocked is None:
         packed = bb.emit(relax.call_tir(
             _add(bb, _layout.pack_quantized_func(shape, plan.in_bn, wl.padding, data_zero, data_dtype),
                  f"tvm_ext_pack_quantized_{'x'.join(map(str, shape))}_{plan.in_bn}_z{data_zero}"),
             [found.data], relax.TensorType(plan.data_shape(), "uint8")))
     elif any(wl.padding):
-        bshape = static_shape(blocked)
+        bshape = _shape(blocked)
         packed = bb.emit(relax.call_tir(
             _add(bb, _layout.pad_nchwc_func(bshape, wl.padding, "uint8", data_zero),
                  f"tvm_ext_pad_quantized_{'x'.join(map(str, bshape))}_z{data_zero}"),
@@ -296,10 +297,9 @@ def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target
 def emit_quantized_add(bb: relax.BlockBuilder, found: QuantizedAdd, a: relax.Var, b: relax.Var,
                        channels: int) -> tuple[relax.Expr, relax.Var]:
     """(the NCHW view, the blocked uint8 sum) of `found` on the blocked uint8 forms `a` and `b`."""
-    shape = static_shape(a)
+    shape = _shape(a)
     func = quantized_add_func(shape, found.a_quantization, found.b_quantization, found.out_quantization, found.relu)
-    tag = f"{'x'.join(map(str, shape))}_{abs(hash((found.a_quantization, found.b_quantization, found.out_quantization)))}"
-    out = bb.emit(relax.call_tir(_add(bb, func, f"tvm_ext_quantized_add_{tag}"), [a, b],
+    out = bb.emit(relax.call_tir(_add(bb, func, f"tvm_ext_quantized_add_{'x'.join(map(str, shape))}"), [a, b],
                                  relax.TensorType(shape, "uint8")))
     n, _, h, w, _ = shape
     unpack = _layout.unpack_quantized_func(shape, channels, found.out_dtype)
@@ -345,14 +345,15 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
         def _add(self, binding: relax.VarBinding) -> bool:
             """Emit the blocked quantized add `binding` ends, if it is one whose operands an int8
             kernel wrote blocked (alike) and whose float values nothing else reads."""
-            found = match_quantized_add(binding.value, self.values.get) if _is(binding.value, "relax.quantize") else None
+            value = binding.value
+            found = match_quantized_add(value, self.values.get) if _is(value, "relax.quantize") else None
             if found is None or any(len(self.readers.get(v, [])) > 1 for v in found.inside):
                 return False
             a, b = (self.visit_expr(v) for v in (found.a, found.b))
             blocked_a, blocked_b = self.blocked.get(a), self.blocked.get(b)
-            if blocked_a is None or blocked_b is None or static_shape(blocked_a) != static_shape(blocked_b):
+            if blocked_a is None or blocked_b is None or _shape(blocked_a) != _shape(blocked_b):
                 return False
-            view, blocked = emit_quantized_add(self.builder_, found, blocked_a, blocked_b, static_shape(a)[1])
+            view, blocked = emit_quantized_add(self.builder_, found, blocked_a, blocked_b, _shape(a)[1])
             var = self.builder_.emit(self.builder_.normalize(view), binding.var.name)
             self.set_var_remap(binding.var, var)
             self.blocked[var] = blocked
@@ -366,10 +367,13 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
             if not _is(quantize, "relax.quantize"):
                 return False
             pool = self.values.get(quantize.args[0])
-            dq = self.values.get(pool.args[0]) if _is(pool, "relax.nn.max_pool2d") else None
+            if not _is(pool, "relax.nn.max_pool2d"):
+                return False
+            dq = self.values.get(pool.args[0])
             if not _is(dq, "relax.dequantize") or str(dq.args[0].ty.dtype.dtype) != str(quantize.attrs.out_dtype):
                 return False
-            if any(_scalar(a) is None or _scalar(a) != _scalar(b) for a, b in zip(dq.args[1:], quantize.args[1:])):
+            if any(_scalar(a) is None or _scalar(a) != _scalar(b)
+                   for a, b in zip(dq.args[1:], quantize.args[1:], strict=True)):
                 return False
             attrs = pool.attrs
             if str(attrs.layout) != "NCHW" or len(self.readers.get(quantize.args[0], [])) > 1:
@@ -378,7 +382,7 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
             blocked = self.blocked.get(data)
             if blocked is None:
                 return False
-            n, blocks, h, w, block = static_shape(blocked)
+            n, blocks, h, w, block = _shape(blocked)
             wl = _pool.Pool2dWorkload.make((n, blocks * block, h, w), "max", [int(v) for v in attrs.pool_size],
                                            [int(v) for v in attrs.strides], [int(v) for v in attrs.padding],
                                            [int(v) for v in attrs.dilation], bool(attrs.ceil_mode))
@@ -386,7 +390,7 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
             out = self.builder_.emit(relax.call_tir(
                 _add(self.builder_, _pool.pool2d_func(wl, "uint8", block), f"tvm_ext_quantized_{wl.kernel_name}"),
                 [blocked], relax.TensorType(shape, "uint8")))
-            channels, dtype = static_shape(data)[1], str(quantize.attrs.out_dtype)
+            channels, dtype = _shape(data)[1], str(quantize.attrs.out_dtype)
             view = relax.call_tir(_add(self.builder_, _layout.unpack_quantized_func(shape, channels, dtype),
                                        f"{_UNPACK}_{'x'.join(map(str, shape))}_{dtype}"), [out],
                                   relax.TensorType((n, channels, wl.OH, wl.OW), dtype))
@@ -403,14 +407,14 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
                 return None
             found, reason = decision
             if reason is not None:
-                logger.info("tvm_ext: a quantized conv2d %s stays with stock TVM: %s", static_shape(found.data),
+                logger.info("tvm_ext: a quantized conv2d %s stays with stock TVM: %s", _shape(found.data),
                             reason)
                 return super().visit_var_binding_(binding)
             found = dataclasses.replace(found, data=self.visit_expr(found.data))
             view, blocked = emit_quantized_conv2d(self.builder_, found, target, self.blocked.get(found.data))
             var = self.builder_.emit(self.builder_.normalize(view), binding.var.name)
             self.set_var_remap(binding.var, var)
-            if static_shape(blocked)[1] * static_shape(blocked)[4] == static_shape(var)[1]:  # whole blocks
+            if _shape(blocked)[1] * _shape(blocked)[4] == _shape(var)[1]:  # whole blocks
                 self.blocked[var] = blocked
             return None
 

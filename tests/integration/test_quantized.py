@@ -1,0 +1,211 @@
+"""Quantized networks in QDQ form (ONNX Runtime's quantize_static) on the int8 kernels: each
+convolution between a dequantize and a quantize runs as an int8 convolution, the residual adds
+and max pooling between them on the blocked uint8 tensors (tvm_ext.strategy.quantized)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from tvm import relax
+
+import tvm_ext
+from tvm_ext.kernels.quantized import Quantization, quantized_add_func
+from tvm_ext.ops.forward import compile_kernel
+from tvm_ext.strategy.quantized import int8_engine, lower_quantized_conv2d
+from tvm_ext.target import resolve_target
+
+TARGET = resolve_target("llvm")
+needs_int8 = pytest.mark.skipif(int8_engine(TARGET) is None, reason="the CPU has neither AMX-INT8 nor VNNI")
+
+
+def _onnx_model(tmp_path_factory, name: str, size: int, activations: str = "uint8", per_channel: bool = True):
+    import onnx
+    from tvm.relax.frontend.onnx import from_onnx
+
+    from tvm_ext.models.quantized import quantized_onnx
+
+    path = quantized_onnx(name, tmp_path_factory.mktemp(name) / "model.onnx", size, per_channel=per_channel,
+                          activations=activations)
+    return path, from_onnx(onnx.load(path), keep_params_in_input=False)
+
+
+def _agreement_with_onnx_runtime(path, mod, size: int, inputs: int = 4) -> tuple[float, float, bool]:
+    """(fraction of outputs within one output quantization step of ONNX Runtime's, fraction
+    equal, whether every input's top-1 class is the same) over random images."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    vm = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())
+    rng = np.random.default_rng(7)
+    within, equal, top1, total = 0, 0, True, 0
+    for _ in range(inputs):
+        x = rng.standard_normal((1, 3, size, size)).astype(np.float32)
+        expected = session.run(None, {"x": x})[0]
+        got = vm["main"](tvm.runtime.tensor(x)).numpy()
+        step = np.diff(np.unique(expected)).min()  # the output's quantization step (its values lie on a grid)
+        steps = np.abs(got - expected) / step
+        within, equal, total = within + (steps <= 1.001).sum(), equal + (steps < 1e-3).sum(), total + steps.size
+        top1 = top1 and got.argmax() == expected.argmax()
+    return within / total, equal / total, top1
+
+
+@needs_int8
+@pytest.mark.parametrize("name", ["resnet18", "resnet50", "mobilenet_v2"])
+def test_qdq_networks_agree_with_onnx_runtime(tmp_path_factory, name):
+    """ORT's recommended x86 quantization (uint8 activations, per-channel int8 weights): the
+    issue's bar, within one quantization step of ONNX Runtime on >= 99.9% of outputs."""
+    path, mod = _onnx_model(tmp_path_factory, name, 64)
+    within, equal, top1 = _agreement_with_onnx_runtime(path, mod, 64)
+    assert within >= 0.999 and top1, (within, equal)
+    report = tvm_ext.dispatch_report(mod, TARGET)
+    dense = [r for r in report if r.op == "nn.conv2d" and r.kernel.startswith("int8_conv2d")]
+    assert len(dense) >= {"resnet18": 20, "resnet50": 53, "mobilenet_v2": 35}[name]
+    if name != "mobilenet_v2":  # every convolution, every residual add, the max pooling
+        assert all(r.kernel.startswith("int8_conv2d") for r in report if r.op == "nn.conv2d")
+        kernels = {r.kernel for r in report if r.op in ("add", "nn.max_pool2d")}  # (the classifier's bias: fused)
+        assert kernels == {"quantized_add", "quantized_max_pool", "brgemm_conv2d epilogue"}
+    else:  # depthwise convolutions stay with stock TVM in float, between their quantize ops
+        assert any(r.op == "nn.conv2d" and not r.kernel.startswith("int8") for r in report)
+
+
+@needs_int8
+def test_int8_activations_and_per_tensor_weights(tmp_path_factory):
+    """ORT's default quantization (int8 activations, zero point -128 after a relu; per-tensor weight
+    scales with axis 1; a bias scale of shape (1,)): the int8 data runs as uint8 + 128. ORT itself
+    computes most of these convolutions in float (no s8s8 QLinearConv here), we in integers: the
+    same top-1, nearly every output within a step."""
+    path, mod = _onnx_model(tmp_path_factory, "resnet18", 64, activations="int8", per_channel=False)
+    within, _, top1 = _agreement_with_onnx_runtime(path, mod, 64)
+    assert within >= 0.95 and top1
+    assert all(r.kernel.startswith("int8_conv2d") for r in tvm_ext.dispatch_report(mod, TARGET) if r.op == "nn.conv2d")
+
+
+def _qdq_chain(x_dtype: str, out_dtype: str, bias: bool, read_outside: bool = False, seed: int = 0):
+    """x_q -> dequantize -> conv2d(dequantize(W_q)) [+ bias] -> quantize (out_dtype) -> dequantize
+    -> conv2d 3x3 padded -> relu -> quantize uint8: (module, (x_q, the float64 reference of the
+    quantized arithmetic with exact sums)). `read_outside`: the first conv's float sum is also
+    returned (the kernel cannot replace it)."""
+    rng = np.random.default_rng(seed)
+    n, c, h, w, k1, k2 = 2, 12, 9, 11, 32, 64
+    x_zero = -3 if x_dtype == "int8" else 125
+    w1 = rng.integers(-127, 128, (k1, c, 3, 3)).astype(np.int8)
+    w2 = rng.integers(-127, 128, (k2, k1, 3, 3)).astype(np.int8)
+    s_x, s_w1, s_w2 = np.float32(0.02), (rng.random(k1) * 0.01 + 0.001).astype(np.float32), np.float32(0.004)
+    b1 = rng.integers(-3000, 3000, k1).astype(np.int32)
+    s_y1, z_y1 = np.float32(0.6), (5 if out_dtype == "int8" else 130)
+    s_y2, z_y2 = np.float32(0.9), 7
+    f32 = lambda v: relax.const(np.asarray(v, np.float32))  # noqa: E731
+
+    bb = relax.BlockBuilder()
+    xv = relax.Var("x", relax.TensorType((n, c, h, w), x_dtype))
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            xd = bb.emit(relax.op.dequantize(xv, f32(s_x), relax.const(np.asarray(x_zero, x_dtype)), axis=1))
+            wd = bb.emit(relax.op.dequantize(relax.const(w1), f32(s_w1), relax.const(np.zeros(k1, np.int8)), axis=0))
+            y = bb.emit(relax.op.nn.conv2d(xd, wd, strides=(2, 1), padding=(1, 0, 2, 1)))
+            if bias:
+                bd = bb.emit(relax.op.dequantize(relax.const(b1), f32(s_x * s_w1), relax.const(np.zeros(k1, np.int32)),
+                                                 axis=0))
+                y = bb.emit(relax.op.add(relax.op.reshape(bd, (1, k1, 1, 1)), y))  # the bias first: either order
+            q1 = bb.emit(relax.op.quantize(y, f32(s_y1), relax.const(np.asarray(z_y1, out_dtype)), axis=1,
+                                           out_dtype=out_dtype))
+            d1 = bb.emit(relax.op.dequantize(q1, f32(s_y1), relax.const(np.asarray(z_y1, out_dtype)), axis=1))
+            wd2 = bb.emit(relax.op.dequantize(relax.const(w2), f32(s_w2), relax.const(np.asarray(0, np.int8)), axis=1))
+            y2 = bb.emit(relax.op.nn.relu(relax.op.nn.conv2d(d1, wd2, padding=1)))
+            q2 = bb.emit(relax.op.quantize(y2, f32(s_y2), relax.const(np.asarray(z_y2, np.uint8)), axis=1,
+                                           out_dtype="uint8"))
+            out = bb.emit_output(relax.Tuple([q2, y]) if read_outside else q2)
+        bb.emit_func_output(out)
+
+    low, high = (-128, 127) if x_dtype == "int8" else (0, 255)
+    x_q = rng.integers(low, high + 1, (n, c, h, w)).astype(x_dtype)
+
+    def conv(data, weight, **options):  # exact: the sums are integers far below 2**53
+        return torch.nn.functional.conv2d(torch.from_numpy(data.astype(np.float64)),
+                                          torch.from_numpy(weight.astype(np.float64)), **options).numpy()
+
+    def requantize(sums, scale, zero, dtype):  # the int8 kernel's arithmetic (kernels.conv2d.quantized_value)
+        lo, hi = (-128, 127) if dtype == "int8" else (0, 255)
+        value = sums.astype(np.float32) * scale.reshape(1, -1, 1, 1)
+        return np.clip(np.rint(value) + np.float32(zero), lo, hi).astype(dtype)
+
+    padded = np.pad(x_q.astype(np.int64) - x_zero, ((0, 0), (0, 0), (1, 2), (0, 1)))
+    sums1 = conv(padded, w1, stride=(2, 1)) + (b1.reshape(1, -1, 1, 1) if bias else 0)
+    q1_ref = requantize(sums1, s_x * s_w1 / s_y1, z_y1, out_dtype)
+    sums2 = conv(q1_ref.astype(np.int64) - z_y1, w2, padding=1)
+    scale2 = np.full(k2, s_y1 * s_w2 / s_y2, np.float32)
+    value2 = np.maximum(sums2.astype(np.float32) * scale2.reshape(1, -1, 1, 1), np.float32(0))
+    q2_ref = np.clip(np.rint(value2) + np.float32(z_y2), 0, 255).astype(np.uint8)
+    return bb.get(), x_q, q2_ref
+
+
+@needs_int8
+@pytest.mark.parametrize("x_dtype, out_dtype, bias", [("uint8", "uint8", True), ("int8", "int8", True),
+                                                      ("uint8", "int8", False), ("int8", "uint8", True)])
+def test_a_qdq_chain_computes_the_quantized_arithmetic(x_dtype, out_dtype, bias):
+    """Two quantized convolutions (strided, asymmetric padding, then padded: the second reads the
+    first's blocked output with its zero point as padding; int8 tensors as uint8 + 128), bit for bit
+    the integer sums and the requantization NumPy computes."""
+    mod, x_q, expected = _qdq_chain(x_dtype, out_dtype, bias)
+    with TARGET:
+        lowered = lower_quantized_conv2d(TARGET)(mod)
+    assert "relax.nn.conv2d" not in lowered.script() and lowered.script().count("tvm_ext_int8_conv2d") >= 2
+    vm = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())
+    np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(x_q)).numpy(), expected)
+
+
+def test_a_quantized_conv_whose_float_sum_is_read_elsewhere_stays_float():
+    """The kernel does not compute the float sum: a graph that also returns it keeps the float
+    convolution (and computes the same as stock TVM)."""
+    mod, x_q, _ = _qdq_chain("uint8", "uint8", True, read_outside=True)
+    with TARGET:
+        lowered = lower_quantized_conv2d(TARGET)(mod)
+    assert lowered.script().count("R.nn.conv2d") == 1  # the first stays, the second is int8
+    got = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main"](tvm.runtime.tensor(x_q))
+    stock = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())["main"](tvm.runtime.tensor(x_q))
+    np.testing.assert_allclose(got[1].numpy(), stock[1].numpy(), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8"])
+def test_the_quantized_add_is_onnx_runtimes_qlinear_add(dtype):
+    """The blocked add against ONNX Runtime running dequantize + dequantize -> Add -> quantize
+    (fused into its QLinearAdd), bit for bit: a tie rounded the other way at one add moved a
+    ResNet-50's outputs by a step on 7% of its values."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    shape, block = (1, 64, 7, 9), 32
+    low, high = (-128, 127) if dtype == "int8" else (0, 255)
+    a, b, out = (Quantization(scale, zero, dtype) for scale, zero in ((0.011, low + 127), (0.0062, low + 3),
+                                                                      (0.0093, low + 1)))
+    element = TensorProto.INT8 if dtype == "int8" else TensorProto.UINT8
+
+    def constants(name: str, q: Quantization) -> list:
+        return [helper.make_tensor(f"{name}_scale", TensorProto.FLOAT, [], [q.scale]),
+                helper.make_tensor(f"{name}_zero", element, [], [q.zero_point])]
+
+    graph = helper.make_graph(
+        [helper.make_node("DequantizeLinear", ["a", "a_scale", "a_zero"], ["fa"]),
+         helper.make_node("DequantizeLinear", ["b", "b_scale", "b_zero"], ["fb"]),
+         helper.make_node("Add", ["fa", "fb"], ["sum"]),
+         helper.make_node("QuantizeLinear", ["sum", "c_scale", "c_zero"], ["c"])], "add",
+        [helper.make_tensor_value_info(name, element, shape) for name in "ab"],
+        [helper.make_tensor_value_info("c", element, shape)],
+        constants("a", a) + constants("b", b) + constants("c", out))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    x, y = (rng.integers(low, high + 1, shape).astype(dtype) for _ in range(2))
+    expected = session.run(None, {"a": x, "b": y})[0]
+
+    def held(t):  # blocked, as uint8 (int8 + 128)
+        t = t.astype(np.int32) + (128 if dtype == "int8" else 0)
+        return np.ascontiguousarray(t.astype(np.uint8).reshape(1, 2, block, 7, 9).transpose(0, 1, 3, 4, 2))
+
+    lib = compile_kernel(quantized_add_func((1, 2, 7, 9, block), a, b, out), TARGET)
+    got = tvm.runtime.empty((1, 2, 7, 9, block), "uint8")
+    lib(tvm.runtime.tensor(held(x)), tvm.runtime.tensor(held(y)), got)
+    np.testing.assert_array_equal(got.numpy(), held(expected))
+    assert "vfmadd" not in lib.mod.inspect_source("asm")  # each product rounded, as MLAS does
