@@ -6,6 +6,9 @@ For each network (tvm_ext.models, seeded weights shared by every runtime), batch
 - tvm_ext_direct: the same with `winograd=False`, every convolution direct (not run by default);
 - tvm_ext_bf16: the same with `precision="bf16"` (convolutions in bfloat16 on AMX), and
   pytorch_bf16: PyTorch eager under bf16 autocast (oneDNN): `--precision bf16` adds both;
+- tvm_ext_int8 and onnxruntime_int8: `--precision int8` adds both: the ONNX export quantized by
+  ONNX Runtime's quantize_static (QDQ, uint8 activations, per-channel int8 weights, random
+  calibration images), built by `tvm_ext.build` from its Relax import, and run by ONNX Runtime;
 - ONNX Runtime (CPU): the same network exported with torch.onnx, all graph optimizations,
   intra-op threads set;
 - PyTorch eager: the same graph evaluated op by op in inference mode, best of NCHW and
@@ -23,7 +26,7 @@ same round, with their range; outputs are checked against ONNX Runtime's. A CSV 
 bench/results/.
 
 Usage: python bench/e2e.py [--models resnet50,vgg16,...] [--batches 1,16] [--threads 1,2] [--repeat 10] [--rounds 3]
-       [--precision bf16]
+       [--precision bf16|int8]
 """
 
 from __future__ import annotations
@@ -53,8 +56,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=10, help="timed runs per round (median)")
     ap.add_argument("--rounds", type=int, default=3, help="turns each runtime takes, round-robin")
     ap.add_argument("--runtimes", default=",".join(RUNTIMES))
-    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
-                    help="bf16: also tvm_ext_bf16 and pytorch_bf16 (outputs then differ by bf16 rounding)")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "int8"],
+                    help="bf16: also tvm_ext_bf16 and pytorch_bf16 (outputs then differ by bf16 rounding); int8: "
+                         "also tvm_ext_int8 and onnxruntime_int8 on the QDQ model")
     ap.add_argument("--stock-batches", default="1", help="batches at which stock TVM runs (it is slow)")
     ap.add_argument("--target", default="llvm")
     ap.add_argument("--csv", default="")
@@ -127,7 +131,7 @@ def _child(args: argparse.Namespace) -> None:
 
     x = None
     result: dict = {}
-    if runtime in ("tvm_ext", "tvm_ext_untuned", "tvm_ext_direct", "tvm_ext_bf16", "stock_tvm"):
+    if runtime in ("tvm_ext", "tvm_ext_untuned", "tvm_ext_direct", "tvm_ext_bf16", "tvm_ext_int8", "stock_tvm"):
         import tvm
         from tvm import relax
 
@@ -138,7 +142,7 @@ def _child(args: argparse.Namespace) -> None:
         result["ms"] = time_calls(lambda: vm(xt), repeat)
         output = vm(xt)
         output = (output if hasattr(output, "numpy") else output[0]).numpy()  # imported models return tuples
-    elif runtime == "onnxruntime":
+    elif runtime in ("onnxruntime", "onnxruntime_int8"):
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -217,7 +221,8 @@ def _prepare(model: str, batch: int, runtimes: list[str], stock: bool, target, f
     if "stock_tvm" in runtimes and stock:
         tvm.compile(mod, target).export_library(str(folder / "stock_tvm.so"))
         artifacts["stock_tvm"] = str(folder / "stock_tvm.so")
-    if "onnxruntime" in runtimes:
+    int8 = [r for r in ("tvm_ext_int8", "onnxruntime_int8") if r in runtimes]
+    if "onnxruntime" in runtimes or int8:
         import torch
 
         from tvm_ext.models.torch_reference import TorchModule
@@ -225,6 +230,20 @@ def _prepare(model: str, batch: int, runtimes: list[str], stock: bool, target, f
         x = torch.from_numpy(np.load(folder / "input.npy"))
         torch.onnx.export(TorchModule(mod), (x,), str(folder / "model.onnx"), dynamo=False, input_names=["data"])
         artifacts["onnxruntime"] = str(folder / "model.onnx")
+    if int8:
+        import onnx
+        from tvm.relax.frontend.onnx import from_onnx
+
+        from tvm_ext.models.quantized import quantize_onnx_file
+
+        quantized = quantize_onnx_file(folder / "model.onnx", folder / "model_int8.onnx")
+        artifacts["onnxruntime_int8"] = str(quantized)
+        if "tvm_ext_int8" in runtimes:
+            start = time.perf_counter()
+            tvm_ext.build(from_onnx(onnx.load(quantized), keep_params_in_input=False), target).export_library(
+                str(folder / "tvm_ext_int8.so"))
+            print(f"  built {model} batch {batch} with tvm_ext_int8 in {time.perf_counter() - start:.0f} s", flush=True)
+            artifacts["tvm_ext_int8"] = str(folder / "tvm_ext_int8.so")
     return artifacts, network_flops(mod)
 
 
@@ -244,6 +263,8 @@ def main(argv=None) -> int:
     runtimes = [r for r in args.runtimes.split(",") if r]
     if args.precision == "bf16":
         runtimes += [r for r in ("tvm_ext_bf16", "pytorch_bf16") if r not in runtimes]
+    if args.precision == "int8":
+        runtimes += [r for r in ("tvm_ext_int8", "onnxruntime_int8") if r not in runtimes]
     # Built networks, exported models and outputs take 2-7 GB a model: a temporary folder is
     # removed as each model is done (it filled the disk over a few runs when it was kept).
     keep = bool(args.work_dir)
