@@ -125,6 +125,21 @@ def test_tutorial_06_bf16():
         assert "20 of 20 convolutions in bf16" in out
 
 
+def test_tutorial_07_int8():
+    from tvm_ext.strategy.quantized import int8_engine
+
+    out = _run("tutorials/07_int8.py", "--size", "64")
+    assert "against ONNX Runtime int8: " in out and "against the float32 network" in out
+    if int8_engine(tvm_ext_target()) is not None:
+        assert "20 of 20 convolutions in int8" in out and "100.00% of the outputs within one quantization step" in out
+
+
+def tvm_ext_target():
+    from tvm_ext.target import resolve_target
+
+    return resolve_target("llvm")
+
+
 @pytest.mark.slow
 def test_tutorial_03_autotune(tmp_path):
     out = _run("tutorials/03_autotune.py", "--trials", "8", "--work-dir", str(tmp_path / "records"))
