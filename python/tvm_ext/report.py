@@ -22,7 +22,7 @@ from .strategy.cuda_engine import engine_for
 from .strategy.decide import decide
 from .strategy.dispatch import batch_norm_gradients, weight_and_bias_gradients
 from .strategy.fusion import fusion_passes, mask_of
-from .strategy.quantized import int8_engine, lower_quantized_conv2d, quantized_conv2d_decisions
+from .strategy.quantized import int8_kernel, lower_quantized_conv2d, quantized_conv2d_decisions
 from .target import TargetLike, resolve_target
 from .transform.gradients import read_phase_interleave
 from .transform.split_batch import runs_per_inference, split_batch
@@ -82,11 +82,10 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
         raise UnsupportedError("dispatch_report: tensor_cores applies to CUDA targets")
     int8_rows = []  # the quantized convolutions the int8 kernels run, in program order
     if resolved.kind.name == "llvm" and function in [gvar.name_hint for gvar in mod.get_global_vars()]:
-        engine_name = (int8_engine(resolved) or ("", None))[0]
         for found, reason in quantized_conv2d_decisions(mod[function], resolved).values():
             if reason is None:
                 int8_rows.append(DispatchRow("nn.conv2d", (static_shape(found.data), found.weight.shape),
-                                             f"int8_conv2d ({engine_name})",
+                                             int8_kernel(found, resolved),
                                              f"quantized (QDQ): uint8 data, int8 weights, {found.out_dtype} out"))
             else:
                 logger.info("tvm_ext: a quantized conv2d stays in float: %s", reason)

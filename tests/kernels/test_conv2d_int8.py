@@ -209,9 +209,9 @@ def test_int8_plans_and_epilogues_refuse_what_they_do_not_take():
         Epilogue(out_dtype="int8", residual=True)
     with pytest.raises(ValueError, match="out_dtype 'float16'"):
         Epilogue(out_dtype="float16")
-    fp32 = plan_conv2d(Conv2dWorkload.make((1, 32, 8, 8), (32, 32, 3, 3), 1, 1), AVX512)
-    with pytest.raises(ValueError, match="a float32 workload cannot take"):
-        conv2d_blocked_kernel(fp32, 16, Epilogue(out_dtype="uint8"))
+    bf16 = plan_conv2d(Conv2dWorkload.make((1, 32, 8, 8), (32, 32, 3, 3), 1, 1, dtype="bfloat16"), AVX512)
+    with pytest.raises(ValueError, match="a bfloat16 workload cannot take"):
+        conv2d_blocked_kernel(bf16, 16, Epilogue(out_dtype="uint8"))
     with pytest.raises(ValueError, match="groups of 4 channels of k"):
         BRGEMM(4, 16, 6, 16, dtype="int8").validate()
     spec = BRGEMM(32, 32, 64, 16, (2, 3, 3), 2, dtype="int8", init=True, engine="amx")

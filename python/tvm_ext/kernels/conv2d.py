@@ -612,7 +612,8 @@ def quantized_value(epilogue: Epilogue, sums: tirx.PrimExpr, bias: tirx.PrimExpr
     """An int8 convolution's output from its int32 sums: (+ bias) in int32, times the channel's
     scale in fp32 (one rounding), the activation; for a uint8/int8 output times out_scale,
     rounded to nearest (ties to even), + the zero point, saturated. Each step is one IEEE fp32
-    operation (no multiply-add to contract), so NumPy reproduces it bit for bit."""
+    operation (no multiply-add to contract), so NumPy reproduces it bit for bit. Float32 sums of
+    integers below 2**24 (and a float32 bias of integers) give the same, exactly."""
     value = sums + bias if epilogue.bias else sums
     value = tirx.Cast("float32", value) * scale
     if epilogue.activation:
@@ -689,8 +690,10 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
     """
     wl = plan.wl
     top, left, bottom, right = epilogue.out_pad
-    quantizing = wl.dtype == "int8"
-    if (not quantizing and epilogue.out_dtype != "float32") or (
+    # int8 sums, or float32 sums of integers (an int8 depthwise convolution on the float units:
+    # exact below 2**24) quantized by the epilogue
+    quantizing = wl.dtype == "int8" or epilogue.quantized
+    if (quantizing and wl.dtype == "bfloat16") or (
             quantizing and (epilogue.residual or epilogue.mask or epilogue.nchw_out or plan.oihw_weight)):
         raise ValueError(f"conv2d: a {wl.dtype} workload cannot take {epilogue}")
     with IRBuilder() as builder, T.prim_func(s_tir=True):

@@ -224,6 +224,28 @@ def unpack_quantized_func(blocked_shape: Sequence[int], channels: int, dtype: st
     return sch.mod["main"].with_attr(KERNEL_ATTR, "unpack_quantized")
 
 
+def dequantized_units_func(blocked_shape: Sequence[int], padding: Sequence[int], zero_point: int) -> tirx.PrimFunc:
+    """Blocked uint8 (N, CB, H, W, c) -> blocked float32 (N, CB, H+top+bottom, W+left+right, c) of
+    q - `zero_point` (the quantized values in units of their scale, exact), zeros in the border:
+    the input of an int8 depthwise convolution computed in float32 (its sums are integers)."""
+    n, cb, h, w, block = (int(v) for v in blocked_shape)
+    top, left, bottom, right = (int(p) for p in padding)
+    x = te.placeholder((n, cb, h, w, block), "uint8", name="data")
+
+    def body(b, c, i, j, k):
+        ih, iw = i - top, j - left
+        inside = tirx.all(ih >= 0, ih < h, iw >= 0, iw < w)
+        value = x[b, c, tirx.max(tirx.min(ih, h - 1), 0), tirx.max(tirx.min(iw, w - 1), 0), k]
+        return tirx.if_then_else(inside, (value.astype("int32") - zero_point).astype("float32"), tirx.const(0.0))
+
+    y = te.compute((n, cb, h + top + bottom, w + left + right, block), body, name="units")
+    sch = s_tir.Schedule(te.create_prim_func([x, y]))
+    b, c, i, j, k = sch.get_loops(sch.get_sblock("units"))
+    sch.parallel(sch.fuse(b, c, i))
+    sch.vectorize(k)
+    return sch.mod["main"].with_attr(KERNEL_ATTR, "dequantized_units")
+
+
 def pack_data_func(plan: Conv2dPlan) -> tirx.PrimFunc:
     """A convolution's NCHW input (possibly a user's NumPy array) -> its blocked, padded input."""
     wl = plan.wl

@@ -43,8 +43,8 @@ from .base import add_kernel, readers_of
 
 logger = logging.getLogger("tvm_ext")
 
-__all__ = ["QuantizedAdd", "QuantizedConv2d", "lower_quantized_conv2d", "match_quantized_add", "match_quantized_conv2d",
-           "quantized_conv2d_reason"]
+__all__ = ["QuantizedAdd", "QuantizedConv2d", "int8_engine", "int8_kernel", "lower_quantized_conv2d",
+           "match_quantized_add", "match_quantized_conv2d", "quantized_conv2d_decisions", "quantized_conv2d_reason"]
 
 _UNPACK = "tvm_ext_unpack_quantized"
 
@@ -203,26 +203,57 @@ def quantized_conv2d_reason(found: QuantizedConv2d, target: tvm.target.Target, r
     if int8_engine(target) is None:
         return "the CPU has neither AMX-INT8 nor VNNI"
     attrs = found.conv.attrs
-    if int(attrs.groups) != 1:
-        return f"{int(attrs.groups)} groups (dense convolutions only)"
+    if int(attrs.groups) != 1 and not _depthwise(found):
+        return f"{int(attrs.groups)} groups (dense and depthwise convolutions only)"
     if (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout)) != ("NCHW", "OIHW", "NCHW"):
         return "not NCHW/OIHW"
     if static_shape(found.data) is None:  # (checked first: every other use is of a known shape)
         return "a symbolic shape"
+    if _depthwise(found):  # summed in float32: exact while every sum stays below 2**24
+        _, units_bias, _ = _requantization(found, 0)
+        taps = found.weight.shape[2] * found.weight.shape[3]
+        if 255 * 128 * taps + np.abs(units_bias).max(initial=0) >= 2**24:
+            return "a depthwise convolution whose sums may pass 2**24 (float32 sums would round)"
     for var in found.inside:
         if len(readers.get(var, [])) > 1:
             return f"{var.name} is read outside the quantized convolution"
     return None
 
 
-def _workload(found: QuantizedConv2d) -> _conv.Conv2dWorkload:
-    n, c, h, w = _shape(found.data)
+def int8_kernel(found: QuantizedConv2d, target: tvm.target.Target) -> str:
+    """What runs `found` (for dispatch_report): the int8 convolution on the target's engine, or the
+    depthwise one (float32 sums of the values in units of their scale: integers, exact)."""
+    if _depthwise(found):
+        return "int8_conv2d (depthwise, exact float32 sums)"
+    return f"int8_conv2d ({(int8_engine(target) or ('none',))[0]})"
+
+
+def _depthwise(found: QuantizedConv2d) -> bool:
+    groups, channels = int(found.conv.attrs.groups), found.weight.shape[0]
+    return groups > 1 and found.weight.shape[1] == 1 and groups == channels
+
+
+def _workload(found: QuantizedConv2d, channels: int) -> _conv.Conv2dWorkload:
+    """The kernel's convolution over `channels` input channels (the data's, or more: the channels
+    that fill its blocks or a group of 4, which meet zero weights)."""
+    n, _, h, w = _shape(found.data)
     attrs = found.conv.attrs
     k, _, kh, kw = found.weight.shape
-    channels = -(-c // 4) * 4  # whole groups of 4: the extra channels meet zero weights
-    return _conv.Conv2dWorkload.make((n, channels, h, w), (k, channels, kh, kw), [int(v) for v in attrs.strides],
-                                     [int(v) for v in attrs.padding], [int(v) for v in attrs.dilation],
-                                     dtype="int8")
+    options = ([int(v) for v in attrs.strides], [int(v) for v in attrs.padding], [int(v) for v in attrs.dilation])
+    if _depthwise(found):  # in float32, on the values in units of their scale
+        return _conv.Conv2dWorkload.make((n, channels, h, w), (channels, 1, kh, kw), *options, groups=channels)
+    return _conv.Conv2dWorkload.make((n, channels, h, w), (k, channels, kh, kw), *options, dtype="int8")
+
+
+def _requantization(found: QuantizedConv2d, data_zero: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the weights, the bias in units of the sums minus `data_zero`'s share, the float32 scale)."""
+    # float32 as ONNX Runtime's requantization: s_x * s_w / s_y per output channel
+    scale = np.float32(found.data_scale) * found.weight_scale.astype(np.float32) / np.float32(found.out_scale)
+    sums_unit = np.float64(found.data_scale) * found.weight_scale  # the bias's unit: one step of the sums
+    k = found.weight.shape[0]
+    bias = np.zeros(k, np.int64) if found.bias is None else np.rint(found.bias / sums_unit).astype(np.int64)
+    bias -= data_zero * found.weight.astype(np.int64).sum(axis=(1, 2, 3))
+    return found.weight, bias, scale
 
 
 def _add(bb: relax.BlockBuilder, func: tvm.tirx.PrimFunc, name: str) -> tvm.ir.GlobalVar:
@@ -231,66 +262,90 @@ def _add(bb: relax.BlockBuilder, func: tvm.tirx.PrimFunc, name: str) -> tvm.ir.G
     return add_kernel(bb, func.without_attr("global_symbol"), name)
 
 
-def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target: tvm.target.Target,
-                          blocked: relax.Expr | None = None) -> tuple[relax.Expr, relax.Var]:
-    """The int8 kernel calls that compute `found`'s quantize: (the NCHW view of the output, the
-    blocked uint8 output). The data is read from `blocked` (its blocked uint8 form, written by the
-    int8 convolution that produced it: its border is padded with the zero point if the
-    convolution has padding) where its blocks suit the kernel, else packed from NCHW."""
-    engine, isa = int8_engine(target) or ("fma", AVX512)
-    wl = _workload(found)
-    plan = _conv.plan_conv2d(wl, isa, engine=engine)
+def _call(bb: relax.BlockBuilder, func: tvm.tirx.PrimFunc, name: str, args: list, shape, dtype: str) -> relax.Var:
+    return bb.emit(relax.call_tir(_add(bb, func, name), args, relax.TensorType(tuple(shape), dtype)))
+
+
+def _name(*parts) -> str:
+    return "_".join("x".join(map(str, p)) if isinstance(p, tuple | list) else str(p) for p in parts)
+
+
+def _plan(found: QuantizedConv2d, isa: VectorISA, engine: str, blocked: relax.Expr | None):
+    """(the plan, whether it reads `blocked`): the data's blocks where the kernel can read them
+    (all of its channels: those past the data's meet zero weights), else its own blocks."""
     c = _shape(found.data)[1]
     if blocked is not None:
         _, blocks, _, _, block = _shape(blocked)
+        wl = _workload(found, blocks * block)
         try:
-            plan = _conv.plan_conv2d(wl, isa, engine=engine, ic_bn=block) if blocks * block == wl.C else None
+            if _depthwise(found):
+                plan = _conv.plan_conv2d(wl, isa, n_r=block)
+            else:
+                plan = _conv.plan_conv2d(wl, isa, engine=engine, ic_bn=block)
+            if plan.in_bn == block:
+                return plan, True
         except ValueError:
-            plan = None
-        if plan is None or plan.ic_bn != block:
-            plan, blocked = _conv.plan_conv2d(wl, isa, engine=engine), None
+            pass
+    wl = _workload(found, c if _depthwise(found) else -(-c // 4) * 4)
+    return (_conv.plan_conv2d(wl, isa) if _depthwise(found) else _conv.plan_conv2d(wl, isa, engine=engine)), False
+
+
+def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target: tvm.target.Target,
+                          blocked: relax.Expr | None = None) -> tuple[relax.Expr, relax.Var]:
+    """The int8 kernel calls that compute `found`'s quantize: (the NCHW view of the output, the
+    blocked uint8 output). The data is read from `blocked` (its blocked uint8 form, written by an
+    int8 kernel: its border is padded with the zero point if the convolution has padding) where
+    its blocks suit the kernel, else packed from NCHW. A depthwise convolution runs the float32
+    depthwise kernel on the values in units of their scale (q - z: integers) and sums exactly."""
+    engine, isa = int8_engine(target) or ("fma", AVX512)
+    plan, reads_blocked = _plan(found, isa, engine, blocked)
+    wl, depthwise = plan.wl, _depthwise(found)
     data_dtype = str(found.data.ty.dtype.dtype)
     data_zero = found.data_zero + (128 if data_dtype == "int8" else 0)  # uint8's
     out_zero = found.out_zero + (128 if found.out_dtype == "int8" else 0)
-    weight = np.zeros((wl.K, wl.C, wl.KH, wl.KW), np.int8)
-    weight[:, :c] = found.weight
-    # float32 as ONNX Runtime's requantization: s_x * s_w / s_y per output channel
-    scale = (np.float32(found.data_scale) * found.weight_scale.astype(np.float32) / np.float32(found.out_scale))
-    sums_unit = np.float64(found.data_scale) * found.weight_scale  # the bias's unit: one step of the sums
-    bias = np.zeros(wl.K, np.int64) if found.bias is None else np.rint(found.bias / sums_unit).astype(np.int64)
-    bias -= data_zero * weight.astype(np.int64).sum(axis=(1, 2, 3))
+    weight, bias, scale = _requantization(found, 0 if depthwise else data_zero)
     if np.abs(bias).max(initial=0) >= 2**31:
         raise ValueError("quantized conv2d: the bias does not fit int32")
+    k, c = found.weight.shape[:2]
+    padded = np.zeros((wl.K, wl.C // wl.groups, wl.KH, wl.KW), np.float32 if depthwise else np.int8)
+    padded[:k, :c] = weight
 
     def per_channel(values: np.ndarray, dtype) -> relax.Constant:
         out = np.zeros(plan.K_pad, dtype)
-        out[: wl.K] = values
+        out[:k] = values
         return relax.const(out.reshape(plan.OCB, plan.oc_bn))
 
     shape = _shape(found.data)
-    if blocked is None:
-        packed = bb.emit(relax.call_tir(
-            _add(bb, _layout.pack_quantized_func(shape, plan.in_bn, wl.padding, data_zero, data_dtype),
-                 f"tvm_ext_pack_quantized_{'x'.join(map(str, shape))}_{plan.in_bn}_z{data_zero}"),
-            [found.data], relax.TensorType(plan.data_shape(), "uint8")))
+    source = blocked if reads_blocked else None
+    if depthwise:  # blocked uint8, then float32 units with a zero border
+        if source is None:
+            source = _call(bb, _layout.pack_quantized_func(shape, plan.oc_bn, (0, 0, 0, 0), data_zero, data_dtype),
+                           _name("tvm_ext_pack_quantized", shape, plan.oc_bn, f"z{data_zero}"), [found.data],
+                           (wl.N, wl.C // plan.oc_bn, wl.H, wl.W, plan.oc_bn), "uint8")
+        bshape = _shape(source)
+        data = _call(bb, _layout.dequantized_units_func(bshape, wl.padding, data_zero),
+                     _name("tvm_ext_quantized_units", bshape, f"z{data_zero}"), [source], plan.data_shape(), "float32")
+    elif source is None:
+        data = _call(bb, _layout.pack_quantized_func(shape, plan.in_bn, wl.padding, data_zero, data_dtype),
+                     _name("tvm_ext_pack_quantized", shape, plan.in_bn, f"z{data_zero}"), [found.data],
+                     plan.data_shape(), "uint8")
     elif any(wl.padding):
-        bshape = _shape(blocked)
-        packed = bb.emit(relax.call_tir(
-            _add(bb, _layout.pad_nchwc_func(bshape, wl.padding, "uint8", data_zero),
-                 f"tvm_ext_pad_quantized_{'x'.join(map(str, bshape))}_z{data_zero}"),
-            [blocked], relax.TensorType(plan.data_shape(), "uint8")))
+        bshape = _shape(source)
+        data = _call(bb, _layout.pad_nchwc_func(bshape, wl.padding, "uint8", data_zero),
+                     _name("tvm_ext_pad_quantized", bshape, f"z{data_zero}"), [source], plan.data_shape(), "uint8")
     else:
-        packed = blocked
+        data = source
     epilogue = _conv.Epilogue(bias=True, activation=found.activation, out_dtype="uint8", zero_point=out_zero)
     kernel = _conv.conv2d_blocked_kernel(plan, isa.lanes, epilogue)
-    tag = "x".join(map(str, (wl.N, wl.C, wl.H, wl.W, wl.K, wl.KH, wl.KW))) + f"_s{wl.stride[0]}{wl.stride[1]}"
-    out = bb.emit(relax.call_tir(
-        _add(bb, kernel, f"tvm_ext_int8_conv2d_{tag}_{plan.engine}"),
-        [packed, relax.const(_conv.pack_weight_array(plan, weight)), per_channel(bias, np.int32),
-         per_channel(scale, np.float32)], relax.TensorType(epilogue.out_shape(plan), "uint8")))
-    unpack = _layout.unpack_quantized_func(epilogue.out_shape(plan), wl.K, found.out_dtype)
-    view = relax.call_tir(_add(bb, unpack, f"{_UNPACK}_{'x'.join(map(str, plan.out_shape()))}_{found.out_dtype}"),
-                          [out], relax.TensorType(wl.out_shape, found.out_dtype))
+    tag = _name((wl.N, wl.C, wl.H, wl.W, wl.K, wl.KH, wl.KW), f"s{wl.stride[0]}{wl.stride[1]}")
+    kind = "depthwise" if depthwise else plan.engine
+    out = _call(bb, kernel, f"tvm_ext_int8_conv2d_{tag}_{kind}",
+                [data, relax.const(_conv.pack_weight_array(plan, padded)),
+                 per_channel(bias, np.float32 if depthwise else np.int32), per_channel(scale, np.float32)],
+                epilogue.out_shape(plan), "uint8")
+    unpack = _layout.unpack_quantized_func(epilogue.out_shape(plan), k, found.out_dtype)
+    view = relax.call_tir(_add(bb, unpack, _name(_UNPACK, plan.out_shape(), found.out_dtype)), [out],
+                          relax.TensorType((wl.N, k, wl.OH, wl.OW), found.out_dtype))
     return view, out
 
 
@@ -414,8 +469,7 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
             view, blocked = emit_quantized_conv2d(self.builder_, found, target, self.blocked.get(found.data))
             var = self.builder_.emit(self.builder_.normalize(view), binding.var.name)
             self.set_var_remap(binding.var, var)
-            if _shape(blocked)[1] * _shape(blocked)[4] == _shape(var)[1]:  # whole blocks
-                self.blocked[var] = blocked
+            self.blocked[var] = blocked  # (its channels past the view's hold the zero point)
             return None
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.LowerQuantizedConv2d")
