@@ -310,6 +310,11 @@ def data_block_reason(wl: Conv2dWorkload, isa: VectorISA, data_bn: int) -> str |
     return None
 
 
+# int8 convolutions write blocks of this many output channels where K allows: a 64-byte row of an
+# AMX tile of the next layer's input
+INT8_BLOCK = 64
+
+
 def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r: int | None = None,
                 ic_bn: int | None = None, row_order: str | None = None, data_bn: int | None = None,
                 engine: str = "fma") -> Conv2dPlan:
@@ -329,7 +334,7 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
         ic = ic_bn or _largest_divisor(wl.C, 16 * g, g)
         oc = n_r or (32 if wl.K > 16 else 16)
         # int8: blocks of 64 output channels (two calls of 32), the next int8 layer's input blocks
-        block = 64 if wl.dtype == "int8" and n_r is None and wl.K % 64 == 0 else oc
+        block = INT8_BLOCK if wl.dtype == "int8" and n_r is None and wl.K % INT8_BLOCK == 0 else oc
         return dataclasses.replace(plan, ic_bn=ic, oc_bn=block, m_r=m_r or min(32, wl.OW), engine="amx",
                                    n_r=oc if block != oc else 0)
     if engine != "fma":
@@ -390,6 +395,11 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
             row_order = "oh_ob"
         else:
             row_order = "ob_oh"
+    if wl.dtype == "int8" and n_r is None and wl.groups == 1 and wl.K % INT8_BLOCK == 0 and INT8_BLOCK % tile[1] == 0:
+        # int8: blocks of 64 output channels (several calls of n_r), as AMX's: the next int8
+        # layer reads whole 64-byte groups of channels whichever engine wrote them
+        return Conv2dPlan(wl, "brgemm", ic, INT8_BLOCK, tile[0], row_order=row_order,
+                          n_r=tile[1] if tile[1] != INT8_BLOCK else 0)
     return Conv2dPlan(wl, "brgemm", ic, tile[1], tile[0], row_order=row_order)
 
 
