@@ -103,7 +103,10 @@ def requantize_reference(sums: np.ndarray, bias: np.ndarray | None, scale: np.nd
     if epilogue.out_scale != 1.0:
         value = value * np.float32(epilogue.out_scale)
     low, high = QUANTIZED_RANGES[epilogue.out_dtype]
-    return np.clip(np.rint(value) + np.float32(epilogue.zero_point), low, high).astype(epilogue.out_dtype)
+    quantized = np.clip(np.rint(value) + np.float32(epilogue.zero_point), low, high)
+    if epilogue.units:  # q - zero point, as float32
+        return (quantized - np.float32(epilogue.zero_point)).astype(np.float32)
+    return quantized.astype(epilogue.out_dtype)
 
 
 def run_int8_conv(x_shape, w_shape, stride, padding, dilation, engine, isa, epilogue: Epilogue, x_zero: int,
@@ -134,7 +137,7 @@ def run_int8_conv(x_shape, w_shape, stride, padding, dilation, engine, isa, epil
 
     args = [tvm.runtime.tensor(np.ascontiguousarray(blocked)), tvm.runtime.tensor(pack_weight_array(plan, w)),
             *([per_channel(bias, np.int32)] if epilogue.bias else []), per_channel(scale, np.float32)]
-    out = tvm.runtime.empty(epilogue.out_shape(plan), epilogue.out_dtype)
+    out = tvm.runtime.empty(epilogue.out_shape(plan), epilogue.buffer_dtype)
     lib(*args, out)
     whole = out.numpy()
     top_out, left_out = epilogue.out_pad[:2]
@@ -160,7 +163,8 @@ def _random_case(rng: np.random.Generator):
     epilogue = Epilogue(bias=bool(rng.integers(0, 4)), activation=[None, "relu"][int(rng.integers(0, 2))],
                         out_dtype=out_dtype,
                         zero_point=int(rng.integers(low, high + 1)), out_scale=float(rng.choice([1.0, 0.75])),
-                        out_pad=tuple(int(v) for v in rng.integers(0, 2, 4)) if out_dtype != "float32" else (0,) * 4)
+                        out_pad=tuple(int(v) for v in rng.integers(0, 2, 4)) if out_dtype != "float32" else (0,) * 4,
+                        units=out_dtype != "float32" and rng.integers(0, 3) == 0)  # (a depthwise reader's input)
     stride = tuple(int(v) for v in rng.integers(1, 4, 2))
     return ((int(rng.integers(1, 4)), c, h, w), (int(rng.integers(1, 80)), c, kh, kw), stride, padding, (dh, dw),
             epilogue, int(rng.integers(0, 256)))
@@ -182,7 +186,7 @@ def test_int8_conv2d_is_bit_exact_over_random_configurations(engine, chunk):
             border = np.ones(whole.shape, bool)
             top, left = epilogue.out_pad[:2]
             border[:, :, top:top + got.shape[2], left:left + got.shape[3]] = False
-            assert (whole[border] == epilogue.zero_point).all(), where
+            assert (whole[border] == (0 if epilogue.units else epilogue.zero_point)).all(), where
 
 
 # ResNet-50's shapes: a 3x3 of 64 channels (AMX: a tile row of 32 and a tail of 24), a strided 1x1

@@ -508,6 +508,9 @@ class Epilogue:
     out_dtype: str = "float32"
     zero_point: int = 0
     out_scale: float = 1.0
+    # A quantized output written as float32 units, q - zero_point (exact; its border zeros): the
+    # input of an int8 depthwise convolution, which sums in float32, with no conversion pass.
+    units: bool = False
 
     def __post_init__(self):
         if self.activation is not None and self.activation not in ACTIVATIONS:
@@ -530,10 +533,17 @@ class Epilogue:
             raise ValueError(f"epilogue: zero_point {self.zero_point} is outside {self.out_dtype}'s range")
         if self.quantized and (self.residual or self.mask or self.nchw_out):
             raise ValueError("epilogue: a quantized output takes bias and an activation only")
+        if self.units and not self.quantized:
+            raise ValueError("epilogue: units are those of a uint8 or int8 output")
 
     @property
     def quantized(self) -> bool:
         return self.out_dtype in QUANTIZED_RANGES
+
+    @property
+    def buffer_dtype(self) -> str:
+        """The output buffer's element type."""
+        return "float32" if self.units else self.out_dtype
 
     def out_shape(self, plan: Conv2dPlan) -> tuple[int, ...]:
         """The blocked output with its border: N, O/y, OH + top + bottom, OW + left + right, y."""
@@ -633,6 +643,9 @@ def quantized_value(epilogue: Epilogue, sums: tirx.PrimExpr, bias: tirx.PrimExpr
     if epilogue.out_scale != 1.0:
         value = value * T.float32(epilogue.out_scale)
     low, high = QUANTIZED_RANGES[epilogue.out_dtype]
+    if epilogue.units:  # q - zero_point, saturated alike: rint(v) within [low - z, high - z]
+        return T.max(T.min(tirx.nearbyint(value), T.float32(high - epilogue.zero_point)),
+                     T.float32(low - epilogue.zero_point))
     value = tirx.nearbyint(value) + T.float32(epilogue.zero_point)
     return tirx.Cast(epilogue.out_dtype, T.max(T.min(value, T.float32(high)), T.float32(low)))
 
@@ -728,11 +741,11 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
             # of its buffer. The epilogue reads Y and writes its alias: a block reading and writing
             # one buffer in place is not "compact dataflow", and `parallel` refuses a loop above
             # it. A border (out_pad) is written by blocks of its own, through a third alias.
-            y = param_buffer("y", epilogue.out_shape(plan), dtype=epilogue.out_dtype)
+            y = param_buffer("y", epilogue.out_shape(plan), dtype=epilogue.buffer_dtype)
             y_tail, y_epilogue, y_border = (_alias(name, y) for name in ("Y_tail", "Y_epilogue", "Y_border"))
         if plan.nchw_in:  # after the parameters: a declared buffer opens a frame
             x = plan.data_view(x)
-        border = tirx.const(epilogue.zero_point, epilogue.out_dtype)
+        border = tirx.const(0 if epilogue.units else epilogue.zero_point, epilogue.buffer_dtype)
         with contextlib.ExitStack() as loops:
             if plan.oihw_weight:
                 # One task per output block: its weights laid out in a scratch of the task (the

@@ -246,6 +246,23 @@ def dequantized_units_func(blocked_shape: Sequence[int], padding: Sequence[int],
     return sch.mod["main"].with_attr(KERNEL_ATTR, "dequantized_units")
 
 
+def unpack_units_func(blocked_shape: Sequence[int], border: Sequence[int], channels: int, zero_point: int,
+                      dtype: str = "uint8") -> tirx.PrimFunc:
+    """Blocked float32 units (N, CB, H + top + bottom, W + left + right, c) of a quantized tensor
+    (q - `zero_point`, :attr:`~tvm_ext.kernels.conv2d.Epilogue.units`) -> NCHW `dtype` q, its
+    `channels` channels, without the border (top, left, bottom, right)."""
+    n, cb, hp, wp, block = (int(v) for v in blocked_shape)
+    top, left, bottom, right = (int(p) for p in border)
+    h, w = hp - top - bottom, wp - left - right
+    x = te.placeholder((n, cb, hp, wp, block), "float32", name="units")
+    y = te.compute((n, channels, h, w), lambda b, k, i, j: (
+        x[b, k // block, i + top, j + left, k % block].astype("int32") + zero_point).astype(dtype), name="data")
+    sch = s_tir.Schedule(te.create_prim_func([x, y]))
+    b, k, i, j = sch.get_loops(sch.get_sblock("data"))
+    sch.parallel(sch.fuse(b, k))
+    return sch.mod["main"].with_attr(KERNEL_ATTR, "unpack_units")
+
+
 def pack_data_func(plan: Conv2dPlan) -> tirx.PrimFunc:
     """A convolution's NCHW input (possibly a user's NumPy array) -> its blocked, padded input."""
     wl = plan.wl

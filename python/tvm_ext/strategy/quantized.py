@@ -257,6 +257,11 @@ def _requantization(found: QuantizedConv2d, data_zero: int) -> tuple[np.ndarray,
     return found.weight, bias, scale
 
 
+def _uint8(blocked: relax.Expr | None) -> bool:
+    """Whether `blocked` is a blocked uint8 tensor (not float32 units)."""
+    return blocked is not None and str(blocked.ty.dtype.dtype) == "uint8"
+
+
 def _add(bb: relax.BlockBuilder, func: tvm.tirx.PrimFunc, name: str) -> tvm.ir.GlobalVar:
     """`func` as a kernel of the module; private (this runs before TVM's library dispatch, which
     would find every TE kernel's "main" symbol twice)."""
@@ -306,13 +311,19 @@ def _plan(found: QuantizedConv2d, isa: VectorISA, engine: str, blocked: relax.Ex
 
 
 def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target: tvm.target.Target,
-                          blocked: relax.Expr | None = None) -> tuple[relax.Expr, relax.Var]:
+                          blocked: relax.Expr | None = None,
+                          units_border: tuple[int, int, int, int] | None = None) -> tuple[relax.Expr, relax.Var]:
     """The int8 kernel calls that compute `found`'s quantize: (the NCHW view of the output, the
     blocked uint8 output). The data is read from `blocked` (its blocked uint8 form, written by an
     int8 kernel: its border is padded with the zero point if the convolution has padding) where
     its blocks suit the kernel, else packed from NCHW. A depthwise convolution runs the float32
-    depthwise kernel on the values in units of their scale (q - z: integers) and sums exactly."""
+    depthwise kernel on the values in units of their scale (q - z: integers) and sums exactly;
+    its data may be `blocked` in those units with its border already (a producer's
+    `units_border` output: then the blocked output is float32 units with that border, for the
+    depthwise convolutions that read it)."""
     engine, isa = int8_engine(target) or ("fma", AVX512)
+    if blocked is not None and not _uint8(blocked) and not _depthwise(found):
+        blocked = None  # (units are for depthwise convolutions)
     plan, reads_blocked = _plan(found, isa, _engine(found, engine, target), blocked)
     wl, depthwise = plan.wl, _depthwise(found)
     data_dtype = str(found.data.ty.dtype.dtype)
@@ -332,7 +343,11 @@ def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target
 
     shape = _shape(found.data)
     source = blocked if reads_blocked else None
-    if depthwise:  # blocked uint8, then float32 units with a zero border
+    if source is not None and not _uint8(source) and _shape(source) != plan.data_shape():
+        source = None  # (units with another border: from the NCHW view)
+    if depthwise and source is not None and not _uint8(source):
+        data = source  # the producer wrote the units with this convolution's border
+    elif depthwise:  # blocked uint8, then float32 units with a zero border
         if source is None:
             source = _call(bb, _layout.pack_quantized_func(shape, plan.oc_bn, (0, 0, 0, 0), data_zero, data_dtype),
                            _name("tvm_ext_pack_quantized", shape, plan.oc_bn, f"z{data_zero}"), [found.data],
@@ -350,15 +365,19 @@ def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target
                      _name("tvm_ext_pad_quantized", bshape, f"z{data_zero}"), [source], plan.data_shape(), "uint8")
     else:
         data = source
-    epilogue = _conv.Epilogue(bias=True, activation=found.activation, out_dtype="uint8", zero_point=out_zero)
+    epilogue = _conv.Epilogue(bias=True, activation=found.activation, out_dtype="uint8", zero_point=out_zero,
+                              units=units_border is not None, out_pad=units_border or (0, 0, 0, 0))
     kernel = _conv.conv2d_blocked_kernel(plan, isa.lanes, epilogue)
     tag = _name((wl.N, wl.C, wl.H, wl.W, wl.K, wl.KH, wl.KW), f"s{wl.stride[0]}{wl.stride[1]}")
     kind = "depthwise" if depthwise else plan.engine
     out = _call(bb, kernel, f"tvm_ext_int8_conv2d_{tag}_{kind}",
                 [data, relax.const(_conv.pack_weight_array(plan, padded)),
                  per_channel(bias, np.float32 if depthwise else np.int32), per_channel(scale, np.float32)],
-                epilogue.out_shape(plan), "uint8")
-    unpack = _layout.unpack_quantized_func(epilogue.out_shape(plan), k, found.out_dtype)
+                epilogue.out_shape(plan), epilogue.buffer_dtype)
+    if units_border is not None:
+        unpack = _layout.unpack_units_func(epilogue.out_shape(plan), units_border, k, found.out_zero, found.out_dtype)
+    else:
+        unpack = _layout.unpack_quantized_func(epilogue.out_shape(plan), k, found.out_dtype)
     view = relax.call_tir(_add(bb, unpack, _name(_UNPACK, plan.out_shape(), found.out_dtype)), [out],
                           relax.TensorType((wl.N, k, wl.OH, wl.OW), found.out_dtype))
     return view, out
@@ -376,6 +395,31 @@ def emit_quantized_add(bb: relax.BlockBuilder, found: QuantizedAdd, a: relax.Var
     view = relax.call_tir(_add(bb, unpack, f"{_UNPACK}_{'x'.join(map(str, shape))}_{found.out_dtype}"), [out],
                           relax.TensorType((n, channels, h, w), found.out_dtype))
     return view, out
+
+
+def units_borders(func: relax.Function, decisions: dict) -> dict:
+    """The quantized convolutions (their quantize's variable) whose every reader is a depthwise
+    one an int8 kernel runs, each with the same padding -> that padding: they write their output
+    in units with that border (:attr:`~tvm_ext.kernels.conv2d.Epilogue.units`), which the
+    depthwise ones read as it is."""
+    values = {b.var: b.value for block in func.body.blocks for b in block.bindings if isinstance(b, relax.VarBinding)}
+    var_of = {value: var for var, value in values.items()}
+    depthwise = {found.conv: found for found, reason in decisions.values() if reason is None and _depthwise(found)}
+    readers = readers_of(func)
+    borders = {}
+    for var, (found, reason) in decisions.items():
+        if reason is not None or _depthwise(found):
+            continue
+        paddings = set()
+        for reader in readers.get(var, []):
+            dq = var_of.get(reader) if _is(reader, "relax.dequantize") else None
+            convs = readers.get(dq, []) if dq is not None else [None]
+            for conv in convs:
+                reading = depthwise.get(conv)
+                paddings.add(tuple(int(p) for p in reading.conv.attrs.padding) if reading is not None else None)
+        if len(paddings) == 1 and None not in paddings:
+            borders[var] = paddings.pop()
+    return borders
 
 
 def quantized_conv2d_decisions(func: relax.Function, target: tvm.target.Target) -> dict:
@@ -410,6 +454,7 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
             # offset of its dtype (0 for uint8, 128 for int8) and the channels it holds
             self.blocked: dict[relax.Var, relax.Var] = {}
             self.values: dict = {}  # the function's bindings (before lowering)
+            self.units_borders: dict = {}  # units_borders of the function
             self.readers: dict = {}  # and their readers (readers_of)
 
         def _add(self, binding: relax.VarBinding) -> bool:
@@ -421,7 +466,7 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
                 return False
             a, b = (self.visit_expr(v) for v in (found.a, found.b))
             blocked_a, blocked_b = self.blocked.get(a), self.blocked.get(b)
-            if blocked_a is None or blocked_b is None or _shape(blocked_a) != _shape(blocked_b):
+            if not (_uint8(blocked_a) and _uint8(blocked_b)) or _shape(blocked_a) != _shape(blocked_b):
                 return False
             view, blocked = emit_quantized_add(self.builder_, found, blocked_a, blocked_b, _shape(a)[1])
             var = self.builder_.emit(self.builder_.normalize(view), binding.var.name)
@@ -450,7 +495,7 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
                 return False
             data = self.visit_expr(dq.args[0])
             blocked = self.blocked.get(data)
-            if blocked is None:
+            if not _uint8(blocked):
                 return False
             n, blocks, h, w, block = _shape(blocked)
             wl = _pool.Pool2dWorkload.make((n, blocks * block, h, w), "max", [int(v) for v in attrs.pool_size],
@@ -481,7 +526,8 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
                             reason)
                 return super().visit_var_binding_(binding)
             found = dataclasses.replace(found, data=self.visit_expr(found.data))
-            view, blocked = emit_quantized_conv2d(self.builder_, found, target, self.blocked.get(found.data))
+            view, blocked = emit_quantized_conv2d(self.builder_, found, target, self.blocked.get(found.data),
+                                                  self.units_borders.get(binding.var))
             var = self.builder_.emit(self.builder_.normalize(view), binding.var.name)
             self.set_var_remap(binding.var, var)
             self.blocked[var] = blocked  # (its channels past the view's hold the zero point)
@@ -498,6 +544,7 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
                 lowering.values = {binding.var: binding.value for block in func.body.blocks
                                    for binding in block.bindings if isinstance(binding, relax.VarBinding)}
                 lowering.readers = readers_of(func)
+                lowering.units_borders = units_borders(func, lowering.decisions)
                 if any(reason is None for _, reason in lowering.decisions.values()):
                     lowering.builder_.update_func(gvar, lowering.visit_expr(func))
         return relax.transform.DeadCodeElimination()(lowering.builder_.get())
