@@ -332,6 +332,7 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
         plan = plan_conv2d(wl, AVX512, row_order=row_order)
         g = DOT_TYPES[wl.dtype].group
         ic = ic_bn or _largest_divisor(wl.C, 16 * g, g)
+        _check_groups_of_k(wl, ic)
         oc = n_r or (32 if wl.K > 16 else 16)
         # int8: blocks of 64 output channels (two calls of 32), the next int8 layer's input blocks
         block = INT8_BLOCK if wl.dtype == "int8" and n_r is None and wl.K % INT8_BLOCK == 0 else oc
@@ -377,6 +378,7 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
     if m_r is not None:
         tile = (min(m_r, wl.OW), tile[1])
     ic = ic_bn or _largest_divisor(Cg, 16 if Cg > 16 else Cg, DOT_TYPES[wl.dtype].group)
+    _check_groups_of_k(wl, ic)
     # A strided 1x1 reads a sparse subset of its input (every other pixel of every other row),
     # which the prefetchers fetch poorly: streaming it once per output block cost AVX2 (16-channel
     # blocks, twice AVX-512's passes) 73% -> 91% of peak on ResNet-50's 256x56x56 -> 512 layer,
@@ -401,6 +403,15 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
         return Conv2dPlan(wl, "brgemm", ic, INT8_BLOCK, tile[0], row_order=row_order,
                           n_r=tile[1] if tile[1] != INT8_BLOCK else 0)
     return Conv2dPlan(wl, "brgemm", ic, tile[1], tile[0], row_order=row_order)
+
+
+def _check_groups_of_k(wl: Conv2dWorkload, ic_bn: int) -> None:
+    """Raise ValueError (before any kernel is generated) if blocks of `ic_bn` input channels do not
+    hold whole groups of the dot-product instruction's channels (bf16 pairs, int8 4)."""
+    group = DOT_TYPES[wl.dtype].group
+    if ic_bn % group or wl.C % ic_bn:
+        raise ValueError(f"conv2d: {wl.dtype}: blocks of {ic_bn} input channels (of {wl.C}) are not whole "
+                         f"groups of {group}")
 
 
 def low_precision_reason(wl: Conv2dWorkload, isa: VectorISA) -> str | None:

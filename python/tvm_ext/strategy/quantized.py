@@ -203,17 +203,15 @@ def quantized_conv2d_reason(found: QuantizedConv2d, target: tvm.target.Target, r
     if int8_engine(target) is None:
         return "the CPU has neither AMX-INT8 nor VNNI"
     attrs = found.conv.attrs
-    if int(attrs.groups) != 1 and not _depthwise(found):
-        return f"{int(attrs.groups)} groups (dense and depthwise convolutions only)"
     if (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout)) != ("NCHW", "OIHW", "NCHW"):
         return "not NCHW/OIHW"
     if static_shape(found.data) is None:  # (checked first: every other use is of a known shape)
         return "a symbolic shape"
-    if _depthwise(found):  # summed in float32: exact while every sum stays below 2**24
+    if _float_sums(found):  # summed in float32: exact while every sum stays below 2**24
         _, units_bias, _ = _requantization(found, 0)
-        taps = found.weight.shape[2] * found.weight.shape[3]
-        if 255 * 128 * taps + np.abs(units_bias).max(initial=0) >= 2**24:
-            return "a depthwise convolution whose sums may pass 2**24 (float32 sums would round)"
+        _, group, kh, kw = found.weight.shape
+        if 255 * 128 * group * kh * kw + np.abs(units_bias).max(initial=0) >= 2**24:
+            return f"{int(attrs.groups)} groups whose sums may pass 2**24 (float32 sums would round)"
     for var in found.inside:
         if len(readers.get(var, [])) > 1:
             return f"{var.name} is read outside the quantized convolution"
@@ -221,10 +219,10 @@ def quantized_conv2d_reason(found: QuantizedConv2d, target: tvm.target.Target, r
 
 
 def int8_kernel(found: QuantizedConv2d, target: tvm.target.Target) -> str:
-    """What runs `found` (for dispatch_report): the int8 convolution on the target's engine, or the
-    depthwise one (float32 sums of the values in units of their scale: integers, exact)."""
-    if _depthwise(found):
-        return "int8_conv2d (depthwise, exact float32 sums)"
+    """What runs `found` (for dispatch_report): the int8 convolution on the target's engine, or for
+    groups the float32 one (float32 sums of the values in units of their scale: integers, exact)."""
+    if _float_sums(found):
+        return f"int8_conv2d ({'depthwise' if _depthwise(found) else 'grouped'}, exact float32 sums)"
     engine = _engine(found, (int8_engine(target) or ("none",))[0], target)
     return f"int8_conv2d ({'vnni' if engine == 'fma' else engine})"
 
@@ -232,6 +230,12 @@ def int8_kernel(found: QuantizedConv2d, target: tvm.target.Target) -> str:
 def _depthwise(found: QuantizedConv2d) -> bool:
     groups, channels = int(found.conv.attrs.groups), found.weight.shape[0]
     return groups > 1 and found.weight.shape[1] == 1 and groups == channels
+
+
+def _float_sums(found: QuantizedConv2d) -> bool:
+    """Whether `found` runs on the float32 kernels over its values in units of their scale: a
+    grouped or depthwise convolution (no int8 microkernel for those; its sums are exact)."""
+    return int(found.conv.attrs.groups) > 1
 
 
 def _workload(found: QuantizedConv2d, channels: int) -> _conv.Conv2dWorkload:
@@ -243,6 +247,10 @@ def _workload(found: QuantizedConv2d, channels: int) -> _conv.Conv2dWorkload:
     options = ([int(v) for v in attrs.strides], [int(v) for v in attrs.padding], [int(v) for v in attrs.dilation])
     if _depthwise(found):  # in float32, on the values in units of their scale
         return _conv.Conv2dWorkload.make((n, channels, h, w), (channels, 1, kh, kw), *options, groups=channels)
+    if _float_sums(found):  # (whole groups: no channels past the data's)
+        group = found.weight.shape[1]
+        return _conv.Conv2dWorkload.make((n, channels, h, w), (k, group, kh, kw), *options,
+                                         groups=channels // group)
     return _conv.Conv2dWorkload.make((n, channels, h, w), (k, channels, kh, kw), *options, dtype="int8")
 
 
@@ -296,18 +304,21 @@ def _plan(found: QuantizedConv2d, isa: VectorISA, engine: str, blocked: relax.Ex
     c = _shape(found.data)[1]
     if blocked is not None:
         _, blocks, _, _, block = _shape(blocked)
-        wl = _workload(found, blocks * block)
+        grouped = _float_sums(found) and not _depthwise(found)
         try:
-            if _depthwise(found):
-                plan = _conv.plan_conv2d(wl, isa, n_r=block)
-            else:
-                plan = _conv.plan_conv2d(wl, isa, engine=engine, ic_bn=block)
-            if plan.in_bn == block:
-                return plan, True
+            if not (grouped and blocks * block != c):
+                wl = _workload(found, blocks * block)
+                if _float_sums(found):
+                    plans = [_conv.plan_conv2d(wl, isa, n_r=block), _conv.plan_conv2d(wl, isa)]
+                else:
+                    plans = [_conv.plan_conv2d(wl, isa, engine=engine, ic_bn=block)]
+                for plan in plans:
+                    if plan.in_bn == block:
+                        return plan, True
         except ValueError:
             pass
-    wl = _workload(found, c if _depthwise(found) else -(-c // 4) * 4)
-    return (_conv.plan_conv2d(wl, isa) if _depthwise(found) else _conv.plan_conv2d(wl, isa, engine=engine)), False
+    wl = _workload(found, c if _float_sums(found) else -(-c // 4) * 4)
+    return (_conv.plan_conv2d(wl, isa) if _float_sums(found) else _conv.plan_conv2d(wl, isa, engine=engine)), False
 
 
 def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target: tvm.target.Target,
@@ -316,24 +327,23 @@ def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target
     """The int8 kernel calls that compute `found`'s quantize: (the NCHW view of the output, the
     blocked uint8 output). The data is read from `blocked` (its blocked uint8 form, written by an
     int8 kernel: its border is padded with the zero point if the convolution has padding) where
-    its blocks suit the kernel, else packed from NCHW. A depthwise convolution runs the float32
-    depthwise kernel on the values in units of their scale (q - z: integers) and sums exactly;
-    its data may be `blocked` in those units with its border already (a producer's
-    `units_border` output: then the blocked output is float32 units with that border, for the
-    depthwise convolutions that read it)."""
+    its blocks suit the kernel, else packed from NCHW. A grouped or depthwise convolution runs the
+    float32 kernel on the values in units of their scale (q - z: integers) and sums exactly; its
+    data may be `blocked` in those units with its border already. With `units_border` the blocked
+    output is float32 units with that border, for the grouped or depthwise convolutions that read it."""
     engine, isa = int8_engine(target) or ("fma", AVX512)
-    if blocked is not None and not _uint8(blocked) and not _depthwise(found):
-        blocked = None  # (units are for depthwise convolutions)
+    if blocked is not None and not _uint8(blocked) and not _float_sums(found):
+        blocked = None  # (units are for the float32 kernels)
     plan, reads_blocked = _plan(found, isa, _engine(found, engine, target), blocked)
-    wl, depthwise = plan.wl, _depthwise(found)
+    wl, float_sums = plan.wl, _float_sums(found)
     data_dtype = str(found.data.ty.dtype.dtype)
     data_zero = found.data_zero + (128 if data_dtype == "int8" else 0)  # uint8's
     out_zero = found.out_zero + (128 if found.out_dtype == "int8" else 0)
-    weight, bias, scale = _requantization(found, 0 if depthwise else data_zero)
+    weight, bias, scale = _requantization(found, 0 if float_sums else data_zero)
     if np.abs(bias).max(initial=0) >= 2**31:
         raise ValueError("quantized conv2d: the bias does not fit int32")
     k, c = found.weight.shape[:2]
-    padded = np.zeros((wl.K, wl.C // wl.groups, wl.KH, wl.KW), np.float32 if depthwise else np.int8)
+    padded = np.zeros((wl.K, wl.C // wl.groups, wl.KH, wl.KW), np.float32 if float_sums else np.int8)
     padded[:k, :c] = weight
 
     def per_channel(values: np.ndarray, dtype) -> relax.Constant:
@@ -345,13 +355,13 @@ def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target
     source = blocked if reads_blocked else None
     if source is not None and not _uint8(source) and _shape(source) != plan.data_shape():
         source = None  # (units with another border: from the NCHW view)
-    if depthwise and source is not None and not _uint8(source):
+    if float_sums and source is not None and not _uint8(source):
         data = source  # the producer wrote the units with this convolution's border
-    elif depthwise:  # blocked uint8, then float32 units with a zero border
+    elif float_sums:  # blocked uint8, then float32 units with a zero border
         if source is None:
-            source = _call(bb, _layout.pack_quantized_func(shape, plan.oc_bn, (0, 0, 0, 0), data_zero, data_dtype),
-                           _name("tvm_ext_pack_quantized", shape, plan.oc_bn, f"z{data_zero}"), [found.data],
-                           (wl.N, wl.C // plan.oc_bn, wl.H, wl.W, plan.oc_bn), "uint8")
+            source = _call(bb, _layout.pack_quantized_func(shape, plan.in_bn, (0, 0, 0, 0), data_zero, data_dtype),
+                           _name("tvm_ext_pack_quantized", shape, plan.in_bn, f"z{data_zero}"), [found.data],
+                           (wl.N, wl.C // plan.in_bn, wl.H, wl.W, plan.in_bn), "uint8")
         bshape = _shape(source)
         data = _call(bb, _layout.dequantized_units_func(bshape, wl.padding, data_zero),
                      _name("tvm_ext_quantized_units", bshape, f"z{data_zero}"), [source], plan.data_shape(), "float32")
@@ -369,10 +379,10 @@ def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target
                               units=units_border is not None, out_pad=units_border or (0, 0, 0, 0))
     kernel = _conv.conv2d_blocked_kernel(plan, isa.lanes, epilogue)
     tag = _name((wl.N, wl.C, wl.H, wl.W, wl.K, wl.KH, wl.KW), f"s{wl.stride[0]}{wl.stride[1]}")
-    kind = "depthwise" if depthwise else plan.engine
+    kind = plan.kind if float_sums else plan.engine
     out = _call(bb, kernel, f"tvm_ext_int8_conv2d_{tag}_{kind}",
                 [data, relax.const(_conv.pack_weight_array(plan, padded)),
-                 per_channel(bias, np.float32 if depthwise else np.int32), per_channel(scale, np.float32)],
+                 per_channel(bias, np.float32 if float_sums else np.int32), per_channel(scale, np.float32)],
                 epilogue.out_shape(plan), epilogue.buffer_dtype)
     if units_border is not None:
         unpack = _layout.unpack_units_func(epilogue.out_shape(plan), units_border, k, found.out_zero, found.out_dtype)
@@ -398,24 +408,24 @@ def emit_quantized_add(bb: relax.BlockBuilder, found: QuantizedAdd, a: relax.Var
 
 
 def units_borders(func: relax.Function, decisions: dict) -> dict:
-    """The quantized convolutions (their quantize's variable) whose every reader is a depthwise
-    one an int8 kernel runs, each with the same padding -> that padding: they write their output
-    in units with that border (:attr:`~tvm_ext.kernels.conv2d.Epilogue.units`), which the
-    depthwise ones read as it is."""
+    """The quantized convolutions (their quantize's variable) whose every reader is a grouped or
+    depthwise one the float32 kernels run (:func:`_float_sums`), each with the same padding ->
+    that padding: they write their output in units with that border
+    (:attr:`~tvm_ext.kernels.conv2d.Epilogue.units`), which those read as it is."""
     values = {b.var: b.value for block in func.body.blocks for b in block.bindings if isinstance(b, relax.VarBinding)}
     var_of = {value: var for var, value in values.items()}
-    depthwise = {found.conv: found for found, reason in decisions.values() if reason is None and _depthwise(found)}
+    float_sums = {found.conv: found for found, reason in decisions.values() if reason is None and _float_sums(found)}
     readers = readers_of(func)
     borders = {}
     for var, (found, reason) in decisions.items():
-        if reason is not None or _depthwise(found):
+        if reason is not None or _float_sums(found):
             continue
         paddings = set()
         for reader in readers.get(var, []):
             dq = var_of.get(reader) if _is(reader, "relax.dequantize") else None
             convs = readers.get(dq, []) if dq is not None else [None]
             for conv in convs:
-                reading = depthwise.get(conv)
+                reading = float_sums.get(conv)
                 paddings.add(tuple(int(p) for p in reading.conv.attrs.padding) if reading is not None else None)
         if len(paddings) == 1 and None not in paddings:
             borders[var] = paddings.pop()
