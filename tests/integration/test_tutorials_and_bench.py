@@ -125,6 +125,11 @@ def test_tutorial_06_bf16():
         assert "20 of 20 convolutions in bf16" in out
 
 
+def test_int8_zoo_bench_smoke():
+    out = _run("bench/int8_zoo.py", "--models", "resnet18", "--size", "32", "--inputs", "1", "--repeat", "2")
+    assert "within 1 step" in out and "resnet18" in out
+
+
 def test_tutorial_07_int8():
     from tvm_ext.strategy.quantized import int8_engine
 

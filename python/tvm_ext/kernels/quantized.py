@@ -37,10 +37,11 @@ class Quantization:
 
 def quantized_add_terms(a: Quantization, b: Quantization, out: Quantization) -> tuple[float, float, float]:
     """(a's ratio, b's ratio, the fixed part) of ONNX Runtime's QLinearAdd on x86 (MLAS): the sum
-    is fma(B, s_b / s_c, fma(A, s_a / s_c, fixed)) on the raw values, in float32, with
+    is fma(A, s_a / s_c, fma(B, s_b / s_c, fixed)) on the raw values, in float32, with
     fixed = z_c - fma(ratio_a, z_a, ratio_b * z_b), then rounded to nearest even and saturated
-    (what its compiled kernel computes: the multiply-adds fused; found by matching ORT's output
-    on every add of a ResNet-50 and a ResNeXt-50, where the unfused forms differ on ties).
+    (MLAS's AVX2 kernel, its fixed part as its compiler contracts it: found by matching ORT's
+    output on the adds of ResNet-18, ResNet-50 and ResNeXt-50, where the other orders and the
+    unfused forms round some ties the other way).
     Matching it bit for bit keeps a network's outputs on ORT's (a tie rounded the other way
     changes every later layer a little)."""
     f32 = np.float32
@@ -78,8 +79,8 @@ def quantized_add_func(blocked_shape: Sequence[int], a: Quantization, b: Quantiz
                 for buf in (x, y, z)]
         with T.parallel(0, n * cb * h) as row, T.serial(0, w * block // lanes) as v:
             at = v * lanes
-            total = fma(raw(flat[1], row, at, b), ratio_b,
-                        fma(raw(flat[0], row, at, a), ratio_a, T.Broadcast(T.float32(fixed), lanes)))
+            total = fma(raw(flat[0], row, at, a), ratio_a,
+                        fma(raw(flat[1], row, at, b), ratio_b, T.Broadcast(T.float32(fixed), lanes)))
             rounded = T.call_llvm_pure_intrin(vec, "llvm.nearbyint", total)
             clamped = T.max(T.min(rounded, T.Broadcast(T.float32(high), lanes)), T.Broadcast(T.float32(low), lanes))
             stored = T.Cast(words, clamped) + T.Broadcast(T.int32(out.offset), lanes)
