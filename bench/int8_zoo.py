@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 import tvm  # noqa: E402
+from e2e import time_calls  # noqa: E402 (bench/ is the script's folder)
 from tvm import relax  # noqa: E402
 from tvm.relax.frontend.onnx import from_onnx  # noqa: E402
 
@@ -47,14 +48,7 @@ from tvm_ext.models.quantized import quantized_onnx  # noqa: E402
 
 
 def median_ms(fn, repeat: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return statistics.median(time_calls(fn, repeat))
 
 
 def main() -> int:

@@ -187,6 +187,13 @@ def bench_torch_int8(wl: K.Conv2dWorkload, repeat: int, engine: str) -> float:
         return _median_ms(lambda: conv(xq), repeat)
 
 
+def layer_workload(layer: dict, dtype: str = "float32") -> K.Conv2dWorkload:
+    """Layer `layer` of a set, at --batch, as a convolution of `dtype`."""
+    return K.Conv2dWorkload.make((ARGS.batch, layer["C"], layer["H"], layer["W"]),
+                                 (layer["K"], layer["C"] // layer.get("groups", 1), layer["R"], layer["S"]),
+                                 layer["stride"], layer["pad"], 1, layer.get("groups", 1), dtype=dtype)
+
+
 def geomean(values: list[float]) -> float:
     values = [v for v in values if v > 0 and math.isfinite(v)]
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
@@ -207,10 +214,7 @@ def main_bf16(target, layers: list[dict]) -> int:
     print(" | ".join(header))
     rows = []
     for layer in layers:
-        shapes = ((ARGS.batch, layer["C"], layer["H"], layer["W"]),
-                  (layer["K"], layer["C"] // layer.get("groups", 1), layer["R"], layer["S"]))
-        args = (layer["stride"], layer["pad"], 1, layer.get("groups", 1))
-        wl = K.Conv2dWorkload.make(*shapes, *args, dtype="bfloat16")
+        wl = layer_workload(layer, "bfloat16")
         if not engines:  # (a kernel compiles only for a CPU with its instructions)
             print(f"{layer['name']} | skipped: no AVX512-BF16 or AMX on {target}")
             continue
@@ -220,7 +224,7 @@ def main_bf16(target, layers: list[dict]) -> int:
             print(f"{layer['name']} | skipped: {err}")
             continue
         times = [bench_blocked(plan, target, ARGS.repeat) for plan in plans]
-        fp32 = bench_blocked(K.plan_conv2d(K.Conv2dWorkload.make(*shapes, *args), isa), target, ARGS.repeat)
+        fp32 = bench_blocked(K.plan_conv2d(layer_workload(layer), isa), target, ARGS.repeat)
         t_torch = bench_torch(wl, True, ARGS.repeat, torch.bfloat16)
         row = [layer["name"], f"{wl.C}x{wl.H}x{wl.W}->{wl.K} {wl.KH}x{wl.KW}/s{wl.stride[0]}",
                *[v for ms in times for v in (f"{ms:.3f}", f"{wl.flops / ms / 1e6:.1f}")], f"{fp32:.3f}",
@@ -254,10 +258,7 @@ def main_int8(target, layers: list[dict]) -> int:
     print(" | ".join(header))
     rows = []
     for layer in layers:
-        shapes = ((ARGS.batch, layer["C"], layer["H"], layer["W"]),
-                  (layer["K"], layer["C"] // layer.get("groups", 1), layer["R"], layer["S"]))
-        args = (layer["stride"], layer["pad"], 1, layer.get("groups", 1))
-        wl = K.Conv2dWorkload.make(*shapes, *args, dtype="int8")
+        wl = layer_workload(layer, "int8")
         if not engines:  # (a kernel compiles only for a CPU with its instructions)
             print(f"{layer['name']} | skipped: no VNNI or AMX-INT8 on {target}")
             continue
@@ -267,7 +268,7 @@ def main_int8(target, layers: list[dict]) -> int:
             print(f"{layer['name']} | skipped: {err}")
             continue
         times = [bench_blocked(plan, target, ARGS.repeat, lanes=16) for plan in plans]
-        fp32 = bench_blocked(K.plan_conv2d(K.Conv2dWorkload.make(*shapes, *args), isa), target, ARGS.repeat)
+        fp32 = bench_blocked(K.plan_conv2d(layer_workload(layer), isa), target, ARGS.repeat)
         t_torch = [bench_torch_int8(wl, ARGS.repeat, e) for e in torch_engines]
         row = [layer["name"], f"{wl.C}x{wl.H}x{wl.W}->{wl.K} {wl.KH}x{wl.KW}/s{wl.stride[0]}",
                *[v for ms in times for v in (f"{ms:.3f}", f"{wl.flops / ms / 1e6:.1f}")], f"{fp32:.3f}",
@@ -306,9 +307,7 @@ def main() -> int:
     rows = []
     print(" | ".join(header))
     for layer in layers:
-        wl = K.Conv2dWorkload.make((ARGS.batch, layer["C"], layer["H"], layer["W"]),
-                                   (layer["K"], layer["C"] // layer.get("groups", 1), layer["R"], layer["S"]),
-                                   layer["stride"], layer["pad"], 1, layer.get("groups", 1))
+        wl = layer_workload(layer)
         plan = K.plan_conv2d(wl, isa)
         ms = bench_blocked(plan, target, ARGS.repeat)
         gflops = wl.flops / ms / 1e6

@@ -128,3 +128,32 @@ def random_conv_case(rng):
 def random_conv_cases(count: int, seed: int) -> list[dict]:
     rng = np.random.default_rng(seed)
     return [random_conv_case(rng)[0] for _ in range(count)]
+
+
+def tensorized_batch_reduce(spec, m: int, target):
+    """The compiled plain batch-reduce C[i, j] = sum over (b0, b1, b2, k) of
+    A[b0, b1, i * stride + b2, k] * B[b0, b1, b2, k // g, j, k % g] in `spec`'s types (a BRGEMM of
+    the tvm_ext microkernel: g its group of k), C of `m` rows and spec.n_r columns tensorized with
+    `spec`'s microkernel a tile of spec.m_r rows at a time."""
+    import tvm
+    from tvm import s_tir, te
+
+    from tvm_ext.intrin.cpu import get_brgemm_intrin
+
+    b0, b1, b2 = spec.batch
+    k, g, n, types = spec.k, spec.group, spec.n_r, spec.types
+    a = te.placeholder((b0, b1, (m - 1) * spec.stride + b2, k), types.a, name="A")
+    b = te.placeholder((b0, b1, b2, k // g, n, g), types.b, name="B")
+    r = [te.reduce_axis((0, e), f"b{d}") for d, e in enumerate(spec.batch)]
+    kk = te.reduce_axis((0, k), "k")
+    c = te.compute((m, n), lambda i, j: te.sum(a[r[0], r[1], i * spec.stride + r[2], kk].astype(types.c)
+                                               * b[r[0], r[1], r[2], kk // g, j, kk % g].astype(types.c),
+                                               axis=[*r, kk]), name="C")
+    sch = s_tir.Schedule(te.create_prim_func([a, b, c]))
+    i, j, *reduction = sch.get_loops(sch.get_sblock("C"))
+    io, ii = sch.split(i, [None, spec.m_r])
+    jo, ji = sch.split(j, [None, n])
+    sch.reorder(io, jo, ii, ji, *reduction)
+    sch.decompose_reduction(sch.get_sblock("C"), ii)
+    sch.tensorize(ii, get_brgemm_intrin(spec))
+    return tvm.compile(sch.mod, target)

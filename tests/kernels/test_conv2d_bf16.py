@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from reference import rel_err
-from tvm import s_tir, te
+from reference import rel_err, tensorized_batch_reduce
 
 from tvm_ext.errors import UnsupportedError
-from tvm_ext.intrin.cpu import BRGEMM, brgemm_from_name, get_brgemm_intrin
+from tvm_ext.intrin.cpu import BRGEMM, brgemm_from_name
 from tvm_ext.kernels.conv2d import Conv2dWorkload, Epilogue, conv2d_blocked_kernel, pack_weight_array, plan_conv2d
 from tvm_ext.ops.forward import compile_kernel
 from tvm_ext.target import AVX2, AVX512, CPU_FEATURES_ATTR, amx_permitted, has_amx_bf16, has_avx512_bf16, resolve_target
@@ -36,21 +35,7 @@ def test_bf16_brgemm_is_correct(engine, m_r, k, batch, stride):
     m, n = 2 * m_r, 32
     b0, b1, b2 = batch
     width = (m - 1) * stride + b2
-    a = te.placeholder((b0, b1, width, k), "bfloat16", name="A")
-    b = te.placeholder((b0, b1, b2, k // 2, n, 2), "bfloat16", name="B")
-    r = [te.reduce_axis((0, e), f"b{d}") for d, e in enumerate(batch)]
-    kk = te.reduce_axis((0, k), "k")
-    c = te.compute((m, n), lambda i, j: te.sum(a[r[0], r[1], i * stride + r[2], kk].astype("float32")
-                                               * b[r[0], r[1], r[2], kk // 2, j, kk % 2].astype("float32"),
-                                               axis=[*r, kk]), name="C")
-    sch = s_tir.Schedule(te.create_prim_func([a, b, c]))
-    i, j, *reduction = sch.get_loops(sch.get_sblock("C"))
-    io, ii = sch.split(i, [None, m_r])
-    jo, ji = sch.split(j, [None, n])
-    sch.reorder(io, jo, ii, ji, *reduction)
-    sch.decompose_reduction(sch.get_sblock("C"), ii)
-    sch.tensorize(ii, get_brgemm_intrin(BRGEMM(m_r, n, k, 16, batch, stride, dtype="bfloat16", engine=engine)))
-    lib = tvm.compile(sch.mod, TARGET)
+    lib = tensorized_batch_reduce(BRGEMM(m_r, n, k, 16, batch, stride, dtype="bfloat16", engine=engine), m, TARGET)
     asm = lib.mod.inspect_source("asm")
     if engine == "amx":  # two C tiles a row of tiles, each a tdpbf16ps a step
         assert asm.count("tdpbf16ps") >= 2 * -(-m_r // 16) and "ldtilecfg" in asm

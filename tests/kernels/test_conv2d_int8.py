@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from tvm import s_tir, te
+from reference import tensorized_batch_reduce
 
 from tvm_ext.errors import UnsupportedError
-from tvm_ext.intrin.cpu import BRGEMM, brgemm_from_name, get_brgemm_intrin
+from tvm_ext.intrin.cpu import BRGEMM, brgemm_from_name
 from tvm_ext.kernels.conv2d import (
     QUANTIZED_RANGES,
     Conv2dWorkload,
@@ -58,22 +58,8 @@ def test_int8_brgemm_is_exact(engine, m_r, k, batch, stride):
     m, n = 2 * m_r, 2 * 16 if engine == "amx" else 2 * isa.lanes
     b0, b1, b2 = batch
     width = (m - 1) * stride + b2
-    a = te.placeholder((b0, b1, width, k), "uint8", name="A")
-    b = te.placeholder((b0, b1, b2, k // 4, n, 4), "int8", name="B")
-    r = [te.reduce_axis((0, e), f"b{d}") for d, e in enumerate(batch)]
-    kk = te.reduce_axis((0, k), "k")
-    c = te.compute((m, n), lambda i, j: te.sum(a[r[0], r[1], i * stride + r[2], kk].astype("int32")
-                                               * b[r[0], r[1], r[2], kk // 4, j, kk % 4].astype("int32"),
-                                               axis=[*r, kk]), name="C")
-    sch = s_tir.Schedule(te.create_prim_func([a, b, c]))
-    i, j, *reduction = sch.get_loops(sch.get_sblock("C"))
-    io, ii = sch.split(i, [None, m_r])
-    jo, ji = sch.split(j, [None, n])
-    sch.reorder(io, jo, ii, ji, *reduction)
-    sch.decompose_reduction(sch.get_sblock("C"), ii)
     lanes = 16 if engine == "amx" else isa.lanes
-    sch.tensorize(ii, get_brgemm_intrin(BRGEMM(m_r, n, k, lanes, batch, stride, dtype="int8", engine=engine)))
-    lib = tvm.compile(sch.mod, TARGET)
+    lib = tensorized_batch_reduce(BRGEMM(m_r, n, k, lanes, batch, stride, dtype="int8", engine=engine), m, TARGET)
     asm = lib.mod.inspect_source("asm")
     if engine == "amx":
         assert asm.count("tdpbusd") >= 2 * -(-m_r // 16) and "ldtilecfg" in asm
