@@ -215,3 +215,36 @@ def test_the_quantized_add_is_onnx_runtimes_qlinear_add(dtype):
     got = tvm.runtime.empty((1, 2, 7, 9, block), "uint8")
     lib(tvm.runtime.tensor(held(x)), tvm.runtime.tensor(held(y)), got)
     np.testing.assert_array_equal(got.numpy(), held(expected))
+
+
+@pytest.mark.parametrize("variant", ["bias_along_width", "scales_per_input_channel"])
+def test_a_quantized_looking_conv_that_is_not_one_stays_float(variant):
+    """Read as an int8 convolution, both would be wrong (a per-channel bias or scale applied to
+    the wrong axis): a bias of shape (1, 1, 1, K) broadcasts along W, and weight scales along axis
+    1 belong to the input channels. Each stays float, as stock TVM computes it."""
+    rng = np.random.default_rng(3)
+    n, c, k, hw = 1, 8, 6, 6  # (W = K: the (1, 1, 1, K) bias broadcasts)
+    f32 = lambda v: relax.const(np.asarray(v, np.float32))  # noqa: E731
+    bb = relax.BlockBuilder()
+    xv = relax.Var("x", relax.TensorType((n, c, hw, hw), "uint8"))
+    w = rng.integers(-127, 128, (k, c, 3, 3)).astype(np.int8)
+    scales = (rng.random(c if variant == "scales_per_input_channel" else k) * 0.01 + 0.001).astype(np.float32)
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            xd = bb.emit(relax.op.dequantize(xv, f32(0.02), relax.const(np.uint8(100)), axis=1))
+            wd = bb.emit(relax.op.dequantize(relax.const(w), f32(scales), relax.const(np.zeros(scales.size, np.int8)),
+                                             axis=1 if variant == "scales_per_input_channel" else 0))
+            y = bb.emit(relax.op.nn.conv2d(xd, wd, padding=1))
+            if variant == "bias_along_width":
+                bias = relax.const(rng.integers(-500, 500, k).astype(np.int32))
+                bd = bb.emit(relax.op.dequantize(bias, f32(0.02 * scales), relax.const(np.zeros(k, np.int32)), axis=0))
+                y = bb.emit(relax.op.add(y, relax.op.reshape(bd, (1, 1, 1, k))))
+            out = bb.emit_output(relax.op.quantize(y, f32(0.05), relax.const(np.uint8(90)), axis=1, out_dtype="uint8"))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    with TARGET:
+        assert "tvm_ext_int8_conv2d" not in lower_quantized_conv2d(TARGET)(mod).script()
+    x = tvm.runtime.tensor(rng.integers(0, 256, (n, c, hw, hw)).astype(np.uint8))
+    got = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main"](x).numpy()
+    stock = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())["main"](x).numpy()
+    assert np.abs(got.astype(int) - stock.astype(int)).max() <= 1  # (float sums in another order: a tie)

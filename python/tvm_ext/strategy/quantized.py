@@ -37,7 +37,7 @@ from ..kernels import conv2d as _conv
 from ..kernels import layout as _layout
 from ..kernels import pool2d as _pool
 from ..kernels.quantized import Quantization, quantized_add_func
-from ..relax_info import known_shape, static_shape
+from ..relax_info import is_channel_bias, known_shape, static_shape
 from ..target import AVX2, AVX512, VectorISA, amx_permitted, has_amx_int8, has_vnni
 from .base import add_kernel, readers_of
 
@@ -107,9 +107,11 @@ def match_quantized_conv2d(quantize: relax.Call, value_of) -> QuantizedConv2d | 
     if _is(value, "relax.nn.relu"):
         activation, value = "relu", through(value.args[0], True)
     bias = None
+    bias_operand = None
     if _is(value, "relax.add"):
         a, b = (through(arg, True) for arg in value.args)
         conv, other = (a, b) if _is(a, "relax.nn.conv2d") else (b, a)
+        bias_operand = value.args[1] if _is(a, "relax.nn.conv2d") else value.args[0]
         if _is(other, "relax.reshape"):
             other = through(other.args[0])
         if not (_is(conv, "relax.nn.conv2d") and _is(other, "relax.dequantize")):
@@ -134,8 +136,10 @@ def match_quantized_conv2d(quantize: relax.Call, value_of) -> QuantizedConv2d | 
     if np.any(w_zero != 0):
         return "asymmetric weights (a zero point other than 0)"
     k = w.shape[0]
-    if bias is not None and bias.size not in (1, k):
-        return f"a bias of {bias.size} values for {k} channels"
+    if w_scale.size > 1 and (w_scale.size != k or int(weight.attrs.axis) != 0):
+        return f"weight scales along axis {int(weight.attrs.axis)}, not one per output channel"
+    if bias is not None and (bias.size not in (1, k) or not is_channel_bias(bias_operand, k)):
+        return "the added tensor is not one value per output channel"
     return QuantizedConv2d(
         data=data.args[0], data_zero=int(data_zero), data_scale=data_scale, weight=w,
         weight_scale=np.broadcast_to(w_scale.astype(np.float64).reshape(-1), (k,)).copy(),
@@ -422,7 +426,9 @@ def units_borders(func: relax.Function, decisions: dict) -> dict:
             continue
         paddings = set()
         for reader in readers.get(var, []):
-            dq = var_of.get(reader) if _is(reader, "relax.dequantize") else None
+            # (units are q - the output's zero point: a reader's dequantize must subtract that one)
+            same_zero = _is(reader, "relax.dequantize") and _scalar(reader.args[2]) == found.out_zero
+            dq = var_of.get(reader) if same_zero else None
             convs = readers.get(dq, []) if dq is not None else [None]
             for conv in convs:
                 reading = float_sums.get(conv)
