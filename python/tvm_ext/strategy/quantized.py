@@ -554,6 +554,7 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
         if target.kind.name != "llvm":
             return mod
         lowering = _Lower(mod)
+        lowered = False
         for gvar, func in mod.functions_items():
             if isinstance(func, relax.Function) and "Composite" not in (func.attrs or {}):
                 lowering.decisions = quantized_conv2d_decisions(func, target)
@@ -563,6 +564,8 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
                 lowering.units_borders = units_borders(func, lowering.decisions)
                 if any(reason is None for _, reason in lowering.decisions.values()):
                     lowering.builder_.update_func(gvar, lowering.visit_expr(func))
-        return relax.transform.DeadCodeElimination()(lowering.builder_.get())
+                    lowered = True
+        # (a module without quantized convolutions is left as it came)
+        return relax.transform.DeadCodeElimination()(lowering.builder_.get()) if lowered else mod
 
     return _pass
