@@ -22,7 +22,7 @@ both products to the fp32 accumulator: 2x the fp32 FMA's work per instruction. B
 pairs, (batch..., k / 2, n, 2), the pair innermost (oneDNN's and LIBXSMM's VNNI layout). TVM
 legalizes bf16 vectors to 16-bit integers, which LLVM's intrinsic does not take, so the
 instruction is a small LLVM IR function imported into the module (`pragma_import_llvm`) and
-inlined (:data:`DPBF16PS_LLVM`; see docs/low_precision.md).
+inlined (:data:`DOT_PRODUCTS`; see docs/low_precision.md).
 
 dtype "int8" (AVX512-VNNI on 16 lanes, AVX-VNNI on 8): A is uint8, B int8, C int32, and one
 `vpdpbusd` multiplies a group of 4 channels of A (one 32-bit broadcast) by the same 4 of B for

@@ -39,19 +39,26 @@ from .kinds import TaskKind, fields_from_json
 PLAN_ATTR = "tvm_ext.conv2d_plan"
 
 
+# Fields added after records were tuned: unnamed while they hold their default, so that those
+# records keep their text (a workload's description is part of what a record matches).
+_LATER_PLAN_FIELDS = ("nchw_in", "oihw_weight", "data_bn", "engine", "n_r")
+_LATER_EPILOGUE_FIELDS = ("mask", "mask_pad", "out_dtype", "zero_point", "out_scale", "units")
+
+
+def _fields(obj, later: tuple[str, ...]) -> dict:
+    """`obj`'s fields as a dict, without the `later` ones that hold their default."""
+    fields = dataclasses.asdict(obj)
+    defaults = {f.name: f.default for f in dataclasses.fields(obj)}
+    for name in later:
+        value = tuple(fields[name]) if isinstance(defaults[name], tuple) else fields[name]
+        if value == defaults[name]:
+            del fields[name]
+    return fields
+
+
 def _describe(plan: _conv.Conv2dPlan, epilogue: _conv.Epilogue, lanes: int, registers: int) -> str:
-    described = dataclasses.asdict(plan)
-    for flag in ("nchw_in", "oihw_weight", "data_bn"):  # unnamed by default: records tuned before them keep their text
-        if not described[flag]:
-            del described[flag]
-    if described["engine"] == "fma":  # likewise
-        del described["engine"]
-    epilogue_fields = dataclasses.asdict(epilogue)
-    if epilogue_fields["mask"] is None:  # likewise
-        del epilogue_fields["mask"]
-    if not any(epilogue_fields["mask_pad"]):
-        del epilogue_fields["mask_pad"]
-    return json.dumps({"plan": described, "epilogue": epilogue_fields,
+    return json.dumps({"plan": _fields(plan, _LATER_PLAN_FIELDS),
+                       "epilogue": _fields(epilogue, _LATER_EPILOGUE_FIELDS),
                        "lanes": lanes, "registers": registers}, sort_keys=True)
 
 
