@@ -315,6 +315,15 @@ def data_block_reason(wl: Conv2dWorkload, isa: VectorISA, data_bn: int) -> str |
 INT8_BLOCK = 64
 
 
+def _output_blocks(wl: Conv2dWorkload, tile_n: int, n_r: int | None) -> tuple[int, int]:
+    """(oc_bn, Conv2dPlan.n_r) for microkernel calls of `tile_n` output channels: int8 blocks of
+    :data:`INT8_BLOCK` (several calls each) where K allows and no n_r was asked for, so that the
+    next int8 layer reads whole 64-byte groups of channels whichever engine wrote them."""
+    if wl.dtype == "int8" and n_r is None and wl.groups == 1 and wl.K % INT8_BLOCK == 0 and INT8_BLOCK % tile_n == 0:
+        return INT8_BLOCK, tile_n if tile_n != INT8_BLOCK else 0
+    return tile_n, 0
+
+
 def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r: int | None = None,
                 ic_bn: int | None = None, row_order: str | None = None, data_bn: int | None = None,
                 engine: str = "fma") -> Conv2dPlan:
@@ -333,11 +342,8 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
         g = DOT_TYPES[wl.dtype].group
         ic = ic_bn or _largest_divisor(wl.C, 16 * g, g)
         _check_groups_of_k(wl, ic)
-        oc = n_r or (32 if wl.K > 16 else 16)
-        # int8: blocks of 64 output channels (two calls of 32), the next int8 layer's input blocks
-        block = INT8_BLOCK if wl.dtype == "int8" and n_r is None and wl.K % INT8_BLOCK == 0 else oc
-        return dataclasses.replace(plan, ic_bn=ic, oc_bn=block, m_r=m_r or min(32, wl.OW), engine="amx",
-                                   n_r=oc if block != oc else 0)
+        block, tile_n = _output_blocks(wl, n_r or (32 if wl.K > 16 else 16), n_r)
+        return dataclasses.replace(plan, ic_bn=ic, oc_bn=block, m_r=m_r or min(32, wl.OW), engine="amx", n_r=tile_n)
     if engine != "fma":
         raise ValueError(f"conv2d: engine {engine!r} is not 'fma' or 'amx'")
     if data_bn is not None:
@@ -397,12 +403,8 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
             row_order = "oh_ob"
         else:
             row_order = "ob_oh"
-    if wl.dtype == "int8" and n_r is None and wl.groups == 1 and wl.K % INT8_BLOCK == 0 and INT8_BLOCK % tile[1] == 0:
-        # int8: blocks of 64 output channels (several calls of n_r), as AMX's: the next int8
-        # layer reads whole 64-byte groups of channels whichever engine wrote them
-        return Conv2dPlan(wl, "brgemm", ic, INT8_BLOCK, tile[0], row_order=row_order,
-                          n_r=tile[1] if tile[1] != INT8_BLOCK else 0)
-    return Conv2dPlan(wl, "brgemm", ic, tile[1], tile[0], row_order=row_order)
+    block, tile_n = _output_blocks(wl, tile[1], n_r)
+    return Conv2dPlan(wl, "brgemm", ic, block, tile[0], row_order=row_order, n_r=tile_n)
 
 
 def _check_groups_of_k(wl: Conv2dWorkload, ic_bn: int) -> None:

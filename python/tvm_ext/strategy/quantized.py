@@ -84,13 +84,22 @@ def _scalar(expr: relax.Expr) -> float | None:
     return None if value is None or value.size != 1 else float(value.reshape(-1)[0])
 
 
+def _quantization(call: relax.Call) -> Quantization | None:
+    """The per-tensor uint8/int8 quantization a quantize (of its output) or a dequantize (of its
+    input) applies, or None (per-channel, another dtype, not constants)."""
+    scale, zero = _scalar(call.args[1]), _scalar(call.args[2])
+    dtype = str(call.attrs.out_dtype) if _is(call, "relax.quantize") else str(call.args[0].ty.dtype.dtype)
+    if scale is None or zero is None or dtype not in ("uint8", "int8"):
+        return None
+    return Quantization(scale, int(zero), dtype)
+
+
 def match_quantized_conv2d(quantize: relax.Call, value_of) -> QuantizedConv2d | str:
     """The quantized convolution `quantize` (a relax.quantize call) ends, or why it is not one
     (`value_of`: a variable's bound value, or None). Checks the form only; see
     :func:`quantized_conv2d_reason` for what the kernels take."""
-    out_dtype = str(quantize.attrs.out_dtype)
-    out_scale, out_zero = _scalar(quantize.args[1]), _scalar(quantize.args[2])
-    if out_dtype not in ("uint8", "int8") or out_scale is None or out_zero is None:
+    out = _quantization(quantize)
+    if out is None:
         return "not a per-tensor uint8/int8 quantize"
     inside = []
 
@@ -127,9 +136,9 @@ def match_quantized_conv2d(quantize: relax.Call, value_of) -> QuantizedConv2d | 
     data, weight = (through(arg) for arg in conv.args)
     if not (_is(data, "relax.dequantize") and _is(weight, "relax.dequantize")):
         return "the convolution's operands are not dequantized"
-    data_scale, data_zero = _scalar(data.args[1]), _scalar(data.args[2])
+    data_quantization = _quantization(data)
     w, w_scale, w_zero = (_const(arg) for arg in weight.args)
-    if data_scale is None or data_zero is None or str(data.args[0].ty.dtype.dtype) not in ("uint8", "int8"):
+    if data_quantization is None:
         return "the data is not per-tensor uint8/int8"
     if w is None or w_scale is None or w_zero is None or w.dtype != np.int8:
         return "the weights are not a dequantized int8 constant"
@@ -141,10 +150,10 @@ def match_quantized_conv2d(quantize: relax.Call, value_of) -> QuantizedConv2d | 
     if bias is not None and (bias.size not in (1, k) or not is_channel_bias(bias_operand, k)):
         return "the added tensor is not one value per output channel"
     return QuantizedConv2d(
-        data=data.args[0], data_zero=int(data_zero), data_scale=data_scale, weight=w,
+        data=data.args[0], data_zero=data_quantization.zero_point, data_scale=data_quantization.scale, weight=w,
         weight_scale=np.broadcast_to(w_scale.astype(np.float64).reshape(-1), (k,)).copy(),
         bias=None if bias is None else np.broadcast_to(bias, (k,)).copy(), conv=conv, activation=activation,
-        out_dtype=out_dtype, out_zero=int(out_zero), out_scale=out_scale, inside=tuple(inside))
+        out_dtype=out.dtype, out_zero=out.zero_point, out_scale=out.scale, inside=tuple(inside))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,9 +173,8 @@ class QuantizedAdd:
 
 def match_quantized_add(quantize: relax.Call, value_of) -> QuantizedAdd | None:
     """The quantized add `quantize` ends, if it ends one (per-tensor uint8/int8 operands and output)."""
-    out_dtype = str(quantize.attrs.out_dtype)
-    out_scale, out_zero = _scalar(quantize.args[1]), _scalar(quantize.args[2])
-    if out_dtype not in ("uint8", "int8") or out_scale is None or out_zero is None:
+    out = _quantization(quantize)
+    if out is None:
         return None
     inside = [quantize.args[0]]
     value = value_of(quantize.args[0])
@@ -181,13 +189,12 @@ def match_quantized_add(quantize: relax.Call, value_of) -> QuantizedAdd | None:
         dq = value_of(arg) if isinstance(arg, relax.Var) else None
         if not _is(dq, "relax.dequantize"):
             return None
-        scale, zero, dtype = _scalar(dq.args[1]), _scalar(dq.args[2]), str(dq.args[0].ty.dtype.dtype)
-        if scale is None or zero is None or dtype not in ("uint8", "int8"):
+        quantization = _quantization(dq)
+        if quantization is None:
             return None
-        operands.append((dq.args[0], Quantization(scale, int(zero), dtype)))
+        operands.append((dq.args[0], quantization))
     (a, qa), (b, qb) = operands
-    return QuantizedAdd(a, qa, b, qb, relu, out_dtype, Quantization(out_scale, int(out_zero), out_dtype),
-                        tuple(v for v in inside if isinstance(v, relax.Var)))
+    return QuantizedAdd(a, qa, b, qb, relu, out.dtype, out, tuple(v for v in inside if isinstance(v, relax.Var)))
 
 
 def int8_engine(target: tvm.target.Target) -> tuple[str, VectorISA] | None:
@@ -295,11 +302,11 @@ def _name(*parts) -> str:
 AMX_MIN_REDUCTION = 65
 
 
-def _engine(found: QuantizedConv2d, engine: str, target: tvm.target.Target | None) -> str:
+def _engine(found: QuantizedConv2d, engine: str, target: tvm.target.Target) -> str:
     """`engine`, or VNNI where AMX's reduction would be one step (:data:`AMX_MIN_REDUCTION`)."""
     _, c, kh, kw = found.weight.shape
     small = -(-c // 4) * 4 * kh * kw < AMX_MIN_REDUCTION
-    return "fma" if engine == "amx" and small and target is not None and has_vnni(target, 16) else engine
+    return "fma" if engine == "amx" and small and has_vnni(target, 16) else engine
 
 
 def _plan(found: QuantizedConv2d, isa: VectorISA, engine: str, blocked: relax.Expr | None):
@@ -388,13 +395,21 @@ def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target
                 [data, relax.const(_conv.pack_weight_array(plan, padded)),
                  per_channel(bias, np.float32 if float_sums else np.int32), per_channel(scale, np.float32)],
                 epilogue.out_shape(plan), epilogue.buffer_dtype)
-    if units_border is not None:
-        unpack = _layout.unpack_units_func(epilogue.out_shape(plan), units_border, k, found.out_zero, found.out_dtype)
-    else:
-        unpack = _layout.unpack_quantized_func(epilogue.out_shape(plan), k, found.out_dtype)
+    if units_border is None:
+        return _quantized_view(bb, out, k, found.out_dtype), out
+    unpack = _layout.unpack_units_func(epilogue.out_shape(plan), units_border, k, found.out_zero, found.out_dtype)
     view = relax.call_tir(_add(bb, unpack, _name(_UNPACK, plan.out_shape(), found.out_dtype)), [out],
                           relax.TensorType((wl.N, k, wl.OH, wl.OW), found.out_dtype))
     return view, out
+
+
+def _quantized_view(bb: relax.BlockBuilder, blocked: relax.Expr, channels: int, dtype: str) -> relax.Call:
+    """The NCHW `dtype` view of `channels` channels of blocked uint8 `blocked` (for the stock ops
+    that read it; dropped where none does)."""
+    shape = _shape(blocked)
+    n, _, h, w, _ = shape
+    return relax.call_tir(_add(bb, _layout.unpack_quantized_func(shape, channels, dtype), _name(_UNPACK, shape, dtype)),
+                          [blocked], relax.TensorType((n, channels, h, w), dtype))
 
 
 def emit_quantized_add(bb: relax.BlockBuilder, found: QuantizedAdd, a: relax.Var, b: relax.Var,
@@ -402,24 +417,18 @@ def emit_quantized_add(bb: relax.BlockBuilder, found: QuantizedAdd, a: relax.Var
     """(the NCHW view, the blocked uint8 sum) of `found` on the blocked uint8 forms `a` and `b`."""
     shape = _shape(a)
     func = quantized_add_func(shape, found.a_quantization, found.b_quantization, found.out_quantization, found.relu)
-    out = bb.emit(relax.call_tir(_add(bb, func, f"tvm_ext_quantized_add_{'x'.join(map(str, shape))}"), [a, b],
-                                 relax.TensorType(shape, "uint8")))
-    n, _, h, w, _ = shape
-    unpack = _layout.unpack_quantized_func(shape, channels, found.out_dtype)
-    view = relax.call_tir(_add(bb, unpack, f"{_UNPACK}_{'x'.join(map(str, shape))}_{found.out_dtype}"), [out],
-                          relax.TensorType((n, channels, h, w), found.out_dtype))
-    return view, out
+    out = _call(bb, func, _name("tvm_ext_quantized_add", shape), [a, b], shape, "uint8")
+    return _quantized_view(bb, out, channels, found.out_dtype), out
 
 
-def units_borders(func: relax.Function, decisions: dict) -> dict:
+def units_borders(decisions: dict, values: dict, readers: dict) -> dict:
     """The quantized convolutions (their quantize's variable) whose every reader is a grouped or
     depthwise one the float32 kernels run (:func:`_float_sums`), each with the same padding ->
     that padding: they write their output in units with that border
-    (:attr:`~tvm_ext.kernels.conv2d.Epilogue.units`), which those read as it is."""
-    values = {b.var: b.value for block in func.body.blocks for b in block.bindings if isinstance(b, relax.VarBinding)}
+    (:attr:`~tvm_ext.kernels.conv2d.Epilogue.units`), which those read as it is. (`values`, `readers`:
+    the function's :func:`_bindings` and :func:`~.base.readers_of`.)"""
     var_of = {value: var for var, value in values.items()}
     float_sums = {found.conv: found for found, reason in decisions.values() if reason is None and _float_sums(found)}
-    readers = readers_of(func)
     borders = {}
     for var, (found, reason) in decisions.items():
         if reason is not None or _float_sums(found):
@@ -438,15 +447,19 @@ def units_borders(func: relax.Function, decisions: dict) -> dict:
     return borders
 
 
+def _bindings(func: relax.Function) -> dict:
+    """Each variable `func` binds -> its value."""
+    return {b.var: b.value for block in func.body.blocks for b in block.bindings if isinstance(b, relax.VarBinding)}
+
+
 def quantized_conv2d_decisions(func: relax.Function, target: tvm.target.Target) -> dict:
     """Each quantize binding of `func` that ends a quantized convolution -> the convolution
     (:class:`QuantizedConv2d`) and why stock TVM keeps it (None: an int8 kernel runs it)."""
-    values = {}
-    for block in func.body.blocks:
-        for binding in block.bindings:
-            if isinstance(binding, relax.VarBinding):
-                values[binding.var] = binding.value
-    readers = readers_of(func)
+    return _decisions(_bindings(func), readers_of(func), target)
+
+
+def _decisions(values: dict, readers: dict, target: tvm.target.Target) -> dict:
+    """:func:`quantized_conv2d_decisions` of a function's :func:`_bindings` and their readers."""
     decisions = {}
     for var, value in values.items():
         if _is(value, "relax.quantize"):
@@ -466,8 +479,8 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
         def __init__(self, mod: tvm.IRModule):
             super().__init__(mod)
             self.decisions: dict = {}
-            # an int8 convolution's NCHW output -> its blocked uint8 form, with the u8 zero point's
-            # offset of its dtype (0 for uint8, 128 for int8) and the channels it holds
+            # a quantized kernel's NCHW output -> its blocked form (uint8, int8 as uint8 + 128; or
+            # float32 units for grouped and depthwise readers)
             self.blocked: dict[relax.Var, relax.Var] = {}
             self.values: dict = {}  # the function's bindings (before lowering)
             self.units_borders: dict = {}  # units_borders of the function
@@ -484,10 +497,7 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
             blocked_a, blocked_b = self.blocked.get(a), self.blocked.get(b)
             if not (_uint8(blocked_a) and _uint8(blocked_b)) or _shape(blocked_a) != _shape(blocked_b):
                 return False
-            view, blocked = emit_quantized_add(self.builder_, found, blocked_a, blocked_b, _shape(a)[1])
-            var = self.builder_.emit(self.builder_.normalize(view), binding.var.name)
-            self.set_var_remap(binding.var, var)
-            self.blocked[var] = blocked
+            self._bind(binding, *emit_quantized_add(self.builder_, found, blocked_a, blocked_b, _shape(a)[1]))
             return True
 
         def _max_pool(self, binding: relax.VarBinding) -> bool:
@@ -501,10 +511,8 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
             if not _is(pool, "relax.nn.max_pool2d"):
                 return False
             dq = self.values.get(pool.args[0])
-            if not _is(dq, "relax.dequantize") or str(dq.args[0].ty.dtype.dtype) != str(quantize.attrs.out_dtype):
-                return False
-            if any(_scalar(a) is None or _scalar(a) != _scalar(b)
-                   for a, b in zip(dq.args[1:], quantize.args[1:], strict=True)):
+            quantization = _quantization(quantize)
+            if not _is(dq, "relax.dequantize") or quantization is None or _quantization(dq) != quantization:
                 return False
             attrs = pool.attrs
             if str(attrs.layout) != "NCHW" or len(self.readers.get(quantize.args[0], [])) > 1:
@@ -517,17 +525,9 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
             wl = _pool.Pool2dWorkload.make((n, blocks * block, h, w), "max", [int(v) for v in attrs.pool_size],
                                            [int(v) for v in attrs.strides], [int(v) for v in attrs.padding],
                                            [int(v) for v in attrs.dilation], bool(attrs.ceil_mode))
-            shape = (n, blocks, wl.OH, wl.OW, block)
-            out = self.builder_.emit(relax.call_tir(
-                _add(self.builder_, _pool.pool2d_func(wl, "uint8", block), f"tvm_ext_quantized_{wl.kernel_name}"),
-                [blocked], relax.TensorType(shape, "uint8")))
-            channels, dtype = _shape(data)[1], str(quantize.attrs.out_dtype)
-            view = relax.call_tir(_add(self.builder_, _layout.unpack_quantized_func(shape, channels, dtype),
-                                       f"{_UNPACK}_{'x'.join(map(str, shape))}_{dtype}"), [out],
-                                  relax.TensorType((n, channels, wl.OH, wl.OW), dtype))
-            var = self.builder_.emit(self.builder_.normalize(view), binding.var.name)
-            self.set_var_remap(binding.var, var)
-            self.blocked[var] = out
+            out = _call(self.builder_, _pool.pool2d_func(wl, "uint8", block), f"tvm_ext_quantized_{wl.kernel_name}",
+                        [blocked], (n, blocks, wl.OH, wl.OW, block), "uint8")
+            self._bind(binding, _quantized_view(self.builder_, out, _shape(data)[1], quantization.dtype), out)
             return True
 
         def visit_var_binding_(self, binding: relax.VarBinding) -> None:
@@ -542,12 +542,16 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
                             reason)
                 return super().visit_var_binding_(binding)
             found = dataclasses.replace(found, data=self.visit_expr(found.data))
-            view, blocked = emit_quantized_conv2d(self.builder_, found, target, self.blocked.get(found.data),
-                                                  self.units_borders.get(binding.var))
+            self._bind(binding, *emit_quantized_conv2d(self.builder_, found, target, self.blocked.get(found.data),
+                                                       self.units_borders.get(binding.var)))
+            return None
+
+        def _bind(self, binding: relax.VarBinding, view: relax.Expr, blocked: relax.Var) -> None:
+            """`binding`'s variable bound to the NCHW `view` of a kernel's `blocked` output, which
+            the kernels after it read instead (its channels past the view's hold the zero point)."""
             var = self.builder_.emit(self.builder_.normalize(view), binding.var.name)
             self.set_var_remap(binding.var, var)
-            self.blocked[var] = blocked  # (its channels past the view's hold the zero point)
-            return None
+            self.blocked[var] = blocked
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.LowerQuantizedConv2d")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -557,11 +561,9 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
         lowered = False
         for gvar, func in mod.functions_items():
             if isinstance(func, relax.Function) and "Composite" not in (func.attrs or {}):
-                lowering.decisions = quantized_conv2d_decisions(func, target)
-                lowering.values = {binding.var: binding.value for block in func.body.blocks
-                                   for binding in block.bindings if isinstance(binding, relax.VarBinding)}
-                lowering.readers = readers_of(func)
-                lowering.units_borders = units_borders(func, lowering.decisions)
+                lowering.values, lowering.readers = _bindings(func), readers_of(func)
+                lowering.decisions = _decisions(lowering.values, lowering.readers, target)
+                lowering.units_borders = units_borders(lowering.decisions, lowering.values, lowering.readers)
                 if any(reason is None for _, reason in lowering.decisions.values()):
                     lowering.builder_.update_func(gvar, lowering.visit_expr(func))
                     lowered = True
