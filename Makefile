@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
-.PHONY: demo test test-fast check lint typecheck bench clean
+.PHONY: demo test test-fast check lint typecheck bench clean aarch64
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,9 +18,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m tvm_ext demo --model resnet50 --batch 1
 
-# The whole suite (what CI runs, .ci/run).
+# The whole suite (what CI runs, .ci/run), the NEON kernels' emulated runs included when the
+# AArch64 sysroot can be prepared (else those tests skip and say why).
 test: $(STAMP)
+	$(PY) -m tvm_ext.testing.aarch64_sysroot || echo "aarch64: no emulator (see above); the NEON run tests will skip"
 	$(PYTEST) tests
+
+# qemu-user and the AArch64 linker (apt-get, as root, when missing) and an AArch64 Python with
+# NumPy, tvm-ffi and TVM's runtime in .aarch64/: tests/integration/test_aarch64.py runs in it.
+aarch64: $(STAMP)
+	$(PY) -m tvm_ext.testing.aarch64_sysroot
 
 # The developer loop: the suite without the tests marked slow (tuning, networks, the wheel).
 test-fast: $(STAMP)
@@ -43,4 +50,4 @@ bench: $(STAMP)
 	$(PY) bench/layers.py --set resnet50 --batch 1 --threads 1
 
 clean:
-	rm -rf $(VENV) build *.egg-info python/*.egg-info
+	rm -rf $(VENV) .aarch64 build *.egg-info python/*.egg-info

@@ -5,6 +5,7 @@ graph's steps and seed; `python bench/fuzz.py --first SEED --graphs 1 --show` re
 import pytest
 
 import tvm_ext
+from tvm_ext.target import AVX2, AVX512, SSE, vector_isa
 from tvm_ext.testing.random_graphs import check_graph, random_graph
 
 TARGET = tvm_ext.resolve_target("llvm")
@@ -23,6 +24,27 @@ def test_random_graphs_match_pytorch(first):
     for seed in range(first, first + CHUNK):
         graph = random_graph(seed)
         problem = check_graph(graph, _build)
+        if problem:
+            failures.append(f"{problem}\n{graph.describe()}")
+    assert not failures, "\n\n".join(failures)
+
+
+# Each x86 ISA's kernels executed on this host when it has that ISA (the host's own runs above);
+# NEON's run under qemu-user: tests/integration/test_aarch64.py.
+X86_ISAS = [(SSE, "x86-64"), (AVX2, "haswell"), (AVX512, "skylake-avx512")]
+
+
+@pytest.mark.parametrize("isa, mcpu", X86_ISAS, ids=[isa.name for isa, _ in X86_ISAS])
+def test_random_graphs_on_every_x86_isa(isa, mcpu):
+    host, order = vector_isa("llvm"), [i for i, _ in X86_ISAS]
+    if host not in order or order.index(isa) > order.index(host):
+        pytest.skip(f"this host has {host.name}, not {isa.name}")
+    target = tvm_ext.resolve_target({"kind": "llvm", "mcpu": mcpu})
+    assert vector_isa(target) == isa
+    failures = []
+    for seed in range(300, 320):
+        graph = random_graph(seed)
+        problem = check_graph(graph, lambda mod, winograd: tvm_ext.build(mod, target, winograd=winograd))
         if problem:
             failures.append(f"{problem}\n{graph.describe()}")
     assert not failures, "\n\n".join(failures)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import tvm
 from tvm import relax
 
-__all__ = ["RandomGraph", "random_graph", "check_graph"]
+__all__ = ["RandomGraph", "random_graph", "check_graph", "compare_outputs"]
 
 
 @dataclasses.dataclass
@@ -435,7 +435,12 @@ def check_graph(graph: RandomGraph, build: Callable[[tvm.IRModule, bool], relax.
         out = vm["main"](*[tvm.runtime.tensor(x) for x in graph.inputs])
     except Exception as err:  # noqa: BLE001 - the property is "never raises" as much as "right"
         return f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:300] if str(err).strip() else ''}"
-    got = [out.numpy()] if hasattr(out, "numpy") else [o.numpy() for o in out]
+    return compare_outputs(graph, [out.numpy()] if hasattr(out, "numpy") else [o.numpy() for o in out])
+
+
+def compare_outputs(graph: RandomGraph, got: list[np.ndarray]) -> str | None:
+    """None when `got` (the graph's outputs, a tuple flattened) matches the float64 reference
+    within :meth:`RandomGraph.tolerance`, else what is wrong."""
     if len(got) != len(graph.expected):
         return f"{len(got)} outputs, expected {len(graph.expected)}"
     tolerance = graph.tolerance()

@@ -1,0 +1,226 @@
+"""The NEON kernels executed, not only compiled: built here for AArch64 (Cortex-A72: NEON, no
+SVE), linked by the cross linker and run under qemu-user with TVM's AArch64 runtime
+(tvm_ext.testing.aarch64), against float64 PyTorch. `make aarch64` prepares the emulator and its
+sysroot; without them these tests skip and say so."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from reference import rel_err
+from tvm import relax
+
+import tvm_ext
+from tvm_ext.models import torchvision_zoo as zoo
+from tvm_ext.testing import aarch64, aarch64_sysroot
+from tvm_ext.testing.random_graphs import compare_outputs, random_graph
+
+needs_emulator = pytest.mark.skipif(aarch64.unavailable() is not None,
+                                    reason=f"AArch64 emulation: {aarch64.unavailable()}")
+TARGET = aarch64.NEON_TARGET
+ACTIVATIONS = {
+    "none": (lambda x: x, lambda x: x),
+    "relu": (relax.op.nn.relu, F.relu),
+    "relu6": (lambda x: relax.op.clip(x, 0, 6), F.relu6),
+    "sigmoid": (relax.op.sigmoid, torch.sigmoid),
+}
+
+
+def _conv_config(rng: np.random.Generator) -> dict:
+    """A convolution of any shape family: dense, depthwise or grouped; kernels to 5x5, strides to
+    3, dilation, asymmetric padding, batches to 3, channel counts that are not multiples of 4."""
+    family = rng.choice(["dense"] * 6 + ["depthwise"] * 2 + ["grouped"] * 2)
+    groups = {"dense": 1, "depthwise": 0, "grouped": int(rng.choice([2, 4]))}[family]
+    c = int(rng.integers(1, 41)) if groups == 1 else int(rng.integers(1, 13)) * max(groups, 1)
+    groups = groups or c
+    k = c if family == "depthwise" else int(rng.integers(1, 11)) * groups
+    kh, kw = (int(v) for v in rng.integers(1, 6, 2))
+    stride, dilation = (int(v) for v in rng.integers(1, 4, 2)), (int(v) for v in rng.integers(1, 3, 2))
+    stride, dilation = tuple(stride), tuple(dilation)
+    h = int(rng.integers((kh - 1) * dilation[0] + 1, 20))
+    w = int(rng.integers((kw - 1) * dilation[1] + 1, 20))
+    return {"n": int(rng.choice([1, 1, 2, 3])), "c": c, "h": h, "w": w, "k": k, "kernel": (kh, kw),
+            "stride": stride, "dilation": dilation, "padding": tuple(int(v) for v in rng.integers(0, 3, 4)),
+            "groups": groups, "bias": bool(rng.random() < 0.7), "activation": str(rng.choice(list(ACTIVATIONS))),
+            "residual": bool(rng.random() < 0.3)}
+
+
+def _conv_graph(cfg: dict, rng: np.random.Generator):
+    """The Relax graph of `cfg` (constant weights, as an importer writes them), its inputs and
+    the float64 PyTorch reference."""
+    n, c, h, w, k, groups = cfg["n"], cfg["c"], cfg["h"], cfg["w"], cfg["k"], cfg["groups"]
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    weight = rng.standard_normal((k, c // groups, *cfg["kernel"])).astype(np.float32)
+    bias = rng.standard_normal(k).astype(np.float32)
+    pt, pl, pb, pr = cfg["padding"]
+    ref = F.conv2d(F.pad(torch.from_numpy(x).double(), (pl, pr, pt, pb)), torch.from_numpy(weight).double(),
+                   torch.from_numpy(bias).double() if cfg["bias"] else None, cfg["stride"], 0, cfg["dilation"], groups)
+    act, act_ref = ACTIVATIONS[cfg["activation"]]
+    ref = act_ref(ref)
+    shortcut = rng.standard_normal(tuple(ref.shape)).astype(np.float32)
+    bb = relax.BlockBuilder()
+    params = [relax.Var("x", relax.TensorType(x.shape, "float32"))]
+    if cfg["residual"]:
+        params.append(relax.Var("shortcut", relax.TensorType(shortcut.shape, "float32")))
+        ref = torch.from_numpy(shortcut).double() + ref  # shortcut first, as RegNet writes it
+    with bb.function("main", params):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.conv2d(params[0], relax.const(weight), cfg["stride"], (pt, pl, pb, pr),
+                                           cfg["dilation"], groups))
+            if cfg["bias"]:
+                y = bb.emit(relax.op.add(y, relax.const(bias.reshape(1, k, 1, 1))))
+            y = bb.emit(act(y))
+            if cfg["residual"]:
+                y = bb.emit(relax.op.add(params[1], y))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    inputs = [x, shortcut] if cfg["residual"] else [x]
+    return bb.get(), inputs, ref.numpy()
+
+
+def _run_all(modules, winograd: bool = False) -> list:
+    """Build each (module, inputs) for NEON and run them all in one emulator process."""
+    cases = [aarch64.Case(tvm_ext.build(mod, TARGET, winograd=winograd), inputs) for mod, inputs in modules]
+    return aarch64.run(cases)
+
+
+def _conv_kernels(mod, winograd: bool = False) -> list[str]:
+    return [r.kernel for r in tvm_ext.dispatch_report(mod, TARGET, winograd=winograd) if r.op == "nn.conv2d"]
+
+
+@needs_emulator
+def test_random_convolutions_on_neon():
+    """40 random convolutions with their epilogues (bias, activation, a residual add in either
+    order), each on a tvm_ext NEON kernel, within 1e-5 of float64."""
+    rng = np.random.default_rng(2026)
+    graphs = [(cfg, *_conv_graph(cfg, rng)) for cfg in (_conv_config(rng) for _ in range(40))]
+    for cfg, mod, _, _ in graphs:
+        assert "fallback" not in _conv_kernels(mod), cfg
+    results = _run_all([(mod, inputs) for _, mod, inputs, _ in graphs])
+    for (cfg, _, _, ref), got in zip(graphs, results, strict=True):
+        assert not isinstance(got, str), f"{cfg}\n{got}"
+        assert got[0].shape == ref.shape and rel_err(got[0], ref) <= 1e-5, (cfg, rel_err(got[0], ref))
+
+
+@needs_emulator
+def test_winograd_on_neon():
+    """3x3 stride-1 layers on the NEON Winograd kernel (F(4x4, 3x3) or F(2x2, 3x3)), within the
+    transforms' float32 rounding of float64."""
+    rng = np.random.default_rng(7)
+    graphs = []
+    for n, c, k, h, w, pad in [(1, 32, 32, 14, 14, 1), (2, 32, 48, 9, 11, 1), (1, 64, 32, 8, 8, 0),
+                               (3, 48, 32, 13, 7, 1)]:
+        cfg = {"n": n, "c": c, "h": h, "w": w, "k": k, "kernel": (3, 3), "stride": (1, 1), "dilation": (1, 1),
+               "padding": (pad,) * 4, "groups": 1, "bias": True, "activation": "relu", "residual": False}
+        graphs.append((cfg, *_conv_graph(cfg, rng)))
+    for cfg, mod, _, _ in graphs:
+        assert _conv_kernels(mod, winograd=True) == ["winograd_conv2d"], cfg
+    results = _run_all([(mod, inputs) for _, mod, inputs, _ in graphs], winograd=True)
+    for (cfg, _, _, ref), got in zip(graphs, results, strict=True):
+        assert not isinstance(got, str), f"{cfg}\n{got}"
+        assert rel_err(got[0], ref) <= 5e-5, (cfg, rel_err(got[0], ref))
+
+
+POOLS = [("max", 3, 2, 1, False, True), ("max", 2, 2, 0, True, True), ("max", 3, 1, 1, False, True),
+         ("avg", 3, 2, 1, False, True), ("avg", 3, 2, 1, False, False), ("avg", 2, 2, 0, False, True),
+         ("global", 0, 0, 0, False, True)]
+
+
+def _pool_graph(kind: str, size: int, stride: int, pad: int, ceil: bool, count_pad: bool, after_conv: bool,
+                rng: np.random.Generator):
+    x = rng.standard_normal((2, 20, 13, 11)).astype(np.float32)
+    weight = rng.standard_normal((24, 20, 1, 1)).astype(np.float32)
+    bb = relax.BlockBuilder()
+    param = relax.Var("x", relax.TensorType(x.shape, "float32"))
+    ref = torch.from_numpy(x).double()
+    with bb.function("main", [param]):
+        with bb.dataflow():
+            y = param
+            if after_conv:  # reads the conv's blocked output: the pooling kernels' own layout
+                y = bb.emit(relax.op.nn.conv2d(y, relax.const(weight)))
+                ref = F.conv2d(ref, torch.from_numpy(weight).double())
+            if kind == "max":
+                y = bb.emit(relax.op.nn.max_pool2d(y, size, stride, pad, ceil_mode=ceil))
+                ref = F.max_pool2d(ref, size, stride, pad, ceil_mode=ceil)
+            elif kind == "avg":
+                y = bb.emit(relax.op.nn.avg_pool2d(y, size, stride, pad, ceil_mode=ceil,
+                                                   count_include_pad=count_pad))
+                ref = F.avg_pool2d(ref, size, stride, pad, ceil_mode=ceil, count_include_pad=count_pad)
+            else:
+                y = bb.emit(relax.op.mean(y, axis=[2, 3], keepdims=True))
+                ref = ref.mean((2, 3), keepdim=True)
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    return bb.get(), [x], ref.numpy()
+
+
+@needs_emulator
+def test_pooling_on_neon():
+    """Max, average (padding counted or not) and global average pooling on NEON, on
+    NCHW input and after a convolution (blocked input). (Average pooling in ceil mode stays with
+    stock TVM, with its reason: frameworks differ on its divisor.)"""
+    rng = np.random.default_rng(11)
+    graphs = [(cfg, *_pool_graph(*cfg, after_conv, rng)) for cfg in POOLS for after_conv in (False, True)]
+    for cfg, mod, _, _ in graphs:
+        pools = [r for r in tvm_ext.dispatch_report(mod, TARGET) if r.op != "nn.conv2d"]
+        assert pools and all(r.kernel != "fallback" for r in pools), (cfg, pools)
+    results = _run_all([(mod, inputs) for _, mod, inputs, _ in graphs])
+    for (cfg, _, _, ref), got in zip(graphs, results, strict=True):
+        assert not isinstance(got, str), f"{cfg}\n{got}"
+        assert got[0].shape == ref.shape and rel_err(got[0], ref) <= 1e-5, (cfg, rel_err(got[0], ref))
+
+
+@needs_emulator
+def test_random_graphs_on_neon():
+    """The property test's first 40 graphs (every fused epilogue, concat, split, squeeze-
+    excitation, layer norm, dense heads, symbolic batches) built for NEON and run there."""
+    graphs = [random_graph(seed) for seed in range(40)]
+    cases = [aarch64.Case(tvm_ext.build(g.module, TARGET, winograd=g.winograd), g.inputs) for g in graphs]
+    failures = [f"seed {g.seed}: {got if isinstance(got, str) else compare_outputs(g, got)}\n{g.describe()}"
+                for g, got in zip(graphs, aarch64.run(cases), strict=True)
+                if isinstance(got, str) or compare_outputs(g, got)]
+    assert not failures, "\n\n".join(failures)
+
+
+@needs_emulator
+@pytest.mark.parametrize("name, winograd", [("mobilenet_v2", False), ("resnet18", True)])
+def test_torchvision_network_on_neon(name, winograd):
+    """A network nobody here wrote, every convolution on a NEON kernel: MobileNet-v2 (depthwise,
+    1x1, relu6, residual adds) and ResNet-18 with Winograd, within the zoo tests' bounds."""
+    model = zoo.load(name, 64)
+    mod, x = zoo.export(model, 64)
+    with torch.no_grad():
+        ref = model(torch.from_numpy(x)).numpy()
+    assert "fallback" not in _conv_kernels(mod, winograd)
+    (got,) = _run_all([(mod, [x])], winograd)
+    assert not isinstance(got, str), got
+    assert rel_err(got[0], ref) <= (5e-4 if winograd else 1e-4), rel_err(got[0], ref)
+
+
+@needs_emulator
+def test_the_harness_reports_wrong_answers_and_errors():
+    """Not vacuous: another graph's executable fails the comparison, and a case that raises on
+    the emulated side comes back as its error while the next case still runs."""
+    right, other = random_graph(3), random_graph(4)
+    ex = tvm_ext.build(right.module, TARGET)
+    wrong_input = np.ones((1, 1, 1, 1), np.float32)
+    got = aarch64.run([aarch64.Case(tvm_ext.build(other.module, TARGET), other.inputs),
+                       aarch64.Case(ex, [wrong_input]), aarch64.Case(ex, right.inputs)])
+    assert compare_outputs(right, got[0]) is not None
+    assert isinstance(got[1], str) and "Error" in got[1]
+    assert compare_outputs(right, got[2]) is None
+
+
+def test_without_the_sysroot_it_says_how_to_get_it(tmp_path):
+    assert "make aarch64" in aarch64.unavailable(tmp_path)
+    with pytest.raises(RuntimeError, match="cannot run AArch64 modules: .*make aarch64"):
+        aarch64.run([aarch64.Case(tvm_ext.build(random_graph(0).module, TARGET), [])], root=tmp_path)
+
+
+def test_the_sysroot_names_the_packages_it_cannot_install(tmp_path, monkeypatch):
+    """Missing tools and no root: a clear error naming the Debian packages, before any download."""
+    monkeypatch.setattr(aarch64_sysroot.shutil, "which", lambda _cmd: None)
+    monkeypatch.setattr(aarch64_sysroot.os, "geteuid", lambda: 1000)
+    with pytest.raises(RuntimeError, match="binutils-aarch64-linux-gnu qemu-user"):
+        aarch64_sysroot.prepare(tmp_path / "root")
+    assert not (tmp_path / "root").exists()
