@@ -4,6 +4,7 @@ from . import intrin, kernels, models, ops, tuning
 from ._compat import check_environment
 from .errors import UnsupportedError
 from .pipeline import build, pipeline
+from .quantization import quantize
 from .report import dispatch_report
 from .target import resolve_target, vector_isa
 from .transform import gradients  # noqa: F401  (registers tvm_ext's gradients for relax.transform.Gradient)
@@ -20,6 +21,7 @@ __all__ = [
     "models",
     "ops",
     "pipeline",
+    "quantize",
     "resolve_target",
     "tune",
     "tuning",
