@@ -9,7 +9,9 @@
    kernels' blocked uint8 outputs;
 3. build it, compare with ONNX Runtime running the same model (the outputs lie on a quantization
    grid: count the outputs within one step of it), time both, and compare with the float32 network
-   (random weights and calibration: expect a few percent).
+   (random weights and calibration: expect a few percent);
+4. without ONNX: quantize the float32 Relax module itself (`tvm_ext.quantize`, the same
+   arithmetic as `quantize_static`, calibrated on the same kind of inputs), build and time it.
 
 Run: python tutorials/07_int8.py [--size 224]
 """
@@ -87,6 +89,16 @@ def main() -> None:
     top5 = [set(np.argsort(out[0])[-5:]) for out in (fp32, ours)]
     print(f"against the float32 network: relative error {np.abs(ours - fp32).max() / np.abs(fp32).max():.1e}, "
           f"{len(top5[0] & top5[1])} of its top-5 classes")
+
+    # 4. From a float32 Relax module (torch.export -> Relax), no ONNX: calibrate and quantize it here.
+    fp32_mod, _ = torchvision_zoo.export(model, size)
+    rng = np.random.default_rng(1)
+    quantized = tvm_ext.quantize(fp32_mod, [rng.standard_normal(x.shape).astype(np.float32) for _ in range(8)])
+    run_q = relax.VirtualMachine(tvm_ext.build(quantized, "llvm"), tvm.cpu())["main"]
+    ours_q = run_q(xt)
+    ours_q = (ours_q if hasattr(ours_q, "numpy") else ours_q[0]).numpy()
+    print(f"tvm_ext.quantize: {median_ms(lambda: run_q(xt)):.2f} ms, relative error to float32 "
+          f"{np.abs(ours_q - fp32).max() / np.abs(fp32).max():.1e}, same top-1: {ours_q.argmax() == fp32.argmax()}")
 
 
 if __name__ == "__main__":

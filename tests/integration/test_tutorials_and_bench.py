@@ -135,6 +135,8 @@ def test_tutorial_07_int8():
 
     out = _run("tutorials/07_int8.py", "--size", "64")
     assert "against ONNX Runtime int8: " in out and "against the float32 network" in out
+    quantized = next(line for line in out.splitlines() if line.startswith("tvm_ext.quantize: "))
+    assert float(quantized.split("relative error to float32 ")[1].split(",")[0]) < 0.1, quantized
     if int8_engine(tvm_ext_target()) is not None:
         assert "20 of 20 convolutions in int8" in out and "100.00% of the outputs within one quantization step" in out
 
