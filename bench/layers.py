@@ -194,12 +194,29 @@ def layer_workload(layer: dict, dtype: str = "float32") -> K.Conv2dWorkload:
                                  layer["stride"], layer["pad"], 1, layer.get("groups", 1), dtype=dtype)
 
 
+def _median_peak(rows: list[list[str]], column: int) -> str:
+    """The median of a %peak column ("n/a" where the peak was not measured)."""
+    values = [float(r[column]) for r in rows if r[column] != "nan"]
+    return f"{statistics.median(values):.0f}%" if values else "n/a"
+
+
 def geomean(values: list[float]) -> float:
     values = [v for v in values if v > 0 and math.isfinite(v)]
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
-def main_bf16(target, layers: list[dict]) -> int:
+def dot_peak(peak: dict, dot: str) -> float:
+    """bench/peak.py's measured peak of `dot` (GOP/s or GFLOP/s) for ARGS.threads threads; NaN
+    where it was not measured (a CPU without the instruction)."""
+    values = peak.get("dot_peaks", {}).get(dot)
+    if not values:
+        return float("nan")
+    if ARGS.threads > 1 and "all" in values and int(peak.get("threads", 1)) >= ARGS.threads:
+        return values["all"] * ARGS.threads / int(peak["threads"])
+    return values["1thread"] * ARGS.threads
+
+
+def main_bf16(target, layers: list[dict], peak: dict) -> int:
     """--dtype bf16: the bf16 kernel on each engine the CPU has (AMX tiles, AVX512-BF16 vectors)
     against our fp32 kernel and PyTorch's bf16, same run."""
     from tvm_ext.target import amx_permitted, has_amx_bf16, has_avx512_bf16
@@ -207,9 +224,11 @@ def main_bf16(target, layers: list[dict]) -> int:
     isa = tvm_ext.vector_isa(target)
     engines = [e for e, has in (("amx", has_amx_bf16(target) and amx_permitted()), ("fma", has_avx512_bf16(target)))
                if has]
+    peaks = [dot_peak(peak, {"amx": "bf16_amx", "fma": "bf16_dot512"}[e]) for e in engines]
     print(f"# tvm_ext bf16 layer benchmark: set={ARGS.set} batch={ARGS.batch} threads={ARGS.threads} "
-          f"target={target} engines={engines} (amx: AMX tiles; fma: AVX512-BF16 vdpbf16ps)")
-    header = ["layer", "shape", *[f"{e}_{col}" for e in engines for col in ("ms", "GFLOP/s")], "fp32_ms",
+          f"target={target} engines={engines} (amx: AMX tiles; fma: AVX512-BF16 vdpbf16ps); peaks "
+          f"{', '.join(f'{e} {p:.0f}' for e, p in zip(engines, peaks, strict=True))} GFLOP/s (bench/peak.py)")
+    header = ["layer", "shape", *[f"{e}_{col}" for e in engines for col in ("ms", "GFLOP/s", "%peak")], "fp32_ms",
               "torch_bf16_cl_ms", *[f"x_{e}_vs_fp32" for e in engines], *[f"x_{e}_vs_torch_bf16" for e in engines]]
     print(" | ".join(header))
     rows = []
@@ -227,20 +246,22 @@ def main_bf16(target, layers: list[dict]) -> int:
         fp32 = bench_blocked(K.plan_conv2d(layer_workload(layer), isa), target, ARGS.repeat)
         t_torch = bench_torch(wl, True, ARGS.repeat, torch.bfloat16)
         row = [layer["name"], f"{wl.C}x{wl.H}x{wl.W}->{wl.K} {wl.KH}x{wl.KW}/s{wl.stride[0]}",
-               *[v for ms in times for v in (f"{ms:.3f}", f"{wl.flops / ms / 1e6:.1f}")], f"{fp32:.3f}",
+               *[v for ms, p in zip(times, peaks, strict=True)
+                 for v in (f"{ms:.3f}", f"{wl.flops / ms / 1e6:.1f}", f"{100 * wl.flops / ms / 1e6 / p:.0f}")],
+               f"{fp32:.3f}",
                f"{t_torch:.3f}", *[f"{fp32 / ms:.2f}" for ms in times], *[f"{t_torch / ms:.2f}" for ms in times]]
         rows.append(row)
         print(" | ".join(row), flush=True)
     if rows:
         ratios = len(header) - 2 * len(engines)
         summary = [f"{engine} {geomean([float(r[ratios + i]) for r in rows]):.2f}x our fp32, "
-                   f"{geomean([float(r[ratios + len(engines) + i]) for r in rows]):.2f}x PyTorch bf16"
-                   for i, engine in enumerate(engines)]
+                   f"{geomean([float(r[ratios + len(engines) + i]) for r in rows]):.2f}x PyTorch bf16, "
+                   f"median {_median_peak(rows, 4 + 3 * i)} of its peak" for i, engine in enumerate(engines)]
         print("# geomean: " + "; ".join(summary))
     return 0
 
 
-def main_int8(target, layers: list[dict]) -> int:
+def main_int8(target, layers: list[dict], peak: dict) -> int:
     """--dtype int8: the int8 kernel on each engine the CPU has (AMX tiles, VNNI vectors) against
     our fp32 kernel and PyTorch's quantized convolution on its oneDNN and x86 engines, same run."""
     from tvm_ext.target import amx_permitted, has_amx_int8, has_vnni
@@ -249,10 +270,12 @@ def main_int8(target, layers: list[dict]) -> int:
     engines = [e for e, has in (("amx", has_amx_int8(target) and amx_permitted()), ("vnni", has_vnni(target, 16)))
                if has]
     torch_engines = [e for e in ("onednn", "x86") if e in torch.backends.quantized.supported_engines]
+    peaks = [dot_peak(peak, {"amx": "int8_amx", "vnni": "int8_vnni512"}[e]) for e in engines]
     print(f"# tvm_ext int8 layer benchmark: set={ARGS.set} batch={ARGS.batch} threads={ARGS.threads} "
           f"target={target} engines={engines} (amx: AMX tiles; vnni: AVX512-VNNI vpdpbusd); GOP/s count a "
-          "multiply-add as 2")
-    header = ["layer", "shape", *[f"{e}_{col}" for e in engines for col in ("ms", "GOP/s")], "fp32_ms",
+          f"multiply-add as 2; peaks {', '.join(f'{e} {p:.0f}' for e, p in zip(engines, peaks, strict=True))} "
+          "GOP/s (bench/peak.py)")
+    header = ["layer", "shape", *[f"{e}_{col}" for e in engines for col in ("ms", "GOP/s", "%peak")], "fp32_ms",
               *[f"torch_{e}_ms" for e in torch_engines], *[f"x_{e}_vs_fp32" for e in engines],
               *[f"x_{e}_vs_torch_{t}" for e in engines for t in torch_engines]]
     print(" | ".join(header))
@@ -271,7 +294,9 @@ def main_int8(target, layers: list[dict]) -> int:
         fp32 = bench_blocked(K.plan_conv2d(layer_workload(layer), isa), target, ARGS.repeat)
         t_torch = [bench_torch_int8(wl, ARGS.repeat, e) for e in torch_engines]
         row = [layer["name"], f"{wl.C}x{wl.H}x{wl.W}->{wl.K} {wl.KH}x{wl.KW}/s{wl.stride[0]}",
-               *[v for ms in times for v in (f"{ms:.3f}", f"{wl.flops / ms / 1e6:.1f}")], f"{fp32:.3f}",
+               *[v for ms, p in zip(times, peaks, strict=True)
+                 for v in (f"{ms:.3f}", f"{wl.flops / ms / 1e6:.1f}", f"{100 * wl.flops / ms / 1e6 / p:.0f}")],
+               f"{fp32:.3f}",
                *[f"{t:.3f}" for t in t_torch], *[f"{fp32 / ms:.2f}" for ms in times],
                *[f"{t / ms:.2f}" for ms in times for t in t_torch]]
         rows.append(row)
@@ -281,7 +306,8 @@ def main_int8(target, layers: list[dict]) -> int:
         columns = list(zip(*[[float(v) for v in r[first:]] for r in rows], strict=True))
         names = header[first:]
         means = [f"{name} {geomean(list(c)):.2f}" for name, c in zip(names, columns, strict=True)]
-        print("# geomean: " + ", ".join(means))
+        print("# geomean: " + ", ".join(means) + "; median %peak: "
+              + ", ".join(f"{e} {_median_peak(rows, 4 + 3 * i)}" for i, e in enumerate(engines)))
     return 0
 
 
@@ -296,9 +322,9 @@ def main() -> int:
     if ARGS.layers:
         layers = layers[: ARGS.layers]
     if ARGS.dtype == "bf16":
-        return main_bf16(target, layers)
+        return main_bf16(target, layers, peak)
     if ARGS.dtype == "int8":
-        return main_int8(target, layers)
+        return main_int8(target, layers, peak)
     print(f"# tvm_ext layer benchmark: set={ARGS.set} batch={ARGS.batch} threads={ARGS.threads} "
           f"target={target} isa={isa.name} peak={peak_gflops:.1f} GFLOP/s (bench/peak.py)")
     header = ["layer", "shape", "kernel", "tile", "ms", "GFLOP/s", "%peak", "x_torch_nchw", "x_torch_cl",

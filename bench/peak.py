@@ -14,6 +14,11 @@ So we measure the ceilings directly with a tiny C program compiled for this very
 Every number is the median of >= 10 timed repeats (>= ~50 ms each) after a warm-up. This script
 only reports; it never asserts speed.
 
+* Low-precision dot products where the CPU has them: AVX512-VNNI `vpdpbusd` and AVX512-BF16
+  `vdpbf16ps` on 16 zmm accumulators, AMX `tdpbusd` and `tdpbf16ps` on 4 C tiles (operands in
+  tiles: the unit's own ceiling; Linux must grant the tile data, as for our kernels): the peaks
+  the int8 and bf16 kernels are measured against (`dot_peaks`).
+
 Usage: python bench/peak.py [--threads N] [--quick]
 Results also go to bench/results/peak.json (keys documented in ``measure``).
 """
@@ -56,6 +61,8 @@ C_SOURCE = r"""
 #endif
 #if defined(__x86_64__)
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #elif defined(__aarch64__)
 #include <arm_neon.h>
 #endif
@@ -72,7 +79,10 @@ C_SOURCE = r"""
 #define S100(s) S10(S10(s))
 
 enum { ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_NEON };
-enum { K_FMA, K_TRIAD, K_COPY, K_CLOCK };
+enum { K_FMA, K_TRIAD, K_COPY, K_CLOCK, K_DOT };
+/* the low-precision dot products: AVX512-VNNI vpdpbusd, AVX512-BF16 vdpbf16ps, AMX tdpbusd / tdpbf16ps */
+enum { DOT_VNNI512, DOT_BF16_512, DOT_AMX_INT8, DOT_AMX_BF16, N_DOTS };
+static const char *DOT_NAMES[N_DOTS] = {"int8_vnni512", "bf16_dot512", "int8_amx", "bf16_amx"};
 
 static volatile float g_one = 1.0f, g_small = 1e-3f; /* volatile: no constant folding */
 static volatile double g_scale = 3.0;
@@ -148,6 +158,48 @@ __attribute__((target("avx2,fma"), noinline)) static float fma_avx2(long iters) 
     _mm256_storeu_ps(out, s);
     return out[0] + out[7];
 }
+/* 16 independent zmm accumulators of each dot-product instruction (latency 5 x 2 ports < 16) */
+#define DV(i) __m512i v##i = _mm512_set1_epi32(i);
+#define FV(i) v##i = _mm512_dpbusd_epi32(v##i, x, y);
+#define AV(i) s = _mm512_add_epi32(s, v##i);
+__attribute__((target("avx512f,avx512vnni"), noinline)) static float dot_vnni512(long iters) {
+    __m512i x = _mm512_set1_epi8((char)(int)g_one), y = _mm512_set1_epi8(1), s = _mm512_setzero_si512();
+    R16(DV)
+    for (long i = 0; i < iters; i++) { R16(FV) }
+    R16(AV)
+    return (float)_mm512_reduce_add_epi32(s);
+}
+#define DB(i) __m512 b##i = _mm512_set1_ps((float)(i));
+#define FB(i) b##i = _mm512_dpbf16_ps(b##i, x, y);
+#define AB(i) s = _mm512_add_ps(s, b##i);
+__attribute__((target("avx512f,avx512bf16"), noinline)) static float dot_bf16_512(long iters) {
+    __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80), y = (__m512bh)_mm512_set1_epi16(0x3a83); /* 1, ~1e-3 */
+    __m512 s = _mm512_setzero_ps();
+    R16(DB)
+    for (long i = 0; i < iters; i++) { R16(FB) }
+    R16(AB)
+    return _mm512_reduce_add_ps(s);
+}
+/* AMX: 4 C tiles of 16 x 16 32-bit sums, 2 A and 2 B tiles of 16 rows x 64 bytes loaded once,
+   4 independent tile dot products an iteration (the register-resident peak: no loads). */
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tilecfg_t;
+static int amx_permitted(void) { /* Linux grants the tile data per process (ARCH_REQ_XCOMP_PERM, XTILEDATA) */
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+static int8_t g_tile[16 * 64] __attribute__((aligned(64)));
+#define AMX_LOOP(DOT) { \
+    tilecfg_t cfg; memset(&cfg, 0, sizeof cfg); cfg.palette = 1; \
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; } \
+    _tile_loadconfig(&cfg); \
+    _tile_loadd(4, g_tile, 64); _tile_loadd(5, g_tile, 64); _tile_loadd(6, g_tile, 64); _tile_loadd(7, g_tile, 64); \
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); \
+    for (long i = 0; i < iters; i++) { DOT(0, 4, 6); DOT(1, 4, 7); DOT(2, 5, 6); DOT(3, 5, 7); } \
+    int32_t out[16 * 16]; _tile_stored(0, out, 64); _tile_release(); return (float)out[0]; }
+__attribute__((target("amx-tile,amx-int8"), noinline)) static float amx_int8(long iters) AMX_LOOP(_tile_dpbusd)
+__attribute__((target("amx-tile,amx-bf16"), noinline)) static float amx_bf16(long iters) AMX_LOOP(_tile_dpbf16ps)
+/* operations (a multiply-add counts 2) an iteration of each */
+static const double DOT_OPS[N_DOTS] = {16 * 16 * 4 * 2.0, 16 * 16 * 2 * 2.0, 4 * 16 * 16 * 64 * 2.0,
+                                       4 * 16 * 16 * 32 * 2.0};
 #endif
 #if defined(__aarch64__)
 #define NACCNEON 16
@@ -219,7 +271,7 @@ static void copy(v4d *restrict c, const v4d *restrict a, size_t lo, size_t hi) {
 }
 
 typedef struct {
-    int kind, isa;
+    int kind, isa, dot;
     long units;
     v4d *a, *b, *c;
     size_t nvec;
@@ -269,6 +321,15 @@ static void job_work(int tid, int n, void *p) {
     case K_CLOCK:
         g_isink[tid * 16] = clock_chain(j->units * CLOCK_ITERS_PER_UNIT);
         break;
+#if defined(__x86_64__)
+    case K_DOT: {
+        long it = j->units * (j->dot >= DOT_AMX_INT8 ? FMA_ITERS_PER_UNIT / 64 : FMA_ITERS_PER_UNIT);
+        float r = j->dot == DOT_VNNI512 ? dot_vnni512(it) : j->dot == DOT_BF16_512 ? dot_bf16_512(it)
+                : j->dot == DOT_AMX_INT8 ? amx_int8(it) : amx_bf16(it);
+        g_fsink[tid * 16] = r;
+        break;
+    }
+#endif
     }
 }
 
@@ -286,6 +347,11 @@ static void print_isas(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f")) printf("isa avx512\n");
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) printf("isa avx2\n");
+    if (__builtin_cpu_supports("avx512vnni")) printf("dot %s\n", DOT_NAMES[DOT_VNNI512]);
+    if (__builtin_cpu_supports("avx512bf16")) printf("dot %s\n", DOT_NAMES[DOT_BF16_512]);
+    int amx = amx_permitted();
+    if (amx && __builtin_cpu_supports("amx-int8")) printf("dot %s\n", DOT_NAMES[DOT_AMX_INT8]);
+    if (amx && __builtin_cpu_supports("amx-bf16")) printf("dot %s\n", DOT_NAMES[DOT_AMX_BF16]);
     printf("clock 1\n");
 #elif defined(__aarch64__)
     printf("isa neon\nclock 1\n");
@@ -327,6 +393,14 @@ int main(int argc, char **argv) {
     } else if (!strcmp(kind, "clock")) {
         g_job.kind = K_CLOCK;
         threads = 1;
+#if defined(__x86_64__)
+    } else if (!strncmp(kind, "dot_", 4)) {
+        g_job.kind = K_DOT;
+        g_job.dot = -1;
+        for (int d = 0; d < N_DOTS; d++) if (!strcmp(kind + 4, DOT_NAMES[d])) g_job.dot = d;
+        if (g_job.dot < 0) { fprintf(stderr, "unknown dot %s\n", kind + 4); return 2; }
+        if (g_job.dot >= DOT_AMX_INT8 && !amx_permitted()) { fprintf(stderr, "AMX refused\n"); return 3; }
+#endif
     } else {
         fprintf(stderr, "unknown kind %s\n", kind);
         return 2;
@@ -351,6 +425,11 @@ int main(int argc, char **argv) {
     case K_TRIAD: work = 3.0 * (double)g_job.nvec * sizeof(v4d); break;
     case K_COPY: work = 2.0 * (double)g_job.nvec * sizeof(v4d); break;
     case K_CLOCK: work = 100.0 * CLOCK_ITERS_PER_UNIT; break;
+#if defined(__x86_64__)
+    case K_DOT:
+        work = DOT_OPS[g_job.dot] * (g_job.dot >= DOT_AMX_INT8 ? FMA_ITERS_PER_UNIT / 64 : FMA_ITERS_PER_UNIT) * actual;
+        break;
+#endif
     }
     printf("backend %s\nthreads %d\nunits %ld\nwork_per_unit %.17g\n", BACKEND, actual, units, work);
     for (int r = 0; r < repeats; r++) printf("time %.9f\n", timed(units, threads, &actual));
@@ -424,10 +503,10 @@ def _compile(workdir: Path) -> tuple[Path, str]:
 
 def _parse(stdout: str) -> dict[str, Any]:
     """Parse the probe's 'key value' lines; 'time' repeats, so it becomes a list."""
-    out: dict[str, Any] = {"time": [], "isa": []}
+    out: dict[str, Any] = {"time": [], "isa": [], "dot": []}
     for line in stdout.splitlines():
         key, _, val = line.partition(" ")
-        if key in ("time", "isa"):
+        if key in ("time", "isa", "dot"):
             out[key].append(val)
         elif key:
             out[key] = val
@@ -508,6 +587,14 @@ def measure(threads: int | None = None, quick: bool = False) -> dict[str, Any]:
                 row = _run(exe, kernel, t, mib, rep, min_ms, f"bw_{kernel}_{tname(t)}", "GB/s")
                 bw.setdefault(kernel, {})[t] = row
                 rows.append(row)
+        # the low-precision dot products the CPU has (and, for AMX, the OS grants)
+        dots: dict[str, dict[str, float]] = {}
+        for dot in info["dot"]:
+            unit = "GOP/s" if dot.startswith("int8") else "GFLOP/s"
+            for t in thread_counts:
+                row = _run(exe, f"dot_{dot}", t, 0, rep, min_ms, f"{dot}_{tname(t)}", unit)
+                dots.setdefault(dot, {})["1thread" if t == 1 else "all"] = round(row.value, 2)
+                rows.append(row)
         clock = None
         if info.get("clock"):
             # Best repeat, not median: preemption can only slow the add chain, never speed it up.
@@ -527,6 +614,9 @@ def measure(threads: int | None = None, quick: bool = False) -> dict[str, Any]:
         "bandwidth_gbs_all": round(bw["triad"][n].value, 2),
         "cpu": _cpu_model(),
         "isa_all": max(isas, key=lambda i: fma[i][n].value),
+        # {dot: {"1thread": ..., "all": ...}}: int8_vnni512 (vpdpbusd zmm), bf16_dot512 (vdpbf16ps
+        # zmm), int8_amx (tdpbusd), bf16_amx (tdpbf16ps); GOP/s or GFLOP/s, a multiply-add as 2
+        "dot_peaks": dots,
         "isas": isas,
         "clock_ghz": round(clock_ghz, 3) if clock_ghz else None,
         "cpuinfo_mhz": _cpuinfo_mhz(),
@@ -555,7 +645,7 @@ def load_or_measure(path: Path = RESULTS_PATH, quick: bool = False) -> dict[str,
     """Reuse stored peaks so that % of peak is cheap to print; measure (and store) only if missing."""
     try:
         data = json.loads(path.read_text())
-        if "peak_gflops_1thread" in data and "peak_gflops_all" in data:
+        if "peak_gflops_1thread" in data and "peak_gflops_all" in data and "dot_peaks" in data:
             return data
     except (OSError, ValueError):
         pass
@@ -574,12 +664,12 @@ def format_table(result: dict[str, Any]) -> str:
     ]
     for r in result.get("rows", []):
         note = ""
-        if r["unit"] == "GFLOP/s":
+        if r["unit"] in ("GFLOP/s", "GOP/s"):
             per_core = r["value"] / r["threads"]
             if r["threads"] > 1:
                 note = f"{per_core:.1f} per thread"
             if clock:
-                note += ("; " if note else "") + f"{per_core / clock:.1f} FLOP/cycle @ {clock:.2f} GHz"
+                note += ("; " if note else "") + f"{per_core / clock:.1f} {r['unit'][1:-2]}/cycle @ {clock:.2f} GHz"
         elif r["name"].startswith("core_clock"):
             note = "best repeat of a dependent integer-add chain; cpuinfo says " + (
                 f"{result['cpuinfo_mhz'] / 1e3:.2f} GHz" if result.get("cpuinfo_mhz") else "n/a"

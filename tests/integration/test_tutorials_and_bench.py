@@ -75,6 +75,14 @@ def test_peak_quick(tmp_path):
 
     result = peak.measure(quick=True)
     assert result["peak_gflops_1thread"] > 1 and result["bandwidth_gbs_1thread"] > 0.1
+    # the dot products the CPU has are measured too (the int8 and bf16 kernels' ceilings)
+    from tvm_ext.target import amx_permitted, has_amx_int8, has_vnni, resolve_target
+
+    host = resolve_target("llvm")
+    expected = {"int8_vnni512": has_vnni(host, 16), "int8_amx": has_amx_int8(host) and amx_permitted()}
+    for dot, present in expected.items():
+        assert (dot in result["dot_peaks"]) == present, (dot, result["dot_peaks"])
+    assert all(v["1thread"] > 1 for v in result["dot_peaks"].values())
 
 
 def test_layers_bench_smoke(tmp_path):
@@ -96,7 +104,7 @@ def test_layers_bench_bf16_smoke():
     assert "stem_7x7s2 | skipped: " in out
     if has_avx512_bf16("llvm"):
         assert "3 input channels: not groups of 2" in out and "s2_1x1_64-64 | 64x56x56->64" in out
-        assert "# geomean: " in out and "x PyTorch bf16" in out
+        assert "# geomean: " in out and "x PyTorch bf16" in out and "of its peak" in out
 
 
 def test_layers_bench_int8_smoke():
@@ -108,7 +116,8 @@ def test_layers_bench_int8_smoke():
     assert "stem_7x7s2 | skipped: " in out
     if has_vnni("llvm", 16):
         assert "3 input channels: not groups of 4" in out and "s2_1x1_64-64 | 64x56x56->64" in out
-        assert "# geomean: " in out and "x_vnni_vs_fp32" in out
+        assert "# geomean: " in out and "x_vnni_vs_fp32" in out and "median %peak: " in out
+        assert "vnni_%peak" in out and "vnni n/a" not in out  # measured against the VNNI peak
 
 
 def test_tutorial_02_compile_a_network():
