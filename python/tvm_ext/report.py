@@ -22,7 +22,7 @@ from .strategy.cuda_engine import engine_for
 from .strategy.decide import decide
 from .strategy.dispatch import batch_norm_gradients, weight_and_bias_gradients
 from .strategy.fusion import fusion_passes, mask_of
-from .strategy.quantized import int8_kernel, lower_quantized_conv2d, quantized_conv2d_decisions
+from .strategy.quantized import FUSED_ADD, int8_kernel, lower_quantized_conv2d, quantized_conv2d_decisions
 from .target import TargetLike, resolve_target
 from .transform.gradients import read_phase_interleave
 from .transform.split_batch import runs_per_inference, split_batch
@@ -154,6 +154,12 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
                 callee = expr.args[0].name_hint
                 if callee.startswith("tvm_ext_int8_conv2d") and int8_rows:
                     report.append(dataclasses.replace(int8_rows.pop(0), runs=runs))
+                    blocked = static_shape(expr.args[1].fields[-1])
+                    if callee.endswith(FUSED_ADD) and blocked is not None:
+                        n, blocks, h, w, block = blocked
+                        report.append(DispatchRow("add", ((n, blocks * block, h, w),), "int8_conv2d epilogue",
+                                                  "fused: the quantized (QDQ) add of this output and the other "
+                                                  "operand, ONNX Runtime's QLinearAdd", runs))
                 for prefix, op in (("tvm_ext_quantized_add", "add"), ("tvm_ext_quantized_max_pool", "nn.max_pool2d")):
                     blocked = static_shape(expr.args[1].fields[0])
                     if callee.startswith(prefix) and blocked is not None:

@@ -67,7 +67,7 @@ def test_qdq_networks_agree_with_onnx_runtime(tmp_path_factory, name):
     assert len(convolutions) == {"resnet18": 20, "resnet50": 53, "mobilenet_v2": 52, "shufflenet_v2_x1_0": 56}[name]
     assert all(r.kernel.startswith("int8_conv2d") for r in convolutions)  # depthwise ones too
     kernels = {r.kernel for r in report if r.op in ("add", "nn.max_pool2d")}  # (the classifier's bias: fused)
-    residual, pooled = {"quantized_add"}, {"quantized_max_pool"}
+    residual, pooled = {"int8_conv2d epilogue"}, {"quantized_max_pool"}  # (the adds fused into a conv)
     expected = {"resnet18": residual | pooled, "resnet50": residual | pooled, "mobilenet_v2": residual,
                 "shufflenet_v2_x1_0": pooled}[name]
     assert kernels == expected | {"brgemm_conv2d epilogue"}
@@ -173,6 +173,73 @@ def test_a_quantized_conv_whose_float_sum_is_read_elsewhere_stays_float():
     got = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main"](tvm.runtime.tensor(x_q))
     stock = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())["main"](tvm.runtime.tensor(x_q))
     np.testing.assert_allclose(got[1].numpy(), stock[1].numpy(), rtol=1e-5, atol=1e-4)
+
+
+def _residual_block(dtype: str, shortcut_first: bool, relu: bool, downsample: bool):
+    """x_q -> conv1 -> q1 -> conv2 -> q2; the shortcut q1 (or `downsample`: a 1x1 conv3 of x_q,
+    bound after conv2, as torchvision's Bottleneck computes it); dequantize(q2) + dequantize(shortcut)
+    (the shortcut first with `shortcut_first`) [-> relu] -> quantize: (module, x_q)."""
+    rng = np.random.default_rng(3)
+    # (40 channels: a padded last block; the 1x1 downsampling runs on VNNI, its blocks those of
+    # the AMX conv2's with 64 channels only)
+    n, c, h, w, k = 2, 20, 9, 7, 64 if downsample else 40
+    low, high = (-128, 127) if dtype == "int8" else (0, 255)
+    f32 = lambda v: relax.const(np.asarray(v, np.float32))  # noqa: E731
+    zero = lambda v: relax.const(np.asarray(v, dtype))  # noqa: E731
+
+    def weights(shape):
+        return relax.const(rng.integers(-127, 128, shape).astype(np.int8)), f32(rng.random(shape[0]) * 0.01 + 0.002)
+
+    bb = relax.BlockBuilder()
+    xv = relax.Var("x", relax.TensorType((n, c, h, w), dtype))
+
+    def qconv(data, scale_in, zero_in, shape, padding, scale_out, zero_out):
+        w_q, w_s = weights(shape)
+        d = bb.emit(relax.op.dequantize(data, f32(scale_in), zero(zero_in), axis=1))
+        wd = bb.emit(relax.op.dequantize(w_q, w_s, relax.const(np.zeros(shape[0], np.int8)), axis=0))
+        y = bb.emit(relax.op.nn.relu(relax.op.nn.conv2d(d, wd, padding=padding)))
+        return bb.emit(relax.op.quantize(y, f32(scale_out), zero(zero_out), axis=1, out_dtype=dtype))
+
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            q1 = qconv(xv, 0.05, low + 100, (k, c, 3, 3), 1, 0.5, low + 2)
+            q2 = qconv(q1, 0.5, low + 2, (k, k, 3, 3), 1, 0.7, low + 120)
+            shortcut, s_sc, z_sc = q1, 0.5, low + 2
+            if downsample:
+                shortcut, s_sc, z_sc = qconv(xv, 0.05, low + 100, (k, c, 1, 1), 0, 0.3, low + 50), 0.3, low + 50
+            main_f = bb.emit(relax.op.dequantize(q2, f32(0.7), zero(low + 120), axis=1))
+            sc_f = bb.emit(relax.op.dequantize(shortcut, f32(s_sc), zero(z_sc), axis=1))
+            total = bb.emit(relax.op.add(sc_f, main_f) if shortcut_first else relax.op.add(main_f, sc_f))
+            if relu:
+                total = bb.emit(relax.op.nn.relu(total))
+            out = bb.emit_output(relax.op.quantize(total, f32(0.9), zero(low + 60), axis=1, out_dtype=dtype))
+        bb.emit_func_output(out)
+    return bb.get(), rng.integers(low, high + 1, (n, c, h, w)).astype(dtype)
+
+
+@needs_int8
+@pytest.mark.parametrize("dtype, shortcut_first, relu, downsample", [
+    ("uint8", False, True, False), ("uint8", True, False, False), ("int8", False, False, True),
+    ("int8", True, True, True)])
+def test_a_residual_add_fused_into_its_convolution(monkeypatch, dtype, shortcut_first, relu, downsample):
+    """The quantized add runs in the epilogue of the convolution whose output only it reads (the
+    later one, with a downsampling shortcut), with either operand order: bit for bit the add
+    kernel's result (ONNX Runtime's QLinearAdd: test above), without the add kernel."""
+    import tvm_ext.strategy.quantized as quantized
+
+    mod, x_q = _residual_block(dtype, shortcut_first, relu, downsample)
+    with TARGET:
+        fused = lower_quantized_conv2d(TARGET)(mod).script()
+    assert "tvm_ext_quantized_add" not in fused and fused.count(f"{quantized.FUSED_ADD}, (") == 1  # one call
+    rows = [r for r in tvm_ext.dispatch_report(mod, TARGET) if r.op == "add"]
+    assert [r.kernel for r in rows] == ["int8_conv2d epilogue"]
+    got = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main"](tvm.runtime.tensor(x_q)).numpy()
+    monkeypatch.setattr(quantized, "fusable_adds", lambda *args: {})
+    with TARGET:
+        assert "tvm_ext_quantized_add" in lower_quantized_conv2d(TARGET)(mod).script()
+    separate = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main"](tvm.runtime.tensor(x_q)).numpy()
+    assert len(np.unique(got)) > 20  # (not saturated)
+    np.testing.assert_array_equal(got, separate)
 
 
 @pytest.mark.parametrize("dtype", ["uint8", "int8"])

@@ -228,3 +228,35 @@ def test_int8_feature_queries_read_the_target_not_the_host():
     assert not has_vnni({"kind": "llvm", "mcpu": "skylake-avx512"}, 16) and not has_vnni("llvm", 4)
     assert has_amx_int8({"kind": "llvm", "mcpu": "sapphirerapids"})
     assert not has_amx_int8({"kind": "llvm", "mcpu": "znver4"}) and not has_amx_int8("cuda -arch=sm_90")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_quantizing_epilogue_is_vectorized_by_tvm(engine):
+    """The epilogue's rounding is LLVM's nearbyint intrinsic: with tirx.nearbyint TVM's vectorizer
+    left the loop scalar and LLVM's own vectorizer chose 8-lane vectors on Sapphire Rapids (its
+    256-bit preference): the epilogue ran in ymm, ResNet-50's int8 build 8% slower."""
+    import re
+
+    engine, isa = engine
+    wl = Conv2dWorkload.make((1, 64, 8, 8), (64, 64, 3, 3), 1, 1, dtype="int8")
+    plan = plan_conv2d(wl, isa, engine=engine)
+    lib = compile_kernel(conv2d_blocked_kernel(plan, isa.lanes, Epilogue(bias=True, out_dtype="uint8")), TARGET)
+    rounded = {int(n) for n in re.findall(r"llvm\.nearbyint\.v(\d+)f32", lib.mod.inspect_source("ll"))}
+    assert rounded and min(rounded) >= plan.oc_bn, rounded  # the whole vectorized channel loop, not LLVM's 8
+
+
+def test_an_epilogue_with_a_fused_add_reads_back_from_its_json_description():
+    """(A tuning description holds the epilogue as JSON: its fused add comes back as the objects.)"""
+    import dataclasses
+    import json
+
+    from tvm_ext.kernels.quantized import Quantization, QuantizedSum
+
+    add = QuantizedSum(Quantization(0.1, 3), Quantization(0.2, 5, "int8"), Quantization(0.3, 1), True, "b")
+    epilogue = Epilogue(bias=True, out_dtype="uint8", zero_point=3, add=add)
+    fields = json.loads(json.dumps(dataclasses.asdict(epilogue)))
+    assert Epilogue(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}) == epilogue
+    with pytest.raises(ValueError, match="a fused quantized add follows a uint8 output without a border"):
+        Epilogue(out_dtype="uint8", out_pad=(1, 1, 1, 1), add=add)
+    with pytest.raises(ValueError, match="own must be 'a' or 'b'"):
+        QuantizedSum(add.a, add.b, add.out, own="c")

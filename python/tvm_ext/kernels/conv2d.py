@@ -46,6 +46,7 @@ from .common import (
     scratch_buffer,
     with_border,
 )
+from .quantized import Quantization, QuantizedSum, quantized_sum
 from .transpose import transpose8x8
 
 
@@ -524,6 +525,10 @@ class Epilogue:
     # A quantized output written as float32 units, q - zero_point (exact; its border zeros): the
     # input of an int8 depthwise convolution, which sums in float32, with no conversion pass.
     units: bool = False
+    # A quantized add fused after the requantization (a ResNet's residual add in a quantized
+    # network): this output is one operand (`add.own`), a blocked uint8 tensor of its shape the
+    # other (a parameter after the scale); the sum, ONNX Runtime's QLinearAdd, is written instead.
+    add: QuantizedSum | None = None
 
     def __post_init__(self):
         if self.activation is not None and self.activation not in ACTIVATIONS:
@@ -548,6 +553,12 @@ class Epilogue:
             raise ValueError("epilogue: a quantized output takes bias and an activation only")
         if self.units and not self.quantized:
             raise ValueError("epilogue: units are those of a uint8 or int8 output")
+        if isinstance(self.add, dict):  # read back from a JSON description (tuning.space)
+            add = dict(self.add)
+            a, b, out = (Quantization(**add[name]) for name in ("a", "b", "out"))
+            object.__setattr__(self, "add", QuantizedSum(a, b, out, bool(add["relu"]), str(add["own"])))
+        if self.add is not None and (not self.quantized or self.units or any(self.out_pad)):
+            raise ValueError("epilogue: a fused quantized add follows a uint8 output without a border")
 
     @property
     def quantized(self) -> bool:
@@ -640,13 +651,21 @@ def _epilogue_value(epilogue: Epilogue, src: tirx.PrimExpr, bias: tirx.PrimExpr 
     return value
 
 
+def _nearbyint(value: tirx.PrimExpr) -> tirx.PrimExpr:
+    """Round to nearest even. LLVM's intrinsic, not tirx.nearbyint: TVM's vectorizer leaves a loop
+    with that op scalar, and LLVM's own vectorizer then picked 256-bit vectors (8 lanes)."""
+    return T.call_llvm_pure_intrin("float32", "llvm.nearbyint", value)
+
+
 def quantized_value(epilogue: Epilogue, sums: tirx.PrimExpr, bias: tirx.PrimExpr | None,
-                    scale: tirx.PrimExpr) -> tirx.PrimExpr:
+                    scale: tirx.PrimExpr, other: tirx.PrimExpr | None = None) -> tirx.PrimExpr:
     """An int8 convolution's output from its int32 sums: (+ bias) in int32, times the channel's
     scale in fp32 (one rounding), the activation; for a uint8/int8 output times out_scale,
     rounded to nearest (ties to even), + the zero point, saturated. Each step is one IEEE fp32
     operation (no multiply-add to contract), so NumPy reproduces it bit for bit. Float32 sums of
-    integers below 2**24 (and a float32 bias of integers) give the same, exactly."""
+    integers below 2**24 (and a float32 bias of integers) give the same, exactly.
+    With `epilogue.add`, that value and `other` (the held uint8 of the add's other operand) are
+    then added as the add kernel adds them (:func:`~tvm_ext.kernels.quantized.quantized_sum`)."""
     value = sums + bias if epilogue.bias else sums
     value = tirx.Cast("float32", value) * scale
     if epilogue.activation:
@@ -657,10 +676,17 @@ def quantized_value(epilogue: Epilogue, sums: tirx.PrimExpr, bias: tirx.PrimExpr
         value = value * T.float32(epilogue.out_scale)
     low, high = QUANTIZED_RANGES[epilogue.out_dtype]
     if epilogue.units:  # q - zero_point, saturated alike: rint(v) within [low - z, high - z]
-        return T.max(T.min(tirx.nearbyint(value), T.float32(high - epilogue.zero_point)),
+        return T.max(T.min(_nearbyint(value), T.float32(high - epilogue.zero_point)),
                      T.float32(low - epilogue.zero_point))
-    value = tirx.nearbyint(value) + T.float32(epilogue.zero_point)
-    return tirx.Cast(epilogue.out_dtype, T.max(T.min(value, T.float32(high)), T.float32(low)))
+    value = _nearbyint(value) + T.float32(epilogue.zero_point)
+    held = T.max(T.min(value, T.float32(high)), T.float32(low))
+    if epilogue.add is not None and other is not None:
+        terms = epilogue.add
+        own_q, other_q = (terms.a, terms.b) if terms.own == "a" else (terms.b, terms.a)
+        own = held - T.float32(own_q.offset)
+        raw_other = tirx.Cast("float32", other) - T.float32(other_q.offset)
+        held = quantized_sum(*((own, raw_other) if terms.own == "a" else (raw_other, own)), terms)
+    return tirx.Cast(epilogue.out_dtype, held)
 
 
 def _write_nchw(plan: Conv2dPlan, epilogue: Epilogue, row_buffer: tirx.Buffer, width: int, start: int,
@@ -716,7 +742,8 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
     (O/y, KH, KW, y) (OIHW with `plan.oihw_weight`), [bias (O/y, y)], [residual, in the output's
     shape and layout], [mask, likewise], then the output: blocked (N, O/y, OH, OW, y), or NCHW (N, K, OH, OW) with
     `epilogue.nchw_out`. An int8 workload takes its int32 bias and then a per-channel fp32 scale
-    (O/y, y) after the weight, and writes its output as `epilogue.out_dtype` says
+    (O/y, y) after the weight, [with `epilogue.add` the add's other operand, blocked uint8 of the
+    output's shape], and writes its output as `epilogue.out_dtype` says
     (:func:`quantized_value`). One parallel task per output row (per output block with
     `plan.oihw_weight`, which lays out the block's weights first); inside a row the row is whole m_r tiles ("conv"), one
     narrower tail ("conv_tail") and the epilogue, applied while the row is in L1. Blocked, the
@@ -742,6 +769,8 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
         scale = param_buffer("scale", (plan.OCB, plan.oc_bn)) if quantizing else None
         residual_shape = wl.out_shape if epilogue.nchw_out else plan.out_shape()
         residual = param_buffer("r", residual_shape) if epilogue.residual else None
+        if epilogue.add is not None:  # the quantized add's other operand
+            residual = param_buffer("r", plan.out_shape(), dtype="uint8")
         mask_shape = residual_shape if epilogue.nchw_out else with_border(plan.out_shape(), epilogue.mask_pad)
         mask = param_buffer("m", mask_shape) if epilogue.mask else None
         mask_top, mask_left = epilogue.mask_pad[:2]
@@ -784,7 +813,8 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
                 rows, (v_n, v_ob, v_oh) = _scratch_rows(plan, row, x, w)
                 for (_, width, start), row_buffer in zip(plan.row_segments(), rows, strict=True):
                     with T.serial(0, width) as ow, T.vectorized(0, plan.oc_bn) as o:
-                        value = quantized_value(epilogue, row_buffer[ow, o], _load(bias, [v_ob, o]), scale[v_ob, o])
+                        value = quantized_value(epilogue, row_buffer[ow, o], _load(bias, [v_ob, o]), scale[v_ob, o],
+                                                _load(residual, [v_n, v_ob, v_oh, ow + start, o]))
                         T.buffer_store(y_epilogue, value, [v_n, v_ob, v_oh + top, ow + (start + left), o])
             else:
                 for name, width, start in plan.row_segments():

@@ -18,7 +18,7 @@ from tvm.tirx.script import builder as T
 
 from .common import KERNEL_ATTR, param_buffer
 
-__all__ = ["Quantization", "quantized_add_func", "quantized_add_terms"]
+__all__ = ["Quantization", "QuantizedSum", "quantized_add_func", "quantized_add_terms", "quantized_sum"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,26 +50,57 @@ def quantized_add_terms(a: Quantization, b: Quantization, out: Quantization) -> 
     return float(ratio_a), float(ratio_b), float(f32(f32(out.zero_point) - fused))
 
 
+@dataclasses.dataclass(frozen=True)
+class QuantizedSum:
+    """A quantized add, a + b [-> relu] quantized as `out` (ONNX Runtime's QLinearAdd): the add
+    kernel's, or a convolution's epilogue's where the convolution computes one operand (`own`)."""
+
+    a: Quantization
+    b: Quantization
+    out: Quantization
+    relu: bool = False
+    own: str = "a"  # which operand a convolution that fuses the add computes
+
+    def __post_init__(self):
+        if self.own not in ("a", "b"):
+            raise ValueError(f"QuantizedSum: own must be 'a' or 'b', got {self.own!r}")
+
+
+def quantized_sum(raw_a: tirx.PrimExpr, raw_b: tirx.PrimExpr, terms: QuantizedSum, lanes: int = 1) -> tirx.PrimExpr:
+    """The held value (float32, an integer in [0, 255]) of the quantized sum of two raw values
+    (q itself, held - offset, in float32): :func:`quantized_add_terms`'s multiply-adds (explicit
+    `llvm.fma`: fused whatever LLVM's contraction settings), rounded to nearest even, saturated
+    (no value below the zero point after a relu), + the output's offset."""
+    ratio_a, ratio_b, fixed = quantized_add_terms(terms.a, terms.b, terms.out)
+    low, high = (-128, 127) if terms.out.dtype == "int8" else (0, 255)
+    if terms.relu:
+        low = max(low, terms.out.zero_point)
+    dtype = f"float32x{lanes}" if lanes > 1 else "float32"
+
+    def const(value: float) -> tirx.PrimExpr:
+        return T.Broadcast(T.float32(value), lanes) if lanes > 1 else T.float32(value)
+
+    def fma(x, ratio: float, addend) -> tirx.PrimExpr:
+        return T.call_llvm_pure_intrin(dtype, "llvm.fma", x, const(ratio), addend)
+
+    total = fma(raw_a, ratio_a, fma(raw_b, ratio_b, const(fixed)))
+    rounded = T.call_llvm_pure_intrin(dtype, "llvm.nearbyint", total)
+    return T.max(T.min(rounded, const(high)), const(low)) + const(terms.out.offset)
+
+
 def quantized_add_func(blocked_shape: Sequence[int], a: Quantization, b: Quantization, out: Quantization,
                        relu: bool = False) -> tirx.PrimFunc:
     """The quantized sum of two blocked tensors of `blocked_shape` (N, CB, H, W, c): ONNX Runtime's
     QLinearAdd arithmetic (:func:`quantized_add_terms`), [a relu: no value below the zero point],
-    written as `out.dtype` held in uint8. Explicit vectors and explicit multiply-adds (`llvm.fma`:
-    fused whatever LLVM's contraction settings)."""
+    written as `out.dtype` held in uint8 (:func:`quantized_sum`, on explicit vectors)."""
     n, cb, h, w, block = (int(v) for v in blocked_shape)
     lanes = next(v for v in (16, 8, 4, 2, 1) if block % v == 0)
-    ratio_a, ratio_b, fixed = quantized_add_terms(a, b, out)
-    low, high = (-128, 127) if out.dtype == "int8" else (0, 255)
-    if relu:
-        low = max(low, out.zero_point)
+    terms = QuantizedSum(a, b, out, relu)
     vec, words = f"float32x{lanes}", f"int32x{lanes}"
 
     def raw(buffer, row, at, quantization: Quantization) -> tirx.PrimExpr:
         held = T.Cast(words, buffer.vload([row, at], f"uint8x{lanes}"))
         return T.Cast(vec, held - T.Broadcast(T.int32(quantization.offset), lanes))
-
-    def fma(x, ratio: float, addend) -> tirx.PrimExpr:
-        return T.call_llvm_pure_intrin(vec, "llvm.fma", x, T.Broadcast(T.float32(ratio), lanes), addend)
 
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("quantized_add")
@@ -79,10 +110,6 @@ def quantized_add_func(blocked_shape: Sequence[int], a: Quantization, b: Quantiz
                 for buf in (x, y, z)]
         with T.parallel(0, n * cb * h) as row, T.serial(0, w * block // lanes) as v:
             at = v * lanes
-            total = fma(raw(flat[0], row, at, a), ratio_a,
-                        fma(raw(flat[1], row, at, b), ratio_b, T.Broadcast(T.float32(fixed), lanes)))
-            rounded = T.call_llvm_pure_intrin(vec, "llvm.nearbyint", total)
-            clamped = T.max(T.min(rounded, T.Broadcast(T.float32(high), lanes)), T.Broadcast(T.float32(low), lanes))
-            stored = T.Cast(words, clamped) + T.Broadcast(T.int32(out.offset), lanes)
-            T.buffer_store(flat[2], T.Cast(f"uint8x{lanes}", stored), [row, T.Ramp(at, 1, lanes)])
+            held = quantized_sum(raw(flat[0], row, at, a), raw(flat[1], row, at, b), terms, lanes)
+            T.buffer_store(flat[2], T.Cast(f"uint8x{lanes}", T.Cast(words, held)), [row, T.Ramp(at, 1, lanes)])
     return builder.get()

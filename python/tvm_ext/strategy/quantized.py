@@ -36,7 +36,7 @@ from tvm import relax
 from ..kernels import conv2d as _conv
 from ..kernels import layout as _layout
 from ..kernels import pool2d as _pool
-from ..kernels.quantized import Quantization, quantized_add_func
+from ..kernels.quantized import Quantization, QuantizedSum, quantized_add_func
 from ..relax_info import is_channel_bias, known_shape, static_shape
 from ..target import AVX2, AVX512, VectorISA, amx_permitted, has_amx_int8, has_vnni
 from .base import add_kernel, readers_of
@@ -47,6 +47,7 @@ __all__ = ["QuantizedAdd", "QuantizedConv2d", "int8_engine", "int8_kernel", "low
            "match_quantized_add", "match_quantized_conv2d", "quantized_conv2d_decisions", "quantized_conv2d_reason"]
 
 _UNPACK = "tvm_ext_unpack_quantized"
+FUSED_ADD = "_qadd"  # the name suffix of an int8 convolution that adds a quantized residual (dispatch_report)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,19 +335,26 @@ def _plan(found: QuantizedConv2d, isa: VectorISA, engine: str, blocked: relax.Ex
 
 def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target: tvm.target.Target,
                           blocked: relax.Expr | None = None,
-                          units_border: tuple[int, int, int, int] | None = None) -> tuple[relax.Expr, relax.Var]:
+                          units_border: tuple[int, int, int, int] | None = None,
+                          add: tuple[QuantizedSum, relax.Expr] | None = None) -> tuple[relax.Expr, relax.Var]:
     """The int8 kernel calls that compute `found`'s quantize: (the NCHW view of the output, the
     blocked uint8 output). The data is read from `blocked` (its blocked uint8 form, written by an
     int8 kernel: its border is padded with the zero point if the convolution has padding) where
     its blocks suit the kernel, else packed from NCHW. A grouped or depthwise convolution runs the
     float32 kernel on the values in units of their scale (q - z: integers) and sums exactly; its
     data may be `blocked` in those units with its border already. With `units_border` the blocked
-    output is float32 units with that border, for the grouped or depthwise convolutions that read it."""
+    output is float32 units with that border, for the grouped or depthwise convolutions that read it.
+    With `add` (the terms, the other operand's blocked uint8 form) the kernel adds the output to
+    that operand (a fused quantized add) and the outputs are the sum's; ValueError, before
+    anything is emitted, where the operand's blocks are not the output's."""
     engine, isa = int8_engine(target) or ("fma", AVX512)
     if blocked is not None and not _uint8(blocked) and not _float_sums(found):
         blocked = None  # (units are for the float32 kernels)
     plan, reads_blocked = _plan(found, isa, _engine(found, engine, target), blocked)
     wl, float_sums = plan.wl, _float_sums(found)
+    if add is not None and (float_sums or units_border is not None or _shape(add[1]) != plan.out_shape()):
+        raise ValueError(f"a quantized add on blocks {_shape(add[1])} cannot fuse into a convolution writing "
+                         f"{plan.out_shape()}")
     data_dtype = str(found.data.ty.dtype.dtype)
     data_zero = found.data_zero + (128 if data_dtype == "int8" else 0)  # uint8's
     out_zero = found.out_zero + (128 if found.out_dtype == "int8" else 0)
@@ -387,14 +395,18 @@ def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target
     else:
         data = source
     epilogue = _conv.Epilogue(bias=True, activation=found.activation, out_dtype="uint8", zero_point=out_zero,
-                              units=units_border is not None, out_pad=units_border or (0, 0, 0, 0))
+                              units=units_border is not None, out_pad=units_border or (0, 0, 0, 0),
+                              add=add[0] if add is not None else None)
     kernel = _conv.conv2d_blocked_kernel(plan, isa.lanes, epilogue)
     tag = _name((wl.N, wl.C, wl.H, wl.W, wl.K, wl.KH, wl.KW), f"s{wl.stride[0]}{wl.stride[1]}")
     kind = plan.kind if float_sums else plan.engine
-    out = _call(bb, kernel, f"tvm_ext_int8_conv2d_{tag}_{kind}",
+    out = _call(bb, kernel, f"tvm_ext_int8_conv2d_{tag}_{kind}" + (FUSED_ADD if add is not None else ""),
                 [data, relax.const(_conv.pack_weight_array(plan, padded)),
-                 per_channel(bias, np.float32 if float_sums else np.int32), per_channel(scale, np.float32)],
+                 per_channel(bias, np.float32 if float_sums else np.int32), per_channel(scale, np.float32),
+                 *([add[1]] if add is not None else [])],
                 epilogue.out_shape(plan), epilogue.buffer_dtype)
+    if add is not None:
+        return _quantized_view(bb, out, k, add[0].out.dtype), out
     if units_border is None:
         return _quantized_view(bb, out, k, found.out_dtype), out
     unpack = _layout.unpack_units_func(epilogue.out_shape(plan), units_border, k, found.out_zero, found.out_dtype)
@@ -447,6 +459,32 @@ def units_borders(decisions: dict, values: dict, readers: dict) -> dict:
     return borders
 
 
+def fusable_adds(decisions: dict, values: dict, readers: dict) -> dict:
+    """Each int8 convolution (its quantize's variable) whose output only a quantized add reads ->
+    (the add's quantize variable, the add, which operand the convolution computes: "a" or "b"),
+    for the convolution to fuse the add. Of two such operands the later convolution fuses it:
+    the other operand exists by then.
+    (`values`, `readers`: the function's :func:`_bindings` and :func:`~.base.readers_of`.)"""
+    order = {var: i for i, var in enumerate(values)}
+    fusable = {}
+    for var, value in values.items():
+        found = match_quantized_add(value, values.get) if _is(value, "relax.quantize") else None
+        if found is None or any(len(readers.get(v, [])) > 1 for v in found.inside):
+            continue
+        dequantized = values[found.inside[-1]].args  # the add's operands: dequantize(a), dequantize(b)
+        candidates = []
+        for own, operand, dq in (("a", found.a, dequantized[0]), ("b", found.b, dequantized[1])):
+            decision = decisions.get(operand)
+            if decision is None or decision[1] is not None or _float_sums(decision[0]):
+                continue
+            if len(readers.get(operand, [])) == 1 and len(readers.get(dq, [])) == 1:
+                candidates.append((order[operand], own, operand))
+        if candidates:
+            _, own, conv = max(candidates)
+            fusable[conv] = (var, found, own)
+    return fusable
+
+
 def _bindings(func: relax.Function) -> dict:
     """Each variable `func` binds -> its value."""
     return {b.var: b.value for block in func.body.blocks for b in block.bindings if isinstance(b, relax.VarBinding)}
@@ -485,10 +523,15 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
             self.values: dict = {}  # the function's bindings (before lowering)
             self.units_borders: dict = {}  # units_borders of the function
             self.readers: dict = {}  # and their readers (readers_of)
+            self.fusable_adds: dict = {}  # fusable_adds of the function
+            self.fused: dict = {}  # an add's quantize variable -> the fused kernel's (view, blocked)
 
         def _add(self, binding: relax.VarBinding) -> bool:
             """Emit the blocked quantized add `binding` ends, if it is one whose operands an int8
             kernel wrote blocked (alike) and whose float values nothing else reads."""
+            if binding.var in self.fused:  # computed by the convolution that computes an operand
+                self._bind(binding, *self.fused.pop(binding.var))
+                return True
             value = binding.value
             found = match_quantized_add(value, self.values.get) if _is(value, "relax.quantize") else None
             if found is None or any(len(self.readers.get(v, [])) > 1 for v in found.inside):
@@ -542,9 +585,31 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
                             reason)
                 return super().visit_var_binding_(binding)
             found = dataclasses.replace(found, data=self.visit_expr(found.data))
+            if self._fused_conv2d(binding, found):
+                return None
             self._bind(binding, *emit_quantized_conv2d(self.builder_, found, target, self.blocked.get(found.data),
                                                        self.units_borders.get(binding.var)))
             return None
+
+        def _fused_conv2d(self, binding: relax.VarBinding, found: QuantizedConv2d) -> bool:
+            """Emit `found` with the quantized add it feeds fused (:func:`fusable_adds`) where the
+            add's other operand is blocked uint8 of the output's blocks; the add's binding then
+            takes the sum, this binding its float ops (read by nothing: dropped)."""
+            fusion = self.fusable_adds.get(binding.var)
+            if fusion is None:
+                return False
+            add_var, add, own = fusion
+            other = self.blocked.get(self.visit_expr(add.b if own == "a" else add.a))
+            if not _uint8(other):
+                return False
+            terms = QuantizedSum(add.a_quantization, add.b_quantization, add.out_quantization, add.relu, own)
+            try:
+                self.fused[add_var] = emit_quantized_conv2d(self.builder_, found, target, self.blocked.get(found.data),
+                                                            None, (terms, other))
+            except ValueError:
+                return False
+            super().visit_var_binding_(binding)
+            return True
 
         def _bind(self, binding: relax.VarBinding, view: relax.Expr, blocked: relax.Var) -> None:
             """`binding`'s variable bound to the NCHW `view` of a kernel's `blocked` output, which
@@ -564,6 +629,7 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
                 lowering.values, lowering.readers = _bindings(func), readers_of(func)
                 lowering.decisions = _decisions(lowering.values, lowering.readers, target)
                 lowering.units_borders = units_borders(lowering.decisions, lowering.values, lowering.readers)
+                lowering.fusable_adds = fusable_adds(lowering.decisions, lowering.values, lowering.readers)
                 if any(reason is None for _, reason in lowering.decisions.values()):
                     lowering.builder_.update_func(gvar, lowering.visit_expr(func))
                     lowered = True
