@@ -39,6 +39,8 @@ def test_random_graphs_on_every_x86_isa(isa, mcpu):
     host, order = vector_isa("llvm"), [i for i, _ in X86_ISAS]
     if host not in order or order.index(isa) > order.index(host):
         pytest.skip(f"this host has {host.name}, not {isa.name}")
+    if isa == host:
+        pytest.skip(f"{isa.name} is this host's ISA: the 300 graphs above run on it")
     target = tvm_ext.resolve_target({"kind": "llvm", "mcpu": mcpu})
     assert vector_isa(target) == isa
     failures = []
