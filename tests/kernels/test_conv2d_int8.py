@@ -260,3 +260,36 @@ def test_an_epilogue_with_a_fused_add_reads_back_from_its_json_description():
         Epilogue(out_dtype="uint8", out_pad=(1, 1, 1, 1), add=add)
     with pytest.raises(ValueError, match="own must be 'a' or 'b'"):
         QuantizedSum(add.a, add.b, add.out, own="c")
+
+
+@pytest.mark.skipif(not (has_amx_int8(TARGET) and amx_permitted()),
+                    reason="no AMX-INT8, or the OS does not grant its tiles")
+def test_amx_kernels_reload_a_tile_configuration_that_changed():
+    """An AMX microkernel call loads its tile configuration only where the one in force differs
+    (read back with sttilecfg): right after a kernel of another tile shape, and after the tiles
+    were released (as other libraries do when they finish) — the second call of each pair is
+    right."""
+    from tvm.script.ir_builder import IRBuilder
+    from tvm.tirx.script import builder as T
+
+    with IRBuilder() as builder, T.prim_func(s_tir=True):
+        T.func_name("release")
+        T.arg("x", T.Buffer((1,), "int32"))
+        release_ir = ("define linkonce_odr void @tvmext_test_release() {\n  call void @llvm.x86.tilerelease()\n"
+                      "  ret void\n}\ndeclare void @llvm.x86.tilerelease()\n")
+        with T.attr(0, "pragma_import_llvm", release_ir):
+            T.evaluate(T.call_extern("void", "tvmext_test_release"))
+    release = tvm.compile(tvm.IRModule({"release": builder.get()}), TARGET)["release"]
+    epilogue = Epilogue(bias=True, out_dtype="uint8", zero_point=3)
+    small = ((1, 32, 7, 9), (32, 32, 3, 3), 1, 1, 1)  # tiles of 7 and 9 rows
+    large = ((1, 64, 20, 20), (64, 64, 3, 3), 1, 1, 1)  # tiles of 16 rows
+    for between in ("another shape", "released tiles"):
+        first, expected, _ = run_int8_conv(*small, "amx", AVX512, epilogue, x_zero=5, seed=1)
+        if between == "another shape":
+            got, want, _ = run_int8_conv(*large, "amx", AVX512, epilogue, x_zero=5, seed=2)
+            np.testing.assert_array_equal(got, want)
+        else:
+            release(tvm.runtime.empty((1,), "int32"))
+        again, _, _ = run_int8_conv(*small, "amx", AVX512, epilogue, x_zero=5, seed=1)
+        np.testing.assert_array_equal(first, expected)
+        np.testing.assert_array_equal(again, expected)
