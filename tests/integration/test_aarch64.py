@@ -84,6 +84,15 @@ def _run_all(modules, winograd: bool = False) -> list:
     return aarch64.run(cases)
 
 
+def _assert_right_on_neon(graphs: list, tolerance: float, winograd: bool = False) -> None:
+    """Run every (config, module, inputs, float64 reference) on NEON, in one emulator process:
+    each output within `tolerance` (relative to its largest value) of its reference."""
+    results = _run_all([(mod, inputs) for _, mod, inputs, _ in graphs], winograd)
+    for (cfg, _, _, ref), got in zip(graphs, results, strict=True):
+        assert not isinstance(got, str), f"{cfg}\n{got}"
+        assert got[0].shape == ref.shape and rel_err(got[0], ref) <= tolerance, (cfg, rel_err(got[0], ref))
+
+
 def _conv_kernels(mod, winograd: bool = False) -> list[str]:
     return [r.kernel for r in tvm_ext.dispatch_report(mod, TARGET, winograd=winograd) if r.op == "nn.conv2d"]
 
@@ -96,10 +105,7 @@ def test_random_convolutions_on_neon():
     graphs = [(cfg, *_conv_graph(cfg, rng)) for cfg in (_conv_config(rng) for _ in range(40))]
     for cfg, mod, _, _ in graphs:
         assert "fallback" not in _conv_kernels(mod), cfg
-    results = _run_all([(mod, inputs) for _, mod, inputs, _ in graphs])
-    for (cfg, _, _, ref), got in zip(graphs, results, strict=True):
-        assert not isinstance(got, str), f"{cfg}\n{got}"
-        assert got[0].shape == ref.shape and rel_err(got[0], ref) <= 1e-5, (cfg, rel_err(got[0], ref))
+    _assert_right_on_neon(graphs, 1e-5)
 
 
 @needs_emulator
@@ -115,10 +121,7 @@ def test_winograd_on_neon():
         graphs.append((cfg, *_conv_graph(cfg, rng)))
     for cfg, mod, _, _ in graphs:
         assert _conv_kernels(mod, winograd=True) == ["winograd_conv2d"], cfg
-    results = _run_all([(mod, inputs) for _, mod, inputs, _ in graphs], winograd=True)
-    for (cfg, _, _, ref), got in zip(graphs, results, strict=True):
-        assert not isinstance(got, str), f"{cfg}\n{got}"
-        assert rel_err(got[0], ref) <= 5e-5, (cfg, rel_err(got[0], ref))
+    _assert_right_on_neon(graphs, 5e-5, winograd=True)
 
 
 POOLS = [("max", 3, 2, 1, False, True), ("max", 2, 2, 0, True, True), ("max", 3, 1, 1, False, True),
@@ -164,10 +167,7 @@ def test_pooling_on_neon():
     for cfg, mod, _, _ in graphs:
         pools = [r for r in tvm_ext.dispatch_report(mod, TARGET) if r.op != "nn.conv2d"]
         assert pools and all(r.kernel != "fallback" for r in pools), (cfg, pools)
-    results = _run_all([(mod, inputs) for _, mod, inputs, _ in graphs])
-    for (cfg, _, _, ref), got in zip(graphs, results, strict=True):
-        assert not isinstance(got, str), f"{cfg}\n{got}"
-        assert got[0].shape == ref.shape and rel_err(got[0], ref) <= 1e-5, (cfg, rel_err(got[0], ref))
+    _assert_right_on_neon(graphs, 1e-5)
 
 
 @needs_emulator
