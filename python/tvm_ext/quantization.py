@@ -31,7 +31,7 @@ from tvm import relax
 
 from .errors import UnsupportedError
 from .relax_info import dtype, is_channel_bias, prim_value, static_shape
-from .target import TargetLike
+from .target import TargetLike, resolve_target
 from .transform.fold_batch_norm import fold_batch_norm
 
 logger = logging.getLogger("tvm_ext")
@@ -185,9 +185,12 @@ def _quantized_weights(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, scale
 
 
-def _check(mod, calibration, method: str, percentile: float, activations: str) -> list[tuple[np.ndarray, ...]]:
+def _check(mod, calibration, method: str, percentile: float, activations: str,
+           target: TargetLike) -> list[tuple[np.ndarray, ...]]:
     if not isinstance(mod, tvm.IRModule) or "main" not in [g.name_hint for g in mod.get_global_vars()]:
         raise TypeError("quantize: mod must be a Relax IRModule with a main function")
+    if resolve_target(target).kind.name != "llvm":
+        raise ValueError(f"quantize: the calibration runs on a CPU (an llvm target), not {target!r}")
     if method not in QUANTIZE_METHODS:
         raise ValueError(f"quantize: method must be one of {QUANTIZE_METHODS}, got {method!r}")
     if not 50.0 < percentile <= 100.0:
@@ -331,11 +334,12 @@ def quantize(mod: tvm.IRModule, calibration: Iterable[np.ndarray | Sequence[np.n
     `method` "minmax" takes each activation's range over all of them (ONNX Runtime's default),
     "percentile" its `percentile` and 100 - `percentile` percentiles (of up to 65536 values an
     input), which ignores outliers. `activations`: "uint8" (asymmetric, the int8 kernels' native
-    input) or "int8". `target`: where the float32 calibration runs (the host by default).
+    input) or "int8". `target`: the CPU the float32 calibration runs on (the host by default).
+    Convolutions of a static shape are quantized (a symbolic batch's stay float32).
     Build the result with :func:`tvm_ext.build`; :func:`tvm_ext.dispatch_report` says which
     convolutions run in int8.
     """
-    samples = _check(mod, calibration, method, percentile, activations)
+    samples = _check(mod, calibration, method, percentile, activations, target)
     given = mod
     mod = tvm.transform.Sequential([relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination(),
                                     relax.transform.FoldConstant(), fold_batch_norm()])(mod)

@@ -186,6 +186,8 @@ def test_bad_arguments_are_named_before_any_build(resnet18):
                             ({"percentile": 30.0}, "percentile")]:
         with pytest.raises(ValueError, match=message):
             tvm_ext.quantize(mod, calibration, **kwargs)
+    with pytest.raises(ValueError, match="the calibration runs on a CPU"):
+        tvm_ext.quantize(mod, calibration, target="cuda -arch=sm_90")
     with pytest.raises(ValueError, match="calibration is empty"):
         tvm_ext.quantize(mod, [])
     with pytest.raises(ValueError, match=r"calibration\[0\] has 2 arrays"):
