@@ -154,8 +154,9 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
                 callee = expr.args[0].name_hint
                 if callee.startswith("tvm_ext_int8_conv2d") and int8_rows:
                     report.append(dataclasses.replace(int8_rows.pop(0), runs=runs))
-                    blocked = static_shape(expr.args[1].fields[-1])
-                    if callee.endswith(FUSED_ADD) and blocked is not None:
+                    # (FUSED_ADD ends the name, before the number a repeated kernel's name gets)
+                    blocked = static_shape(expr.args[1].fields[-1]) if FUSED_ADD in callee else None
+                    if blocked is not None:
                         n, blocks, h, w, block = blocked
                         report.append(DispatchRow("add", ((n, blocks * block, h, w),), "int8_conv2d epilogue",
                                                   "fused: the quantized (QDQ) add of this output and the other "

@@ -71,6 +71,9 @@ def test_qdq_networks_agree_with_onnx_runtime(tmp_path_factory, name):
     expected = {"resnet18": residual | pooled, "resnet50": residual | pooled, "mobilenet_v2": residual,
                 "shufflenet_v2_x1_0": pooled}[name]
     assert kernels == expected | {"brgemm_conv2d epilogue"}
+    # every residual add reported, the repeated kernels' too (a name ending "_qadd1" was missed)
+    adds = sum(r.runs for r in report if r.kernel == "int8_conv2d epilogue")
+    assert adds == {"resnet18": 8, "resnet50": 16, "mobilenet_v2": 10, "shufflenet_v2_x1_0": 0}[name]
 
 
 @needs_int8
