@@ -31,6 +31,7 @@ from tvm import relax
 
 from .errors import UnsupportedError
 from .relax_info import dtype, is_channel_bias, prim_value, static_shape
+from .strategy.base import readers_of
 from .target import TargetLike, resolve_target
 from .transform.fold_batch_norm import fold_batch_norm
 
@@ -79,16 +80,6 @@ def _single_block(func: relax.Function) -> relax.DataflowBlock:
     return body.blocks[0]
 
 
-def _readers(block: relax.DataflowBlock, output: relax.Expr) -> dict:
-    readers: dict = {}
-    for binding in block.bindings:
-        relax.analysis.post_order_visit(binding.value, lambda e, b=binding: readers.setdefault(e, []).append(b)
-                                        if isinstance(e, relax.Var) else None)
-    relax.analysis.post_order_visit(output, lambda e: readers.setdefault(e, []).append(None)
-                                    if isinstance(e, relax.Var) else None)
-    return readers
-
-
 def _float4d(expr) -> bool:
     shape = static_shape(expr)
     return isinstance(expr, relax.Var) and shape is not None and len(shape) == 4 and \
@@ -103,12 +94,14 @@ def _relu6_bound(value) -> float | None:
     return hi if lo == 0.0 and hi is not None and hi > 0 else None
 
 
-def _plan(block: relax.DataflowBlock, output: relax.Expr) -> _Plan:
-    readers = _readers(block, output)
+def _plan(func: relax.Function) -> _Plan:
+    block = _single_block(func)
+    readers, binding_of = readers_of(func), {b.value: b for b in block.bindings}
 
-    def only_reader(var):
+    def only_reader(var) -> relax.VarBinding | None:
+        """The binding that alone reads `var` (None: several readers, or the function's result)."""
         found = readers.get(var, [])
-        return found[0] if len(found) == 1 and found[0] is not None else None
+        return binding_of.get(found[0]) if len(found) == 1 and found[0] is not None else None
 
     plan = _Plan({}, {}, {}, set(), {})
 
@@ -344,8 +337,7 @@ def quantize(mod: tvm.IRModule, calibration: Iterable[np.ndarray | Sequence[np.n
     mod = tvm.transform.Sequential([relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination(),
                                     relax.transform.FoldConstant(), fold_batch_norm()])(mod)
     func = mod["main"]
-    block = _single_block(func)
-    plan = _plan(block, func.body.body)
+    plan = _plan(func)
     tensors = plan.tensors()
     if not plan.convs:
         logger.info("tvm_ext.quantize: no convolution with constant weights; the module stays float32")
