@@ -28,7 +28,7 @@ import numpy as np
 import tvm
 
 import tvm_ext
-from tvm_ext.intrin.cuda import ThreadTile, get_outer_product_intrin
+from tvm_ext.intrin.cuda import get_outer_product_intrin, thread_tile
 from tvm_ext.kernels.conv2d import Conv2dWorkload
 from tvm_ext.kernels.cuda import maxdnn, toolchain
 from tvm_ext.testing.maxdnn import emulate, emulate_winograd
@@ -39,9 +39,9 @@ def main(small: bool = False) -> None:
     #    two float4 half a tile apart (conflict-free 128-bit shared loads).
     #    A 16x8 thread tile issues 128 FFMA per 6 shared loads instead of 64 per 4: fewer of the
     #    scheduler's issue slots go to loads, so more of the FFMA peak is within reach.
-    for spec in (ThreadTile(rows=8, cols=8, k_step=8, row_gap=32, col_gap=32), maxdnn.FFMA_TILES[0].thread_tile()):
-        print(f"1. {get_outer_product_intrin(spec)}: {spec.ffma_per_k()} FFMA per k, "
-              f"{(spec.rows + spec.cols) // spec.vec} float4 shared loads per k")
+    for spec in (thread_tile(rows=8, cols=8, k_step=8, row_gap=32, col_gap=32), maxdnn.FFMA_TILES[0].thread_tile()):
+        print(f"1. {get_outer_product_intrin(spec)}: {spec.fma_per_k()} FFMA per k, "
+              f"{(spec.rows + spec.cols) // spec.row_vec} float4 shared loads per k")
 
     # 2. A convolution layer (OverFeat layer 3, maxDNN's benchmark) and its kernel.
     wl = Conv2dWorkload.make((128, 256, 12, 12), (512, 256, 3, 3), padding=1)

@@ -6,6 +6,7 @@ nvcc (PTX and ptxas for sm_80 and sm_90). Tests marked `gpu` run the kernel on a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -16,7 +17,8 @@ from maxdnn_cases import _WL_STATIC, _emulated, _inputs, _reference, needs_gxx, 
 from reference import conv2d_nchw, rel_err
 
 from tvm_ext import ops
-from tvm_ext.intrin.cuda import ThreadTile, get_outer_product_intrin
+from tvm_ext.intrin.cuda import get_outer_product_intrin, thread_tile
+from tvm_ext.intrin.outer_tile import OuterTile
 from tvm_ext.kernels.common import KERNEL_ATTR
 from tvm_ext.kernels.conv2d import Conv2dWorkload
 from tvm_ext.kernels.cuda import maxdnn as cc
@@ -155,7 +157,7 @@ def test_machine_code(arch, tile):
     t, steps = plan.tile, plan.code_steps
     tt = t.thread_tile()
     fma = sum(n for op, n in ops_count.items() if op.startswith("fma.rn") and op.endswith(".f32"))
-    assert fma == tt.ffma_per_k() * t.k_step * steps  # 64 FMAs per thread per k (8 x 8), 128 (16 x 8)
+    assert fma == tt.fma_per_k() * t.k_step * steps  # 64 FMAs per thread per k (8 x 8), 128 (16 x 8)
     # per k: a thread's 8 rows and 8 columns as four 128-bit shared loads (16 x 8: six)
     assert ops_count["ld.shared.v4.f32"] == (tt.rows + tt.cols) // t.vec * t.k_step * steps
     assert ops_count["ld.global.nc.v4.f32"] > 0  # 128-bit loads through the read-only path
@@ -170,7 +172,7 @@ def test_machine_code(arch, tile):
     # loads and stores, the loop; the SASS, below, is 90-91%)
     loop = toolchain.main_loop_instructions(toolchain.compile_source(source, arch).decode())
     loop_fma = sum(n for op, n in loop.items() if op.startswith("fma.rn"))
-    assert loop_fma == 2 * tt.ffma_per_k() * t.k_step and loop_fma >= 0.87 * sum(loop.values())
+    assert loop_fma == 2 * tt.fma_per_k() * t.k_step and loop_fma >= 0.87 * sum(loop.values())
     cubin = toolchain.compile_source(source, arch, "cubin")
     assert cubin[:4] == b"\x7fELF"
 
@@ -187,7 +189,7 @@ def test_k_loop_machine_code_is_ffma_bound(arch, tile, share):
     source = cc.cuda_source(plan, {"kind": "cuda", "arch": arch})
     loop = toolchain.sass_loop_instructions(toolchain.disassemble(toolchain.compile_source(source, arch, "cubin")))
     tt, t = plan.tile.thread_tile(), plan.tile
-    assert loop["FFMA"] == 2 * tt.ffma_per_k() * t.k_step
+    assert loop["FFMA"] == 2 * tt.fma_per_k() * t.k_step
     # the floor: per k a thread's rows and columns in LDS.128 (8 x 8: 4, 16 x 8: 6); per step its
     # share of the next step's tiles in LDG.128 and STS.128 (4 each for both tiles) and a barrier:
     # 92.6% FFMA for 8 x 8, 94.7% for 16 x 8 on 128 x 128 (BlockTile.ffma_issue_share)
@@ -200,19 +202,21 @@ def test_k_loop_machine_code_is_ffma_bound(arch, tile, share):
 # -- descriptions, plans and layouts ----------------------------------------------------------
 
 def test_thread_tile_description():
-    spec = ThreadTile()
-    assert (spec.span_a, spec.span_b, spec.ffma_per_k()) == (36, 36, 64)
+    spec = thread_tile()
+    assert (spec.span_a, spec.span_b, spec.fma_per_k()) == (36, 36, 64)
     name = get_outer_product_intrin(spec)
-    assert name == spec.name and tvm.s_tir.TensorIntrin.get(name) is not None
-    assert get_outer_product_intrin(ThreadTile(row_gap=48, col_gap=32)) != name
+    assert name == spec.name("cuda") and tvm.s_tir.TensorIntrin.get(name) is not None
+    assert get_outer_product_intrin(thread_tile(row_gap=48, col_gap=32)) != name
     with pytest.raises(ValueError, match="float32"):
-        ThreadTile(dtype="float16").validate()
-    with pytest.raises(ValueError, match="multiple of vec"):
-        ThreadTile(rows=6).validate()
+        get_outer_product_intrin(dataclasses.replace(spec, dtype="float16"))
+    with pytest.raises(ValueError, match="multiple of its group"):
+        get_outer_product_intrin(thread_tile(rows=6))
     with pytest.raises(ValueError, match="overlap"):
-        ThreadTile(row_gap=2).validate()
+        get_outer_product_intrin(thread_tile(row_gap=2))
     with pytest.raises(ValueError, match="spills"):
-        ThreadTile(rows=16, cols=16).validate()
+        get_outer_product_intrin(thread_tile(rows=16, cols=16))
+    with pytest.raises(ValueError, match="one width"):  # the CPU's contiguous tile is not a thread's
+        get_outer_product_intrin(OuterTile.contiguous(8, 32, 8))
 
 
 def test_block_tile_and_choice():

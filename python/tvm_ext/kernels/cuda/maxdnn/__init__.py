@@ -13,7 +13,7 @@ memory. Layouts (those of maxDNN/cuda-convnet, chosen so that every global acces
   contiguous in output channels.
 
 One thread block computes a `rows x cols` tile of Y with rows/8 x cols/8 threads, each holding an
-8x8 register tile (maxDNN's 64x64) updated by the :class:`~tvm_ext.intrin.cuda.ThreadTile` tensor
+8x8 register tile (maxDNN's 64x64) updated by the :class:`~tvm_ext.intrin.outer_tile.OuterTile` tensor
 intrinsic; :func:`choose_tile` picks from :data:`FFMA_TILES`, mostly 16x8 thread tiles on 128x128,
 64x128 or 96x128 blocks, which spend fewer of a scheduler's issue slots on shared loads per FFMA
 (94% of the k loop's SASS is FFMA, against 91% for 8x8). The k loop runs in steps

@@ -91,7 +91,7 @@ class Engine(abc.ABC):
 
 class Ffma(Engine):
     """maxDNN's thread tiles: each thread an 8x8 (or 16x8) register tile of FFMAs, its updates
-    tensorized onto the :class:`~tvm_ext.intrin.cuda.ThreadTile` intrinsic afterwards (their
+    tensorized onto the :class:`~tvm_ext.intrin.outer_tile.OuterTile` intrinsic afterwards (their
     blocks' names in :attr:`~.codegen.Generator.updates`)."""
 
     def declare_registers(self) -> None:

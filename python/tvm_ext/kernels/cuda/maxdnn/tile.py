@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ....intrin.cuda import MMA_SHAPES, WGMMA_SHAPES, MmaShape, ThreadTile, WgmmaShape
+from ....intrin.cuda import MMA_SHAPES, WGMMA_SHAPES, MmaShape, WgmmaShape, check_thread_tile, thread_tile
+from ....intrin.outer_tile import OuterTile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +114,8 @@ class BlockTile:
         c = self.mma_chunks[1]
         return ni // c * (8 * c), n * c, ni % c
 
-    def thread_tile(self) -> ThreadTile:
-        return ThreadTile(
+    def thread_tile(self) -> OuterTile:
+        return thread_tile(
             rows=self.thread_rows, cols=self.thread_cols, k_step=self.k_step, vec=self.vec,
             row_gap=self.rows * self.vec // self.thread_rows, col_gap=self.cols * self.vec // self.thread_cols)
 
@@ -149,7 +150,7 @@ class BlockTile:
                 raise ValueError(f"BlockTile: {extent} is not a multiple of the thread tile {per_thread}")
         if not 32 <= self.threads <= 1024:
             raise ValueError(f"BlockTile: {self.threads} threads per block (32..1024 allowed)")
-        self.thread_tile().validate()
+        check_thread_tile(self.thread_tile())
 
     @property
     def weight_words(self) -> int:

@@ -1,0 +1,104 @@
+"""The maxDNN tile on LLVM CPUs: the outer-product tile's implementation in vector registers.
+
+The description is :func:`~tvm_ext.intrin.outer_tile.outer_description`, shared with CUDA. On a
+CPU a tile is `rows` output channels x `cols` columns (images at one output pixel, the images
+innermost, so `cols` is a multiple of the vector lanes): C's rows x cols/lanes accumulators stay
+in registers for the call's k_step steps; each step loads cols/lanes vectors of B (a row of the
+input: images) and broadcasts `rows` scalars of A (a row of the weights: output channels), then
+issues rows x cols/lanes FMAs. Where the convolution's spatial size is, the tile is the same,
+which is what a blocked-channel tile (:class:`~tvm_ext.intrin.cpu.BRGEMM`, pixels of a row) is
+not at 7x7.
+
+A, B and C are strided views of the weights, the input and the output, so the implementation
+takes any row strides (unit innermost). A tile whose accumulators, B vectors and the broadcast
+do not fit the ISA's register file would spill inside the k loop: :func:`check_cpu_tile`
+refuses it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from tvm import tirx
+from tvm.script.ir_builder import IRBuilder
+from tvm.tirx.script import builder as T
+
+from ..target import VectorISA
+from .cpu import operand_buffer
+from .outer_tile import OuterTile, outer_description
+from .registry import register_once
+
+
+def cpu_tile_registers(tile: OuterTile, lanes: int) -> int:
+    """Vector registers the k loop keeps live: accumulators, one row of B, the broadcast."""
+    vectors = tile.cols // lanes
+    return tile.rows * vectors + vectors + 1
+
+
+def check_cpu_tile(tile: OuterTile, isa: VectorISA) -> None:
+    """Raise ValueError unless `isa` runs `tile` from registers: one contiguous group of rows and
+    of columns, whole vectors of columns, and no spill."""
+    tile.validate()
+    if (tile.row_groups, tile.col_groups) != (1, 1):
+        raise ValueError(f"OuterTile: a CPU tile is one contiguous group of rows and of columns, not {tile}")
+    if tile.cols % isa.lanes:
+        raise ValueError(f"OuterTile: cols={tile.cols} is not a multiple of {isa.name}'s {isa.lanes} lanes")
+    if cpu_tile_registers(tile, isa.lanes) > isa.registers:
+        raise ValueError(f"OuterTile: a {tile.rows}x{tile.cols} tile needs {cpu_tile_registers(tile, isa.lanes)} "
+                         f"vector registers, {isa.name} has {isa.registers}: it would spill in the k loop")
+
+
+def cpu_tiles(isa: VectorISA, max_vectors: int = 4, spare: int = 1) -> list[tuple[int, int]]:
+    """Every (rows, cols) that fits `isa`'s registers with `spare` left over (LLVM spilled tiles
+    that used every register, :func:`tvm_ext.intrin.cpu.default_tile`), most rows first."""
+    tiles = []
+    for vectors in range(1, max_vectors + 1):
+        most = (isa.registers - 1 - vectors - spare) // vectors
+        tiles += [(rows, vectors * isa.lanes) for rows in range(most, 0, -1)]
+    return tiles
+
+
+def _implementation(tile: OuterTile, lanes: int, unroll: int) -> tirx.PrimFunc:
+    """C's accumulators loaded once, k_step steps of (B's vectors, rows broadcasts, rows x vectors
+    FMAs), C stored once. Accumulators are small arrays indexed by constants (LLVM promotes them
+    to registers; see :func:`tvm_ext.intrin.cpu._implementation`)."""
+    vec, nv = f"{tile.dtype}x{lanes}", tile.cols // lanes
+    steps = tile.k_step
+    ku = max(d for d in range(1, min(unroll, steps) + 1) if steps % d == 0)
+    with IRBuilder() as builder, T.prim_func(s_tir=True):
+        T.func_name("impl")
+        handles = [T.arg(name, T.handle()) for name in "abc"]
+        shapes = ((tile.k_step, tile.span_a), (tile.k_step, tile.span_b), (tile.rows, tile.cols))
+        a, b, c = (operand_buffer(handle, shape, tile.dtype, strided=True)
+                   for handle, shape in zip(handles, shapes, strict=True))
+        with T.sblock("root"):
+            T.reads(c[0:tile.rows, 0:tile.cols], a[0:steps, 0:tile.span_a], b[0:steps, 0:tile.span_b])
+            T.writes(c[0:tile.rows, 0:tile.cols])
+            acc = [IRBuilder.name(f"acc{i}", T.alloc_buffer((nv,), vec)) for i in range(tile.rows)]
+            bv = IRBuilder.name("bv", T.alloc_buffer((nv,), vec))
+            for i in range(tile.rows):
+                for j in range(nv):
+                    T.buffer_store(acc[i], c.vload([i, j * lanes], vec), [j])
+            with T.serial(steps // ku) as k0, T.unroll(ku) as k1:
+                IRBuilder.name_many(["k0", "k1"], [k0, k1])
+                k = k0 * ku + k1
+                for j in range(nv):
+                    T.buffer_store(bv, b.vload([k, j * lanes], vec), [j])
+                for i in range(tile.rows):
+                    a_value = T.broadcast(a[k, i], lanes)
+                    for j in range(nv):
+                        T.buffer_store(acc[i], T.call_llvm_pure_intrin(vec, "llvm.fmuladd", a_value, bv[j], acc[i][j]),
+                                       [j])
+            for i in range(tile.rows):
+                for j in range(nv):
+                    T.buffer_store(c, acc[i][j], [i, slice(j * lanes, (j + 1) * lanes)])
+    return builder.get()
+
+
+@functools.cache
+def get_cpu_outer_intrin(tile: OuterTile, isa: VectorISA, unroll: int = 2) -> str:
+    """Register (once) the CPU tensor intrinsic for `tile` on `isa` (:func:`check_cpu_tile`),
+    `unroll` k steps unrolled (the largest divisor of k_step up to it), and return its name."""
+    check_cpu_tile(tile, isa)
+    name = f"{tile.name(f'cpu_l{isa.lanes}')}_u{unroll}"
+    return register_once(name, lambda: (outer_description(tile), _implementation(tile, isa.lanes, unroll)))

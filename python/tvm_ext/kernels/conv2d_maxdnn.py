@@ -1,0 +1,325 @@
+"""Direct 2-D convolution on the maxDNN tile (LLVM CPU): the images in the vector lanes.
+
+maxDNN (../shared/SEEDS.md, paper 1) computes a convolution as the implicit GEMM
+Y[o, (p, q, n)] = sum_(r, s, c) W[(r, s, c), o] X[(r, s, c), (p, q, n)] with the image index
+innermost. On a CPU that puts images in the vector lanes: a register tile is `rows` output
+channels x `cols` images at one output pixel (:func:`tvm_ext.intrin.cpu_outer.get_cpu_outer_intrin`,
+the description shared with the CUDA kernel), fed by broadcast weights and contiguous image
+vectors whatever the spatial size, where the blocked-channel BRGEMM kernel tiles a row's pixels
+(and needed plans of its own for 7x7 and 14x14 layers at batch 16).
+
+Layouts (the images padded to whole vectors with zeros, the channels of a group to whole tiles):
+- activations: the input with its zero border, HWCN (a pixel's channels x images contiguous: a
+  call's k steps walk one stream of memory) or CHWN (cuda-convnet's and the CUDA kernel's: a
+  step is one image plane further); the output without a border, PQKN or KPQN to match;
+- weights RSCK per group, [G, R, S, C/G, K/G]: a k step's row of A is contiguous in output
+  channels.
+
+A task is (group, block of `macro_rows` output channels, output row); for each pixel of its row and
+each block of `cols` images it zeroes its macro_rows x cols output tile (in L1), then for each
+filter tap and chunk of `k_step` channels calls the microkernel once per `rows` output channels:
+the chunk of the input (k_step x cols) is reused from L1 by every call, the tile accumulates in
+place, and the epilogue (bias, activation) runs over it while it is in L1.
+
+The generator is :func:`maxdnn_conv2d_func` (scheduled by :func:`schedule_maxdnn_conv2d`); the
+layouts' host-side forms are :func:`pack_data`, :func:`pack_weight` and :func:`unpack_output`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+from tvm import s_tir, tirx
+from tvm.script.ir_builder import IRBuilder
+from tvm.tirx.script import builder as T
+
+from ..intrin.cpu import tile_efficiency
+from ..intrin.cpu_outer import check_cpu_tile, cpu_tiles, get_cpu_outer_intrin
+from ..intrin.outer_tile import OuterTile
+from ..target import VectorISA
+from .common import ACTIVATIONS, KERNEL_ATTR, activation_expr, param_buffer
+from .conv2d import Conv2dWorkload
+
+LAYOUTS = ("HWCN", "CHWN")
+MACRO_ROWS = 64  # output channels a task's tile spans by default (maxDNN's 64)
+MAX_K_STEP = 64  # channels per microkernel call: a chunk of 64 x 64 images is 16 KB of L1
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+def _largest_divisor(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxDNNCpuPlan:
+    """How a workload maps onto the images-in-lanes layouts and the tile."""
+
+    wl: Conv2dWorkload
+    isa: VectorISA
+    rows: int  # output channels of the register tile
+    cols: int  # images of the register tile (a multiple of the lanes)
+    k_step: int  # channels per microkernel call (divides the channels of a group)
+    macro_rows: int  # output channels of a task's tile (a multiple of rows)
+    layout: str = "HWCN"
+    unroll: int = 2
+
+    @staticmethod
+    def make(wl: Conv2dWorkload, isa: VectorISA, rows: int | None = None, cols: int | None = None,
+             k_step: int | None = None, macro_rows: int | None = None, layout: str = "HWCN") -> MaxDNNCpuPlan:
+        """The plan for `wl` on `isa`: the given choices, the analytic ones for the rest."""
+        if wl.dtype != "float32":
+            raise ValueError(f"maxdnn conv2d: float32 only, got {wl.dtype}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"maxdnn conv2d: layout must be one of {LAYOUTS}, got {layout!r}")
+        cg, kg = wl.C // wl.groups, wl.K // wl.groups
+        images = _ceil(wl.N, isa.lanes)
+        if rows is None or cols is None:
+            rows, cols = _default_tile(kg, images, isa, rows, cols)
+        if cols % isa.lanes or images % cols:
+            raise ValueError(f"maxdnn conv2d: cols={cols} must be whole {isa.lanes}-lane vectors dividing "
+                             f"the {images} padded images")
+        if k_step is None:
+            k_step = _largest_divisor(cg, MAX_K_STEP)
+            if k_step < 8 and cg <= 4 * MAX_K_STEP:  # (a prime number of channels: one call for all)
+                k_step = cg
+        if cg % k_step:
+            raise ValueError(f"maxdnn conv2d: k_step={k_step} does not divide the {cg} channels of a group")
+        kg_pad = _ceil(kg, rows)
+        if macro_rows is None:
+            macro_rows = rows * _largest_divisor(kg_pad // rows, max(1, MACRO_ROWS // rows))
+        if macro_rows % rows or kg_pad % macro_rows:
+            raise ValueError(f"maxdnn conv2d: macro_rows={macro_rows} must be whole {rows}-row tiles dividing "
+                             f"{kg_pad} output channels")
+        plan = MaxDNNCpuPlan(wl, isa, rows, cols, k_step, macro_rows, layout)
+        check_cpu_tile(plan.tile, isa)
+        return plan
+
+    @property
+    def tile(self) -> OuterTile:
+        return OuterTile.contiguous(self.rows, self.cols, self.k_step)
+
+    @property
+    def groups(self) -> int:
+        return self.wl.groups
+
+    @property
+    def channels(self) -> int:
+        """Input channels of a group."""
+        return self.wl.C // self.wl.groups
+
+    @property
+    def outputs(self) -> int:
+        """Output channels of a group, padded to whole register tiles."""
+        return _ceil(self.wl.K // self.wl.groups, self.rows)
+
+    @property
+    def images(self) -> int:
+        """Images, padded to whole vectors."""
+        return _ceil(self.wl.N, self.isa.lanes)
+
+    @property
+    def padded_hw(self) -> tuple[int, int]:
+        """The input's extents with the border the output reads (no more: a bottom or right
+        padding row that no output pixel reaches is left out)."""
+        wl = self.wl
+        (sh, sw), (dh, dw) = wl.stride, wl.dilation
+        return ((wl.OH - 1) * sh + (wl.KH - 1) * dh + 1, (wl.OW - 1) * sw + (wl.KW - 1) * dw + 1)
+
+    def data_shape(self) -> tuple[int, ...]:
+        hp, wp = self.padded_hw
+        return (hp, wp, self.wl.C, self.images) if self.layout == "HWCN" else (self.wl.C, hp, wp, self.images)
+
+    def weight_shape(self) -> tuple[int, ...]:
+        return (self.groups, self.wl.KH, self.wl.KW, self.channels, self.outputs)
+
+    def out_shape(self) -> tuple[int, ...]:
+        wl = self.wl
+        if self.layout == "HWCN":
+            return (wl.OH, wl.OW, self.groups, self.outputs, self.images)
+        return (self.groups, self.outputs, wl.OH, wl.OW, self.images)
+
+    def data_view(self) -> tuple[int, ...]:
+        """The shape the kernel reads the input as: HWCN as it is; CHWN as (C, pixels x images),
+        so that a call's operand, k_step channels x cols images at one pixel, is a region of the
+        last two axes (what tensorize matches against the description's matrix)."""
+        if self.layout == "HWCN":
+            return self.data_shape()
+        hp, wp = self.padded_hw
+        return (self.wl.C, hp * wp * self.images)
+
+    def out_view(self) -> tuple[int, ...]:
+        if self.layout == "HWCN":
+            return self.out_shape()
+        return (self.groups * self.outputs, self.wl.OH * self.wl.OW * self.images)
+
+    def data_index(self, c, h, w, n) -> list:
+        """Where channel c of image n at padded pixel (h, w) lies in :meth:`data_view`."""
+        if self.layout == "HWCN":
+            return [h, w, c, n]
+        return [c, (h * self.padded_hw[1] + w) * self.images + n]
+
+    def out_index(self, g, o, p, q, n) -> list:
+        if self.layout == "HWCN":
+            return [p, q, g, o, n]
+        return [g * self.outputs + o, (p * self.wl.OW + q) * self.images + n]
+
+    def fma_efficiency(self) -> float:
+        """The share of FMA slots the tile's k loop can fill, times the share of its work that is
+        not padding (images to whole vectors, output channels to whole tiles)."""
+        wl = self.wl
+        useful = wl.N * (wl.K // wl.groups) / (self.images * self.outputs)
+        return tile_efficiency(self.rows, self.cols // self.isa.lanes) * useful
+
+
+def _default_tile(outputs: int, images: int, isa: VectorISA, rows: int | None, cols: int | None) -> tuple[int, int]:
+    """The register tile with the most FMA slots filled on useful work, then the most
+    accumulators (independent FMA chains)."""
+    best, best_key = None, None
+    for r, c in cpu_tiles(isa):
+        if images % c or (rows is not None and r != rows) or (cols is not None and c != cols):
+            continue
+        useful = outputs / _ceil(outputs, r)
+        vectors = c // isa.lanes
+        key = (round(tile_efficiency(r, vectors) * useful, 3), r * vectors)
+        if best_key is None or key > best_key:
+            best, best_key = (r, c), key
+    if best is None:
+        raise ValueError(f"maxdnn conv2d: no {isa.name} register tile with rows={rows}, cols={cols} "
+                         f"for {images} padded images")
+    return best
+
+
+@dataclasses.dataclass(frozen=True)
+class Epilogue:
+    """What the kernel applies to its finished tile: a per-channel bias, then an activation."""
+
+    bias: bool = False
+    activation: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.activation is not None and self.activation not in ACTIVATIONS:
+            raise ValueError(f"maxdnn conv2d: activation {self.activation!r} is not one of {sorted(ACTIVATIONS)}")
+
+
+def maxdnn_conv2d_func(plan: MaxDNNCpuPlan, epilogue: Epilogue = Epilogue()) -> tirx.PrimFunc:
+    """The unscheduled kernel as TensorIR: parameters (x, w[, b], y) in :meth:`MaxDNNCpuPlan.data_shape`,
+    :meth:`~MaxDNNCpuPlan.weight_shape`, (G, outputs) and :meth:`~MaxDNNCpuPlan.out_shape`. Its
+    update block ("update") has the description's five loops innermost
+    (:func:`~tvm_ext.intrin.outer_tile.outer_description`); :func:`schedule_maxdnn_conv2d`
+    tensorizes it."""
+    wl = plan.wl
+    (sh, sw), (dh, dw) = wl.stride, wl.dilation
+    g_count, blocks, steps = plan.groups, plan.outputs // plan.macro_rows, plan.channels // plan.k_step
+    tiles, vec = plan.macro_rows // plan.rows, plan.isa.lanes
+    with IRBuilder() as builder, T.prim_func(s_tir=True):
+        T.func_name("conv")
+        x = param_buffer("x", plan.data_shape())
+        w = param_buffer("w", plan.weight_shape())
+        bias = param_buffer("b", (plan.groups, plan.outputs)) if epilogue.bias else None
+        y = param_buffer("y", plan.out_shape())
+        if plan.layout != "HWCN":  # (after the parameters: a declared buffer opens a frame)
+            x = IRBuilder.name("X_view", T.decl_buffer(plan.data_view(), "float32", data=x.data))
+            y = IRBuilder.name("Y_view", T.decl_buffer(plan.out_view(), "float32", data=y.data))
+        with T.sblock("root"):
+            with T.parallel(0, g_count * blocks * wl.OH) as task, T.grid(wl.OW, plan.images // plan.cols) as (q, nb):
+                IRBuilder.name_many(["task", "q", "nb"], [task, q, nb])
+                g, ob, p = task // (blocks * wl.OH), task // wl.OH % blocks, task % wl.OH
+                with T.grid(plan.macro_rows, plan.cols // vec) as (i, j), T.vectorized(0, vec) as lane, \
+                        T.sblock("zero"):
+                    IRBuilder.name_many(["i", "j", "lane"], [i, j, lane])
+                    vt, vq, vnb, vi, vj, vl = T.axis.remap("SSSSSS", [task, q, nb, i, j, lane])
+                    vo = vt // wl.OH % blocks * plan.macro_rows + vi
+                    index = plan.out_index(vt // (blocks * wl.OH), vo, vt % wl.OH, vq, vnb * plan.cols + vj * vec + vl)
+                    T.buffer_store(y, T.float32(0), index)
+                with T.grid(wl.KH, wl.KW, steps, tiles) as (r, s, cb, t), \
+                        T.grid(plan.k_step, 1, plan.rows, 1, plan.cols) as inner, T.sblock("update"):
+                    kk, _, i1, _, j1 = IRBuilder.name_many(["kk", "i0", "i1", "j0", "j1"], inner)
+                    IRBuilder.name_many(["r", "s", "cb", "t"], [r, s, cb, t])
+                    vg = IRBuilder.name("vg", T.axis.spatial(g_count, g))
+                    vb = IRBuilder.name("vb", T.axis.spatial(blocks, ob))
+                    vp = IRBuilder.name("vp", T.axis.spatial(wl.OH, p))
+                    vq, vnb = IRBuilder.name_many(["vq", "vnb"], T.axis.remap("SS", [q, nb]))
+                    vr, vs, vcb = IRBuilder.name_many(["vr", "vs", "vcb"], T.axis.remap("RRR", [r, s, cb]))
+                    vt = IRBuilder.name("vt", T.axis.spatial(tiles, t))
+                    vk = IRBuilder.name("vk", T.axis.reduce(plan.k_step, kk))
+                    vi, vj = IRBuilder.name_many(["vi", "vj"], T.axis.remap("SS", [i1, j1]))
+                    o = vb * plan.macro_rows + vt * plan.rows + vi
+                    c = vcb * plan.k_step + vk
+                    n = vnb * plan.cols + vj
+                    out = plan.out_index(vg, o, vp, vq, n)
+                    xi = plan.data_index(vg * plan.channels + c, vp * sh + vr * dh, vq * sw + vs * dw, n)
+                    T.buffer_store(y, y[tuple(out)] + w[vg, vr, vs, c, o] * x[tuple(xi)], out)
+                if bias is not None or epilogue.activation is not None:
+                    with T.grid(plan.macro_rows, plan.cols // vec) as (i, j), T.vectorized(0, vec) as lane, \
+                            T.sblock("epilogue"):
+                        vt, vq, vnb, vi, vj, vl = T.axis.remap("SSSSSS", [task, q, nb, i, j, lane])
+                        vg, vo = vt // (blocks * wl.OH), vt // wl.OH % blocks * plan.macro_rows + vi
+                        index = plan.out_index(vg, vo, vt % wl.OH, vq, vnb * plan.cols + vj * vec + vl)
+                        value = y[tuple(index)]
+                        if bias is not None:
+                            value = value + bias[vg, vo]
+                        if epilogue.activation is not None:
+                            value = activation_expr(epilogue.activation, value)
+                        T.buffer_store(y, value, index)
+    return builder.get().with_attr(KERNEL_ATTR, "maxdnn_conv2d")
+
+
+def schedule_maxdnn_conv2d(sch: s_tir.Schedule, plan: MaxDNNCpuPlan) -> None:
+    """Tensorize the update block onto the tile's intrinsic."""
+    loops = sch.get_loops(sch.get_sblock("update"))
+    sch.tensorize(loops[-5], get_cpu_outer_intrin(plan.tile, plan.isa, plan.unroll))
+
+
+@functools.cache
+def maxdnn_conv2d_kernel(plan: MaxDNNCpuPlan, epilogue: Epilogue = Epilogue()) -> tirx.PrimFunc:
+    """The scheduled kernel (cached: layers of one shape repeat)."""
+    sch = s_tir.Schedule(maxdnn_conv2d_func(plan, epilogue))
+    schedule_maxdnn_conv2d(sch, plan)
+    return sch.mod["main"]
+
+
+# -- host-side layouts (NumPy): the eager path and the tests --------------------------------
+
+
+def pack_data(plan: MaxDNNCpuPlan, x: np.ndarray) -> np.ndarray:
+    """NCHW -> the kernel's input: its zero border, the images padded to whole vectors."""
+    wl = plan.wl
+    hp, wp = plan.padded_hw
+    top, left = wl.padding[:2]
+    out = np.zeros((plan.images, wl.C, hp, wp), np.float32)
+    h, w = min(wl.H, hp - top), min(wl.W, wp - left)
+    out[:wl.N, :, top:top + h, left:left + w] = x[:, :, :h, :w]
+    axes = (2, 3, 1, 0) if plan.layout == "HWCN" else (1, 2, 3, 0)
+    return np.ascontiguousarray(out.transpose(axes))
+
+
+def pack_weight(plan: MaxDNNCpuPlan, w: np.ndarray) -> np.ndarray:
+    """OIHW -> [G, R, S, C/G, K/G padded to whole tiles] (zeros past K/G)."""
+    wl = plan.wl
+    kg = wl.K // wl.groups
+    per_group = np.asarray(w, np.float32).reshape(wl.groups, kg, plan.channels, wl.KH, wl.KW)
+    out = np.zeros(plan.weight_shape(), np.float32)
+    out[..., :kg] = per_group.transpose(0, 3, 4, 2, 1)
+    return out
+
+
+def pack_bias(plan: MaxDNNCpuPlan, b: np.ndarray) -> np.ndarray:
+    wl = plan.wl
+    out = np.zeros((plan.groups, plan.outputs), np.float32)
+    out[:, :wl.K // wl.groups] = np.asarray(b, np.float32).reshape(wl.groups, -1)
+    return out
+
+
+def unpack_output(plan: MaxDNNCpuPlan, y: np.ndarray) -> np.ndarray:
+    """The kernel's output -> NCHW (the padded images and output channels dropped)."""
+    wl = plan.wl
+    kg = wl.K // wl.groups
+    y = np.asarray(y)
+    g_o_p_q_n = y.transpose(2, 3, 0, 1, 4) if plan.layout == "HWCN" else y
+    nchw = g_o_p_q_n[:, :kg, :, :, :wl.N].transpose(4, 0, 1, 2, 3)
+    return np.ascontiguousarray(nchw.reshape(wl.N, wl.K, wl.OH, wl.OW))
