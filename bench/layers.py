@@ -20,7 +20,12 @@ relu and the uint8 requantization fused: what a quantized graph runs) on each en
 (AMX tiles; VNNI vectors), its fp32 kernel and PyTorch's quantized convolution (quint8 x qint8
 per-channel, channels_last) on its "onednn" (AMX where the CPU has it) and "x86" engines.
 
+With `--engine maxdnn|brgemm|all`: each layer (fp32) on the maxDNN tile (images in the vector
+lanes, tvm_ext.kernels.conv2d_maxdnn, both layouts) and/or the BRGEMM kernel, against oneDNN
+(PyTorch channels_last) in the same run: ms, % of the FMA peak, ratio to oneDNN.
+
 Usage: python bench/layers.py --set resnet50 --batch 1 --threads 1 [--layers K] [--repeat R] [--dtype bf16|int8]
+       python bench/layers.py --set alexnet --batch 128 --engine all
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--target", default="llvm")
     ap.add_argument("--csv", default="")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "int8"])
+    ap.add_argument("--engine", default="", choices=["", "maxdnn", "brgemm", "all"],
+                    help="compare the fp32 engines: the maxDNN tile (images in lanes, HWCN and CHWN), "
+                         "the BRGEMM kernel, oneDNN (all: every one of them)")
     return ap.parse_args(argv)
 
 
@@ -66,6 +74,7 @@ from tvm import relax  # noqa: E402
 
 import tvm_ext  # noqa: E402
 from tvm_ext.kernels import conv2d as K  # noqa: E402
+from tvm_ext.kernels import conv2d_maxdnn as MX  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 import peak as peak_bench  # noqa: E402
@@ -112,6 +121,16 @@ def bench_blocked(plan: K.Conv2dPlan, target, repeat: int, lanes: int | None = N
                 tvm.runtime.tensor(np.full((plan.OCB, plan.oc_bn), 1e-4, np.float32))]
     args.append(tvm.runtime.empty(epilogue.out_shape(plan), epilogue.out_dtype, tvm.cpu()))
     fn = lib.mod["main"]
+    return _median_ms(lambda: fn(*args), repeat)
+
+
+def bench_maxdnn(plan: MX.MaxDNNCpuPlan, target, repeat: int) -> float:
+    """The maxDNN tile's kernel alone (its layouts in and out: what runs inside a graph)."""
+    lib = tvm.compile(tvm.IRModule({"conv": MX.maxdnn_conv2d_kernel(plan, MX.Epilogue())}), target)
+    rng = np.random.default_rng(0)
+    args = [tvm.runtime.tensor(rng.standard_normal(s).astype(np.float32))
+            for s in (plan.data_shape(), plan.weight_shape(), plan.out_shape())]
+    fn = lib["conv"]
     return _median_ms(lambda: fn(*args), repeat)
 
 
@@ -311,6 +330,50 @@ def main_int8(target, layers: list[dict], peak: dict) -> int:
     return 0
 
 
+def main_engines(target, isa, layers: list[dict], peak_gflops: float) -> int:
+    """--engine: each layer on the maxDNN tile (both layouts) and the BRGEMM kernel, against oneDNN
+    (PyTorch channels_last) in the same run: ms, % of the FMA peak, ratio to oneDNN."""
+    engines = {"maxdnn": ["maxdnn_HWCN", "maxdnn_CHWN"], "brgemm": ["brgemm"]}
+    names = [e for key, values in engines.items() if ARGS.engine in (key, "all") for e in values]
+    print(f"# tvm_ext engines: set={ARGS.set} batch={ARGS.batch} threads={ARGS.threads} target={target} "
+          f"isa={isa.name} peak={peak_gflops:.1f} GFLOP/s (bench/peak.py); ms (%peak, x oneDNN)")
+    header = ["layer", "shape", *names, "onednn", "tiles"]
+    print(" | ".join(header))
+    ratios: dict[str, list[float]] = {name: [] for name in names}
+    pcts: dict[str, list[float]] = {name: [] for name in names}
+    rows = []
+    for layer in layers:
+        wl = layer_workload(layer)
+        t_dnn = bench_torch(wl, True, ARGS.repeat)
+        cells, tiles = [], []
+        for name in names:
+            if name == "brgemm":
+                plan = K.plan_conv2d(wl, isa)
+                ms = bench_blocked(plan, target, ARGS.repeat)
+                tiles.append(f"{plan.m_r}x{plan.oc_bn}")
+            else:
+                plan = MX.MaxDNNCpuPlan.make(wl, isa, layout=name.split("_")[1])
+                ms = bench_maxdnn(plan, target, ARGS.repeat)
+                tiles.append(f"{plan.rows}x{plan.cols}/k{plan.k_step}/m{plan.macro_rows}")
+            pct = 100 * wl.flops / ms / 1e6 / peak_gflops
+            ratios[name].append(t_dnn / ms)
+            pcts[name].append(pct)
+            cells.append(f"{ms:.2f} ({pct:.0f}%, {t_dnn / ms:.2f}x)")
+        dnn_pct = 100 * wl.flops / t_dnn / 1e6 / peak_gflops
+        row = [layer["name"], f"{wl.C}x{wl.H}x{wl.W}->{wl.K} {wl.KH}x{wl.KW}/s{wl.stride[0]}", *cells,
+               f"{t_dnn:.2f} ({dnn_pct:.0f}%)", " ".join(tiles)]
+        rows.append(row)
+        print(" | ".join(row), flush=True)
+    for name in names:
+        print(f"# {name}: median {statistics.median(pcts[name]):.0f}% of peak, min {min(pcts[name]):.0f}%; "
+              f"geomean {geomean(ratios[name]):.2f}x oneDNN")
+    out = Path(ARGS.csv) if ARGS.csv else HERE / "results" / f"engines_{ARGS.set}_b{ARGS.batch}_t{ARGS.threads}.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f:
+        csv.writer(f).writerows([header, *rows])
+    return 0
+
+
 def main() -> int:
     target = tvm_ext.resolve_target(ARGS.target)
     isa = tvm_ext.vector_isa(target)
@@ -325,6 +388,8 @@ def main() -> int:
         return main_bf16(target, layers, peak)
     if ARGS.dtype == "int8":
         return main_int8(target, layers, peak)
+    if ARGS.engine:
+        return main_engines(target, isa, layers, peak_gflops)
     print(f"# tvm_ext layer benchmark: set={ARGS.set} batch={ARGS.batch} threads={ARGS.threads} "
           f"target={target} isa={isa.name} peak={peak_gflops:.1f} GFLOP/s (bench/peak.py)")
     header = ["layer", "shape", "kernel", "tile", "ms", "GFLOP/s", "%peak", "x_torch_nchw", "x_torch_cl",

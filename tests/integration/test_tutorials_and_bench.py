@@ -254,6 +254,7 @@ def test_tune_bench_smoke():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_gpu_check_pipeline_without_gpu(tmp_path):
     """What the GPU check does before it needs a GPU: export the CUDA C, compile it with nvcc."""
     if shutil.which("nvcc") is None:
@@ -341,6 +342,8 @@ def test_bench_train_runs():
     assert "stem_7x7s2" in out and "dw: median" in out
 
 
+@pytest.mark.slow
+@pytest.mark.long
 def test_bench_train_times_whole_steps():
     out = _run("bench/train.py", "--model", "resnet18", "--size", "32", "--batch", "2", "--repeat", "1",
                "--no-compile", env={"TVM_NUM_THREADS": "1"})

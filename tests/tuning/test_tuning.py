@@ -329,6 +329,7 @@ tvm_ext.tune(_net(repeated=0), tvm.target.Target({{"kind": "llvm", "mcpu": "znve
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_sigkill_loses_no_finished_trial_and_the_rerun_continues(tmp_path):
     """A tuning process killed with SIGKILL keeps every record it wrote; tuning again resumes."""
     import os
@@ -497,6 +498,7 @@ def _records(work_dir) -> list:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_rpc_tuning_on_loopback_survives_a_dead_server(tmp_path):
     """A tracker and two servers on loopback measure the candidates; one server is killed after
     the first batch, and tuning still finishes with its records."""
@@ -521,6 +523,7 @@ def test_rpc_tuning_on_loopback_survives_a_dead_server(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_rpc_tuning_survives_a_tracker_restart(tmp_path):
     """The tracker is killed after the first batch and restarted on its port: the servers
     register again (they retry the tracker), the run finishes, the first batch's records are
