@@ -352,7 +352,7 @@ def main_engines(target, isa, layers: list[dict], peak_gflops: float) -> int:
                 ms = bench_blocked(plan, target, ARGS.repeat)
                 tiles.append(f"{plan.m_r}x{plan.oc_bn}")
             else:
-                plan = MX.MaxDNNCpuPlan.make(wl, isa, layout=name.split("_")[1])
+                plan = MX.MaxDNNCpuPlan.make(wl, isa, layout=name.split("_")[1], threads=ARGS.threads)
                 ms = bench_maxdnn(plan, target, ARGS.repeat)
                 tiles.append(f"{plan.rows}x{plan.cols}/k{plan.k_step}/m{plan.macro_rows}")
             pct = 100 * wl.flops / ms / 1e6 / peak_gflops

@@ -43,8 +43,14 @@ from .common import ACTIVATIONS, KERNEL_ATTR, activation_expr, param_buffer
 from .conv2d import Conv2dWorkload
 
 LAYOUTS = ("HWCN", "CHWN")
-MACRO_ROWS = 64  # output channels a task's tile spans by default (maxDNN's 64)
-MAX_K_STEP = 64  # channels per microkernel call: a chunk of 64 x 64 images is 16 KB of L1
+# The analytic blocking, BLIS's: a call's chunk of the input (k_step channels x cols images) stays
+# in L1 while the calls for every `rows` output channels of the task's tile stream their weights
+# (k_step x rows, contiguous) and their C tile from L2. Measured on AlexNet conv3 at batch 128
+# (1 thread): 64-channel chunks and 48 x 128 task tiles ran at 117 GFLOP/s, 192 x 384 x 128 at
+# 155-162, oneDNN at 166-172.
+CHUNK_BYTES = 24 * 1024  # the input chunk in L1
+MACRO_ROWS = 384  # output channels a task's tile spans at most
+MACRO_COLS = 128  # images a task's tile spans at most
 
 
 def _ceil(a: int, b: int) -> int:
@@ -65,13 +71,16 @@ class MaxDNNCpuPlan:
     cols: int  # images of the register tile (a multiple of the lanes)
     k_step: int  # channels per microkernel call (divides the channels of a group)
     macro_rows: int  # output channels of a task's tile (a multiple of rows)
+    macro_cols: int  # images of a task's tile (a multiple of cols)
     layout: str = "HWCN"
     unroll: int = 2
 
     @staticmethod
     def make(wl: Conv2dWorkload, isa: VectorISA, rows: int | None = None, cols: int | None = None,
-             k_step: int | None = None, macro_rows: int | None = None, layout: str = "HWCN") -> MaxDNNCpuPlan:
-        """The plan for `wl` on `isa`: the given choices, the analytic ones for the rest."""
+             k_step: int | None = None, macro_rows: int | None = None, macro_cols: int | None = None,
+             layout: str = "HWCN", threads: int = 1) -> MaxDNNCpuPlan:
+        """The plan for `wl` on `isa`: the given choices, the analytic ones for the rest (task
+        tiles small enough to give `threads` threads four tasks each where the output allows)."""
         if wl.dtype != "float32":
             raise ValueError(f"maxdnn conv2d: float32 only, got {wl.dtype}")
         if layout not in LAYOUTS:
@@ -84,18 +93,28 @@ class MaxDNNCpuPlan:
             raise ValueError(f"maxdnn conv2d: cols={cols} must be whole {isa.lanes}-lane vectors dividing "
                              f"the {images} padded images")
         if k_step is None:
-            k_step = _largest_divisor(cg, MAX_K_STEP)
-            if k_step < 8 and cg <= 4 * MAX_K_STEP:  # (a prime number of channels: one call for all)
+            most = max(8, CHUNK_BYTES // (4 * cols))
+            k_step = _largest_divisor(cg, most)
+            if k_step < 8 and cg <= 4 * most:  # (a prime number of channels: one call for all)
                 k_step = cg
         if cg % k_step:
             raise ValueError(f"maxdnn conv2d: k_step={k_step} does not divide the {cg} channels of a group")
         kg_pad = _ceil(kg, rows)
         if macro_rows is None:
-            macro_rows = rows * _largest_divisor(kg_pad // rows, max(1, MACRO_ROWS // rows))
+            tiles = kg_pad // rows
+            most = max(1, MACRO_ROWS // rows)
+            while most > 1 and wl.groups * (tiles // _largest_divisor(tiles, most)) * wl.OH < 4 * threads:
+                most = max(1, _largest_divisor(tiles, most) - 1)
+            macro_rows = rows * _largest_divisor(tiles, most)
         if macro_rows % rows or kg_pad % macro_rows:
             raise ValueError(f"maxdnn conv2d: macro_rows={macro_rows} must be whole {rows}-row tiles dividing "
                              f"{kg_pad} output channels")
-        plan = MaxDNNCpuPlan(wl, isa, rows, cols, k_step, macro_rows, layout)
+        if macro_cols is None:
+            macro_cols = cols * _largest_divisor(images // cols, max(1, MACRO_COLS // cols))
+        if macro_cols % cols or images % macro_cols:
+            raise ValueError(f"maxdnn conv2d: macro_cols={macro_cols} must be whole {cols}-image tiles dividing "
+                             f"{images} padded images")
+        plan = MaxDNNCpuPlan(wl, isa, rows, cols, k_step, macro_rows, macro_cols, layout)
         check_cpu_tile(plan.tile, isa)
         return plan
 
@@ -130,43 +149,57 @@ class MaxDNNCpuPlan:
         (sh, sw), (dh, dw) = wl.stride, wl.dilation
         return ((wl.OH - 1) * sh + (wl.KH - 1) * dh + 1, (wl.OW - 1) * sw + (wl.KW - 1) * dw + 1)
 
+    @property
+    def image_blocks(self) -> int:
+        return self.images // self.cols
+
     def data_shape(self) -> tuple[int, ...]:
+        """HWCN: (H, W, N/cols, C, cols); CHWN: (N/cols, C, H, W, cols). The images are blocked by
+        the tile's columns so that a call's rows of B (and of C) are whole rows of memory: a tile
+        narrower than rows of all the images read a fraction of each, 512 bytes apart at batch
+        128, which maps them onto a quarter of L1's sets (2x slower, measured)."""
         hp, wp = self.padded_hw
-        return (hp, wp, self.wl.C, self.images) if self.layout == "HWCN" else (self.wl.C, hp, wp, self.images)
+        if self.layout == "HWCN":
+            return (hp, wp, self.image_blocks, self.wl.C, self.cols)
+        return (self.image_blocks, self.wl.C, hp, wp, self.cols)
 
     def weight_shape(self) -> tuple[int, ...]:
-        return (self.groups, self.wl.KH, self.wl.KW, self.channels, self.outputs)
+        """RSCK per group and per `rows` output channels: a call's A is one contiguous stream of
+        k_step x rows weights (RSCK rows, a task tile apart, touched a new cache line a k step)."""
+        return (self.groups, self.outputs // self.rows, self.wl.KH, self.wl.KW, self.channels, self.rows)
 
     def out_shape(self) -> tuple[int, ...]:
+        """The output in the input's layout (the groups' padded channels one after the other)."""
         wl = self.wl
         if self.layout == "HWCN":
-            return (wl.OH, wl.OW, self.groups, self.outputs, self.images)
-        return (self.groups, self.outputs, wl.OH, wl.OW, self.images)
+            return (wl.OH, wl.OW, self.image_blocks, self.groups * self.outputs, self.cols)
+        return (self.image_blocks, self.groups * self.outputs, wl.OH, wl.OW, self.cols)
 
     def data_view(self) -> tuple[int, ...]:
-        """The shape the kernel reads the input as: HWCN as it is; CHWN as (C, pixels x images),
-        so that a call's operand, k_step channels x cols images at one pixel, is a region of the
-        last two axes (what tensorize matches against the description's matrix)."""
+        """The shape the kernel reads the input as: HWCN as it is; CHWN as (N/cols, C, pixels x
+        cols), so that a call's operand, k_step channels x cols images at one pixel, is a region
+        of the last two axes (what tensorize matches against the description's matrix)."""
         if self.layout == "HWCN":
             return self.data_shape()
         hp, wp = self.padded_hw
-        return (self.wl.C, hp * wp * self.images)
+        return (self.image_blocks, self.wl.C, hp * wp * self.cols)
 
     def out_view(self) -> tuple[int, ...]:
         if self.layout == "HWCN":
             return self.out_shape()
-        return (self.groups * self.outputs, self.wl.OH * self.wl.OW * self.images)
+        return (self.image_blocks, self.groups * self.outputs, self.wl.OH * self.wl.OW * self.cols)
 
-    def data_index(self, c, h, w, n) -> list:
-        """Where channel c of image n at padded pixel (h, w) lies in :meth:`data_view`."""
+    def data_index(self, c, h, w, nb, n) -> list:
+        """Where channel c of image n of block nb at padded pixel (h, w) lies in :meth:`data_view`."""
         if self.layout == "HWCN":
-            return [h, w, c, n]
-        return [c, (h * self.padded_hw[1] + w) * self.images + n]
+            return [h, w, nb, c, n]
+        return [nb, c, (h * self.padded_hw[1] + w) * self.cols + n]
 
-    def out_index(self, g, o, p, q, n) -> list:
+    def out_index(self, o, p, q, nb, n) -> list:
+        """Where output channel o (of all groups') of image n of block nb at (p, q) lies in :meth:`out_view`."""
         if self.layout == "HWCN":
-            return [p, q, g, o, n]
-        return [g * self.outputs + o, (p * self.wl.OW + q) * self.images + n]
+            return [p, q, nb, o, n]
+        return [nb, o, (p * self.wl.OW + q) * self.cols + n]
 
     def fma_efficiency(self) -> float:
         """The share of FMA slots the tile's k loop can fill, times the share of its work that is
@@ -215,7 +248,8 @@ def maxdnn_conv2d_func(plan: MaxDNNCpuPlan, epilogue: Epilogue = Epilogue()) -> 
     wl = plan.wl
     (sh, sw), (dh, dw) = wl.stride, wl.dilation
     g_count, blocks, steps = plan.groups, plan.outputs // plan.macro_rows, plan.channels // plan.k_step
-    tiles, vec = plan.macro_rows // plan.rows, plan.isa.lanes
+    row_tiles, col_tiles, vec = plan.macro_rows // plan.rows, plan.macro_cols // plan.cols, plan.isa.lanes
+    col_blocks = plan.images // plan.macro_cols
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("conv")
         x = param_buffer("x", plan.data_shape())
@@ -226,46 +260,48 @@ def maxdnn_conv2d_func(plan: MaxDNNCpuPlan, epilogue: Epilogue = Epilogue()) -> 
             x = IRBuilder.name("X_view", T.decl_buffer(plan.data_view(), "float32", data=x.data))
             y = IRBuilder.name("Y_view", T.decl_buffer(plan.out_view(), "float32", data=y.data))
         with T.sblock("root"):
-            with T.parallel(0, g_count * blocks * wl.OH) as task, T.grid(wl.OW, plan.images // plan.cols) as (q, nb):
-                IRBuilder.name_many(["task", "q", "nb"], [task, q, nb])
+            with T.parallel(0, g_count * blocks * wl.OH) as task, T.grid(wl.OW, col_blocks) as (q, mb):
+                IRBuilder.name_many(["task", "q", "mb"], [task, q, mb])
                 g, ob, p = task // (blocks * wl.OH), task // wl.OH % blocks, task % wl.OH
-                with T.grid(plan.macro_rows, plan.cols // vec) as (i, j), T.vectorized(0, vec) as lane, \
-                        T.sblock("zero"):
-                    IRBuilder.name_many(["i", "j", "lane"], [i, j, lane])
-                    vt, vq, vnb, vi, vj, vl = T.axis.remap("SSSSSS", [task, q, nb, i, j, lane])
-                    vo = vt // wl.OH % blocks * plan.macro_rows + vi
-                    index = plan.out_index(vt // (blocks * wl.OH), vo, vt % wl.OH, vq, vnb * plan.cols + vj * vec + vl)
-                    T.buffer_store(y, T.float32(0), index)
-                with T.grid(wl.KH, wl.KW, steps, tiles) as (r, s, cb, t), \
+
+                def tile_pass(name: str, value) -> None:
+                    """Each element of the task's macro_rows x macro_cols tile: y = value(y, group, channel)."""
+                    with T.grid(col_tiles, plan.macro_rows, plan.cols // vec) as (nb, i, j), \
+                            T.vectorized(0, vec) as lane, T.sblock(name):
+                        IRBuilder.name_many(["nb", "i", "j", "lane"], [nb, i, j, lane])
+                        vt, vq, vmb, vnb, vi, vj, vl = T.axis.remap("SSSSSSS", [task, q, mb, nb, i, j, lane])
+                        vg, vo = vt // (blocks * wl.OH), vt // wl.OH % blocks * plan.macro_rows + vi
+                        index = plan.out_index(vg * plan.outputs + vo, vt % wl.OH, vq, vmb * col_tiles + vnb,
+                                               vj * vec + vl)
+                        T.buffer_store(y, value(y[tuple(index)], vg, vo), index)
+
+                tile_pass("zero", lambda old, vg, vo: T.float32(0))
+                with T.grid(wl.KH, wl.KW, steps, col_tiles, row_tiles) as (r, s, cb, nb, t), \
                         T.grid(plan.k_step, 1, plan.rows, 1, plan.cols) as inner, T.sblock("update"):
                     kk, _, i1, _, j1 = IRBuilder.name_many(["kk", "i0", "i1", "j0", "j1"], inner)
-                    IRBuilder.name_many(["r", "s", "cb", "t"], [r, s, cb, t])
+                    IRBuilder.name_many(["r", "s", "cb", "nb", "t"], [r, s, cb, nb, t])
                     vg = IRBuilder.name("vg", T.axis.spatial(g_count, g))
                     vb = IRBuilder.name("vb", T.axis.spatial(blocks, ob))
                     vp = IRBuilder.name("vp", T.axis.spatial(wl.OH, p))
-                    vq, vnb = IRBuilder.name_many(["vq", "vnb"], T.axis.remap("SS", [q, nb]))
+                    vq, vmb = IRBuilder.name_many(["vq", "vmb"], T.axis.remap("SS", [q, mb]))
                     vr, vs, vcb = IRBuilder.name_many(["vr", "vs", "vcb"], T.axis.remap("RRR", [r, s, cb]))
-                    vt = IRBuilder.name("vt", T.axis.spatial(tiles, t))
+                    vnb, vt = IRBuilder.name_many(["vnb", "vt"], T.axis.remap("SS", [nb, t]))
                     vk = IRBuilder.name("vk", T.axis.reduce(plan.k_step, kk))
                     vi, vj = IRBuilder.name_many(["vi", "vj"], T.axis.remap("SS", [i1, j1]))
-                    o = vb * plan.macro_rows + vt * plan.rows + vi
+                    o = vt * plan.rows + vi  # (in the task's block of output channels)
                     c = vcb * plan.k_step + vk
-                    n = vnb * plan.cols + vj
-                    out = plan.out_index(vg, o, vp, vq, n)
-                    xi = plan.data_index(vg * plan.channels + c, vp * sh + vr * dh, vq * sw + vs * dw, n)
-                    T.buffer_store(y, y[tuple(out)] + w[vg, vr, vs, c, o] * x[tuple(xi)], out)
+                    w_block = vb * row_tiles + vt
+                    nb = vmb * col_tiles + vnb
+                    out = plan.out_index(vg * plan.outputs + vb * plan.macro_rows + o, vp, vq, nb, vj)
+                    xi = plan.data_index(vg * plan.channels + c, vp * sh + vr * dh, vq * sw + vs * dw, nb, vj)
+                    T.buffer_store(y, y[tuple(out)] + w[vg, w_block, vr, vs, c, vi] * x[tuple(xi)], out)
                 if bias is not None or epilogue.activation is not None:
-                    with T.grid(plan.macro_rows, plan.cols // vec) as (i, j), T.vectorized(0, vec) as lane, \
-                            T.sblock("epilogue"):
-                        vt, vq, vnb, vi, vj, vl = T.axis.remap("SSSSSS", [task, q, nb, i, j, lane])
-                        vg, vo = vt // (blocks * wl.OH), vt // wl.OH % blocks * plan.macro_rows + vi
-                        index = plan.out_index(vg, vo, vt % wl.OH, vq, vnb * plan.cols + vj * vec + vl)
-                        value = y[tuple(index)]
+                    def finish(value, vg, vo):
                         if bias is not None:
                             value = value + bias[vg, vo]
-                        if epilogue.activation is not None:
-                            value = activation_expr(epilogue.activation, value)
-                        T.buffer_store(y, value, index)
+                        return value if epilogue.activation is None else activation_expr(epilogue.activation, value)
+
+                    tile_pass("epilogue", finish)
     return builder.get().with_attr(KERNEL_ATTR, "maxdnn_conv2d")
 
 
@@ -287,25 +323,27 @@ def maxdnn_conv2d_kernel(plan: MaxDNNCpuPlan, epilogue: Epilogue = Epilogue()) -
 
 
 def pack_data(plan: MaxDNNCpuPlan, x: np.ndarray) -> np.ndarray:
-    """NCHW -> the kernel's input: its zero border, the images padded to whole vectors."""
+    """NCHW -> the kernel's input: its zero border, the images padded to whole blocks."""
     wl = plan.wl
     hp, wp = plan.padded_hw
     top, left = wl.padding[:2]
     out = np.zeros((plan.images, wl.C, hp, wp), np.float32)
     h, w = min(wl.H, hp - top), min(wl.W, wp - left)
     out[:wl.N, :, top:top + h, left:left + w] = x[:, :, :h, :w]
-    axes = (2, 3, 1, 0) if plan.layout == "HWCN" else (1, 2, 3, 0)
-    return np.ascontiguousarray(out.transpose(axes))
+    blocked = out.reshape(plan.image_blocks, plan.cols, wl.C, hp, wp)  # (N/cols, cols, C, H, W)
+    axes = (3, 4, 0, 2, 1) if plan.layout == "HWCN" else (0, 2, 3, 4, 1)
+    return np.ascontiguousarray(blocked.transpose(axes))
 
 
 def pack_weight(plan: MaxDNNCpuPlan, w: np.ndarray) -> np.ndarray:
-    """OIHW -> [G, R, S, C/G, K/G padded to whole tiles] (zeros past K/G)."""
+    """OIHW -> :meth:`MaxDNNCpuPlan.weight_shape` (zeros past K/G)."""
     wl = plan.wl
     kg = wl.K // wl.groups
     per_group = np.asarray(w, np.float32).reshape(wl.groups, kg, plan.channels, wl.KH, wl.KW)
-    out = np.zeros(plan.weight_shape(), np.float32)
-    out[..., :kg] = per_group.transpose(0, 3, 4, 2, 1)
-    return out
+    rsck = np.zeros((wl.groups, wl.KH, wl.KW, plan.channels, plan.outputs), np.float32)
+    rsck[..., :kg] = per_group.transpose(0, 3, 4, 2, 1)
+    blocked = rsck.reshape(*rsck.shape[:4], -1, plan.rows)
+    return np.ascontiguousarray(blocked.transpose(0, 4, 1, 2, 3, 5))
 
 
 def pack_bias(plan: MaxDNNCpuPlan, b: np.ndarray) -> np.ndarray:
@@ -318,8 +356,7 @@ def pack_bias(plan: MaxDNNCpuPlan, b: np.ndarray) -> np.ndarray:
 def unpack_output(plan: MaxDNNCpuPlan, y: np.ndarray) -> np.ndarray:
     """The kernel's output -> NCHW (the padded images and output channels dropped)."""
     wl = plan.wl
-    kg = wl.K // wl.groups
     y = np.asarray(y)
-    g_o_p_q_n = y.transpose(2, 3, 0, 1, 4) if plan.layout == "HWCN" else y
-    nchw = g_o_p_q_n[:, :kg, :, :, :wl.N].transpose(4, 0, 1, 2, 3)
-    return np.ascontiguousarray(nchw.reshape(wl.N, wl.K, wl.OH, wl.OW))
+    axes = (2, 4, 3, 0, 1) if plan.layout == "HWCN" else (0, 4, 1, 2, 3)  # -> (N/cols, cols, K', P, Q)
+    nkpq = y.transpose(axes).reshape(plan.images, plan.groups, plan.outputs, wl.OH, wl.OW)
+    return np.ascontiguousarray(nkpq[:wl.N, :, :wl.K // wl.groups].reshape(wl.N, wl.K, wl.OH, wl.OW))
