@@ -13,7 +13,10 @@ What you will see:
    with g++, one fiber per CUDA thread);
 5. a whole network through `tvm_ext.build(mod, "cuda")`: which kernel serves each op;
 6. Winograd on the GPU: a 3x3 layer as an input transform, 36 GEMMs on the same tile and an
-   output transform, where the strategy's estimate says it beats the direct tile.
+   output transform, where the strategy's estimate says it beats the direct tile;
+7. the same tile description on this CPU: a register tile of output channels x images (the
+   images in the vector lanes), its k loop's assembly, and a convolution on it timed against
+   the BRGEMM kernel and checked against float64.
 
 Run: python tutorials/04_cuda_maxdnn_tile.py [--small]
 """
@@ -136,6 +139,7 @@ def main(small: bool = False) -> None:
         print(f"   built in {time.perf_counter() - start:.0f} s: {len(kernels)} CUDA kernels, "
               f"{sum('maxdnn' in k for k in kernels)} of them maxDNN convolutions")
     winograd(small_wl, x, w, bias, ref)
+    cpu_tile(small)
 
 
 def winograd(small_wl: Conv2dWorkload, x: np.ndarray, w: np.ndarray, bias: np.ndarray, ref: np.ndarray) -> None:
@@ -154,6 +158,55 @@ def winograd(small_wl: Conv2dWorkload, x: np.ndarray, w: np.ndarray, bias: np.nd
     err = np.abs(maxdnn.output_to_nchw(y) - ref).max() / np.abs(ref).max()
     print(f"   F(4x4, 3x3) on the small layer, {'GPU' if tvm.cuda(0).exist else 'emulator'}: relative error "
           f"against float64 NumPy {err:.1e} (direct: the tile's rounding only; Winograd's transforms add some)")
+
+
+def cpu_tile(small: bool) -> None:
+    """Step 7: the tile's description (OuterTile, outer_description) generating the CPU kernel."""
+    from tvm_ext.asm import inner_loop
+    from tvm_ext.intrin.cpu_outer import get_cpu_outer_intrin
+    from tvm_ext.intrin.outer_tile import OuterTile, outer_description
+    from tvm_ext.kernels import conv2d as blocked
+    from tvm_ext.kernels import conv2d_maxdnn as mx
+
+    target = tvm_ext.resolve_target("llvm")
+    isa = tvm_ext.vector_isa(target)
+    layer = Conv2dWorkload.make((32, 64, 13, 13), (96, 64, 3, 3), padding=1) if small else \
+        Conv2dWorkload.make((128, 192, 13, 13), (384, 192, 3, 3), padding=1)  # AlexNet conv3, batch 128
+    plan = mx.MaxDNNCpuPlan.make(layer, isa)
+    cpu = plan.tile  # OuterTile.contiguous(rows, cols, k_step): step 1's data, one group of each
+    assert cpu == OuterTile.contiguous(cpu.rows, cpu.cols, cpu.k_step)
+    update = next(line.strip() for line in outer_description(cpu).script().splitlines() if line.strip().startswith("C["))
+    print(f"\n7. The CPU ({isa.name}): {get_cpu_outer_intrin(cpu, isa)}, {cpu.rows} output channels x "
+          f"{cpu.cols} images ({cpu.cols // isa.lanes} vectors) a call; step 1's description: {update}")
+    func = mx.maxdnn_conv2d_kernel(plan, mx.Epilogue(bias=True, activation="relu"))
+    lib = tvm.compile(tvm.IRModule({"conv": func}), target)
+    loop = inner_loop(lib.mod.inspect_source("asm"), isa)
+    print(f"   its k loop: {loop.fma} FMAs on {isa.asm_register} registers, {loop.stack_accesses} spills; the first:")
+    print("\n".join(f"     {line}" for line in loop.lines[:6]))
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((layer.N, layer.C, layer.H, layer.W)).astype(np.float32)
+    w = rng.standard_normal((layer.K, layer.C, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(layer.K).astype(np.float32)
+    args = [tvm.runtime.tensor(a) for a in (mx.pack_data(plan, x), mx.pack_weight(plan, w), mx.pack_bias(plan, b))]
+    y = tvm.runtime.empty(plan.out_shape(), "float32", tvm.cpu())
+    lib["conv"](*args, y)
+    ref = np.maximum(_reference(x, w, b), 0)
+    err = np.abs(mx.unpack_output(plan, y.numpy()) - ref).max() / np.abs(ref).max()
+    bplan = blocked.plan_conv2d(layer, isa)
+    blib = tvm.compile(blocked.conv2d_blocked_kernel(bplan, isa.lanes, blocked.Epilogue()), target)
+    bargs = [tvm.runtime.tensor(rng.standard_normal(s).astype(np.float32)) for s in (bplan.data_shape(),
+                                                                                   bplan.weight_shape())]
+    bargs.append(tvm.runtime.empty(blocked.Epilogue().out_shape(bplan), "float32", tvm.cpu()))
+    times: dict[str, list[float]] = {"maxdnn": [], "brgemm": []}
+    for _ in range(3 if small else 5):  # alternated, medians: this machine may be shared
+        for name, run in (("maxdnn", lambda: lib["conv"](*args, y)), ("brgemm", lambda: blib.mod["main"](*bargs))):
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    gflops = {name: layer.flops / np.median(t) / 1e9 for name, t in times.items()}
+    print(f"   conv {layer.C}x{layer.H}x{layer.W}x{layer.N} -> {layer.K}: relative error against float64 NumPy "
+          f"{err:.1e}; {gflops['maxdnn']:.0f} GFLOP/s on the tile, {gflops['brgemm']:.0f} on the BRGEMM kernel "
+          f"({tvm.get_global_func('runtime.NumThreads')()} threads)")
 
 
 def _reference(x: np.ndarray, w: np.ndarray, bias: np.ndarray) -> np.ndarray:

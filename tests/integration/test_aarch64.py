@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import tvm
 from reference import rel_err
 from tvm import relax
 
@@ -106,6 +107,40 @@ def test_random_convolutions_on_neon():
     for cfg, mod, _, _ in graphs:
         assert "fallback" not in _conv_kernels(mod), cfg
     _assert_right_on_neon(graphs, 1e-5)
+
+
+@needs_emulator
+def test_maxdnn_tile_on_neon():
+    """The maxDNN tile's convolution (images in NEON's 4 lanes, both layouts, bias and relu) on
+    awkward batches, channels, strides, dilation, groups and padding, within 1e-5 of float64."""
+    from reference import conv2d_nchw
+
+    from tvm_ext.kernels import conv2d_maxdnn as mx
+    from tvm_ext.kernels.conv2d import Conv2dWorkload
+
+    configs = [((5, 7, 9, 8), (10, 7, 3, 3), 1, (1, 0, 2, 1), 1, 1), ((17, 16, 6, 7), (24, 16, 1, 1), 2, 0, 1, 1),
+               ((4, 12, 9, 9), (12, 4, 3, 3), (2, 1), 1, 2, 3), ((9, 8, 7, 7), (8, 1, 5, 5), 1, 2, 1, 8),
+               ((33, 3, 11, 10), (30, 3, 2, 2), 1, 0, (1, 2), 1), ((2, 64, 5, 5), (96, 64, 3, 3), 1, 1, 1, 1)]
+    rng = np.random.default_rng(35)
+    cases, expected = [], []
+    for i, (x_shape, w_shape, stride, padding, dilation, groups) in enumerate(configs):
+        wl = Conv2dWorkload.make(x_shape, w_shape, stride, padding, dilation, groups)
+        plan = mx.MaxDNNCpuPlan.make(wl, tvm_ext.vector_isa(TARGET), layout=mx.LAYOUTS[i % 2])
+        x, w, b = (rng.standard_normal(s).astype(np.float32) for s in (x_shape, w_shape, (w_shape[0],)))
+        bb = relax.BlockBuilder()
+        params = [relax.Var(n, relax.TensorType(s, "float32"))
+                  for n, s in (("x", plan.data_shape()), ("w", plan.weight_shape()), ("b", (plan.groups, plan.outputs)))]
+        with bb.function("main", params):
+            kernel = bb.add_func(mx.maxdnn_conv2d_kernel(plan, mx.Epilogue(bias=True, activation="relu")), "conv")
+            out = bb.emit(relax.call_tir(kernel, params, relax.TensorType(plan.out_shape(), "float32")))
+            bb.emit_func_output(out)
+        executable = tvm.compile(bb.get(), tvm_ext.resolve_target(TARGET))
+        cases.append(aarch64.Case(executable, [mx.pack_data(plan, x), mx.pack_weight(plan, w), mx.pack_bias(plan, b)]))
+        ref = np.maximum(conv2d_nchw(x, w, b, wl.stride, wl.padding, wl.dilation, groups), 0)
+        expected.append((plan, ref))
+    for (plan, ref), got in zip(expected, aarch64.run(cases), strict=True):
+        assert not isinstance(got, str), f"{plan}\n{got}"
+        assert rel_err(mx.unpack_output(plan, got[0]), ref) <= 1e-5, plan
 
 
 @needs_emulator
