@@ -128,8 +128,8 @@ def test_maxdnn_tile_on_neon():
         plan = mx.MaxDNNCpuPlan.make(wl, tvm_ext.vector_isa(TARGET), layout=mx.LAYOUTS[i % 2])
         x, w, b = (rng.standard_normal(s).astype(np.float32) for s in (x_shape, w_shape, (w_shape[0],)))
         bb = relax.BlockBuilder()
-        params = [relax.Var(n, relax.TensorType(s, "float32"))
-                  for n, s in (("x", plan.data_shape()), ("w", plan.weight_shape()), ("b", (plan.groups, plan.outputs)))]
+        shapes = {"x": plan.data_shape(), "w": plan.weight_shape(), "b": (plan.groups, plan.outputs)}
+        params = [relax.Var(n, relax.TensorType(s, "float32")) for n, s in shapes.items()]
         with bb.function("main", params):
             kernel = bb.add_func(mx.maxdnn_conv2d_kernel(plan, mx.Epilogue(bias=True, activation="relu")), "conv")
             out = bb.emit(relax.call_tir(kernel, params, relax.TensorType(plan.out_shape(), "float32")))
