@@ -175,7 +175,8 @@ def cpu_tile(small: bool) -> None:
     plan = mx.MaxDNNCpuPlan.make(layer, isa)
     cpu = plan.tile  # OuterTile.contiguous(rows, cols, k_step): step 1's data, one group of each
     assert cpu == OuterTile.contiguous(cpu.rows, cpu.cols, cpu.k_step)
-    update = next(line.strip() for line in outer_description(cpu).script().splitlines() if line.strip().startswith("C["))
+    lines = [line.strip() for line in outer_description(cpu).script().splitlines()]
+    update = next(line for line in lines if line.startswith("C["))
     print(f"\n7. The CPU ({isa.name}): {get_cpu_outer_intrin(cpu, isa)}, {cpu.rows} output channels x "
           f"{cpu.cols} images ({cpu.cols // isa.lanes} vectors) a call; step 1's description: {update}")
     func = mx.maxdnn_conv2d_kernel(plan, mx.Epilogue(bias=True, activation="relu"))
