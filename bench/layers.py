@@ -21,7 +21,7 @@ relu and the uint8 requantization fused: what a quantized graph runs) on each en
 per-channel, channels_last) on its "onednn" (AMX where the CPU has it) and "x86" engines.
 
 With `--engine maxdnn|brgemm|all`: each layer (fp32) on the maxDNN tile (images in the vector
-lanes, tvm_ext.kernels.conv2d_maxdnn, both layouts) and/or the BRGEMM kernel, against oneDNN
+lanes, tvm_ext.kernels.conv2d_maxdnn) and/or the BRGEMM kernel, against oneDNN
 (PyTorch channels_last) in the same run: ms, % of the FMA peak, ratio to oneDNN.
 
 Usage: python bench/layers.py --set resnet50 --batch 1 --threads 1 [--layers K] [--repeat R] [--dtype bf16|int8]
@@ -56,7 +56,7 @@ def _parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--csv", default="")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "int8"])
     ap.add_argument("--engine", default="", choices=["", "maxdnn", "brgemm", "all"],
-                    help="compare the fp32 engines: the maxDNN tile (images in lanes, HWCN and CHWN), "
+                    help="compare the fp32 engines: the maxDNN tile (images in the vector lanes), "
                          "the BRGEMM kernel, oneDNN (all: every one of them)")
     return ap.parse_args(argv)
 
@@ -331,9 +331,9 @@ def main_int8(target, layers: list[dict], peak: dict) -> int:
 
 
 def main_engines(target, isa, layers: list[dict], peak_gflops: float) -> int:
-    """--engine: each layer on the maxDNN tile (both layouts) and the BRGEMM kernel, against oneDNN
+    """--engine: each layer on the maxDNN tile and the BRGEMM kernel, against oneDNN
     (PyTorch channels_last) in the same run: ms, % of the FMA peak, ratio to oneDNN."""
-    engines = {"maxdnn": ["maxdnn_HWCN", "maxdnn_CHWN"], "brgemm": ["brgemm"]}
+    engines = {"maxdnn": ["maxdnn"], "brgemm": ["brgemm"]}
     names = [e for key, values in engines.items() if ARGS.engine in (key, "all") for e in values]
     print(f"# tvm_ext engines: set={ARGS.set} batch={ARGS.batch} threads={ARGS.threads} target={target} "
           f"isa={isa.name} peak={peak_gflops:.1f} GFLOP/s (bench/peak.py); ms (%peak, x oneDNN)")
@@ -352,9 +352,9 @@ def main_engines(target, isa, layers: list[dict], peak_gflops: float) -> int:
                 ms = bench_blocked(plan, target, ARGS.repeat)
                 tiles.append(f"{plan.m_r}x{plan.oc_bn}")
             else:
-                plan = MX.MaxDNNCpuPlan.make(wl, isa, layout=name.split("_")[1], threads=ARGS.threads)
+                plan = MX.MaxDNNCpuPlan.make(wl, isa, threads=ARGS.threads)
                 ms = bench_maxdnn(plan, target, ARGS.repeat)
-                tiles.append(f"{plan.rows}x{plan.cols}/k{plan.k_step}/m{plan.macro_rows}")
+                tiles.append(f"{plan.rows}x{plan.cols}/k{plan.k_step}/m{plan.macro_rows}x{plan.macro_cols}")
             pct = 100 * wl.flops / ms / 1e6 / peak_gflops
             ratios[name].append(t_dnn / ms)
             pcts[name].append(pct)

@@ -173,12 +173,14 @@ def cpu_tile(small: bool) -> None:
     layer = Conv2dWorkload.make((32, 64, 13, 13), (96, 64, 3, 3), padding=1) if small else \
         Conv2dWorkload.make((128, 192, 13, 13), (384, 192, 3, 3), padding=1)  # AlexNet conv3, batch 128
     plan = mx.MaxDNNCpuPlan.make(layer, isa)
-    cpu = plan.tile  # OuterTile.contiguous(rows, cols, k_step): step 1's data, one group of each
-    assert cpu == OuterTile.contiguous(cpu.rows, cpu.cols, cpu.k_step)
+    # step 1's data, one contiguous group of rows and of columns, reducing the 9 filter taps too
+    cpu = plan.tile
+    assert cpu == OuterTile.contiguous(cpu.rows, cpu.cols, cpu.k_step, (3, 3), (1, 1), init=True)
     lines = [line.strip() for line in outer_description(cpu).script().splitlines()]
-    update = next(line for line in lines if line.startswith("C["))
+    update = next(line for line in lines if line.startswith("C[") and " + " in line)
     print(f"\n7. The CPU ({isa.name}): {get_cpu_outer_intrin(cpu, isa)}, {cpu.rows} output channels x "
-          f"{cpu.cols} images ({cpu.cols // isa.lanes} vectors) a call; step 1's description: {update}")
+          f"{cpu.cols} images ({cpu.cols // isa.lanes} vectors) over 3x3 taps x {cpu.k_step} channels a call; "
+          f"step 1's description: {update}")
     func = mx.maxdnn_conv2d_kernel(plan, mx.Epilogue(bias=True, activation="relu"))
     lib = tvm.compile(tvm.IRModule({"conv": func}), target)
     loop = inner_loop(lib.mod.inspect_source("asm"), isa)

@@ -1,8 +1,10 @@
 """The maxDNN tile on the CPU: one description with CUDA's thread tile, the CPU generator's
 limits and machine code, and the images-in-lanes convolution against a float64 reference on
-random configurations (batch 1..130, awkward channel counts, both layouts, several tiles)."""
+random configurations (batch 1..130, awkward channel counts, several tiles)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -26,13 +28,15 @@ TOL = 1e-5
 def test_cuda_and_cpu_tiles_share_one_description():
     """The CUDA thread tile and the CPU tile are the same data and the same loop nest; only the
     scopes (shared/local on CUDA) and the implementations differ."""
-    cuda, cpu = thread_tile(), OuterTile.contiguous(6, 64, 16)
+    cuda, cpu = thread_tile(), OuterTile.contiguous(6, 64, 16, batch=(3, 3), dilation=(1, 2), init=True)
     assert type(cuda) is type(cpu) is OuterTile
     for tile, scopes, name in ((cuda, ("shared", "local"), get_outer_product_intrin(cuda)),
                                (cpu, ("global", "global"), get_cpu_outer_intrin(cpu, AVX512))):
         desc = tvm.s_tir.TensorIntrin.get(name).desc
         tvm.ir.assert_structural_equal(desc, outer_description(tile, *scopes))
-    assert (cpu.span_a, cpu.span_b, cpu.fma_per_k()) == (6, 64, 384)
+    assert (cpu.span_a, cpu.span_b, cpu.fma_per_k(), cpu.b_batch) == (6, 64, 384, (3, 5))
+    with pytest.raises(ValueError, match="no batch"):  # CUDA's thread tile reduces one k step
+        get_outer_product_intrin(dataclasses.replace(thread_tile(), batch=(3,), dilation=(1,)))
 
 
 def test_cpu_tile_is_refused_where_it_would_spill_or_misfit():
@@ -73,19 +77,19 @@ def _random_config(rng: np.random.Generator) -> dict:
 
 
 def _plan(rng: np.random.Generator, cfg: dict, isa) -> M.MaxDNNCpuPlan:
-    """The analytic plan, or (one in three) a random tile, channel step and layout."""
+    """The analytic plan, or (one in three) a random tile, chunk of channels and task tile."""
     wl = Conv2dWorkload.make((cfg["N"], cfg["C"], cfg["H"], cfg["W"]),
                              (cfg["K"], cfg["C"] // cfg["groups"], cfg["R"], cfg["S"]),
                              cfg["stride"], cfg["padding"], cfg["dilation"], cfg["groups"])
-    layout = M.LAYOUTS[int(rng.integers(2))]
     if rng.random() < 2 / 3:
-        return M.MaxDNNCpuPlan.make(wl, isa, layout=layout)
-    images = -(-wl.N // isa.lanes) * isa.lanes
-    tiles = [(r, c) for r, c in cpu_tiles(isa) if images % c == 0 and r <= 2 * wl.K]
+        return M.MaxDNNCpuPlan.make(wl, isa)
+    tiles = [(r, c) for r, c in cpu_tiles(isa) if r <= 2 * wl.K and c <= 2 * wl.N + isa.lanes]
     rows, cols = tiles[rng.integers(len(tiles))]
     channels = wl.C // wl.groups
     k_step = int(rng.choice([d for d in range(1, channels + 1) if channels % d == 0]))
-    return M.MaxDNNCpuPlan.make(wl, isa, rows=rows, cols=cols, k_step=k_step, layout=layout)
+    plan = M.MaxDNNCpuPlan.make(wl, isa, rows=rows, cols=cols, k_step=k_step)
+    return M.MaxDNNCpuPlan.make(wl, isa, rows=rows, cols=cols, k_step=k_step, macro_rows=rows,
+                                macro_cols=plan.images if rng.random() < 0.5 else cols)
 
 
 def _configs(count: int, seed: int) -> list[dict]:
@@ -155,7 +159,8 @@ def test_random_space_is_covered():
     assert sum(p.wl.stride != (1, 1) for p in plans) >= 40 and sum(p.wl.dilation != (1, 1) for p in plans) >= 20
     assert sum(p.wl.padding[:2] != p.wl.padding[2:] for p in plans) >= 40
     assert sum(p.outputs != p.wl.K // p.wl.groups for p in plans) >= 40
-    assert {p.layout for p in plans} == set(M.LAYOUTS)
+    assert sum(p.steps > 1 for p in plans) >= 30 and sum(p.steps == 1 for p in plans) >= 30  # accumulate, init
+    assert sum(p.macro_cols > p.cols for p in plans) >= 20
 
 
 def test_avx2_kernels_are_right():
@@ -189,10 +194,10 @@ def test_epilogue_activations(activation):
     (AVX2_TARGET, AVX2, ((64, 64, 13, 13), (96, 64, 3, 3))),
     (NEON_TARGET, NEON, ((32, 64, 13, 13), (96, 64, 3, 3))),
 ])
-@pytest.mark.parametrize("layout", M.LAYOUTS)
-def test_inner_loop_is_fma_with_broadcast_operands_and_no_spills(target, isa, shape, layout):
+@pytest.mark.parametrize("k_step", [None, 16])  # every channel in one call (init), or chunks (accumulate)
+def test_inner_loop_is_fma_with_broadcast_operands_and_no_spills(target, isa, shape, k_step):
     target = resolve_target(target)
-    plan = M.MaxDNNCpuPlan.make(Conv2dWorkload.make(*shape, 1, 1), isa, layout=layout)
+    plan = M.MaxDNNCpuPlan.make(Conv2dWorkload.make(*shape, 1, 1), isa, k_step=k_step)
     func = M.maxdnn_conv2d_kernel(plan, M.Epilogue(bias=True, activation="relu"))
     asm = tvm.compile(tvm.IRModule({"conv": func}), target).mod.inspect_source("asm")
     loop = inner_loop(asm, isa)
@@ -208,7 +213,7 @@ def test_inner_loop_is_fma_with_broadcast_operands_and_no_spills(target, isa, sh
     (dict(rows=7, cols=20), "cols=20"),
     (dict(k_step=5), "k_step=5"),
     (dict(macro_rows=9, rows=6, cols=16), "macro_rows=9"),
-    (dict(layout="NCHW"), "layout"),
+    (dict(macro_cols=48, cols=32), "macro_cols=48"),
     (dict(rows=15, cols=32), "spill"),
 ])
 def test_bad_plans_are_refused(kwargs, message):

@@ -17,6 +17,7 @@ refuses it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 from tvm import tirx
@@ -59,33 +60,40 @@ def cpu_tiles(isa: VectorISA, max_vectors: int = 4, spare: int = 1) -> list[tupl
 
 
 def _implementation(tile: OuterTile, lanes: int, unroll: int) -> tirx.PrimFunc:
-    """C's accumulators loaded once, k_step steps of (B's vectors, rows broadcasts, rows x vectors
-    FMAs), C stored once. Accumulators are small arrays indexed by constants (LLVM promotes them
-    to registers; see :func:`tvm_ext.intrin.cpu._implementation`)."""
+    """C's accumulators loaded once (zeros with `init`), for each batch entry k_step steps of
+    (B's vectors, rows broadcasts, rows x vectors FMAs), C stored once. Accumulators are small
+    arrays indexed by constants (LLVM promotes them to registers; see
+    :func:`tvm_ext.intrin.cpu._implementation`)."""
     vec, nv = f"{tile.dtype}x{lanes}", tile.cols // lanes
     steps = tile.k_step
     ku = max(d for d in range(1, min(unroll, steps) + 1) if steps % d == 0)
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("impl")
         handles = [T.arg(name, T.handle()) for name in "abc"]
-        shapes = ((tile.k_step, tile.span_a), (tile.k_step, tile.span_b), (tile.rows, tile.cols))
+        shapes = ((*tile.batch, tile.k_step, tile.span_a), (*tile.b_batch, tile.k_step, tile.span_b),
+                  (tile.rows, tile.cols))
         a, b, c = (operand_buffer(handle, shape, tile.dtype, strided=True)
                    for handle, shape in zip(handles, shapes, strict=True))
         with T.sblock("root"):
-            T.reads(c[0:tile.rows, 0:tile.cols], a[0:steps, 0:tile.span_a], b[0:steps, 0:tile.span_b])
+            whole = [buf[tuple(slice(0, e) for e in shape)] for buf, shape in zip((a, b), shapes[:2], strict=True)]
+            T.reads(*([] if tile.init else [c[0:tile.rows, 0:tile.cols]]), *whole)
             T.writes(c[0:tile.rows, 0:tile.cols])
             acc = [IRBuilder.name(f"acc{i}", T.alloc_buffer((nv,), vec)) for i in range(tile.rows)]
             bv = IRBuilder.name("bv", T.alloc_buffer((nv,), vec))
             for i in range(tile.rows):
                 for j in range(nv):
-                    T.buffer_store(acc[i], c.vload([i, j * lanes], vec), [j])
-            with T.serial(steps // ku) as k0, T.unroll(ku) as k1:
-                IRBuilder.name_many(["k0", "k1"], [k0, k1])
+                    start = T.broadcast(tirx.const(0, tile.dtype), lanes) if tile.init else c.vload([i, j * lanes], vec)
+                    T.buffer_store(acc[i], start, [j])
+            with contextlib.ExitStack() as frames:
+                entry = [frames.enter_context(T.serial(extent)) for extent in tile.batch]
+                k0, k1 = frames.enter_context(T.serial(steps // ku)), frames.enter_context(T.unroll(ku))
+                IRBuilder.name_many([*(f"b{i}" for i in range(len(entry))), "k0", "k1"], [*entry, k0, k1])
                 k = k0 * ku + k1
+                b_entry = [x * d for x, d in zip(entry, tile.dilation, strict=True)]
                 for j in range(nv):
-                    T.buffer_store(bv, b.vload([k, j * lanes], vec), [j])
+                    T.buffer_store(bv, b.vload([*b_entry, k, j * lanes], vec), [j])
                 for i in range(tile.rows):
-                    a_value = T.broadcast(a[k, i], lanes)
+                    a_value = T.broadcast(a[(*entry, k, i)], lanes)
                     for j in range(nv):
                         T.buffer_store(acc[i], T.call_llvm_pure_intrin(vec, "llvm.fmuladd", a_value, bv[j], acc[i][j]),
                                        [j])
@@ -100,5 +108,5 @@ def get_cpu_outer_intrin(tile: OuterTile, isa: VectorISA, unroll: int = 2) -> st
     """Register (once) the CPU tensor intrinsic for `tile` on `isa` (:func:`check_cpu_tile`),
     `unroll` k steps unrolled (the largest divisor of k_step up to it), and return its name."""
     check_cpu_tile(tile, isa)
-    name = f"{tile.name(f'cpu_l{isa.lanes}')}_u{unroll}"
+    name = f"{tile.name(f'cpu_l{isa.lanes}')}_u{unroll}"  # (the effective unroll divides k_step)
     return register_once(name, lambda: (outer_description(tile), _implementation(tile, isa.lanes, unroll)))

@@ -42,6 +42,9 @@ def check_thread_tile(tile: OuterTile) -> None:
     """Raise ValueError unless `tile` is one a CUDA thread can run: the description's checks, one
     load width for both operands, and accumulators and operands in registers without spilling."""
     tile.validate()
+    if tile.batch or tile.init:
+        raise ValueError(f"OuterTile: a CUDA thread's tile reduces one k step into its registers (no batch, no init): "
+                         f"{tile}")
     if tile.row_vec != tile.col_vec:
         raise ValueError(f"OuterTile: a CUDA thread loads rows and columns in groups of one width "
                          f"(row_vec={tile.row_vec}, col_vec={tile.col_vec})")

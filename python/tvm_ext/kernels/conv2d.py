@@ -902,11 +902,11 @@ def tensorize_brgemm_segments(sch: s_tir.Schedule, plan: Conv2dPlan, lanes: int,
                                              engine=plan.engine)))
     for name, loop, spec in tiles:
         sch.tensorize(loop, get_brgemm_intrin(spec))
-        _drop_init(sch, sch.get_sblock(f"{name}_o"))  # the block blockize made around the call
+        drop_init(sch, sch.get_sblock(f"{name}_o"))  # the block blockize made around the call
     return True
 
 
-def _drop_init(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> None:
+def drop_init(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> None:
     """Remove the initialization that tensorizing left on a microkernel call's block.
 
     Tensorize keeps the original block's `T.init()` (zeros stored to the output tile) next to the
@@ -1004,7 +1004,7 @@ def tensorize_depthwise_segments(sch: s_tir.Schedule, plan: Conv2dPlan, lanes: i
         _, ow_inner = sch.split(ow, [None, m_r], preserve_unit_iters=True)
         tile = DepthwiseTile(m_r, plan.oc_bn, lanes, (wl.KH, wl.KW), wl.stride[1], wl.dilation, group=group)
         sch.tensorize(ow_inner, get_depthwise_intrin(tile))
-        _drop_init(sch, sch.get_sblock(f"{name}_o"))
+        drop_init(sch, sch.get_sblock(f"{name}_o"))
 
 
 def conv2d_blocked_kernel(plan: Conv2dPlan, lanes: int, epilogue: Epilogue = Epilogue()) -> tirx.PrimFunc:

@@ -8,21 +8,27 @@ the description shared with the CUDA kernel), fed by broadcast weights and conti
 vectors whatever the spatial size, where the blocked-channel BRGEMM kernel tiles a row's pixels
 (and needed plans of its own for 7x7 and 14x14 layers at batch 16).
 
-Layouts (the images padded to whole vectors with zeros, the channels of a group to whole tiles):
-- activations: the input with its zero border, HWCN (a pixel's channels x images contiguous: a
-  call's k steps walk one stream of memory) or CHWN (cuda-convnet's and the CUDA kernel's: a
-  step is one image plane further); the output without a border, PQKN or KPQN to match;
-- weights RSCK per group, [G, R, S, C/G, K/G]: a k step's row of A is contiguous in output
-  channels.
+Layouts: the images padded to whole tiles of `cols` with zeros and blocked by them, outermost:
+- input (N/cols, H, W, C, cols) with its zero border: a pixel's channels x the block's images
+  contiguous, so a call's B is one stream per filter tap (cuda-convnet's CHWN, the CUDA kernel's,
+  puts a channel a whole image plane from the next: measured 0.5-0.7x of this layout, and with
+  the images of a row of memory wider than the tile, rows 512 bytes apart at batch 128 fell onto
+  a quarter of L1's sets, 2x slower);
+- output (N/cols, P, Q, G*K', cols), K' the output channels of a group padded to whole tiles;
+- weights RSCK per group and per `rows` output channels, (G, K'/rows, R, S, C/G, rows): a call's
+  A is one contiguous stream.
 
-A task is (group, block of `macro_rows` output channels, output row); for each pixel of its row and
-each block of `cols` images it zeroes its macro_rows x cols output tile (in L1), then for each
-filter tap and chunk of `k_step` channels calls the microkernel once per `rows` output channels:
-the chunk of the input (k_step x cols) is reused from L1 by every call, the tile accumulates in
-place, and the epilogue (bias, activation) runs over it while it is in L1.
+A call reduces every filter tap (the tile's batch, B's entries a dilation apart) and `k_step`
+channels into the rows x cols tile in registers; with all the channels of a group in one call
+its accumulators start at zero and the tile is written once. A task is (group, block of
+`macro_rows` output channels, output row); for each pixel of its row and block of
+`macro_cols` images it calls the microkernel for every chunk of channels, every `cols` images and
+every `rows` output channels (BLIS's order: a call's input stays in cache for the calls of every
+`rows`), then applies the epilogue (bias, activation) while the tile is in cache.
 
 The generator is :func:`maxdnn_conv2d_func` (scheduled by :func:`schedule_maxdnn_conv2d`); the
-layouts' host-side forms are :func:`pack_data`, :func:`pack_weight` and :func:`unpack_output`.
+layouts' host-side forms are :func:`pack_data`, :func:`pack_weight`, :func:`pack_bias` and
+:func:`unpack_output`.
 """
 
 from __future__ import annotations
@@ -40,15 +46,11 @@ from ..intrin.cpu_outer import check_cpu_tile, cpu_tiles, get_cpu_outer_intrin
 from ..intrin.outer_tile import OuterTile
 from ..target import VectorISA
 from .common import ACTIVATIONS, KERNEL_ATTR, activation_expr, param_buffer
-from .conv2d import Conv2dWorkload
+from .conv2d import Conv2dWorkload, drop_init
 
-LAYOUTS = ("HWCN", "CHWN")
-# The analytic blocking, BLIS's: a call's chunk of the input (k_step channels x cols images) stays
-# in L1 while the calls for every `rows` output channels of the task's tile stream their weights
-# (k_step x rows, contiguous) and their C tile from L2. Measured on AlexNet conv3 at batch 128
-# (1 thread): 64-channel chunks and 48 x 128 task tiles ran at 117 GFLOP/s, 192 x 384 x 128 at
-# 155-162, oneDNN at 166-172.
-CHUNK_BYTES = 24 * 1024  # the input chunk in L1
+# The analytic blocking. A call's input (its taps x k_step channels x cols images) is read from
+# L2 by the calls of every `rows` output channels of the task's tile, which stream their weights.
+CALL_BYTES = 512 * 1024  # a call's input at most (all of a group's channels where it fits)
 MACRO_ROWS = 384  # output channels a task's tile spans at most
 MACRO_COLS = 128  # images a task's tile spans at most
 
@@ -72,31 +74,24 @@ class MaxDNNCpuPlan:
     k_step: int  # channels per microkernel call (divides the channels of a group)
     macro_rows: int  # output channels of a task's tile (a multiple of rows)
     macro_cols: int  # images of a task's tile (a multiple of cols)
-    layout: str = "HWCN"
     unroll: int = 2
 
     @staticmethod
     def make(wl: Conv2dWorkload, isa: VectorISA, rows: int | None = None, cols: int | None = None,
              k_step: int | None = None, macro_rows: int | None = None, macro_cols: int | None = None,
-             layout: str = "HWCN", threads: int = 1) -> MaxDNNCpuPlan:
+             threads: int = 1) -> MaxDNNCpuPlan:
         """The plan for `wl` on `isa`: the given choices, the analytic ones for the rest (task
         tiles small enough to give `threads` threads four tasks each where the output allows)."""
         if wl.dtype != "float32":
             raise ValueError(f"maxdnn conv2d: float32 only, got {wl.dtype}")
-        if layout not in LAYOUTS:
-            raise ValueError(f"maxdnn conv2d: layout must be one of {LAYOUTS}, got {layout!r}")
         cg, kg = wl.C // wl.groups, wl.K // wl.groups
-        images = _ceil(wl.N, isa.lanes)
         if rows is None or cols is None:
-            rows, cols = _default_tile(kg, images, isa, rows, cols)
-        if cols % isa.lanes or images % cols:
-            raise ValueError(f"maxdnn conv2d: cols={cols} must be whole {isa.lanes}-lane vectors dividing "
-                             f"the {images} padded images")
+            rows, cols = _default_tile(kg, wl.N, isa, rows, cols)
+        if cols % isa.lanes:
+            raise ValueError(f"maxdnn conv2d: cols={cols} must be whole {isa.lanes}-lane vectors")
+        images = _ceil(wl.N, cols)
         if k_step is None:
-            most = max(8, CHUNK_BYTES // (4 * cols))
-            k_step = _largest_divisor(cg, most)
-            if k_step < 8 and cg <= 4 * most:  # (a prime number of channels: one call for all)
-                k_step = cg
+            k_step = _largest_divisor(cg, max(1, CALL_BYTES // (4 * cols * wl.KH * wl.KW)))
         if cg % k_step:
             raise ValueError(f"maxdnn conv2d: k_step={k_step} does not divide the {cg} channels of a group")
         kg_pad = _ceil(kg, rows)
@@ -114,13 +109,19 @@ class MaxDNNCpuPlan:
         if macro_cols % cols or images % macro_cols:
             raise ValueError(f"maxdnn conv2d: macro_cols={macro_cols} must be whole {cols}-image tiles dividing "
                              f"{images} padded images")
-        plan = MaxDNNCpuPlan(wl, isa, rows, cols, k_step, macro_rows, macro_cols, layout)
+        plan = MaxDNNCpuPlan(wl, isa, rows, cols, k_step, macro_rows, macro_cols)
         check_cpu_tile(plan.tile, isa)
         return plan
 
     @property
+    def steps(self) -> int:
+        """Calls along the channels of a group (one: the tile starts at zero, no output read)."""
+        return self.channels // self.k_step
+
+    @property
     def tile(self) -> OuterTile:
-        return OuterTile.contiguous(self.rows, self.cols, self.k_step)
+        return OuterTile.contiguous(self.rows, self.cols, self.k_step, batch=(self.wl.KH, self.wl.KW),
+                                    dilation=self.wl.dilation, init=self.steps == 1)
 
     @property
     def groups(self) -> int:
@@ -138,8 +139,12 @@ class MaxDNNCpuPlan:
 
     @property
     def images(self) -> int:
-        """Images, padded to whole vectors."""
-        return _ceil(self.wl.N, self.isa.lanes)
+        """Images, padded to whole tiles."""
+        return _ceil(self.wl.N, self.cols)
+
+    @property
+    def image_blocks(self) -> int:
+        return self.images // self.cols
 
     @property
     def padded_hw(self) -> tuple[int, int]:
@@ -149,81 +154,37 @@ class MaxDNNCpuPlan:
         (sh, sw), (dh, dw) = wl.stride, wl.dilation
         return ((wl.OH - 1) * sh + (wl.KH - 1) * dh + 1, (wl.OW - 1) * sw + (wl.KW - 1) * dw + 1)
 
-    @property
-    def image_blocks(self) -> int:
-        return self.images // self.cols
-
     def data_shape(self) -> tuple[int, ...]:
-        """HWCN: (H, W, N/cols, C, cols); CHWN: (N/cols, C, H, W, cols). The images are blocked by
-        the tile's columns so that a call's rows of B (and of C) are whole rows of memory: a tile
-        narrower than rows of all the images read a fraction of each, 512 bytes apart at batch
-        128, which maps them onto a quarter of L1's sets (2x slower, measured)."""
-        hp, wp = self.padded_hw
-        if self.layout == "HWCN":
-            return (hp, wp, self.image_blocks, self.wl.C, self.cols)
-        return (self.image_blocks, self.wl.C, hp, wp, self.cols)
+        return (self.image_blocks, *self.padded_hw, self.wl.C, self.cols)
 
     def weight_shape(self) -> tuple[int, ...]:
-        """RSCK per group and per `rows` output channels: a call's A is one contiguous stream of
-        k_step x rows weights (RSCK rows, a task tile apart, touched a new cache line a k step)."""
         return (self.groups, self.outputs // self.rows, self.wl.KH, self.wl.KW, self.channels, self.rows)
 
     def out_shape(self) -> tuple[int, ...]:
-        """The output in the input's layout (the groups' padded channels one after the other)."""
-        wl = self.wl
-        if self.layout == "HWCN":
-            return (wl.OH, wl.OW, self.image_blocks, self.groups * self.outputs, self.cols)
-        return (self.image_blocks, self.groups * self.outputs, wl.OH, wl.OW, self.cols)
-
-    def data_view(self) -> tuple[int, ...]:
-        """The shape the kernel reads the input as: HWCN as it is; CHWN as (N/cols, C, pixels x
-        cols), so that a call's operand, k_step channels x cols images at one pixel, is a region
-        of the last two axes (what tensorize matches against the description's matrix)."""
-        if self.layout == "HWCN":
-            return self.data_shape()
-        hp, wp = self.padded_hw
-        return (self.image_blocks, self.wl.C, hp * wp * self.cols)
-
-    def out_view(self) -> tuple[int, ...]:
-        if self.layout == "HWCN":
-            return self.out_shape()
-        return (self.image_blocks, self.groups * self.outputs, self.wl.OH * self.wl.OW * self.cols)
-
-    def data_index(self, c, h, w, nb, n) -> list:
-        """Where channel c of image n of block nb at padded pixel (h, w) lies in :meth:`data_view`."""
-        if self.layout == "HWCN":
-            return [h, w, nb, c, n]
-        return [nb, c, (h * self.padded_hw[1] + w) * self.cols + n]
-
-    def out_index(self, o, p, q, nb, n) -> list:
-        """Where output channel o (of all groups') of image n of block nb at (p, q) lies in :meth:`out_view`."""
-        if self.layout == "HWCN":
-            return [p, q, nb, o, n]
-        return [nb, o, (p * self.wl.OW + q) * self.cols + n]
+        return (self.image_blocks, self.wl.OH, self.wl.OW, self.groups * self.outputs, self.cols)
 
     def fma_efficiency(self) -> float:
         """The share of FMA slots the tile's k loop can fill, times the share of its work that is
-        not padding (images to whole vectors, output channels to whole tiles)."""
+        not padding (images to whole tiles, output channels to whole tiles)."""
         wl = self.wl
         useful = wl.N * (wl.K // wl.groups) / (self.images * self.outputs)
         return tile_efficiency(self.rows, self.cols // self.isa.lanes) * useful
 
 
 def _default_tile(outputs: int, images: int, isa: VectorISA, rows: int | None, cols: int | None) -> tuple[int, int]:
-    """The register tile with the most FMA slots filled on useful work, then the most
-    accumulators (independent FMA chains)."""
+    """The register tile with the most FMA slots filled on useful work (output channels and images
+    padded to whole tiles are not), then the most accumulators (independent FMA chains)."""
     best, best_key = None, None
     for r, c in cpu_tiles(isa):
-        if images % c or (rows is not None and r != rows) or (cols is not None and c != cols):
+        if (rows is not None and r != rows) or (cols is not None and c != cols):
             continue
-        useful = outputs / _ceil(outputs, r)
+        useful = outputs / _ceil(outputs, r) * images / _ceil(images, c)
         vectors = c // isa.lanes
         key = (round(tile_efficiency(r, vectors) * useful, 3), r * vectors)
         if best_key is None or key > best_key:
             best, best_key = (r, c), key
     if best is None:
-        raise ValueError(f"maxdnn conv2d: no {isa.name} register tile with rows={rows}, cols={cols} "
-                         f"for {images} padded images")
+        raise ValueError(f"maxdnn conv2d: no {isa.name} register tile with rows={rows}, cols={cols}")
     return best
 
 
@@ -241,26 +202,24 @@ class Epilogue:
 
 def maxdnn_conv2d_func(plan: MaxDNNCpuPlan, epilogue: Epilogue = Epilogue()) -> tirx.PrimFunc:
     """The unscheduled kernel as TensorIR: parameters (x, w[, b], y) in :meth:`MaxDNNCpuPlan.data_shape`,
-    :meth:`~MaxDNNCpuPlan.weight_shape`, (G, outputs) and :meth:`~MaxDNNCpuPlan.out_shape`. Its
-    update block ("update") has the description's five loops innermost
-    (:func:`~tvm_ext.intrin.outer_tile.outer_description`); :func:`schedule_maxdnn_conv2d`
-    tensorizes it."""
+    :meth:`~MaxDNNCpuPlan.weight_shape`, (G, K') and :meth:`~MaxDNNCpuPlan.out_shape`. Its
+    update block ("update") has the description's loops innermost (the taps, k_step channels
+    and the tile: :func:`~tvm_ext.intrin.outer_tile.outer_description`);
+    :func:`schedule_maxdnn_conv2d` tensorizes it."""
     wl = plan.wl
     (sh, sw), (dh, dw) = wl.stride, wl.dilation
-    g_count, blocks, steps = plan.groups, plan.outputs // plan.macro_rows, plan.channels // plan.k_step
+    g_count, blocks = plan.groups, plan.outputs // plan.macro_rows
     row_tiles, col_tiles, vec = plan.macro_rows // plan.rows, plan.macro_cols // plan.cols, plan.isa.lanes
-    col_blocks = plan.images // plan.macro_cols
+    init = plan.steps == 1
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("conv")
         x = param_buffer("x", plan.data_shape())
         w = param_buffer("w", plan.weight_shape())
         bias = param_buffer("b", (plan.groups, plan.outputs)) if epilogue.bias else None
         y = param_buffer("y", plan.out_shape())
-        if plan.layout != "HWCN":  # (after the parameters: a declared buffer opens a frame)
-            x = IRBuilder.name("X_view", T.decl_buffer(plan.data_view(), "float32", data=x.data))
-            y = IRBuilder.name("Y_view", T.decl_buffer(plan.out_view(), "float32", data=y.data))
         with T.sblock("root"):
-            with T.parallel(0, g_count * blocks * wl.OH) as task, T.grid(wl.OW, col_blocks) as (q, mb):
+            with T.parallel(0, g_count * blocks * wl.OH) as task, \
+                    T.grid(wl.OW, plan.image_blocks // col_tiles) as (q, mb):
                 IRBuilder.name_many(["task", "q", "mb"], [task, q, mb])
                 g, ob, p = task // (blocks * wl.OH), task // wl.OH % blocks, task % wl.OH
 
@@ -271,30 +230,31 @@ def maxdnn_conv2d_func(plan: MaxDNNCpuPlan, epilogue: Epilogue = Epilogue()) -> 
                         IRBuilder.name_many(["nb", "i", "j", "lane"], [nb, i, j, lane])
                         vt, vq, vmb, vnb, vi, vj, vl = T.axis.remap("SSSSSSS", [task, q, mb, nb, i, j, lane])
                         vg, vo = vt // (blocks * wl.OH), vt // wl.OH % blocks * plan.macro_rows + vi
-                        index = plan.out_index(vg * plan.outputs + vo, vt % wl.OH, vq, vmb * col_tiles + vnb,
-                                               vj * vec + vl)
+                        index = [vmb * col_tiles + vnb, vt % wl.OH, vq, vg * plan.outputs + vo, vj * vec + vl]
                         T.buffer_store(y, value(y[tuple(index)], vg, vo), index)
 
-                tile_pass("zero", lambda old, vg, vo: T.float32(0))
-                with T.grid(wl.KH, wl.KW, steps, col_tiles, row_tiles) as (r, s, cb, nb, t), \
-                        T.grid(plan.k_step, 1, plan.rows, 1, plan.cols) as inner, T.sblock("update"):
-                    kk, _, i1, _, j1 = IRBuilder.name_many(["kk", "i0", "i1", "j0", "j1"], inner)
-                    IRBuilder.name_many(["r", "s", "cb", "nb", "t"], [r, s, cb, nb, t])
+                if not init:  # (a single chunk of channels: the tile's accumulators start at zero)
+                    tile_pass("zero", lambda old, vg, vo: T.float32(0))
+                with T.grid(plan.steps, col_tiles, row_tiles) as (cb, nb, t), \
+                        T.grid(wl.KH, wl.KW, plan.k_step, 1, plan.rows, 1, plan.cols) as inner, T.sblock("update"):
+                    r, s, kk, _, i1, _, j1 = IRBuilder.name_many(["r", "s", "kk", "i0", "i1", "j0", "j1"], inner)
+                    IRBuilder.name_many(["cb", "nb", "t"], [cb, nb, t])
                     vg = IRBuilder.name("vg", T.axis.spatial(g_count, g))
                     vb = IRBuilder.name("vb", T.axis.spatial(blocks, ob))
                     vp = IRBuilder.name("vp", T.axis.spatial(wl.OH, p))
                     vq, vmb = IRBuilder.name_many(["vq", "vmb"], T.axis.remap("SS", [q, mb]))
-                    vr, vs, vcb = IRBuilder.name_many(["vr", "vs", "vcb"], T.axis.remap("RRR", [r, s, cb]))
+                    vcb = IRBuilder.name("vcb", T.axis.reduce(plan.steps, cb))
                     vnb, vt = IRBuilder.name_many(["vnb", "vt"], T.axis.remap("SS", [nb, t]))
-                    vk = IRBuilder.name("vk", T.axis.reduce(plan.k_step, kk))
+                    vr, vs, vk = IRBuilder.name_many(["vr", "vs", "vk"], T.axis.remap("RRR", [r, s, kk]))
                     vi, vj = IRBuilder.name_many(["vi", "vj"], T.axis.remap("SS", [i1, j1]))
-                    o = vt * plan.rows + vi  # (in the task's block of output channels)
                     c = vcb * plan.k_step + vk
-                    w_block = vb * row_tiles + vt
-                    nb = vmb * col_tiles + vnb
-                    out = plan.out_index(vg * plan.outputs + vb * plan.macro_rows + o, vp, vq, nb, vj)
-                    xi = plan.data_index(vg * plan.channels + c, vp * sh + vr * dh, vq * sw + vs * dw, nb, vj)
-                    T.buffer_store(y, y[tuple(out)] + w[vg, w_block, vr, vs, c, vi] * x[tuple(xi)], out)
+                    n_block = vmb * col_tiles + vnb
+                    out = [n_block, vp, vq, vg * plan.outputs + vb * plan.macro_rows + vt * plan.rows + vi, vj]
+                    xi = [n_block, vp * sh + vr * dh, vq * sw + vs * dw, vg * plan.channels + c, vj]
+                    if init:
+                        with T.init():
+                            T.buffer_store(y, T.float32(0), out)
+                    T.buffer_store(y, y[tuple(out)] + w[vg, vb * row_tiles + vt, vr, vs, c, vi] * x[tuple(xi)], out)
                 if bias is not None or epilogue.activation is not None:
                     def finish(value, vg, vo):
                         if bias is not None:
@@ -306,9 +266,12 @@ def maxdnn_conv2d_func(plan: MaxDNNCpuPlan, epilogue: Epilogue = Epilogue()) -> 
 
 
 def schedule_maxdnn_conv2d(sch: s_tir.Schedule, plan: MaxDNNCpuPlan) -> None:
-    """Tensorize the update block onto the tile's intrinsic."""
+    """Tensorize the update block onto the tile's intrinsic (and drop the initialization that
+    tensorizing leaves beside an `init` call, which writes the whole tile itself)."""
     loops = sch.get_loops(sch.get_sblock("update"))
-    sch.tensorize(loops[-5], get_cpu_outer_intrin(plan.tile, plan.isa, plan.unroll))
+    sch.tensorize(loops[-7], get_cpu_outer_intrin(plan.tile, plan.isa, plan.unroll))
+    if plan.tile.init:
+        drop_init(sch, sch.get_sblock("update_o"))
 
 
 @functools.cache
@@ -330,13 +293,12 @@ def pack_data(plan: MaxDNNCpuPlan, x: np.ndarray) -> np.ndarray:
     out = np.zeros((plan.images, wl.C, hp, wp), np.float32)
     h, w = min(wl.H, hp - top), min(wl.W, wp - left)
     out[:wl.N, :, top:top + h, left:left + w] = x[:, :, :h, :w]
-    blocked = out.reshape(plan.image_blocks, plan.cols, wl.C, hp, wp)  # (N/cols, cols, C, H, W)
-    axes = (3, 4, 0, 2, 1) if plan.layout == "HWCN" else (0, 2, 3, 4, 1)
-    return np.ascontiguousarray(blocked.transpose(axes))
+    blocked = out.reshape(plan.image_blocks, plan.cols, wl.C, hp, wp)
+    return np.ascontiguousarray(blocked.transpose(0, 3, 4, 2, 1))
 
 
 def pack_weight(plan: MaxDNNCpuPlan, w: np.ndarray) -> np.ndarray:
-    """OIHW -> :meth:`MaxDNNCpuPlan.weight_shape` (zeros past K/G)."""
+    """OIHW -> :meth:`MaxDNNCpuPlan.weight_shape` (zeros past a group's output channels)."""
     wl = plan.wl
     kg = wl.K // wl.groups
     per_group = np.asarray(w, np.float32).reshape(wl.groups, kg, plan.channels, wl.KH, wl.KW)
@@ -356,7 +318,5 @@ def pack_bias(plan: MaxDNNCpuPlan, b: np.ndarray) -> np.ndarray:
 def unpack_output(plan: MaxDNNCpuPlan, y: np.ndarray) -> np.ndarray:
     """The kernel's output -> NCHW (the padded images and output channels dropped)."""
     wl = plan.wl
-    y = np.asarray(y)
-    axes = (2, 4, 3, 0, 1) if plan.layout == "HWCN" else (0, 4, 1, 2, 3)  # -> (N/cols, cols, K', P, Q)
-    nkpq = y.transpose(axes).reshape(plan.images, plan.groups, plan.outputs, wl.OH, wl.OW)
+    nkpq = np.asarray(y).transpose(0, 4, 3, 1, 2).reshape(plan.images, plan.groups, plan.outputs, wl.OH, wl.OW)
     return np.ascontiguousarray(nkpq[:wl.N, :, :wl.K // wl.groups].reshape(wl.N, wl.K, wl.OH, wl.OW))
