@@ -19,9 +19,9 @@ demo: $(STAMP)
 	$(PY) -m tvm_ext demo --model resnet50 --batch 1
 
 # The suite (what CI runs, .ci/run), the NEON kernels' emulated runs included when the AArch64
-# sysroot can be prepared (else those tests skip and say why). The few tests marked `long` (each
-# over a minute and a half: tuning's crash recovery over RPC, the bench pipelines) run in
-# `make test-long`, which keeps CI within its 25 minutes on a 2-core machine.
+# sysroot can be prepared (else those tests skip and say why). The eleven tests marked `long`
+# (tuning's crash recovery over RPC, the bench pipelines, the zoo's four biggest builds: half a
+# minute to three each) run in `make test-long`, which keeps CI near its 25 minutes on 2 cores.
 test: $(STAMP)
 	$(PY) -m tvm_ext.testing.aarch64_sysroot || echo "aarch64: no emulator (see above); the NEON run tests will skip"
 	$(PYTEST) -m 'not long' tests

@@ -4,7 +4,7 @@ For each layer of a set in ../shared/workloads.json (or bench/workloads.json) it
 - tvm_ext's blocked kernel (NCHW[x]c in, NCHW[y]c out: what runs inside a compiled graph),
 - tvm_ext.ops.conv2d (NCHW NumPy in and out, warm cache: packing included),
 - tvm_ext.ops.Conv2d (the same with its weights packed once, as for inference),
-- torch.nn.functional.conv2d in NCHW and in channels_last (oneDNN), inference mode,
+- torch.nn.functional.conv2d in NCHW and in channels_last (oneDNN), no gradients,
 - stock TVM: a Relax conv2d through `tvm.compile` with the default pipeline (fewer repeats: it is
   about 1.5 GFLOP/s),
 and prints ms (median), GFLOP/s, % of the measured peak (bench/peak.py), the ratios and the extra
@@ -22,7 +22,8 @@ per-channel, channels_last) on its "onednn" (AMX where the CPU has it) and "x86"
 
 With `--engine maxdnn|brgemm|all`: each layer (fp32) on the maxDNN tile (images in the vector
 lanes, tvm_ext.kernels.conv2d_maxdnn) and/or the BRGEMM kernel, against oneDNN
-(PyTorch channels_last) in the same run: ms, % of the FMA peak, ratio to oneDNN.
+(PyTorch channels_last), alternated call by call in one process: median ms, % of the FMA peak,
+ratio to oneDNN.
 
 Usage: python bench/layers.py --set resnet50 --batch 1 --threads 1 [--layers K] [--repeat R] [--dtype bf16|int8]
        python bench/layers.py --set alexnet --batch 128 --engine all
@@ -106,8 +107,23 @@ def _median_ms(fn, repeat: int, min_ms: float = 20.0) -> float:
 
 
 def bench_blocked(plan: K.Conv2dPlan, target, repeat: int, lanes: int | None = None) -> float:
+    return _median_ms(blocked_call(plan, target, lanes), repeat)
+
+
+def maxdnn_call(plan: MX.MaxDNNCpuPlan, target):
+    """The maxDNN tile's kernel alone (its layouts in and out: what would run inside a graph)."""
+    lib = tvm.compile(tvm.IRModule({"conv": MX.maxdnn_conv2d_kernel(plan, MX.Epilogue())}), target)
+    rng = np.random.default_rng(0)
+    args = [tvm.runtime.tensor(rng.standard_normal(s).astype(np.float32))
+            for s in (plan.data_shape(), plan.weight_shape(), plan.out_shape())]
+    fn = lib["conv"]
+    return lambda: fn(*args)
+
+
+def blocked_call(plan: K.Conv2dPlan, target, lanes: int | None = None):
+    """The BRGEMM kernel alone (NCHW[x]c in, NCHW[y]c out); an int8 one as a quantized graph runs
+    it: bias, relu and the uint8 output fused."""
     wl = plan.wl
-    # an int8 kernel as a quantized graph runs it: bias, relu and the uint8 output fused
     epilogue = K.Epilogue(bias=True, activation="relu", out_dtype="uint8") if wl.dtype == "int8" else K.Epilogue()
     lib = tvm.compile(K.conv2d_blocked_kernel(plan, lanes or tvm_ext.vector_isa(target).lanes, epilogue), target)
     rng = np.random.default_rng(0)
@@ -121,17 +137,40 @@ def bench_blocked(plan: K.Conv2dPlan, target, repeat: int, lanes: int | None = N
                 tvm.runtime.tensor(np.full((plan.OCB, plan.oc_bn), 1e-4, np.float32))]
     args.append(tvm.runtime.empty(epilogue.out_shape(plan), epilogue.out_dtype, tvm.cpu()))
     fn = lib.mod["main"]
-    return _median_ms(lambda: fn(*args), repeat)
+    return lambda: fn(*args)
 
 
-def bench_maxdnn(plan: MX.MaxDNNCpuPlan, target, repeat: int) -> float:
-    """The maxDNN tile's kernel alone (its layouts in and out: what runs inside a graph)."""
-    lib = tvm.compile(tvm.IRModule({"conv": MX.maxdnn_conv2d_kernel(plan, MX.Epilogue())}), target)
-    rng = np.random.default_rng(0)
-    args = [tvm.runtime.tensor(rng.standard_normal(s).astype(np.float32))
-            for s in (plan.data_shape(), plan.weight_shape(), plan.out_shape())]
-    fn = lib["conv"]
-    return _median_ms(lambda: fn(*args), repeat)
+def torch_call(wl: K.Conv2dWorkload, channels_last: bool = True, dtype=None):
+    """PyTorch's convolution (oneDNN), NCHW or channels_last (an asymmetric padding applied to
+    the input beforehand)."""
+    x = torch.randn(wl.N, wl.C, wl.H, wl.W, dtype=dtype)
+    w = torch.randn(wl.K, wl.C // wl.groups, wl.KH, wl.KW, dtype=dtype)
+    top, left, bottom, right = wl.padding
+    if (top, left) != (bottom, right):
+        x, pad = torch.nn.functional.pad(x, (left, right, top, bottom)), 0
+    else:
+        pad = (top, left)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+        w = w.contiguous(memory_format=torch.channels_last)
+
+    # (no tensor requires a gradient: autograd records nothing, as in inference mode, whose
+    # context would cost each call a microsecond)
+    return lambda: torch.nn.functional.conv2d(x, w, None, wl.stride, pad, wl.dilation, wl.groups)
+
+
+def alternated_ms(calls: dict, rounds: int) -> dict[str, float]:
+    """Median ms of each call, timed in turn round after round (the machine's state moves: side by
+    side in one process is the comparison that holds)."""
+    for call in calls.values():
+        call()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def bench_stock_tvm(wl: K.Conv2dWorkload, target, repeat: int) -> float:
@@ -150,20 +189,7 @@ def bench_stock_tvm(wl: K.Conv2dWorkload, target, repeat: int) -> float:
 
 
 def bench_torch(wl: K.Conv2dWorkload, channels_last: bool, repeat: int, dtype=None) -> float:
-    x = torch.randn(wl.N, wl.C, wl.H, wl.W, dtype=dtype)
-    w = torch.randn(wl.K, wl.C // wl.groups, wl.KH, wl.KW, dtype=dtype)
-    top, left, bottom, right = wl.padding
-    if (top, left) != (bottom, right):
-        x = torch.nn.functional.pad(x, (left, right, top, bottom))
-        pad = 0
-    else:
-        pad = (top, left)
-    if channels_last:
-        x = x.contiguous(memory_format=torch.channels_last)
-        w = w.contiguous(memory_format=torch.channels_last)
-    with torch.inference_mode():
-        return _median_ms(lambda: torch.nn.functional.conv2d(x, w, None, wl.stride, pad, wl.dilation, wl.groups),
-                          repeat)
+    return _median_ms(torch_call(wl, channels_last, dtype), repeat)
 
 
 def bench_ops(wl: K.Conv2dWorkload, target, repeat: int) -> float:
@@ -332,7 +358,8 @@ def main_int8(target, layers: list[dict], peak: dict) -> int:
 
 def main_engines(target, isa, layers: list[dict], peak_gflops: float) -> int:
     """--engine: each layer on the maxDNN tile and the BRGEMM kernel, against oneDNN
-    (PyTorch channels_last) in the same run: ms, % of the FMA peak, ratio to oneDNN."""
+    (PyTorch channels_last), alternated call by call for --repeat rounds: median ms, % of the FMA
+    peak, ratio to oneDNN."""
     engines = {"maxdnn": ["maxdnn"], "brgemm": ["brgemm"]}
     names = [e for key, values in engines.items() if ARGS.engine in (key, "all") for e in values]
     print(f"# tvm_ext engines: set={ARGS.set} batch={ARGS.batch} threads={ARGS.threads} target={target} "
@@ -344,17 +371,21 @@ def main_engines(target, isa, layers: list[dict], peak_gflops: float) -> int:
     rows = []
     for layer in layers:
         wl = layer_workload(layer)
-        t_dnn = bench_torch(wl, True, ARGS.repeat)
-        cells, tiles = [], []
+        calls, tiles = {"onednn": torch_call(wl)}, []
         for name in names:
             if name == "brgemm":
                 plan = K.plan_conv2d(wl, isa)
-                ms = bench_blocked(plan, target, ARGS.repeat)
+                calls[name] = blocked_call(plan, target)
                 tiles.append(f"{plan.m_r}x{plan.oc_bn}")
             else:
-                plan = MX.MaxDNNCpuPlan.make(wl, isa, threads=ARGS.threads)
-                ms = bench_maxdnn(plan, target, ARGS.repeat)
-                tiles.append(f"{plan.rows}x{plan.cols}/k{plan.k_step}/m{plan.macro_rows}x{plan.macro_cols}")
+                mplan = MX.MaxDNNCpuPlan.make(wl, isa, threads=ARGS.threads)
+                calls[name] = maxdnn_call(mplan, target)
+                tiles.append(f"{mplan.rows}x{mplan.cols}/k{mplan.k_step}/m{mplan.macro_rows}x{mplan.macro_cols}")
+        times = alternated_ms(calls, max(3, ARGS.repeat))
+        t_dnn = times["onednn"]
+        cells = []
+        for name in names:
+            ms = times[name]
             pct = 100 * wl.flops / ms / 1e6 / peak_gflops
             ratios[name].append(t_dnn / ms)
             pcts[name].append(pct)

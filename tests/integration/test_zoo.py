@@ -25,10 +25,17 @@ def _top5(logits: np.ndarray) -> list[set]:
 
 
 FAST = ("resnet18", "mobilenet_v3_large")  # in the fast loop (make test-fast); the rest are slow
+# The biggest builds (30-80 s each; their ops are covered by smaller families and unit tests: a
+# dense block's concatenations, plain and wide residual blocks, MBConv) run in `make test-long`,
+# which keeps CI within its time (issue 30: "mark the big ones slow and run them separately").
+LONG = ("densenet121", "vgg11_bn", "efficientnet_v2_s", "wide_resnet50_2")
 
 
-@pytest.mark.parametrize("name", [name if name in FAST else pytest.param(name, marks=pytest.mark.slow)
-                                  for name in zoo.FAMILIES])
+def _marks(name: str) -> list:
+    return [] if name in FAST else [pytest.mark.slow, pytest.mark.long] if name in LONG else [pytest.mark.slow]
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=_marks(name)) for name in zoo.FAMILIES])
 def test_zoo_model_matches_pytorch(name):
     size = max(SIZE, zoo.MIN_SIZE.get(name, 0))
     model = zoo.load(name, size)
@@ -42,7 +49,8 @@ def test_zoo_model_matches_pytorch(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["resnet18", "wide_resnet50_2", "vgg11_bn"])
+@pytest.mark.parametrize("name", ["resnet18", *(pytest.param(name, marks=pytest.mark.long)
+                                               for name in ("wide_resnet50_2", "vgg11_bn"))])
 def test_zoo_model_with_winograd(name):
     model = zoo.load(name, SIZE)
     mod, x = zoo.export(model, SIZE)

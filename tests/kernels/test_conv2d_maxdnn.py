@@ -215,8 +215,22 @@ def test_inner_loop_is_fma_with_broadcast_operands_and_no_spills(target, isa, sh
     (dict(macro_rows=9, rows=6, cols=16), "macro_rows=9"),
     (dict(macro_cols=48, cols=32), "macro_cols=48"),
     (dict(rows=15, cols=32), "spill"),
+    (dict(rows=0, cols=16), "rows must be a positive integer"),
+    (dict(k_step=0), "k_step must be"),
+    (dict(macro_rows=0), "macro_rows must be"),
+    (dict(threads=-1), "threads must be"),
 ])
 def test_bad_plans_are_refused(kwargs, message):
     wl = Conv2dWorkload.make((20, 16, 8, 8), (24, 16, 3, 3), 1, 1)
     with pytest.raises(ValueError, match=message):
         M.MaxDNNCpuPlan.make(wl, AVX512, **kwargs)
+
+
+def test_fma_efficiency_counts_the_tile_and_its_padding():
+    """What a cost model reads: the k loop's share of FMA slots times the work that is not padding."""
+    full = M.MaxDNNCpuPlan.make(Conv2dWorkload.make((128, 64, 8, 8), (96, 64, 3, 3), 1, 1), AVX512, rows=12, cols=32)
+    assert full.fma_efficiency() == pytest.approx(1.0)  # 24 FMAs to 14 loads a k step, no padding
+    padded = M.MaxDNNCpuPlan.make(Conv2dWorkload.make((17, 64, 8, 8), (90, 64, 3, 3), 1, 1), AVX512, rows=12, cols=32)
+    assert padded.fma_efficiency() == pytest.approx(17 / 32 * 90 / 96)
+    narrow = M.MaxDNNCpuPlan.make(Conv2dWorkload.make((16, 64, 8, 8), (29, 64, 3, 3), 1, 1), AVX512, rows=29, cols=16)
+    assert narrow.fma_efficiency() == pytest.approx(14.5 / 15)  # 29 broadcasts + 1 load for 29 FMAs

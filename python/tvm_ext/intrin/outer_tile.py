@@ -2,11 +2,11 @@
 
     C[i, j] (+)= sum_b sum_k  A[b, k, row(i)] * B[b * dilation, k, col(j)]    (i < rows, j < cols, k < k_step)
 
-C is a register tile, A and B are k-major operand panels, optionally a batch of them (the filter
-taps of a convolution, B's a dilation apart: the batch-reduce of BRGEMM, so that C stays in
-registers for a whole reduction; `init`: C starts at zero instead of being read) (a row of A is contiguous in output
+C is a register tile; A and B are k-major operand panels (a row of A is contiguous in output
 channels, a row of B in output columns: pixels x images, the images innermost, as maxDNN keeps
-them). The tile's rows need not be contiguous in A: they lie in groups of `row_vec` consecutive
+them), optionally a batch of them: the filter taps of a convolution, B's entries a dilation
+apart (BRGEMM's batch-reduce, so that C stays in registers for a whole reduction). With `init`,
+C starts at zero instead of being read. The tile's rows need not be contiguous in A: they lie in groups of `row_vec` consecutive
 rows spaced `row_gap` apart (columns likewise), which is how a CUDA thread owns 8 rows as 4 + 4,
 half a 64-row tile apart, so that its shared-memory loads are conflict-free float4
 (:func:`tvm_ext.intrin.cuda.get_outer_product_intrin`). On a CPU a tile is one group of each:

@@ -84,6 +84,11 @@ class MaxDNNCpuPlan:
         tiles small enough to give `threads` threads four tasks each where the output allows)."""
         if wl.dtype != "float32":
             raise ValueError(f"maxdnn conv2d: float32 only, got {wl.dtype}")
+        given = {"rows": rows, "cols": cols, "k_step": k_step, "macro_rows": macro_rows, "macro_cols": macro_cols,
+                 "threads": threads}
+        for name, value in given.items():
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"maxdnn conv2d: {name} must be a positive integer, got {value!r}")
         cg, kg = wl.C // wl.groups, wl.K // wl.groups
         if rows is None or cols is None:
             rows, cols = _default_tile(kg, wl.N, isa, rows, cols)
