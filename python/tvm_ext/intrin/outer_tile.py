@@ -6,10 +6,10 @@ C is a register tile; A and B are k-major operand panels (a row of A is contiguo
 channels, a row of B in output columns: pixels x images, the images innermost, as maxDNN keeps
 them), optionally a batch of them: the filter taps of a convolution, B's entries a dilation
 apart (BRGEMM's batch-reduce, so that C stays in registers for a whole reduction). With `init`,
-C starts at zero instead of being read. The tile's rows need not be contiguous in A: they lie in groups of `row_vec` consecutive
-rows spaced `row_gap` apart (columns likewise), which is how a CUDA thread owns 8 rows as 4 + 4,
-half a 64-row tile apart, so that its shared-memory loads are conflict-free float4
-(:func:`tvm_ext.intrin.cuda.get_outer_product_intrin`). On a CPU a tile is one group of each:
+C starts at zero instead of being read. The tile's rows need not be contiguous in A: they lie in
+groups of `row_vec` consecutive rows spaced `row_gap` apart (columns likewise), which is how a
+CUDA thread owns 8 rows as 4 + 4, half a 64-row tile apart, so that its shared-memory loads are
+conflict-free float4 (:func:`tvm_ext.intrin.cuda.get_outer_product_intrin`). On a CPU a tile is one group of each:
 `rows` output channels broadcast from A, `cols` images loaded as vectors of B
 (:func:`tvm_ext.intrin.cpu_outer.get_cpu_outer_intrin`).
 
