@@ -12,7 +12,8 @@ import tvm
 from reference import conv2d_nchw, rel_err
 
 from tvm_ext.asm import fma_blocks, inner_loop
-from tvm_ext.intrin.cpu_outer import check_cpu_tile, cpu_tiles, get_cpu_outer_intrin
+from tvm_ext.intrin.cpu import register_tiles
+from tvm_ext.intrin.cpu_outer import check_cpu_tile, get_cpu_outer_intrin
 from tvm_ext.intrin.cuda import get_outer_product_intrin, thread_tile
 from tvm_ext.intrin.outer_tile import OuterTile, outer_description
 from tvm_ext.kernels import conv2d_maxdnn as M
@@ -50,7 +51,7 @@ def test_cpu_tile_is_refused_where_it_would_spill_or_misfit():
         check_cpu_tile(OuterTile.contiguous(4, 20, 8), AVX512)
     with pytest.raises(ValueError, match="contiguous"):
         check_cpu_tile(thread_tile(), AVX512)
-    assert all(r * (c // 16) + c // 16 + 1 <= 31 for r, c in cpu_tiles(AVX512))
+    assert all(r * (c // 16) + c // 16 + 1 <= 31 for r, c in register_tiles(AVX512, spare=1))
 
 
 def _random_config(rng: np.random.Generator) -> dict:
@@ -83,7 +84,7 @@ def _plan(rng: np.random.Generator, cfg: dict, isa) -> M.MaxDNNCpuPlan:
                              cfg["stride"], cfg["padding"], cfg["dilation"], cfg["groups"])
     if rng.random() < 2 / 3:
         return M.MaxDNNCpuPlan.make(wl, isa)
-    tiles = [(r, c) for r, c in cpu_tiles(isa) if r <= 2 * wl.K and c <= 2 * wl.N + isa.lanes]
+    tiles = [(r, c) for r, c in register_tiles(isa, spare=1) if r <= 2 * wl.K and c <= 2 * wl.N + isa.lanes]
     rows, cols = tiles[rng.integers(len(tiles))]
     channels = wl.C // wl.groups
     k_step = int(rng.choice([d for d in range(1, channels + 1) if channels % d == 0]))

@@ -98,7 +98,7 @@ class BRGEMM:
 
     def registers(self) -> int:
         """Vector registers the inner loop keeps live: accumulators, B row, broadcast A."""
-        return self.m_r * self.vectors + self.vectors + 1
+        return tile_registers(self.m_r, self.vectors)
 
     def a_shape(self, batch: tuple | None = None) -> tuple:
         """A's extents (`batch`: the batch extents to use, parameters in a family's signature)."""
@@ -191,6 +191,12 @@ def register_named(text: str) -> list[str]:
     for name in names:
         get_brgemm_intrin(brgemm_from_name(name))
     return names
+
+
+def tile_registers(rows: int, vectors: int) -> int:
+    """Vector registers a k loop of rows x `vectors` accumulators keeps live: the accumulators, one
+    row of the vector operand, the broadcast (the BRGEMM's tile and the CPU maxDNN tile alike)."""
+    return rows * vectors + vectors + 1
 
 
 def register_tiles(isa: VectorISA, max_vectors: int = 4, spare: int = 0) -> list[tuple[int, int]]:

@@ -12,7 +12,8 @@ not at 7x7.
 A, B and C are strided views of the weights, the input and the output, so the implementation
 takes any row strides (unit innermost). A tile whose accumulators, B vectors and the broadcast
 do not fit the ISA's register file would spill inside the k loop: :func:`check_cpu_tile`
-refuses it.
+refuses it (the register count and the tiles that fit are the BRGEMM's:
+:func:`~tvm_ext.intrin.cpu.tile_registers`, :func:`~tvm_ext.intrin.cpu.register_tiles`).
 """
 
 from __future__ import annotations
@@ -25,15 +26,9 @@ from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
 from ..target import VectorISA
-from .cpu import operand_buffer
+from .cpu import operand_buffer, tile_registers
 from .outer_tile import OuterTile, outer_description
 from .registry import register_once
-
-
-def cpu_tile_registers(tile: OuterTile, lanes: int) -> int:
-    """Vector registers the k loop keeps live: accumulators, one row of B, the broadcast."""
-    vectors = tile.cols // lanes
-    return tile.rows * vectors + vectors + 1
 
 
 def check_cpu_tile(tile: OuterTile, isa: VectorISA) -> None:
@@ -44,19 +39,10 @@ def check_cpu_tile(tile: OuterTile, isa: VectorISA) -> None:
         raise ValueError(f"OuterTile: a CPU tile is one contiguous group of rows and of columns, not {tile}")
     if tile.cols % isa.lanes:
         raise ValueError(f"OuterTile: cols={tile.cols} is not a multiple of {isa.name}'s {isa.lanes} lanes")
-    if cpu_tile_registers(tile, isa.lanes) > isa.registers:
-        raise ValueError(f"OuterTile: a {tile.rows}x{tile.cols} tile needs {cpu_tile_registers(tile, isa.lanes)} "
-                         f"vector registers, {isa.name} has {isa.registers}: it would spill in the k loop")
-
-
-def cpu_tiles(isa: VectorISA, max_vectors: int = 4, spare: int = 1) -> list[tuple[int, int]]:
-    """Every (rows, cols) that fits `isa`'s registers with `spare` left over (LLVM spilled tiles
-    that used every register, :func:`tvm_ext.intrin.cpu.default_tile`), most rows first."""
-    tiles = []
-    for vectors in range(1, max_vectors + 1):
-        most = (isa.registers - 1 - vectors - spare) // vectors
-        tiles += [(rows, vectors * isa.lanes) for rows in range(most, 0, -1)]
-    return tiles
+    registers = tile_registers(tile.rows, tile.cols // isa.lanes)
+    if registers > isa.registers:
+        raise ValueError(f"OuterTile: a {tile.rows}x{tile.cols} tile needs {registers} vector registers, {isa.name} "
+                         f"has {isa.registers}: it would spill in the k loop")
 
 
 def _implementation(tile: OuterTile, lanes: int, unroll: int) -> tirx.PrimFunc:

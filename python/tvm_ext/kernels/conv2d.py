@@ -266,7 +266,8 @@ class Conv2dPlan:
         return 4 * self.wl.N * (self.K_pad - self.wl.K) * self.wl.OH * self.wl.OW
 
 
-def _largest_divisor(n: int, limit: int, multiple_of: int = 1) -> int:
+def largest_divisor(n: int, limit: int, multiple_of: int = 1) -> int:
+    """The largest divisor of `n` up to `limit` that is a multiple of `multiple_of` (0 if none)."""
     for d in range(min(n, limit), 0, -1):
         if n % d == 0 and d % multiple_of == 0:
             return d
@@ -341,7 +342,7 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
             raise ValueError(f"conv2d: the AMX engine takes bfloat16 or int8, not {wl.dtype}")
         plan = plan_conv2d(wl, AVX512, row_order=row_order)
         g = DOT_TYPES[wl.dtype].group
-        ic = ic_bn or _largest_divisor(wl.C, 16 * g, g)
+        ic = ic_bn or largest_divisor(wl.C, 16 * g, g)
         _check_groups_of_k(wl, ic)
         block, tile_n = _output_blocks(wl, n_r or (32 if wl.K > 16 else 16), n_r)
         return dataclasses.replace(plan, ic_bn=ic, oc_bn=block, m_r=m_r or min(32, wl.OW), engine="amx", n_r=tile_n)
@@ -364,14 +365,14 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
         if reason is not None:
             raise ValueError(f"conv2d: {wl.dtype}: {reason}")
     if wl.depthwise:
-        oc_bn = n_r or _largest_divisor(wl.C, 4 * lanes, lanes) or _largest_divisor(wl.C, 4 * lanes)
+        oc_bn = n_r or largest_divisor(wl.C, 4 * lanes, lanes) or largest_divisor(wl.C, 4 * lanes)
         return Conv2dPlan(wl, "depthwise", oc_bn, oc_bn, m_r or min(wl.OW, depthwise_m_r(oc_bn, lanes)))
     if wl.groups > 1 and Cg == Kg < lanes and lanes % Kg == 0 and wl.C % lanes == 0:
-        oc_bn = n_r or _largest_divisor(wl.C, lanes, lanes)
+        oc_bn = n_r or largest_divisor(wl.C, lanes, lanes)
         return Conv2dPlan(wl, "grouped", oc_bn, oc_bn, m_r or min(wl.OW, depthwise_m_r(oc_bn, lanes)))
     if wl.groups > 1 and Kg % lanes:
-        ic = _largest_divisor(Cg, 16)
-        kb = _largest_divisor(Kg, 64)
+        ic = largest_divisor(Cg, 16)
+        kb = largest_divisor(Kg, 64)
         reason = f"grouped conv with {Kg} output channels per group (not a multiple of {lanes} lanes)"
         return Conv2dPlan(wl, "direct", ic, kb, 1, reason)
     if wl.groups > 1:
@@ -384,7 +385,7 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
     tile = default_tile(isa, n_choices, wl.OW)
     if m_r is not None:
         tile = (min(m_r, wl.OW), tile[1])
-    ic = ic_bn or _largest_divisor(Cg, 16 if Cg > 16 else Cg, DOT_TYPES[wl.dtype].group)
+    ic = ic_bn or largest_divisor(Cg, 16 if Cg > 16 else Cg, DOT_TYPES[wl.dtype].group)
     _check_groups_of_k(wl, ic)
     # A strided 1x1 reads a sparse subset of its input (every other pixel of every other row),
     # which the prefetchers fetch poorly: streaming it once per output block cost AVX2 (16-channel

@@ -41,12 +41,12 @@ from tvm import s_tir, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from ..intrin.cpu import tile_efficiency
-from ..intrin.cpu_outer import check_cpu_tile, cpu_tiles, get_cpu_outer_intrin
+from ..intrin.cpu import register_tiles, tile_efficiency
+from ..intrin.cpu_outer import check_cpu_tile, get_cpu_outer_intrin
 from ..intrin.outer_tile import OuterTile
 from ..target import VectorISA
 from .common import ACTIVATIONS, KERNEL_ATTR, activation_expr, param_buffer
-from .conv2d import Conv2dWorkload, drop_init
+from .conv2d import Conv2dWorkload, drop_init, largest_divisor
 
 # The analytic blocking. A call's input (its taps x k_step channels x cols images) is read from
 # L2 by the calls of every `rows` output channels of the task's tile, which stream their weights.
@@ -57,10 +57,6 @@ MACRO_COLS = 128  # images a task's tile spans at most
 
 def _ceil(a: int, b: int) -> int:
     return -(-a // b) * b
-
-
-def _largest_divisor(n: int, limit: int) -> int:
-    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,21 +92,21 @@ class MaxDNNCpuPlan:
             raise ValueError(f"maxdnn conv2d: cols={cols} must be whole {isa.lanes}-lane vectors")
         images = _ceil(wl.N, cols)
         if k_step is None:
-            k_step = _largest_divisor(cg, max(1, CALL_BYTES // (4 * cols * wl.KH * wl.KW)))
+            k_step = largest_divisor(cg, max(1, CALL_BYTES // (4 * cols * wl.KH * wl.KW)))
         if cg % k_step:
             raise ValueError(f"maxdnn conv2d: k_step={k_step} does not divide the {cg} channels of a group")
         kg_pad = _ceil(kg, rows)
         if macro_rows is None:
             tiles = kg_pad // rows
             most = max(1, MACRO_ROWS // rows)
-            while most > 1 and wl.groups * (tiles // _largest_divisor(tiles, most)) * wl.OH < 4 * threads:
-                most = max(1, _largest_divisor(tiles, most) - 1)
-            macro_rows = rows * _largest_divisor(tiles, most)
+            while most > 1 and wl.groups * (tiles // largest_divisor(tiles, most)) * wl.OH < 4 * threads:
+                most = max(1, largest_divisor(tiles, most) - 1)
+            macro_rows = rows * largest_divisor(tiles, most)
         if macro_rows % rows or kg_pad % macro_rows:
             raise ValueError(f"maxdnn conv2d: macro_rows={macro_rows} must be whole {rows}-row tiles dividing "
                              f"{kg_pad} output channels")
         if macro_cols is None:
-            macro_cols = cols * _largest_divisor(images // cols, max(1, MACRO_COLS // cols))
+            macro_cols = cols * largest_divisor(images // cols, max(1, MACRO_COLS // cols))
         if macro_cols % cols or images % macro_cols:
             raise ValueError(f"maxdnn conv2d: macro_cols={macro_cols} must be whole {cols}-image tiles dividing "
                              f"{images} padded images")
@@ -180,7 +176,7 @@ def _default_tile(outputs: int, images: int, isa: VectorISA, rows: int | None, c
     """The register tile with the most FMA slots filled on useful work (output channels and images
     padded to whole tiles are not), then the most accumulators (independent FMA chains)."""
     best, best_key = None, None
-    for r, c in cpu_tiles(isa):
+    for r, c in register_tiles(isa, spare=1):  # (one register spare: LLVM spilled tiles that used all)
         if (rows is not None and r != rows) or (cols is not None and c != cols):
             continue
         useful = outputs / _ceil(outputs, r) * images / _ceil(images, c)
