@@ -20,13 +20,16 @@ relu and the uint8 requantization fused: what a quantized graph runs) on each en
 (AMX tiles; VNNI vectors), its fp32 kernel and PyTorch's quantized convolution (quint8 x qint8
 per-channel, channels_last) on its "onednn" (AMX where the CPU has it) and "x86" engines.
 
-With `--engine maxdnn|brgemm|all`: each layer (fp32) on the maxDNN tile (images in the vector
-lanes, tvm_ext.kernels.conv2d_maxdnn) and/or the BRGEMM kernel, against oneDNN
+With `--engine maxdnn|brgemm|all|auto`: each layer (fp32) on the maxDNN tile (images in the
+vector lanes, tvm_ext.kernels.conv2d_maxdnn) and/or the BRGEMM kernel, against oneDNN
 (PyTorch channels_last), alternated call by call in one process: median ms, % of the FMA peak,
-ratio to oneDNN.
+ratio to oneDNN. The tile's kernel is timed alone and with the two layout passes a graph adds
+around it (tvm_ext.kernels.maxdnn_layout: from and to the blocked kernel's blocks). `all` and
+`auto` time both engines and name the one `maxdnn="auto"` chooses (the cost model of
+tvm_ext.strategy.cpu_engine) with its time over the faster engine's (tile with passes or BRGEMM).
 
 Usage: python bench/layers.py --set resnet50 --batch 1 --threads 1 [--layers K] [--repeat R] [--dtype bf16|int8]
-       python bench/layers.py --set alexnet --batch 128 --engine all
+       python bench/layers.py --set alexnet --batch 128 --engine auto
 """
 
 from __future__ import annotations
@@ -56,9 +59,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--target", default="llvm")
     ap.add_argument("--csv", default="")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "int8"])
-    ap.add_argument("--engine", default="", choices=["", "maxdnn", "brgemm", "all"],
+    ap.add_argument("--engine", default="", choices=["", "maxdnn", "brgemm", "all", "auto"],
                     help="compare the fp32 engines: the maxDNN tile (images in the vector lanes), "
-                         "the BRGEMM kernel, oneDNN (all: every one of them)")
+                         "the BRGEMM kernel, oneDNN (all, auto: every one of them, and maxdnn='auto''s choice)")
     return ap.parse_args(argv)
 
 
@@ -76,6 +79,8 @@ from tvm import relax  # noqa: E402
 import tvm_ext  # noqa: E402
 from tvm_ext.kernels import conv2d as K  # noqa: E402
 from tvm_ext.kernels import conv2d_maxdnn as MX  # noqa: E402
+from tvm_ext.kernels import maxdnn_layout as ML  # noqa: E402
+from tvm_ext.strategy.cpu_engine import maxdnn_decision, tile_out_block  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 import peak as peak_bench  # noqa: E402
@@ -118,6 +123,23 @@ def maxdnn_call(plan: MX.MaxDNNCpuPlan, target):
             for s in (plan.data_shape(), plan.weight_shape(), plan.out_shape())]
     fn = lib["conv"]
     return lambda: fn(*args)
+
+
+def tile_passes_call(plan: MX.MaxDNNCpuPlan, blocked: K.Conv2dPlan, target):
+    """The two layout passes a graph adds around the tile: from the blocked kernel's input blocks
+    and back to its output blocks (bias and ReLU applied on the way, as a ResNet layer's)."""
+    out_block = tile_out_block(blocked)
+    wl = plan.wl
+    source = (wl.N, -(-wl.C // blocked.in_bn), wl.H, wl.W, blocked.in_bn)
+    epilogue = ML.TileEpilogue(bias=True, activation="relu")
+    mod = tvm.IRModule({"into": ML.tile_input_func(plan, source, blocked.in_bn).with_attr("global_symbol", "into"),
+                        "back": ML.tile_output_func(plan, out_block, epilogue).with_attr("global_symbol", "back")})
+    lib = tvm.compile(mod, target)
+    rng = np.random.default_rng(0)
+    shapes = (source, plan.data_shape(), plan.out_shape(), (wl.K,), (wl.N, wl.K // out_block, wl.OH, wl.OW, out_block))
+    src, x, t, b, y = (tvm.runtime.tensor(rng.standard_normal(s).astype(np.float32)) for s in shapes)
+    into, back = lib["into"], lib["back"]
+    return lambda: (into(src, x), back(t, b, y))
 
 
 def blocked_call(plan: K.Conv2dPlan, target, lanes: int | None = None):
@@ -357,47 +379,63 @@ def main_int8(target, layers: list[dict], peak: dict) -> int:
 
 
 def main_engines(target, isa, layers: list[dict], peak_gflops: float) -> int:
-    """--engine: each layer on the maxDNN tile and the BRGEMM kernel, against oneDNN
-    (PyTorch channels_last), alternated call by call for --repeat rounds: median ms, % of the FMA
-    peak, ratio to oneDNN."""
-    engines = {"maxdnn": ["maxdnn"], "brgemm": ["brgemm"]}
-    names = [e for key, values in engines.items() if ARGS.engine in (key, "all") for e in values]
+    """--engine: each layer on the maxDNN tile (its kernel, and with the two layout passes a graph
+    adds) and the BRGEMM kernel, against oneDNN (PyTorch channels_last), alternated call by call
+    for --repeat rounds: median ms, % of the FMA peak, ratio to oneDNN; and the engine
+    maxdnn="auto" chooses, with its time over the faster engine's."""
+    both = ARGS.engine in ("all", "auto")
+    names = [name for name in ("maxdnn", "brgemm") if both or ARGS.engine == name]
     print(f"# tvm_ext engines: set={ARGS.set} batch={ARGS.batch} threads={ARGS.threads} target={target} "
-          f"isa={isa.name} peak={peak_gflops:.1f} GFLOP/s (bench/peak.py); ms (%peak, x oneDNN)")
-    header = ["layer", "shape", *names, "onednn", "tiles"]
+          f"isa={isa.name} peak={peak_gflops:.1f} GFLOP/s (bench/peak.py); ms (%peak, x oneDNN); maxdnn: "
+          "kernel + layout passes = total")
+    header = ["layer", "shape", *names, "onednn", *(["auto"] if both else []), "tiles"]
     print(" | ".join(header))
-    ratios: dict[str, list[float]] = {name: [] for name in names}
+    ratios: dict[str, list[float]] = {name: [] for name in [*names, "auto"]}
     pcts: dict[str, list[float]] = {name: [] for name in names}
-    rows = []
+    rows, over_best = [], []
     for layer in layers:
         wl = layer_workload(layer)
+        blocked = K.plan_conv2d(wl, isa)
         calls, tiles = {"onednn": torch_call(wl)}, []
-        for name in names:
-            if name == "brgemm":
-                plan = K.plan_conv2d(wl, isa)
-                calls[name] = blocked_call(plan, target)
-                tiles.append(f"{plan.m_r}x{plan.oc_bn}")
-            else:
-                mplan = MX.MaxDNNCpuPlan.make(wl, isa, threads=ARGS.threads)
-                calls[name] = maxdnn_call(mplan, target)
-                tiles.append(f"{mplan.rows}x{mplan.cols}/k{mplan.k_step}/m{mplan.macro_rows}x{mplan.macro_cols}")
+        if "brgemm" in names:
+            calls["brgemm"] = blocked_call(blocked, target)
+            tiles.append(f"{blocked.m_r}x{blocked.oc_bn}")
+        if "maxdnn" in names:
+            mplan = maxdnn_decision(wl, isa, blocked, None, True, "always")[0] or MX.MaxDNNCpuPlan.make(wl, isa)
+            calls["maxdnn"] = maxdnn_call(mplan, target)
+            calls["passes"] = tile_passes_call(mplan, blocked, target)
+            tiles.append(f"{mplan.rows}x{mplan.cols}/k{mplan.k_step}/m{mplan.macro_rows}x{mplan.macro_cols}")
         times = alternated_ms(calls, max(3, ARGS.repeat))
+        if "maxdnn" in names:
+            times["maxdnn_total"] = times["maxdnn"] + times["passes"]
         t_dnn = times["onednn"]
         cells = []
         for name in names:
-            ms = times[name]
-            pct = 100 * wl.flops / ms / 1e6 / peak_gflops
+            ms = times["maxdnn_total" if name == "maxdnn" else name]
+            pct = 100 * wl.flops / times[name] / 1e6 / peak_gflops  # (the kernel's, without the passes)
             ratios[name].append(t_dnn / ms)
             pcts[name].append(pct)
-            cells.append(f"{ms:.2f} ({pct:.0f}%, {t_dnn / ms:.2f}x)")
+            passes = f"{times['maxdnn']:.2f} + {times['passes']:.2f} = " if name == "maxdnn" else ""
+            cells.append(f"{passes}{ms:.2f} ({pct:.0f}%, {t_dnn / ms:.2f}x)")
         dnn_pct = 100 * wl.flops / t_dnn / 1e6 / peak_gflops
+        auto = []
+        if both:
+            chosen = "maxdnn_total" if maxdnn_decision(wl, isa, blocked, None, True, "auto")[0] else "brgemm"
+            best = min(times["maxdnn_total"], times["brgemm"])
+            over_best.append(times[chosen] / best)
+            ratios["auto"].append(t_dnn / times[chosen])
+            auto = [f"{chosen.split('_')[0]} {times[chosen] / best:.2f}x best"]
         row = [layer["name"], f"{wl.C}x{wl.H}x{wl.W}->{wl.K} {wl.KH}x{wl.KW}/s{wl.stride[0]}", *cells,
-               f"{t_dnn:.2f} ({dnn_pct:.0f}%)", " ".join(tiles)]
+               f"{t_dnn:.2f} ({dnn_pct:.0f}%)", *auto, " ".join(tiles)]
         rows.append(row)
         print(" | ".join(row), flush=True)
     for name in names:
-        print(f"# {name}: median {statistics.median(pcts[name]):.0f}% of peak, min {min(pcts[name]):.0f}%; "
-              f"geomean {geomean(ratios[name]):.2f}x oneDNN")
+        passes = " (with its layout passes)" if name == "maxdnn" else ""
+        print(f"# {name}: kernel median {statistics.median(pcts[name]):.0f}% of peak, min {min(pcts[name]):.0f}%; "
+              f"geomean {geomean(ratios[name]):.2f}x oneDNN{passes}")
+    if both:
+        print(f"# auto: geomean {geomean(ratios['auto']):.2f}x oneDNN; at most {max(over_best):.2f}x the faster "
+              f"engine's time ({sum(r > 1.03 for r in over_best)} layers over 1.03x)")
     out = Path(ARGS.csv) if ARGS.csv else HERE / "results" / f"engines_{ARGS.set}_b{ARGS.batch}_t{ARGS.threads}.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:

@@ -26,6 +26,7 @@ from .dlight.cpu import ParallelVectorize
 from .errors import UnsupportedError
 from .kernels.common import KERNEL_ATTR
 from .link import compile_relax
+from .strategy.cpu_engine import check_maxdnn
 from .strategy.cuda_engine import engine_for
 from .strategy.decide import PRECISIONS
 from .strategy.dispatch import legalize_map, lower_to_kernels
@@ -86,7 +87,8 @@ def check_precision(precision: str) -> None:
 
 
 def pipeline(target: TargetLike = None, database=None, images_per_call: int | None = None, *,
-             tensor_cores: bool | str = False, winograd: bool = True, precision: str = "fp32") -> tvm.transform.Pass:
+             tensor_cores: bool | str = False, winograd: bool = True, precision: str = "fp32",
+             maxdnn: str = "auto") -> tvm.transform.Pass:
     """The Relax pipeline for `tvm.compile(mod, target, relax_pipeline=...)`.
 
     `images_per_call`: how many images of a batch the convolutional trunk runs at a time
@@ -117,6 +119,11 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
     channel); those that cannot (no AMX or the OS refusing its tiles, depthwise or grouped,
     run-time weights) stay fp32, and `dispatch_report` says which and why.
 
+    `maxdnn` (CPUs): "auto" runs a convolution on the maxDNN tile (the images in the vector lanes,
+    :mod:`tvm_ext.kernels.conv2d_maxdnn`) where its cost model expects it faster than the blocked
+    kernel for the images of a call; "always" wherever it can (constant weights, not grouped);
+    "never" keeps the blocked kernels (:func:`tvm_ext.strategy.cpu_engine.maxdnn_decision`).
+
     Quantized models in QDQ form (ONNX Runtime's `quantize_static`: each convolution between a
     dequantize and a quantize) run their convolutions on the int8 kernels (AMX or VNNI), whatever
     `precision` says (:mod:`tvm_ext.strategy.quantized`); the ops between them stay as imported.
@@ -125,6 +132,7 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
 
     check_images_per_call(images_per_call)
     check_precision(precision)
+    check_maxdnn(maxdnn)
     resolved = resolve_target(target)
     if resolved.kind.name == "cuda":
         engine_for(tensor_cores, resolved)  # a bad value fails here, not inside the pass
@@ -148,7 +156,7 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
                 + cpu_pipeline.library_dispatch_passes(resolved)
                 + fusion_passes(resolved)
                 + _lowering_passes(resolved, lower_to_kernels(resolved, database, winograd=winograd,
-                                                              precision=precision),
+                                                              precision=precision, maxdnn=maxdnn),
                                    [Guarded(dlight.cpu.GEMV()), Guarded(OnAlignedAccesses(dlight.cpu.Reduction())),
                                     ParallelVectorize()])
                 + cpu_pipeline.dataflow_lower_passes(resolved)
@@ -193,16 +201,16 @@ def _cuda_pipeline(target: tvm.target.Target, tensor_cores: bool | str, winograd
 
 def build(mod: tvm.IRModule, target: TargetLike = None, database=None,
           images_per_call: int | None = None, *, tensor_cores: bool | str = False,
-          winograd: bool = True, precision: str = "fp32") -> relax.VMExecutable:
+          winograd: bool = True, precision: str = "fp32", maxdnn: str = "auto") -> relax.VMExecutable:
     """Compile a Relax module through tvm_ext; run it with `relax.VirtualMachine(ex, tvm.cpu())`
     (`tvm.cuda()` for a CUDA target; without a GPU a CUDA build still compiles, and its executable
     carries the kernels' CUDA C for inspection).
 
-    `database`, `images_per_call`, `tensor_cores`, `winograd` and `precision`: see :func:`pipeline`.
+    `database`, `images_per_call`, `tensor_cores`, `winograd`, `precision` and `maxdnn`: see :func:`pipeline`.
     """
     resolved = resolve_target(target)
     relax_pipeline = pipeline(resolved, database, images_per_call, tensor_cores=tensor_cores, winograd=winograd,
-                              precision=precision)
+                              precision=precision, maxdnn=maxdnn)
     if resolved.kind.name == "llvm":
         with _without_gpu_passes():
             return compile_relax(mod, resolved, relax_pipeline)

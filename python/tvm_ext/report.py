@@ -18,6 +18,7 @@ from .errors import UnsupportedError
 from .pipeline import check_images_per_call, check_precision
 from .relax_info import static_shape
 from .strategy.base import Decision
+from .strategy.cpu_engine import check_maxdnn
 from .strategy.cuda_engine import engine_for
 from .strategy.decide import decide
 from .strategy.dispatch import batch_norm_gradients, weight_and_bias_gradients
@@ -63,12 +64,12 @@ def _is_call_to(expr, op: str) -> TypeGuard[relax.Call]:
 
 def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_call: int | None = None,
                     tensor_cores: bool | str = False, winograd: bool = True,
-                    function: str = "main", precision: str = "fp32") -> DispatchReport:
+                    function: str = "main", precision: str = "fp32", maxdnn: str = "auto") -> DispatchReport:
     """Which tvm_ext kernel serves each op of `mod[function]` on `target`, or why stock TVM does
     (`function`: e.g. "main_adjoint", the forward and backward pass relax.transform.Gradient adds).
 
     Ops fused into a convolution's epilogue are reported as served by that kernel.
-    `images_per_call`, `tensor_cores`, `winograd`, `precision`: as for :func:`build`, so the report names the
+    `images_per_call`, `tensor_cores`, `winograd`, `precision`, `maxdnn`: as for :func:`build`, so the report names the
     kernels the build uses. On CPUs a batch's trunk runs a few images a call
     (:mod:`tvm_ext.transform.split_batch`): its ops are reported with the shapes of one call and
     how many calls an inference makes (`runs`); the slicing and concatenation the split adds
@@ -76,6 +77,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
     """
     check_images_per_call(images_per_call)
     check_precision(precision)
+    check_maxdnn(maxdnn)
     resolved = resolve_target(target)
     engine = engine_for(tensor_cores, resolved if resolved.kind.name == "cuda" else None)
     if tensor_cores and resolved.kind.name != "cuda":
@@ -137,7 +139,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
             return None
 
         def row(call: relax.Call, fused_into: str | None = None, matmul: tuple | None = None) -> None:
-            decision = decide(call, resolved, engine, winograd, precision)
+            decision = decide(call, resolved, engine, winograd, precision, maxdnn)
             if matmul is not None:
                 reason = "as a 1x1 convolution (a GEMM is a batch-reduce of one)"
                 decision = Decision("relax.matmul", matmul, decision.kernel,
@@ -188,7 +190,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
                                                 lambda e: calls.append(e) if isinstance(e, relax.Call) else None)
                 if str(fused[expr.op].attrs["Composite"]).startswith("tvm_ext.channel_affine"):
                     head, *rest = calls  # post order: the concatenation (or the scale, or shift) first
-                    shapes = decide(head, resolved, engine, winograd, precision).shapes
+                    shapes = decide(head, resolved, engine, winograd, precision, maxdnn).shapes
                     report.append(DispatchRow(head.op.name.removeprefix("relax."), shapes, "channel_affine",
                                               "", runs))
                     for call in rest:
@@ -196,7 +198,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
                     return
                 heads = ("relax.nn.conv2d", "relax.grad.max_pool2d_backward", "relax.nn.batch_norm")  # the kernel
                 conv = next(c for c in calls if isinstance(c.op, tvm.ir.Op) and c.op.name in heads)
-                kernel = decide(conv, resolved, engine, winograd, precision).kernel
+                kernel = decide(conv, resolved, engine, winograd, precision, maxdnn).kernel
                 params = list(fused[expr.op].params)
                 matmul = matmul_shapes(*[expr.args[params.index(arg)] if arg in params else arg for arg in conv.args]
                                        ) if conv.op.name == "relax.nn.conv2d" else None

@@ -101,11 +101,15 @@ def test_layers_bench_smoke(tmp_path):
 
 def test_layers_bench_compares_the_engines(tmp_path):
     out = _run("bench/layers.py", "--set", "vgg16", "--layers", "1", "--batch", "2", "--repeat", "1", "--engine",
-               "all", "--csv", str(tmp_path / "engines.csv"))
+               "auto", "--csv", str(tmp_path / "engines.csv"))
     header = next(line for line in out.splitlines() if line.startswith("layer |"))
-    assert header.split(" | ")[2:4] == ["maxdnn", "brgemm"]
+    assert header.split(" | ")[2:6] == ["maxdnn", "brgemm", "onednn", "auto"]
+    row = next(line for line in out.splitlines() if line.startswith("conv1_2 |")).split(" | ")
+    assert " + " in row[2] and " = " in row[2]  # the tile's kernel + its layout passes
+    assert row[5].split()[0] in ("maxdnn", "brgemm") and row[5].endswith("x best")
     for engine in ("maxdnn", "brgemm"):
-        assert f"# {engine}: median " in out and "x oneDNN" in out
+        assert f"# {engine}: kernel median " in out and "x oneDNN" in out
+    assert "# auto: geomean " in out
 
 
 def test_layers_bench_bf16_smoke():

@@ -20,13 +20,14 @@ if TYPE_CHECKING:
 
     from ..kernels.conv2d import Conv2dPlan
     from ..kernels.conv2d_backward_weight import WeightGradPlan
+    from ..kernels.conv2d_maxdnn import MaxDNNCpuPlan
     from ..kernels.cuda.maxdnn import MaxDNNPlan
     from ..kernels.cuda.winograd import WinogradPlan
 
     # A convolution's plan: a kernels.conv2d.Conv2dPlan (direct, BRGEMM, depthwise or Winograd)
-    # on CPUs, a kernels.cuda MaxDNNPlan or WinogradPlan on CUDA; a weight gradient's
-    # WeightGradPlan (CPUs).
-    ConvPlan: TypeAlias = Conv2dPlan | MaxDNNPlan | WinogradPlan | WeightGradPlan
+    # or a MaxDNNCpuPlan (the maxDNN tile) on CPUs, a kernels.cuda MaxDNNPlan or WinogradPlan on
+    # CUDA; a weight gradient's WeightGradPlan (CPUs).
+    ConvPlan: TypeAlias = Conv2dPlan | MaxDNNCpuPlan | MaxDNNPlan | WinogradPlan | WeightGradPlan
 
 # Relax's FuseOps must leave our scheduled kernels alone: kOpaque.
 OPAQUE = 8

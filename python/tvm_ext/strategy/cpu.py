@@ -18,14 +18,17 @@ from ..kernels import channel_affine as _affine
 from ..kernels import conv2d as _conv
 from ..kernels import conv2d_backward_data as _data_grad
 from ..kernels import conv2d_backward_weight as _weight_grad
+from ..kernels import conv2d_maxdnn as _maxdnn
 from ..kernels import elementwise as _elementwise
 from ..kernels import layer_norm as _layer_norm
 from ..kernels import layout as _layout
+from ..kernels import maxdnn_layout as _maxdnn_layout
 from ..kernels import pool2d as _pool
 from ..kernels import pool2d_backward as _pool_backward
 from ..kernels import winograd as _winograd
 from ..kernels.batch_loop import batch_loop
 from ..kernels.conv2d import Epilogue
+from ..kernels.conv2d_maxdnn import MaxDNNCpuPlan
 from ..relax_info import image_shape, known_shape, static_shape, symbolic_batch
 from ..target import vector_isa
 from ..transform.gradients import BatchNormGradient, read_phase_interleave, read_phase_weight
@@ -45,6 +48,7 @@ from .base import (
     running_statistics,
     tuple_field,
 )
+from .cpu_engine import tile_out_block
 from .decide import pool2d_backward_workload
 from .fusion import mask_of
 
@@ -232,6 +236,11 @@ class CpuEmitter:
         channels then run in whole vectors, read by the next convolution as they are. Without,
         such an output is written in NCHW.
         """
+        if isinstance(decision.plan, MaxDNNCpuPlan):
+            if mask is None:
+                return self._maxdnn_conv2d(decision.plan, call, data, bias, residual, activation, suffix)
+            # (an activation gradient's mask: the blocked kernel applies it)
+            decision = dataclasses.replace(decision, plan=_conv.plan_conv2d(decision.plan.wl, self.isa))
         plan = _cpu_plan(decision)
         channels = plan.wl.K  # the NCHW view's: a depthwise convolution reading padded blocks computes more
         weight = call.args[1]
@@ -267,6 +276,42 @@ class CpuEmitter:
         if not blocked_out:
             return self._call_tir(func, name, args, wl.out_shape)
         return self.unpack(self._call(func, name, args, plan.out_shape()), channels)
+
+    def _maxdnn_conv2d(self, plan: MaxDNNCpuPlan, call: relax.Call, data: relax.Expr,
+                       bias: np.ndarray | relax.Expr | None, residual: relax.Expr | None,
+                       activation: Activation | None, suffix: str) -> relax.Expr:
+        """A convolution on the maxDNN tile: the data from its blocked form (or NCHW) into the
+        tile's layout (one pass), the kernel, and back to blocks with the epilogue applied (one
+        pass): :mod:`tvm_ext.kernels.maxdnn_layout`."""
+        wl = plan.wl
+        weight = call.args[1]
+        if not isinstance(weight, tvm.ir.Constant):
+            raise UnsupportedError(f"maxdnn conv2d {wl}: run-time weights (decide() gives the tile constant ones)")
+        tag = (f"{wl.N}x{wl.C}x{wl.H}x{wl.W}_{wl.K}x{wl.KH}x{wl.KW}_s{wl.stride[0]}x{wl.stride[1]}"
+               f"_p{'x'.join(map(str, wl.padding))}_d{wl.dilation[0]}x{wl.dilation[1]}_r{plan.rows}c{plan.cols}")
+        known = self.blocked(data, padded=True)
+        source, block = (data, None) if known is None else known
+        source_shape = known_shape(image_shape(source), "maxdnn conv2d: the data")
+        x = self._call(_maxdnn_layout.tile_input_func(plan, source_shape, block),
+                       f"tvm_ext_maxdnn_tile_input_{tag}_b{block or 0}", [source], plan.data_shape())
+        w = relax.const(_maxdnn.pack_weight(plan, weight.value.numpy()))
+        sums = self._call(_maxdnn.maxdnn_conv2d_kernel(plan), f"tvm_ext_maxdnn_conv2d_{tag}", [x, w],
+                          plan.out_shape())
+        out_block = tile_out_block(_conv.plan_conv2d(wl, self.isa))
+        args = [sums]
+        if isinstance(bias, np.ndarray):
+            args.append(relax.const(np.ascontiguousarray(bias.reshape(-1), np.float32)))
+        elif bias is not None:  # K values computed at run time
+            args.append(self.bb.emit(bias))
+        if residual is not None:
+            args.append(self.pack(residual, out_block, padded=True))
+        epilogue = _maxdnn_layout.TileEpilogue(bias=bias is not None, residual=residual is not None,
+                                               activation=None if activation is None else activation.name,
+                                               alpha=0.01 if activation is None else activation.alpha)
+        out_shape = (wl.N, wl.K // out_block, wl.OH, wl.OW, out_block)
+        out = self._call(_maxdnn_layout.tile_output_func(plan, out_block, epilogue),
+                         f"tvm_ext_maxdnn_tile_output_{tag}_y{out_block}{suffix}", args, out_shape)
+        return self.unpack(out, wl.K)
 
     def _bf16_conv2d(self, plan: _conv.Conv2dPlan, data: relax.Expr, weight: np.ndarray,
                      bias: np.ndarray | relax.Expr | None, residual: relax.Expr | None,

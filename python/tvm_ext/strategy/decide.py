@@ -16,6 +16,7 @@ from ..kernels.common import ACTIVATIONS
 from ..relax_info import dtype, image_shape, known_shape, shape_text, static_shape, symbolic_batch
 from ..target import amx_permitted, has_amx_bf16, vector_isa
 from .base import ACTIVATION_OPS, DATA_MOVEMENT_OPS, POOLS, Decision, channel_scale_operands, is_relu6, pool_workload
+from .cpu_engine import maxdnn_decision
 from .cuda_engine import FUSED_ACTIVATIONS, conv2d_decision
 
 __all__ = ["PRECISIONS", "bf16_conv2d_reason", "channel_affine_reason", "decide", "epilogue_activation",
@@ -26,12 +27,13 @@ PRECISIONS = ("fp32", "bf16")
 
 
 def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", winograd: bool = True,
-           precision: str = "fp32") -> Decision:
+           precision: str = "fp32", maxdnn: str = "auto") -> Decision:
     """The kernel for `call` on `target`, or why stock TVM keeps it (`engine`: CUDA's
     convolution engine, see :func:`tvm_ext.strategy.cuda_engine.engine_for`; `winograd`: whether a
     convolution with constant weights may run as Winograd, :mod:`tvm_ext.kernels.winograd` and
     :mod:`tvm_ext.kernels.cuda.winograd`; `precision` "bf16": a CPU convolution may run in
-    bfloat16 on AMX, :func:`bf16_conv2d_reason`)."""
+    bfloat16 on AMX, :func:`bf16_conv2d_reason`; `maxdnn`: whether a CPU convolution may run on
+    the maxDNN tile, :func:`tvm_ext.strategy.cpu_engine.maxdnn_decision`)."""
     op = call.op.name if isinstance(call.op, tvm.ir.Op) else str(call.op)
     tensors = [arg for arg in call.args if isinstance(arg.ty, relax.TensorType)]
     shapes = tuple(shape_text(arg) for arg in tensors)
@@ -87,10 +89,14 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
             return Decision(op, shapes, f"{plan.kind}_conv2d", "bf16 on AMX tiles, fp32 accumulation and output",
                             plan)
         bf16 = f"fp32 ({bf16})"
-    if winograd and not _winograd.eligible(wl):
-        plan = _winograd.winograd_plan(wl, vector_isa(target))
-    else:
-        plan = _conv.plan_conv2d(wl, vector_isa(target))
+    plan = _conv.plan_conv2d(wl, vector_isa(target))
+    winograd_plan = _winograd.winograd_plan(wl, vector_isa(target)) if winograd and not _winograd.eligible(wl) else None
+    if symbolic_batch(tensors[0]) is None:
+        tile, why = maxdnn_decision(wl, vector_isa(target), plan, winograd_plan,
+                                    isinstance(call.args[1], tvm.ir.Constant), maxdnn)
+        if tile is not None:
+            return Decision(op, shapes, "maxdnn_conv2d", "; ".join(p for p in (bf16, why) if p), tile)
+    plan = winograd_plan or plan
     reason = "; ".join(part for part in (bf16, plan.reason, _per_image(tensors[0])) if part)
     return Decision(op, shapes, f"{plan.kind}_conv2d", reason, plan)
 

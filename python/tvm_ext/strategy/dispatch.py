@@ -60,10 +60,10 @@ def legalize_map(target: tvm.target.Target) -> dict:
 
 
 def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: bool | str = False,
-                     winograd: bool = True, precision: str = "fp32") -> tvm.transform.Pass:
+                     winograd: bool = True, precision: str = "fp32", maxdnn: str = "auto") -> tvm.transform.Pass:
     """Replace the composite functions of :func:`fusion_patterns` and every op :func:`decide`
     gives a kernel with tvm_ext kernel calls, in program order, so that each kernel can read
-    its producer's blocked output (see :class:`~.cpu.CpuEmitter`); `precision`: see
+    its producer's blocked output (see :class:`~.cpu.CpuEmitter`); `precision`, `maxdnn`: see
     :func:`~.decide.decide`."""
 
     @relax.expr_functor.mutator
@@ -150,7 +150,7 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                 interleaved = self.emitter.interleaved_phases(call)  # a strided convolution's dX, from its phases
                 if interleaved is not None:
                     return interleaved
-                decision = decide(call, target, self.engine, winograd, precision)
+                decision = decide(call, target, self.engine, winograd, precision, maxdnn)
                 if decision.kernel is None:
                     return call
                 if is_weight_gradient(call):
@@ -186,7 +186,7 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
             elif bias is not None:  # one value per output channel, from one per channel or one for all
                 bias = np.broadcast_to(bias.value.numpy().reshape(-1), out_channels).copy()
             return self.emitter.conv2d(
-                conv, conv.args[0], decide(conv, target, self.engine, winograd, precision), bias=bias,
+                conv, conv.args[0], decide(conv, target, self.engine, winograd, precision, maxdnn), bias=bias,
                 residual=None if residual is None else call.args[residual], activation=activation,
                 suffix=suffix, padded_out=self.padded_out,
                 mask=None if mask is None else (call.args[mask.param], Activation(mask.name, mask.alpha)))
