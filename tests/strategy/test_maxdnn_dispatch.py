@@ -11,7 +11,18 @@ from reference import conv2d_nchw, rel_err
 from tvm import relax
 
 import tvm_ext
+from tvm_ext.kernels.conv2d import Conv2dWorkload, plan_conv2d
+from tvm_ext.kernels.conv2d_maxdnn import MaxDNNCpuPlan
+from tvm_ext.strategy.cpu_engine import (
+    L2_BYTES_PER_FMA,
+    PASS_FLOPS_PER_BYTE,
+    blocked_efficiency,
+    estimates,
+    tile_out_block,
+    tile_pass_bytes,
+)
 from tvm_ext.strategy.decide import decide
+from tvm_ext.target import AVX2, AVX512
 from tvm_ext.testing.random_graphs import check_graph, random_graph
 
 TARGET = tvm_ext.resolve_target("llvm")
@@ -40,7 +51,10 @@ def test_decide_gives_the_tile_only_what_it_can_run():
         "symbolic batch": _normalized(_conv_call(batch=tvm.tirx.Var("n", "int64"))),
     }
     for why, refused_call in refused.items():
-        assert decide(refused_call, TARGET, maxdnn="always").kernel != "maxdnn_conv2d", why
+        decision = decide(refused_call, TARGET, maxdnn="always")
+        assert decision.kernel != "maxdnn_conv2d", why
+        if why != "symbolic batch":  # (the report says why the tile was not used)
+            assert "not on the maxDNN tile: " + why.split()[0] in decision.reason, decision.reason
     # one image: the tile's vectors would hold one useful lane in eight or sixteen
     assert decide(_normalized(_conv_call(n=1)), TARGET, maxdnn="auto").kernel != "maxdnn_conv2d"
 
@@ -169,3 +183,26 @@ def test_auto_runs_a_squeeze_excitation_block_on_the_tile():
     s = np.maximum(conv2d_nchw(y.mean(axis=(2, 3), keepdims=True), w["down"]), 0)
     s = 1 / (1 + np.exp(-conv2d_nchw(s, w["up"])))
     assert rel_err(got, y * s) < 1e-5
+
+
+def test_the_cost_model_terms():
+    # a row of one pixel: a weight vector from L2 for each FMA; on AVX-512 half the slots
+    one_pixel = Conv2dWorkload.make((16, 512, 1, 1), (2048, 512, 1, 1))
+    blocked = plan_conv2d(one_pixel, AVX512)
+    assert blocked.m_r == 1 and blocked_efficiency(blocked, AVX512) <= L2_BYTES_PER_FMA / 64
+    assert blocked_efficiency(plan_conv2d(Conv2dWorkload.make((1, 64, 28, 28), (64, 64, 3, 3), 1, 1), AVX512),
+                              AVX512) == 1.0
+    assert blocked_efficiency(plan_conv2d(one_pixel, AVX2), AVX2) > 0.6  # 32-byte vectors: L2 keeps up
+    # the passes: 3 images padded to 16, a 1-pixel border
+    plan = MaxDNNCpuPlan.make(Conv2dWorkload.make((3, 8, 5, 5), (16, 8, 3, 3), 1, 1), AVX512)
+    assert (plan.images, plan.padded_hw) == (16, (7, 7))
+    assert tile_pass_bytes(plan) == 4 * (3 * 8 * 25 + 16 * 49 * 8 + 16 * 25 * 16 + 3 * 16 * 25)
+    tile, blocked_time = estimates(plan, plan_conv2d(plan.wl, AVX512))
+    assert tile > PASS_FLOPS_PER_BYTE * tile_pass_bytes(plan) and blocked_time >= plan.wl.flops
+    # the output blocks: the blocked kernel's, or the largest that divides K (in whole 8s first)
+    assert tile_out_block(plan_conv2d(Conv2dWorkload.make((1, 16, 7, 7), (64, 16, 1, 1)), AVX512)) in (16, 32, 64)
+    for k in (24, 40, 56):  # (the blocked kernel's blocks of 16 or 32 do not divide them)
+        blocked = plan_conv2d(Conv2dWorkload.make((1, 16, 7, 7), (k, 16, 1, 1)), AVX512)
+        block = tile_out_block(blocked)
+        assert k % block == 0 and block % 8 == 0 and block <= blocked.oc_bn
+    assert tile_out_block(plan_conv2d(Conv2dWorkload.make((1, 16, 7, 7), (10, 16, 1, 1)), AVX512)) == 10

@@ -19,6 +19,7 @@ element-wise TensorIR schedule.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from tvm import s_tir, te, tirx
 from tvm.script.ir_builder import IRBuilder
@@ -35,8 +36,8 @@ def _zeros() -> tirx.PrimExpr:
     return T.Broadcast(T.float32(0), TILE)
 
 
-def _source_shape(plan: MaxDNNCpuPlan, shape, block: int | None) -> tuple[int, ...]:
-    """The source's shape checked against the plan: NCHW (`block` None) or blocked by `block`,
+def _source_shape(plan: MaxDNNCpuPlan, shape: Sequence[int], block: int | None) -> tuple[int, ...]:
+    """`shape` as ints, checked against the plan: NCHW (`block` None) or blocked by `block`,
     whose last block may hold channels past the convolution's (they are not read)."""
     shape, wl = tuple(int(v) for v in shape), plan.wl
     if block is None:
@@ -50,15 +51,15 @@ def _source_shape(plan: MaxDNNCpuPlan, shape, block: int | None) -> tuple[int, .
     return shape
 
 
-def tile_input_func(plan: MaxDNNCpuPlan, source_shape, block: int | None) -> tirx.PrimFunc:
+def tile_input_func(plan: MaxDNNCpuPlan, source_shape: Sequence[int], block: int | None) -> tirx.PrimFunc:
     """The tile's input (:meth:`MaxDNNCpuPlan.data_shape`) from `source_shape`: NCHW where `block`
     is None, else (N, ceil(C/block), H, W, block)."""
-    _source_shape(plan, source_shape, block)
+    source_shape = _source_shape(plan, source_shape, block)
     if block is not None and block % TILE == 0 and plan.wl.C % TILE == 0 and plan.cols % TILE == 0:
         return _tile_input_transposed(plan, source_shape, block)
     wl, cols = plan.wl, plan.cols
     top, left = wl.padding[:2]
-    x = te.placeholder(tuple(int(v) for v in source_shape), "float32", name="data")
+    x = te.placeholder(source_shape, "float32", name="data")
 
     def body(nb, h, w, c, j):
         n, ih, iw = nb * cols + j, h - top, w - left
@@ -74,7 +75,7 @@ def tile_input_func(plan: MaxDNNCpuPlan, source_shape, block: int | None) -> tir
     return sch.mod["main"].with_attr(KERNEL_ATTR, "maxdnn_tile_input")
 
 
-def _tile_input_transposed(plan: MaxDNNCpuPlan, source_shape, block: int | None) -> tirx.PrimFunc:
+def _tile_input_transposed(plan: MaxDNNCpuPlan, source_shape: tuple[int, ...], block: int) -> tirx.PrimFunc:
     """Blocked -> the tile's input: each pixel's 8 images x 8 channels in a register transpose;
     the border and the images past N as zero vectors."""
     wl, cols = plan.wl, plan.cols
@@ -84,7 +85,7 @@ def _tile_input_transposed(plan: MaxDNNCpuPlan, source_shape, block: int | None)
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("maxdnn_tile_input")
         T.func_attr({"tirx.noalias": True, KERNEL_ATTR: "maxdnn_tile_input"})
-        x = param_buffer("x", tuple(int(v) for v in source_shape))
+        x = param_buffer("x", source_shape)
         y = param_buffer("y", plan.data_shape())
         with T.sblock("root"), T.parallel(0, NB * HP) as task:
             nb, h = T.Bind(task // HP), T.Bind(task % HP)

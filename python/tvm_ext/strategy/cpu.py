@@ -55,12 +55,17 @@ from .fusion import mask_of
 __all__ = ["CpuEmitter"]
 
 
-def _tag(plan: _conv.Conv2dPlan | _weight_grad.WeightGradPlan) -> str:
-    """A readable, deterministic name part that tells convolution shapes and blockings apart."""
-    wl, data_bn = plan.wl, getattr(plan, "data_bn", 0)
+def _workload_tag(wl: _conv.Conv2dWorkload) -> str:
     return (f"{wl.N}x{wl.C}x{wl.H}x{wl.W}_{wl.K}x{wl.KH}x{wl.KW}_s{wl.stride[0]}x{wl.stride[1]}"
-            f"_p{'x'.join(map(str, wl.padding))}_d{wl.dilation[0]}x{wl.dilation[1]}_g{wl.groups}"
-            f"_x{plan.ic_bn}y{plan.oc_bn}{f'_in{data_bn}' if data_bn else ''}"
+            f"_p{'x'.join(map(str, wl.padding))}_d{wl.dilation[0]}x{wl.dilation[1]}_g{wl.groups}")
+
+
+def _tag(plan: _conv.Conv2dPlan | _weight_grad.WeightGradPlan | MaxDNNCpuPlan) -> str:
+    """A readable, deterministic name part that tells convolution shapes and blockings apart."""
+    if isinstance(plan, MaxDNNCpuPlan):
+        return f"{_workload_tag(plan.wl)}_r{plan.rows}c{plan.cols}k{plan.k_step}"
+    data_bn = getattr(plan, "data_bn", 0)
+    return (f"{_workload_tag(plan.wl)}_x{plan.ic_bn}y{plan.oc_bn}{f'_in{data_bn}' if data_bn else ''}"
             f"{'_nchw' if getattr(plan, 'nchw_in', False) else ''}")
 
 
@@ -287,8 +292,7 @@ class CpuEmitter:
         weight = call.args[1]
         if not isinstance(weight, tvm.ir.Constant):
             raise UnsupportedError(f"maxdnn conv2d {wl}: run-time weights (decide() gives the tile constant ones)")
-        tag = (f"{wl.N}x{wl.C}x{wl.H}x{wl.W}_{wl.K}x{wl.KH}x{wl.KW}_s{wl.stride[0]}x{wl.stride[1]}"
-               f"_p{'x'.join(map(str, wl.padding))}_d{wl.dilation[0]}x{wl.dilation[1]}_r{plan.rows}c{plan.cols}")
+        tag = _tag(plan)
         known = self.blocked(data, padded=True)
         source, block = (data, None) if known is None else known
         source_shape = known_shape(image_shape(source), "maxdnn conv2d: the data")

@@ -84,11 +84,14 @@ def maxdnn_decision(wl: _conv.Conv2dWorkload, isa: VectorISA, blocked: _conv.Con
                     winograd: _conv.Conv2dPlan | None, constant_weight: bool,
                     mode: str = "auto") -> tuple[MaxDNNCpuPlan | None, str]:
     """The tile's plan for `wl` and why it serves it instead of the blocked plan `blocked`, or
-    None. "auto" leaves a layer that may run as Winograd (`winograd`: its plan) to it: its
+    None (and with "always", why not). "auto" leaves a layer that may run as Winograd (`winograd`: its plan) to it: its
     2.25-4x fewer multiplies are more than the tile gains anywhere it was measured."""
     check_maxdnn(mode)
-    if mode == "never" or _ineligible(wl, blocked, constant_weight) is not None:
+    if mode == "never":
         return None, ""
+    refused = _ineligible(wl, blocked, constant_weight)
+    if refused is not None:  # (said where the tile was asked for everywhere)
+        return None, f"not on the maxDNN tile: {refused}" if mode == "always" else ""
     plan = MaxDNNCpuPlan.make(wl, isa, threads=usable_cores())
     tile = f"{plan.rows}x{plan.cols} tile, images in the vector lanes"
     if mode == "always":

@@ -91,13 +91,14 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
         bf16 = f"fp32 ({bf16})"
     plan = _conv.plan_conv2d(wl, vector_isa(target))
     winograd_plan = _winograd.winograd_plan(wl, vector_isa(target)) if winograd and not _winograd.eligible(wl) else None
+    why = ""
     if symbolic_batch(tensors[0]) is None:
         tile, why = maxdnn_decision(wl, vector_isa(target), plan, winograd_plan,
                                     isinstance(call.args[1], tvm.ir.Constant), maxdnn)
         if tile is not None:
             return Decision(op, shapes, "maxdnn_conv2d", "; ".join(p for p in (bf16, why) if p), tile)
     plan = winograd_plan or plan
-    reason = "; ".join(part for part in (bf16, plan.reason, _per_image(tensors[0])) if part)
+    reason = "; ".join(part for part in (bf16, plan.reason, why, _per_image(tensors[0])) if part)
     return Decision(op, shapes, f"{plan.kind}_conv2d", reason, plan)
 
 
