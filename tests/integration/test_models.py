@@ -47,7 +47,8 @@ _STOCK_TOO = {"mobilenet_v2", "alexnet"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mobilenet_v2", "alexnet", "overfeat", "vgg16", "resnet50"])
+@pytest.mark.parametrize("name", ["mobilenet_v2", "alexnet", *(pytest.param(name, marks=pytest.mark.long)
+                                                          for name in ("overfeat", "vgg16")), "resnet50"])
 def test_network_through_tvm_ext_matches_float64_reference(name):
     mod, _ = models.get(name, batch=1)
     report = tvm_ext.dispatch_report(mod, TARGET)

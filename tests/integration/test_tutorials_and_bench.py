@@ -151,6 +151,7 @@ def test_tutorial_06_bf16():
         assert "20 of 20 convolutions in bf16" in out
 
 
+@pytest.mark.long
 def test_int8_zoo_bench_smoke():
     out = _run("bench/int8_zoo.py", "--models", "resnet18", "--size", "32", "--inputs", "1", "--repeat", "2")
     assert "within 1 step" in out and "resnet18" in out
@@ -182,6 +183,7 @@ def test_tutorial_03_autotune(tmp_path):
     assert err <= 1e-4
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_cli_tune_an_onnx_model(tmp_path):
     import numpy as np
@@ -204,6 +206,7 @@ def test_cli_tune_an_onnx_model(tmp_path):
     assert (work_dir / "tuning_curve.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.long
 def test_zoo_bench_smoke(tmp_path):
     """bench/zoo.py on one torchvision model: all three runtimes, outputs agree, a README table."""
     out = _run("bench/zoo.py", "--models", "squeezenet1_1", "--size", "64", "--threads", "1", "--repeat", "2",
@@ -222,6 +225,7 @@ def test_zoo_bench_rejects_an_unknown_model():
     assert out.returncode == 2 and "lenet not in the zoo" in out.stderr
 
 
+@pytest.mark.long
 def test_dynamic_batch_bench_smoke():
     out = _run("bench/dynamic_batch.py", "--model", "resnet18", "--size", "64", "--batches", "1,2", "--repeat", "1",
                "--rounds", "1")
@@ -234,6 +238,7 @@ def test_fuzz_bench_smoke():
     assert "3 graphs (seeds 11..13): 0 failed" in out
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_e2e_bench_smoke(tmp_path):
     table, scratch = tmp_path / "e2e.csv", tmp_path / "tmp"
@@ -252,6 +257,7 @@ def test_e2e_bench_smoke(tmp_path):
     assert low <= float(ort["tvm_ext_speedup"]) <= high and ours["speedup_range"] == "1.00-1.00"
 
 
+@pytest.mark.long
 def test_e2e_bench_bf16_smoke(tmp_path):
     """--precision bf16 adds tvm_ext_bf16 and pytorch_bf16 to the rounds; their outputs differ from
     fp32 by bf16 rounding, not more (MobileNet-v2's 1x1 layers in bf16 where the CPU has AMX)."""
@@ -263,6 +269,7 @@ def test_e2e_bench_bf16_smoke(tmp_path):
     assert float(rows["tvm_ext_bf16"]["err_vs_ort"]) <= 5e-2
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_tune_bench_smoke():
     out = _run("bench/tune.py", "--layers", "1", "--trials", "4", "--no-stock")

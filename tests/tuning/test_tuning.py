@@ -181,6 +181,7 @@ def test_every_candidate_of_the_pool_space_computes_the_pooling(mode, shape, blo
     assert _body(sch.mod["main"]) == _body(default_pool_kernel(wl, block))
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_network_with_pooling_tunes_and_uses_its_pooling_record(tmp_path):
     """The max pooling is a task of its own; after tuning, the build runs its tuned kernel."""
@@ -722,6 +723,7 @@ def test_a_killed_tune_takes_its_workers_with_it(tmp_path):
         _kill_session(child)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_the_recorded_default_agrees_with_a_warm_measurement(tmp_path, monkeypatch):
     """Each task's analytic schedule is measured and recorded before the search (the best record
