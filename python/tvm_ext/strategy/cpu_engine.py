@@ -18,6 +18,7 @@ MAXDNN_MODES = ("auto", "always", "never")
 
 
 def check_maxdnn(maxdnn: str) -> None:
+    """Refuse a bad `maxdnn` option before anything is compiled."""
     if maxdnn not in MAXDNN_MODES:
         raise ValueError(f"maxdnn must be one of {MAXDNN_MODES}, got {maxdnn!r}")
 
