@@ -136,7 +136,7 @@ def tile_passes_call(plan: MX.MaxDNNCpuPlan, blocked: K.Conv2dPlan, target):
     out_block = tile_out_block(blocked)
     wl = plan.wl
     source = (wl.N, -(-wl.C // blocked.in_bn), wl.H, wl.W, blocked.in_bn)
-    epilogue = ML.TileEpilogue(bias=True, activation="relu")
+    epilogue = MX.Epilogue(bias=True, activation="relu")
     mod = tvm.IRModule({"into": ML.tile_input_func(plan, source, blocked.in_bn).with_attr("global_symbol", "into"),
                         "back": ML.tile_output_func(plan, out_block, epilogue).with_attr("global_symbol", "back")})
     lib = tvm.compile(mod, target)

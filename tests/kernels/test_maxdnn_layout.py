@@ -70,7 +70,7 @@ def test_layout_passes_match_the_host_side_layouts(plan, in_block, out_block):
     out_shape = (wl.N, wl.K // out_block, wl.OH, wl.OW, out_block)
     plain = _run(L.tile_output_func(plan, out_block), sums, out_shape=out_shape)
     np.testing.assert_array_equal(plain, _blocked(M.unpack_output(plan, sums), out_block))
-    epilogue = L.TileEpilogue(bias=True, residual=True, activation="leaky_relu", alpha=0.2)
+    epilogue = M.Epilogue(bias=True, residual=True, activation="leaky_relu", alpha=0.2)
     got = _run(L.tile_output_func(plan, out_block, epilogue), sums, bias, _blocked(residual, out_block),
                out_shape=out_shape)
     value = M.unpack_output(plan, sums) + bias[None, :, None, None] + residual
@@ -86,4 +86,6 @@ def test_layout_passes_refuse_mismatched_shapes():
     with pytest.raises(ValueError, match="does not divide"):
         L.tile_output_func(plan, 24)
     with pytest.raises(ValueError, match="activation"):
-        L.TileEpilogue(activation="tanh")
+        M.Epilogue(activation="tanh")
+    with pytest.raises(ValueError, match="residual is added by the output pass"):
+        M.maxdnn_conv2d_func(plan, M.Epilogue(residual=True))

@@ -194,14 +194,32 @@ def _default_tile(outputs: int, images: int, isa: VectorISA, rows: int | None, c
 
 @dataclasses.dataclass(frozen=True)
 class Epilogue:
-    """What the kernel applies to its finished tile: a per-channel bias, then an activation."""
+    """What is applied to a finished convolution: a per-channel bias, a residual, then an
+    activation (`alpha`: leaky ReLU's slope). The kernel applies a bias and an activation to
+    its tile; a residual, read in the graph's blocked layout, is the output pass's
+    (:func:`tvm_ext.kernels.maxdnn_layout.tile_output_func`, which applies all three)."""
 
     bias: bool = False
     activation: str | None = None
+    residual: bool = False
+    alpha: float = 0.01
 
     def __post_init__(self) -> None:
         if self.activation is not None and self.activation not in ACTIVATIONS:
             raise ValueError(f"maxdnn conv2d: activation {self.activation!r} is not one of {sorted(ACTIVATIONS)}")
+
+    @property
+    def empty(self) -> bool:
+        return not (self.bias or self.residual or self.activation)
+
+    def apply(self, value: tirx.PrimExpr, bias: tirx.PrimExpr | None = None,
+              residual: tirx.PrimExpr | None = None) -> tirx.PrimExpr:
+        """`value` with the bias, then the residual added and the activation applied."""
+        if bias is not None:
+            value = value + bias
+        if residual is not None:
+            value = value + residual
+        return value if self.activation is None else activation_expr(self.activation, value, self.alpha)
 
 
 def maxdnn_conv2d_func(plan: MaxDNNCpuPlan, epilogue: Epilogue = Epilogue()) -> tirx.PrimFunc:
@@ -210,6 +228,9 @@ def maxdnn_conv2d_func(plan: MaxDNNCpuPlan, epilogue: Epilogue = Epilogue()) -> 
     update block ("update") has the description's loops innermost (the taps, k_step channels
     and the tile: :func:`~tvm_ext.intrin.outer_tile.outer_description`);
     :func:`schedule_maxdnn_conv2d` tensorizes it."""
+    if epilogue.residual:
+        raise ValueError("maxdnn conv2d: the kernel's epilogue takes a bias and an activation; a residual is added "
+                         "by the output pass (maxdnn_layout.tile_output_func)")
     wl = plan.wl
     (sh, sw), (dh, dw) = wl.stride, wl.dilation
     g_count, blocks = plan.groups, plan.outputs // plan.macro_rows
@@ -259,13 +280,9 @@ def maxdnn_conv2d_func(plan: MaxDNNCpuPlan, epilogue: Epilogue = Epilogue()) -> 
                         with T.init():
                             T.buffer_store(y, T.float32(0), out)
                     T.buffer_store(y, y[tuple(out)] + w[vg, vb * row_tiles + vt, vr, vs, c, vi] * x[tuple(xi)], out)
-                if bias is not None or epilogue.activation is not None:
-                    def finish(value, vg, vo):
-                        if bias is not None:
-                            value = value + bias[vg, vo]
-                        return value if epilogue.activation is None else activation_expr(epilogue.activation, value)
-
-                    tile_pass("epilogue", finish)
+                if not epilogue.empty:
+                    tile_pass("epilogue", lambda value, vg, vo: epilogue.apply(
+                        value, None if bias is None else bias[vg, vo]))
     return builder.get().with_attr(KERNEL_ATTR, "maxdnn_conv2d")
 
 

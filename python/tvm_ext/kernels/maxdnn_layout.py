@@ -8,8 +8,9 @@ the two passes between them:
 - :func:`tile_input_func`: blocked (or NCHW, a graph's input) -> the tile's input, with its zero
   border and zero images up to whole tiles;
 - :func:`tile_output_func`: the tile's output -> blocked, applying the convolution's epilogue on
-  the way (bias, a residual in the blocked layout, an activation): the pass reads and writes every
-  element anyway, so the kernel itself writes plain sums.
+  the way (:class:`~tvm_ext.kernels.conv2d_maxdnn.Epilogue`: bias, a residual in the blocked
+  layout, an activation): the pass reads and writes every element anyway, so in a graph the
+  kernel itself writes plain sums.
 
 Where images and channels come in groups of 8 the pass moves them in 8x8 register transposes
 (:mod:`.transpose`: a pixel's (image, channel) tile in both directions); other shapes take an
@@ -18,18 +19,20 @@ element-wise TensorIR schedule.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 from tvm import s_tir, te, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from .common import ACTIVATIONS, KERNEL_ATTR, activation_expr, param_buffer
-from .conv2d_maxdnn import MaxDNNCpuPlan
+from .common import KERNEL_ATTR, param_buffer
+from .conv2d_maxdnn import Epilogue, MaxDNNCpuPlan
 from .transpose import TILE, transpose8x8
 
-__all__ = ["TileEpilogue", "tile_input_func", "tile_output_func"]
+__all__ = ["tile_input_func", "tile_output_func"]
+
+
+_PLAIN = Epilogue()  # (the layout change alone)
 
 
 def _zeros() -> tirx.PrimExpr:
@@ -108,28 +111,6 @@ def _tile_input_transposed(plan: MaxDNNCpuPlan, source_shape: tuple[int, ...], b
     return builder.get()
 
 
-@dataclasses.dataclass(frozen=True)
-class TileEpilogue:
-    """What the output pass applies: a per-channel bias, a residual (blocked as the output), then
-    an activation (`alpha`: leaky ReLU's slope)."""
-
-    bias: bool = False
-    residual: bool = False
-    activation: str | None = None
-    alpha: float = 0.01
-
-    def __post_init__(self) -> None:
-        if self.activation is not None and self.activation not in ACTIVATIONS:
-            raise ValueError(f"maxdnn layout: activation {self.activation!r} is not one of {sorted(ACTIVATIONS)}")
-
-    def apply(self, value: tirx.PrimExpr, bias: tirx.PrimExpr | None, residual: tirx.PrimExpr | None):
-        if bias is not None:
-            value = value + bias
-        if residual is not None:
-            value = value + residual
-        return value if self.activation is None else activation_expr(self.activation, value, self.alpha)
-
-
 def _output_check(plan: MaxDNNCpuPlan, block: int) -> tuple[int, ...]:
     wl = plan.wl
     if block < 1 or wl.K % block:
@@ -137,7 +118,7 @@ def _output_check(plan: MaxDNNCpuPlan, block: int) -> tuple[int, ...]:
     return (wl.N, wl.K // block, wl.OH, wl.OW, block)
 
 
-def tile_output_func(plan: MaxDNNCpuPlan, block: int, epilogue: TileEpilogue = TileEpilogue()) -> tirx.PrimFunc:
+def tile_output_func(plan: MaxDNNCpuPlan, block: int, epilogue: Epilogue = _PLAIN) -> tirx.PrimFunc:
     """The tile's output (:meth:`MaxDNNCpuPlan.out_shape`) -> (N, K/block, P, Q, block) with the
     epilogue applied. Parameters: (t[, bias (K,)][, residual (the output's shape)], y)."""
     out_shape = _output_check(plan, block)
@@ -163,7 +144,7 @@ def tile_output_func(plan: MaxDNNCpuPlan, block: int, epilogue: TileEpilogue = T
     return sch.mod["main"].with_attr(KERNEL_ATTR, "maxdnn_tile_output")
 
 
-def _tile_output_transposed(plan: MaxDNNCpuPlan, block: int, epilogue: TileEpilogue) -> tirx.PrimFunc:
+def _tile_output_transposed(plan: MaxDNNCpuPlan, block: int, epilogue: Epilogue) -> tirx.PrimFunc:
     """The tile's output -> blocked: each pixel's 8 channels x 8 images in a register transpose
     (the images past N not written), then the epilogue over the pixel's row while it is in L1."""
     wl, cols = plan.wl, plan.cols
@@ -191,7 +172,7 @@ def _tile_output_transposed(plan: MaxDNNCpuPlan, block: int, epilogue: TileEpilo
 
                     transpose8x8(lambda i, q=q, channel=channel, j8=j8: t[nb, p, q, channel + i,
                                                                            T.Ramp(j8 * TILE, 1, TILE)], store)
-                if epilogue.bias or epilogue.residual or epilogue.activation is not None:
+                if not epilogue.empty:
                     with T.serial(0, T.min(cols, wl.N - nb * cols)) as j, T.serial(0, wl.K // block) as kb, \
                             T.vectorized(0, block) as kc:
                         at = [nb * cols + j, kb, p, q, kc]

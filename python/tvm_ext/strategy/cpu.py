@@ -309,7 +309,7 @@ class CpuEmitter:
             args.append(self.bb.emit(bias))
         if residual is not None:
             args.append(self.pack(residual, out_block, padded=True))
-        epilogue = _maxdnn_layout.TileEpilogue(bias=bias is not None, residual=residual is not None,
+        epilogue = _maxdnn.Epilogue(bias=bias is not None, residual=residual is not None,
                                                activation=None if activation is None else activation.name,
                                                alpha=0.01 if activation is None else activation.alpha)
         out_shape = (wl.N, wl.K // out_block, wl.OH, wl.OW, out_block)
