@@ -26,6 +26,16 @@ def test_kernels_compile_on_threads_into_one_executable(monkeypatch, tmp_path):
     one = _run(tvm_ext.build(_small_cnn(), "llvm"), x)
     monkeypatch.setattr(link, "MIN_KERNELS_PER_PART", 1)
     monkeypatch.setattr(link, "build_threads", lambda: 3)
+    # All three builds wait for one another: the pool must run them side by side on three threads
+    # (without it, a thread done with its part may take the next one: CI saw two threads).
+    together = threading.Barrier(3, timeout=60)
+    compile_one = tvm.tirx.build
+
+    def build_together(*args, **kwargs):
+        together.wait()
+        return compile_one(*args, **kwargs)
+
+    monkeypatch.setattr(tvm.tirx, "build", build_together)
     seen = []
 
     @tvm.instrument.pass_instrument
