@@ -17,7 +17,14 @@ process that runs only that side's steps; for tvm_ext two: a process that export
 step itself, and one that loads the built step as a library (as torch.compile's process, whose
 compile workers are processes of their own, does not count its compiler either).
 
-Usage: python bench/train.py --set resnet50 --batch 16 --threads 1 [--layers K] [--repeat R]
+With --blocked, the kernels alone in the blocked layouts a compiled training step keeps between
+them (NCHW[x]c in and out, weights packed, borders written by the producer): forward = the BRGEMM
+convolution, dX = its phase convolutions (one at stride 1) plus the interleave of the phases into
+dX, dW = the batch-reduce kernel, against PyTorch's faster of NCHW and channels_last tensors
+(oneDNN's nhwc needs no reorder on its side either). The first layer has no dX (the image's).
+
+Usage: python bench/train.py --set resnet50 --batch 16 --threads 1 [--layers K | --only A,B] [--repeat R]
+                             [--blocked]
        python bench/train.py --model resnet18 --size 224 --batch 16 --threads 2 [--no-compile]
                              [--batch-norm inference|training]
 """
@@ -42,7 +49,9 @@ def _parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--layers", type=int, default=0, help="only the first K layers (0: all)")
+    ap.add_argument("--only", default="", help="only these layers (names, comma-separated)")
     ap.add_argument("--repeat", type=int, default=7, help="timed rounds per measurement (median)")
+    ap.add_argument("--blocked", action="store_true", help="the kernels alone, in blocked layouts (docstring)")
     ap.add_argument("--model", default="", help="time whole training steps of this torchvision model")
     ap.add_argument("--size", type=int, default=224, help="image size of --model")
     ap.add_argument("--no-compile", action="store_true", help="--model: leave torch.compile out")
@@ -60,13 +69,19 @@ os.environ["OMP_NUM_THREADS"] = str(ARGS.threads)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import tvm  # noqa: E402
 
 import tvm_ext  # noqa: E402
+from tvm_ext.kernels import conv2d as K  # noqa: E402
+from tvm_ext.kernels import conv2d_backward_data as DG  # noqa: E402
+from tvm_ext.kernels import conv2d_backward_weight as WG  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 import peak as peak_bench  # noqa: E402
 
 torch.set_num_threads(ARGS.threads)
+TARGET = tvm_ext.resolve_target(None)
+ISA = tvm_ext.vector_isa(TARGET)
 
 
 def _time_ms(fn, min_ms: float = 20.0) -> float:
@@ -111,6 +126,75 @@ def _layer(layer: dict, rng: np.random.Generator) -> tuple[dict, dict]:
         "dw_torch": lambda: torch.nn.grad.conv2d_weight(tx, tw.shape, tdy, **options),
     }
     return fns, {"flops": flops, "shape": f"{c}x{h}x{w}->{k} {r}x{s}/s{stride}"}
+
+
+def _tensor(rng: np.random.Generator, shape) -> tvm.runtime.Tensor:
+    return tvm.runtime.tensor(rng.standard_normal(shape, dtype=np.float32))
+
+
+def _blocked_conv(wl: K.Conv2dWorkload, rng: np.random.Generator):
+    """The forward BRGEMM kernel of `wl` alone (its input padded and blocked), and its output."""
+    plan = K.plan_conv2d(wl, ISA)
+    fn = tvm.compile(K.conv2d_blocked_kernel(plan, ISA.lanes, K.Epilogue()), TARGET)["main"]
+    args = [_tensor(rng, plan.data_shape()), _tensor(rng, plan.weight_shape()),
+            tvm.runtime.empty(K.Epilogue().out_shape(plan), "float32", tvm.cpu())]
+    return (lambda: fn(*args)), args[-1]
+
+
+def _blocked_data_gradient(wl: K.Conv2dWorkload, rng: np.random.Generator):
+    """dX as a training step runs it: each non-zero phase's forward convolution of dY, then (at
+    stride > 1) the kernel that interleaves the phases' blocks into dX's."""
+    calls, outputs, shapes = [], [], []
+    for phase in DG.data_gradient_phases(wl):
+        if phase.zero:
+            shapes.append(None)
+            continue
+        rows, cols = phase.rows[1] - phase.rows[0], phase.cols[1] - phase.cols[0]
+        conv = K.Conv2dWorkload.make((wl.N, wl.K, rows, cols), (wl.C, wl.K, len(phase.taps_h), len(phase.taps_w)),
+                                     1, phase.padding, phase.dilation, 1)
+        call, out = _blocked_conv(conv, rng)
+        calls.append(call)
+        outputs.append(out)
+        shapes.append(tuple(out.shape))
+    if len(shapes) > 1:
+        block = outputs[0].shape[-1]
+        dx = (wl.N, -(-wl.C // block), wl.H, wl.W, block)
+        fn = tvm.compile(DG.interleave_phases_func(dx, wl.stride, shapes), TARGET)["main"]
+        args = [*outputs, tvm.runtime.empty(dx, "float32", tvm.cpu())]
+        calls.append(lambda: fn(*args))
+    return lambda: [call() for call in calls]
+
+
+def _blocked_weight_gradient(wl: K.Conv2dWorkload, rng: np.random.Generator):
+    plan = WG.plan_conv2d_backward_weight(wl, ISA)
+    fn = tvm.compile(WG.conv2d_backward_weight_kernel(plan, ISA.lanes), TARGET)["main"]
+    args = [_tensor(rng, plan.data_shape()), _tensor(rng, plan.grad_out_shape()),
+            tvm.runtime.empty(plan.weight_shape(), "float32", tvm.cpu())]
+    return lambda: fn(*args)
+
+
+def _blocked_layer(layer: dict, rng: np.random.Generator, first: bool) -> tuple[dict, dict]:
+    """--blocked: the three passes' kernels, and PyTorch's on NCHW and on channels_last tensors
+    (its faster layout counts: oneDNN's 1x1 data gradients are slower on channels_last here). The
+    network's first layer has no dX (nothing needs the image's gradient)."""
+    n, c, h, w = ARGS.batch, layer["C"], layer["H"], layer["W"]
+    k, r, s, stride, pad = layer["K"], layer["R"], layer["S"], layer["stride"], layer["pad"]
+    wl = K.Conv2dWorkload.make((n, c, h, w), (k, c, r, s), stride, pad, 1, 1)
+    options = {"stride": stride, "padding": pad}
+    fns = {"fwd": _blocked_conv(wl, rng)[0], "dw": _blocked_weight_gradient(wl, rng)}
+    if not first:
+        fns["dx"] = _blocked_data_gradient(wl, rng)
+    for layout in (torch.contiguous_format, torch.channels_last):
+        tx, tw, tdy = (torch.randn(*shape).contiguous(memory_format=layout)
+                       for shape in ((n, c, h, w), (k, c, r, s), (n, k, wl.OH, wl.OW)))
+        name = "nchw" if layout == torch.contiguous_format else "nhwc"
+        fns[f"fwd_torch_{name}"] = lambda tx=tx, tw=tw: torch.nn.functional.conv2d(tx, tw, None, **options)
+        fns[f"dw_torch_{name}"] = lambda tx=tx, tw=tw, tdy=tdy: torch.nn.grad.conv2d_weight(tx, tw.shape, tdy,
+                                                                                             **options)
+        if not first:
+            fns[f"dx_torch_{name}"] = lambda tx=tx, tw=tw, tdy=tdy: torch.nn.grad.conv2d_input(tx.shape, tw, tdy,
+                                                                                               **options)
+    return fns, {"flops": 2 * n * k * c * r * s * wl.OH * wl.OW, "shape": f"{c}x{h}x{w}->{k} {r}x{s}/s{stride}"}
 
 
 def geomean(values: list[float]) -> float:
@@ -254,10 +338,17 @@ def main() -> int:
     peak_gflops = peak["peak_gflops_1thread"] * ARGS.threads
     if ARGS.threads > 1 and int(peak.get("threads", 1)) >= ARGS.threads:
         peak_gflops = peak["peak_gflops_all"] * ARGS.threads / int(peak["threads"])
-    layers = json.loads((HERE / "workloads.json").read_text())[ARGS.set]
+    layers = all_layers = json.loads((HERE / "workloads.json").read_text())[ARGS.set]
+    if ARGS.only:
+        names = ARGS.only.split(",")
+        unknown = sorted(set(names) - {layer["name"] for layer in layers})
+        if unknown:
+            raise SystemExit(f"--only: no layers {unknown} in set {ARGS.set}")
+        layers = [layer for layer in layers if layer["name"] in names]
     if ARGS.layers:
         layers = layers[: ARGS.layers]
-    print(f"# tvm_ext training convolutions: set={ARGS.set} batch={ARGS.batch} threads={ARGS.threads} "
+    what = "kernels alone, blocked layouts; PyTorch channels_last" if ARGS.blocked else "NCHW in and out"
+    print(f"# tvm_ext training convolutions ({what}): set={ARGS.set} batch={ARGS.batch} threads={ARGS.threads} "
           f"peak={peak_gflops:.1f} GFLOP/s (bench/peak.py); ms medians of {ARGS.repeat} alternating rounds")
     passes = ("fwd", "dx", "dw")
     print("layer | shape | " + " | ".join(f"{p}_ms | {p}_GFLOP/s | {p}_%peak | {p}_x_torch" for p in passes))
@@ -266,12 +357,16 @@ def main() -> int:
     rng = np.random.default_rng(0)
     with torch.no_grad():
         for layer in layers:
-            fns, info = _layer(layer, rng)
+            first = layer is all_layers[0]
+            fns, info = _blocked_layer(layer, rng, first) if ARGS.blocked else _layer(layer, rng)
             ms = _alternate(fns, ARGS.repeat)
             cells = [layer["name"], info["shape"]]
             for p in passes:
+                if p not in ms:
+                    cells += ["-"] * 4
+                    continue
                 gflops = info["flops"] / ms[p] / 1e6
-                ratio = ms[f"{p}_torch"] / ms[p]
+                ratio = min(t for name, t in ms.items() if name.startswith(f"{p}_torch")) / ms[p]
                 ratios[p].append(ratio)
                 percents[p].append(100 * gflops / peak_gflops)
                 cells += [f"{ms[p]:.3f}", f"{gflops:.1f}", f"{percents[p][-1]:.0f}", f"{ratio:.2f}"]

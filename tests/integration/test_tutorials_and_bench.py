@@ -366,6 +366,16 @@ def test_bench_train_runs():
     assert "stem_7x7s2" in out and "dw: median" in out
 
 
+def test_bench_train_times_the_blocked_kernels():
+    """--blocked: the kernels alone; a strided layer's dX is its phases and their interleave; the
+    network's first layer has no dX."""
+    out = _run("bench/train.py", "--set", "resnet50", "--batch", "1", "--only", "stem_7x7s2,s3_3x3_128-128_s2",
+               "--repeat", "1", "--blocked", env={"TVM_NUM_THREADS": "1"})
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in out.splitlines() if " | " in line}
+    assert set(rows) == {"layer", "stem_7x7s2", "s3_3x3_128-128_s2"} and "kernels alone" in out
+    assert rows["stem_7x7s2"][6:10] == ["-"] * 4 and float(rows["s3_3x3_128-128_s2"][7]) > 0
+
+
 @pytest.mark.slow
 @pytest.mark.long
 def test_bench_train_times_whole_steps():
