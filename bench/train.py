@@ -347,7 +347,8 @@ def main() -> int:
         layers = [layer for layer in layers if layer["name"] in names]
     if ARGS.layers:
         layers = layers[: ARGS.layers]
-    what = "kernels alone, blocked layouts; PyTorch channels_last" if ARGS.blocked else "NCHW in and out"
+    what = ("kernels alone, blocked layouts; PyTorch NCHW or channels_last, the faster" if ARGS.blocked
+            else "NCHW in and out")
     print(f"# tvm_ext training convolutions ({what}): set={ARGS.set} batch={ARGS.batch} threads={ARGS.threads} "
           f"peak={peak_gflops:.1f} GFLOP/s (bench/peak.py); ms medians of {ARGS.repeat} alternating rounds")
     passes = ("fwd", "dx", "dw")

@@ -79,6 +79,22 @@ def test_strided_gradient_runs_on_tvm_ext_kernels():
     assert not any(row.op == "nn.conv2d" and row.kernel == "fallback" for row in report)
 
 
+@pytest.mark.parametrize("case", [
+    {"x_shape": (2, 64, 28, 28), "w_shape": (96, 64, 1, 1), "stride": 2, "padding": 0, "dilation": 1, "groups": 1},
+    {"x_shape": (1, 48, 16, 16), "w_shape": (160, 48, 1, 1), "stride": 1, "padding": 0, "dilation": 1, "groups": 1},
+], ids=["strided", "partial-block"])
+def test_one_by_one_weight_gradients_with_several_blocks_a_task(case):
+    """1x1 layers of >= 14x14 output pixels, in a graph: the weight gradient's tasks take several
+    input and output blocks (blocks as the graph's producers wrote them), against float64."""
+    from tvm_ext.kernels.conv2d_backward_weight import blocks_per_task, plan_conv2d_backward_weight
+    from tvm_ext.target import vector_isa
+
+    wl = Conv2dWorkload.make(case["x_shape"], case["w_shape"], case["stride"], case["padding"])
+    plan = plan_conv2d_backward_weight(wl, vector_isa(TARGET))
+    assert blocks_per_task(wl, plan.ic_bn, plan.oc_bn, plan.rows) != (1, 1)
+    _check(case, 3)
+
+
 def test_tvm_gradient_form_runs_on_the_kernel():
     """TVM's own dW form, a CNHW/IOHW conv2d (here 4x4 taps for a stride-2 3x3 filter, which TVM
     then slices), is the weight gradient of a 4x4 filter: the kernel serves it, exactly."""

@@ -31,7 +31,8 @@ from .common import KERNEL_ATTR, param_buffer
 from .conv2d import Conv2dWorkload, plan_conv2d
 from .transpose import transpose8x8
 
-__all__ = ["WeightGradPlan", "conv2d_backward_weight_kernel", "plan_conv2d_backward_weight", "unpack_weight_func"]
+__all__ = ["WeightGradPlan", "blocks_per_task", "conv2d_backward_weight_kernel", "plan_conv2d_backward_weight",
+           "unpack_weight_func"]
 
 # Rows of a chunk: the rows of X and dY that every tap and channel tile of a task reduces before
 # the next chunk (ResNet-50's 56-pixel rows: 8 rows of dY (32 channels) are 57 KB, of X 37 KB).
@@ -49,9 +50,11 @@ class WeightGradPlan:
     n_r: int  # output channels per call: a multiple of the lanes
     rows: int  # output rows per chunk of the reduction
     bias: bool = False  # also the bias gradient (OCB, y)
-    # Input blocks per task: a task reduces each chunk of rows into the dW blocks of all of them
-    # in turn, reading the chunk of its output block's dY once for them (1x1 layers).
+    # Input and output blocks per task (1x1 layers): a task reduces each chunk of rows into the
+    # dW blocks of all of them, reading each block's chunk of X and dY from memory once for them
+    # (:func:`blocks_per_task`).
     ib_tile: int = 1
+    ob_tile: int = 1
 
     @property
     def ICB(self) -> int:
@@ -102,25 +105,47 @@ def plan_conv2d_backward_weight(wl: Conv2dWorkload, isa: VectorISA, bias: bool =
     if best is None:
         raise ValueError(f"conv2d_backward_weight: no register tile for blocks of {ic_bn} x {oc_bn}")
     rows = max(d for d in _divisors(wl.OH) if d <= CHUNK_ROWS)
-    return WeightGradPlan(wl, ic_bn, oc_bn, best[0], best[1], rows, bias, input_blocks_per_task(wl, ic_bn, oc_bn))
+    ib_tile, ob_tile = blocks_per_task(wl, ic_bn, oc_bn, rows)
+    return WeightGradPlan(wl, ic_bn, oc_bn, best[0], best[1], rows, bias, ib_tile, ob_tile)
 
 
-# A 1x1 layer's task (output block, input block) reads its blocks of X and dY for only 2 x y
-# multiply-adds per pixel and channel of X: with images of this many output pixels or more, a
-# task takes up to IB_TILE input blocks, reading each chunk of dY once for them. Measured on the
-# Xeon (batch 16, 2 threads, kernel alone): ResNet-50's 56x56 and 28x28 1x1 layers 291-329 ->
-# 392-398 GFLOP/s with 8 blocks a task; its 14x14 ones 1-6% slower (414-430 -> 400-412).
-IB_TILE_MIN_PIXELS = 28 * 28
+# A 1x1 layer's weight gradient does 2 x y multiply-adds per element of X it reads (y output
+# channels a block), so a task of one (output block, input block) reads X once per output block
+# from memory: ResNet-50's strided 1x1 layers (batch 16) read 822 MB for 14 ms of multiply-adds
+# and ran at 41-46% of the peak (Zen 4, 2 threads). A task therefore reduces several input and
+# output blocks together, each chunk of rows of X and dY read from memory once for all of them:
+# the pair of tiles with the least traffic (X times the output-block groups, dY times the input-
+# block groups) whose dW blocks and chunks of X stay in L2, with at least MIN_TASKS tasks.
+# Measured there: 1.03-2.3x on the layers of 56x56 to 14x14 output pixels (the strided ones
+# 40% -> 76% and 30% -> 70% of the peak), but 0.9x on the 7x7 ones, whose X and dY come from the
+# L3 when re-read and whose one-block tasks keep their dW block in L1 through all images.
 IB_TILE = 8
 MIN_TASKS = 4
+TASK_L2_BYTES = 512 * 1024
+MIN_PIXELS = 14 * 14
 
 
-def input_blocks_per_task(wl: Conv2dWorkload, ic_bn: int, oc_bn: int) -> int:
-    """Input blocks a task of the weight gradient reduces together (:attr:`WeightGradPlan.ib_tile`)."""
+def blocks_per_task(wl: Conv2dWorkload, ic_bn: int, oc_bn: int, rows: int) -> tuple[int, int]:
+    """(input blocks, output blocks) a task of the weight gradient reduces together
+    (:attr:`WeightGradPlan.ib_tile`, :attr:`WeightGradPlan.ob_tile`); (1, 1) but for 1x1 layers
+    of at least MIN_PIXELS output pixels."""
     icb, ocb = wl.C // ic_bn, -(-wl.K // oc_bn)
-    if (wl.KH, wl.KW) != (1, 1) or wl.OH * wl.OW < IB_TILE_MIN_PIXELS:
-        return 1
-    return max(d for d in _divisors(icb) if d <= IB_TILE and (ocb * icb // d >= MIN_TASKS or d == 1))
+    if (wl.KH, wl.KW) != (1, 1) or wl.OH * wl.OW < MIN_PIXELS:
+        return 1, 1
+    x_bytes = 4 * wl.N * wl.C * wl.OH * wl.stride[0] * wl.W  # the rows a 1x1 layer reads, whole
+    dy_bytes = 4 * wl.N * ocb * oc_bn * wl.OH * wl.OW
+    x_chunk = 4 * ic_bn * rows * wl.stride[0] * wl.W  # an input block's rows of one chunk
+    best, best_key = (1, 1), None
+    for ib in (d for d in _divisors(icb) if d <= IB_TILE):
+        for ob in _divisors(ocb):
+            if (icb // ib) * (ocb // ob) < MIN_TASKS and (ib, ob) != (1, 1):
+                continue
+            if 4 * ib * ic_bn * ob * oc_bn + ib * x_chunk > TASK_L2_BYTES and (ib, ob) != (1, 1):
+                continue
+            key = (x_bytes * (ocb // ob) + dy_bytes * (icb // ib), ib * ob)
+            if best_key is None or key < best_key:
+                best, best_key = (ib, ob), key
+    return best
 
 
 @functools.lru_cache(maxsize=256)
@@ -194,8 +219,10 @@ def schedule_conv2d_backward_weight(sch: s_tir.Schedule, plan: WeightGradPlan, l
     i_outer, i_inner = sch.split(i, [None, plan.m_r], preserve_unit_iters=True)
     o_outer, o_inner = sch.split(o, [None, plan.n_r], preserve_unit_iters=True)
     ib_outer, ib_inner = sch.split(ib, [None, plan.ib_tile], preserve_unit_iters=True)
-    sch.reorder(n, chunk, ib_inner, r, s, i_outer, o_outer, i_inner, o_inner, u0, row, u2, ow)
-    task = sch.fuse(ob, ib_outer, preserve_unit_iters=True)
+    ob_outer, ob_inner = sch.split(ob, [None, plan.ob_tile], preserve_unit_iters=True)
+    sch.reorder(ob_outer, ib_outer, n, chunk, ob_inner, ib_inner, r, s, i_outer, o_outer, i_inner, o_inner, u0,
+                row, u2, ow)
+    task = sch.fuse(ob_outer, ib_outer, preserve_unit_iters=True)
     sch.parallel(task)
     init = sch.decompose_reduction(block, n)
     sch.vectorize(sch.get_loops(init)[-1])
