@@ -232,6 +232,8 @@ def test_a_torchvision_network_on_neon():
 
 
 @needs_emulator
+@pytest.mark.slow
+@pytest.mark.long
 def test_the_harness_reports_wrong_answers_and_errors():
     """Not vacuous: another graph's executable fails the comparison, and a case that raises on
     the emulated side comes back as its error while the next case still runs."""

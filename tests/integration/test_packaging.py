@@ -25,6 +25,7 @@ def _dependencies_only(site: Path, farm: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_wheel_installs_and_runs_the_demo_outside_the_repository(tmp_path):
     # A copy of what the wheel is built from: the build writes build/ and *.egg-info next to its
     # sources, and a stale build/lib of the checkout must not leak into the wheel.

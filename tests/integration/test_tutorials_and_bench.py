@@ -99,6 +99,8 @@ def test_layers_bench_smoke(tmp_path):
     assert json.loads((ROOT / "bench" / "workloads.json").read_text())["resnet50"]
 
 
+@pytest.mark.slow
+@pytest.mark.long
 def test_layers_bench_compares_the_engines(tmp_path):
     out = _run("bench/layers.py", "--set", "vgg16", "--layers", "1", "--batch", "2", "--repeat", "1", "--engine",
                "auto", "--csv", str(tmp_path / "engines.csv"))
@@ -175,6 +177,7 @@ def tvm_ext_target():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_tutorial_03_autotune(tmp_path):
     out = _run("tutorials/03_autotune.py", "--trials", "8", "--work-dir", str(tmp_path / "records"))
     assert "called 3x" in out and "tvm_ext.brgemm_float32" in out

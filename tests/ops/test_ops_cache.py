@@ -45,6 +45,7 @@ def test_an_activation_is_one_kernel_for_every_size(small_cache):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_memory_stays_bounded_over_500_shapes(small_cache):
     """The issue: 200 convolution shapes grew a process from 620 to 1642 MB, and the caches never
     shrank. 500 activation sizes, 40 convolutions and 40 poolings later the cache holds at most

@@ -82,7 +82,7 @@ def _storage_bytes(mod: tvm.IRModule, function: str) -> tuple[int, list[int]]:
     return arena_bytes, others
 
 
-@pytest.mark.parametrize("batch_norm", [False, True])
+@pytest.mark.parametrize("batch_norm", [pytest.param(False, marks=[pytest.mark.slow, pytest.mark.long]), True])
 def test_arena_is_smaller_than_the_storages_it_replaces(monkeypatch, batch_norm):
     """With training-mode batch norms, the arena was not made at all (every tensor of a kernel's
     output tuple counted as returned when one of its fields was)."""

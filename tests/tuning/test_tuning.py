@@ -386,6 +386,7 @@ def test_tune_rejects_what_it_cannot_tune(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_shipped_records_apply_only_to_their_target(tmp_path, monkeypatch):
     from tvm_ext.strategy.dispatch import lower_to_kernels
     from tvm_ext.strategy.fusion import fusion_passes
@@ -413,7 +414,8 @@ def test_shipped_records_apply_only_to_their_target(tmp_path, monkeypatch):
     assert rel_err(ours, stock) <= 1e-4
 
 
-@pytest.mark.parametrize("model, batch", [("resnet50", 1), ("resnet50", 2), ("vgg16", 1)])
+@pytest.mark.parametrize("model, batch", [("resnet50", 1), ("resnet50", 2),
+                                          pytest.param("vgg16", 1, marks=[pytest.mark.slow, pytest.mark.long])])
 def test_shipped_records_cover_every_task_of_their_networks(model, batch):
     """A change of the analytic plan changes a task's workload and orphans its shipped record
     (the build then silently falls back to the analytic schedule): every tunable kernel of the
