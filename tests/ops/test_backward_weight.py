@@ -128,12 +128,13 @@ def test_weight_gradient_inner_loop_is_vfmadd_without_spills(mcpu, register):
     ((1, 192, 56, 56), (72, 192, 1, 1), 2),  # strided, output channels past the last whole block
     ((2, 256, 28, 28), (512, 256, 1, 1), 2),  # ResNet-50's strided shortcut: many output blocks a task
     ((1, 96, 14, 14), (200, 96, 1, 1), 1),  # 14x14, the last of 7 output blocks partial
+    ((2, 64, 129, 129), (96, 64, 3, 3), 2),  # a strided 3x3 layer whose X (8.5 MB) is re-read from memory
 ])
 @pytest.mark.parametrize("bias", [False, True])
-def test_one_by_one_tasks_take_several_blocks(x_shape, w_shape, stride, bias):
-    """A 1x1 layer with large images: a task reduces several input and output blocks' dW
-    (WeightGradPlan.ib_tile, ob_tile), reading each chunk of X and dY once for them; the result
-    (and the bias gradient beside it) is the same."""
+def test_weight_gradient_tasks_take_several_blocks(x_shape, w_shape, stride, bias):
+    """Large images: a task reduces several input and output blocks' dW (WeightGradPlan.ib_tile,
+    ob_tile), reading each chunk of X and dY once for them; the result (and the bias gradient
+    beside it) is the same."""
     from tvm_ext.kernels.conv2d import Conv2dWorkload
     from tvm_ext.kernels.conv2d_backward_weight import plan_conv2d_backward_weight
     from tvm_ext.target import resolve_target, vector_isa
@@ -154,10 +155,11 @@ def test_one_by_one_tasks_take_several_blocks(x_shape, w_shape, stride, bias):
 
 @pytest.mark.parametrize("ib_tile, ob_tile", [(1, 3), (2, 3), (4, 1), (4, 3), (2, 1)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_blocks_a_task_do_not_change_a_bit(ib_tile, ob_tile, bias):
+@pytest.mark.parametrize("taps", [1, 3])
+def test_blocks_a_task_do_not_change_a_bit(ib_tile, ob_tile, bias, taps):
     """Grouping input and output blocks into a task changes which task reduces a dW block, not the
     order of its sums: the kernel's output (and bias gradient) is bitwise that of one-block tasks,
-    the last output block partial (80 channels in blocks of 32), strided."""
+    the last output block partial (80 channels in blocks of 32), strided, 1x1 and 3x3 padded."""
     import dataclasses
 
     import tvm
@@ -168,8 +170,8 @@ def test_blocks_a_task_do_not_change_a_bit(ib_tile, ob_tile, bias):
 
     target = resolve_target("llvm")
     isa = vector_isa(target)
-    base = plan_conv2d_backward_weight(Conv2dWorkload.make((2, 64, 15, 15), (80, 64, 1, 1), 2, 0), isa, bias,
-                                       ic_bn=16, oc_bn=32)
+    wl = Conv2dWorkload.make((2, 64, 15, 15), (80, 64, taps, taps), 2, taps // 2)
+    base = plan_conv2d_backward_weight(wl, isa, bias, ic_bn=16, oc_bn=32)
     rng = np.random.default_rng(11)
     inputs = [rng.standard_normal(shape).astype(np.float32) for shape in (base.data_shape(), base.grad_out_shape())]
     results = []
@@ -186,19 +188,23 @@ def test_blocks_a_task_do_not_change_a_bit(ib_tile, ob_tile, bias):
         np.testing.assert_array_equal(grouped, one)
 
 
-def test_strided_one_by_one_weight_gradients_read_x_a_few_times():
-    """ResNet-50's strided 1x1 shortcuts at batch 16: one-block tasks read X once per output block
-    (16 and 32 times: 822 MB, 40% and 30% of the peak on a Zen 4); the tasks now group output
-    blocks, so X is read at most twice, with at least MIN_TASKS tasks and their blocks in L2."""
+def test_strided_weight_gradients_read_x_a_few_times():
+    """ResNet-50's strided layers at batch 16: one-block tasks read X once per output block (the
+    1x1 shortcuts 16 and 32 times: 822 MB, 40% and 30% of the peak on a Zen 4; the 3x3 ones at
+    74%); the tasks now group output blocks, so X is read at most twice, with at least MIN_TASKS
+    tasks and their blocks in L2."""
     from tvm_ext.kernels import conv2d_backward_weight as wg
     from tvm_ext.kernels.conv2d import Conv2dWorkload
     from tvm_ext.target import AVX512
 
-    for c, h, k in ((256, 56, 512), (512, 28, 1024)):
-        plan = wg.plan_conv2d_backward_weight(Conv2dWorkload.make((16, c, h, h), (k, c, 1, 1), 2, 0), AVX512)
+    for c, h, k, taps in ((256, 56, 512, 1), (512, 28, 1024, 1), (128, 56, 128, 3), (256, 28, 256, 3)):
+        wl = Conv2dWorkload.make((16, c, h, h), (k, c, taps, taps), 2, taps // 2)
+        plan = wg.plan_conv2d_backward_weight(wl, AVX512)
         assert plan.OCB // plan.ob_tile <= 2
         assert (plan.ICB // plan.ib_tile) * (plan.OCB // plan.ob_tile) >= wg.MIN_TASKS
-        assert 4 * plan.ib_tile * plan.ic_bn * plan.ob_tile * plan.oc_bn <= wg.TASK_L2_BYTES
-    # 7x7 images: X and dY are re-read from the L3 and one-block tasks were faster
-    plan = wg.plan_conv2d_backward_weight(Conv2dWorkload.make((16, 1024, 14, 14), (2048, 1024, 1, 1), 2, 0), AVX512)
-    assert (plan.ib_tile, plan.ob_tile) == (1, 1)
+        assert 4 * plan.ib_tile * plan.ic_bn * plan.ob_tile * plan.oc_bn * taps * taps <= wg.TASK_L2_BYTES
+    # 7x7 images, and a 3x3 layer whose X stays in the L3: one-block tasks were faster
+    for wl in (Conv2dWorkload.make((16, 1024, 14, 14), (2048, 1024, 1, 1), 2, 0),
+               Conv2dWorkload.make((16, 256, 14, 14), (256, 256, 3, 3), 1, 1)):
+        plan = wg.plan_conv2d_backward_weight(wl, AVX512)
+        assert (plan.ib_tile, plan.ob_tile) == (1, 1)

@@ -109,18 +109,20 @@ def plan_conv2d_backward_weight(wl: Conv2dWorkload, isa: VectorISA, bias: bool =
     return WeightGradPlan(wl, ic_bn, oc_bn, best[0], best[1], rows, bias, ib_tile, ob_tile)
 
 
-# A 1x1 layer's weight gradient does 2 x y multiply-adds per element of X it reads (y output
-# channels a block), so a task of one (output block, input block) reads X once per output block
-# from memory: ResNet-50's strided 1x1 layers (batch 16) read 822 MB for 14 ms of multiply-adds
-# and ran at 41-46% of the peak (Zen 4, 2 threads). A task therefore reduces several input and
-# output blocks together, each chunk of rows of X and dY read from memory once for all of them:
-# the pair of tiles with the least traffic (X times the output-block groups, dY times the input-
-# block groups) whose dW blocks and chunks of X stay in L2, with at least MIN_TASKS tasks.
-# Measured there: 1.03-2.3x on the layers of 56x56 to 14x14 output pixels (the strided ones
-# 40% -> 76% and 30% -> 70% of the peak), but 0.9x on the 7x7 ones, whose one-block tasks keep
-# their dW block in L1 through all images. Output blocks are grouped only where X is larger than
-# X_CACHED_BYTES: a smaller X is re-read from the L3 (256 -> 1024 channels at 14x14, 3 MB: 88%
-# of the peak with one output block a task, 83% with 16; 128 -> 512 at 28x28, 6 MB: 90% / 85%).
+# A weight gradient does 2 x y x taps multiply-adds per element of X it reads (y output channels
+# a block), so a task of one (output block, input block) reads X once per output block from
+# memory: ResNet-50's strided 1x1 layers (batch 16) read 822 MB for 14 ms of multiply-adds and ran
+# at 30-46% of the peak, its strided 3x3 ones at 74% (Zen 4, 2 threads). A task therefore reduces
+# several input and output blocks together, each chunk of rows of X and dY read from memory once
+# for all of them: the pair of tiles with the least traffic (X times the output-block groups, dY
+# times the input-block groups) whose dW blocks and chunks of X stay in L2, with at least
+# MIN_TASKS tasks. Measured there: 1x1 layers of 56x56 to 14x14 output pixels 1.03-2.3x (the
+# strided ones 40% -> 76% and 30% -> 70% of the peak), strided 3x3 74% -> 86-92%, stride-1 3x3
+# 87-91% -> 90-92%; but 0.9x on 7x7 images, whose one-block tasks keep their dW block in L1
+# through all images. Output blocks are grouped only where X is larger than X_CACHED_BYTES: a
+# smaller X is re-read from the L3 (1x1 256 -> 1024 at 14x14, X 3 MB: 88% of the peak with one
+# output block a task, 83% with 16; 128 -> 512 at 28x28: 90% / 85%), and a 3x3 layer with such
+# an X keeps one-block tasks (256 -> 256 at 14x14: 92%, with 8 input blocks 84%).
 IB_TILE = 8
 MIN_TASKS = 4
 TASK_L2_BYTES = 512 * 1024
@@ -130,20 +132,24 @@ X_CACHED_BYTES = 8 * 1024 * 1024
 
 def blocks_per_task(wl: Conv2dWorkload, ic_bn: int, oc_bn: int, rows: int) -> tuple[int, int]:
     """(input blocks, output blocks) a task of the weight gradient reduces together
-    (:attr:`WeightGradPlan.ib_tile`, :attr:`WeightGradPlan.ob_tile`); (1, 1) but for 1x1 layers
-    of at least MIN_PIXELS output pixels."""
+    (:attr:`WeightGradPlan.ib_tile`, :attr:`WeightGradPlan.ob_tile`), for chunks of `rows`
+    output rows; (1, 1) below MIN_PIXELS output pixels (comment above)."""
     icb, ocb = wl.C // ic_bn, -(-wl.K // oc_bn)
-    if (wl.KH, wl.KW) != (1, 1) or wl.OH * wl.OW < MIN_PIXELS:
+    taps = wl.KH * wl.KW
+    if wl.OH * wl.OW < MIN_PIXELS:
         return 1, 1
-    x_bytes = 4 * wl.N * wl.C * wl.OH * wl.stride[0] * wl.W  # the rows a 1x1 layer reads, whole
+    (sh, _), (dh, _) = wl.stride, wl.dilation
+    read_rows = min(wl.HP, (wl.OH - 1) * sh + (wl.KH - 1) * dh + 1)  # the rows of X any tap reads
+    x_bytes = 4 * wl.N * wl.C * read_rows * wl.WP
+    if taps > 1 and x_bytes <= X_CACHED_BYTES:
+        return 1, 1
     dy_bytes = 4 * wl.N * ocb * oc_bn * wl.OH * wl.OW
-    x_chunk = 4 * ic_bn * rows * wl.stride[0] * wl.W  # an input block's rows of one chunk
+    x_chunk = 4 * ic_bn * ((rows - 1) * sh + (wl.KH - 1) * dh + 1) * wl.WP  # an input block's rows of a chunk
     best, best_key = (1, 1), None
     for ib in (d for d in _divisors(icb) if d <= IB_TILE):
         for ob in _divisors(ocb) if x_bytes > X_CACHED_BYTES else [1]:
-            if (icb // ib) * (ocb // ob) < MIN_TASKS and (ib, ob) != (1, 1):
-                continue
-            if 4 * ib * ic_bn * ob * oc_bn + ib * x_chunk > TASK_L2_BYTES and (ib, ob) != (1, 1):
+            if (ib, ob) != (1, 1) and ((icb // ib) * (ocb // ob) < MIN_TASKS
+                                       or 4 * ib * ic_bn * ob * oc_bn * taps + ib * x_chunk > TASK_L2_BYTES):
                 continue
             key = (x_bytes * (ocb // ob) + dy_bytes * (icb // ib), ib * ob)
             if best_key is None or key < best_key:
