@@ -9,11 +9,13 @@ weight layout (K/y, C/x, KH, KW, x, y), where an optimizer updates it in place. 
 transposed (one pixel's channels, broadcast one by one), B = dY rows (vectors of output
 channels), the reduction over a chunk of rows' pixels, the tile in registers throughout.
 
-One task per (output block, input block): its dW block (KH*KW taps x x x y) stays in L1 while the
-task walks the images in chunks of rows; for each chunk every tap and channel tile reduces the same
-rows of X and dY, which stay in L1/L2 (each element of X and dY is read from memory once per task,
-not once per tap). No partial sums between tasks: they own disjoint blocks of dW. The bias
-gradient (a sum of dY over images and pixels) is a block of its own, one task per output block.
+A task owns one (output block, input block) of dW, or a group of them on large images
+(:func:`blocks_per_task`): its dW blocks (KH*KW taps x x x y each) stay in L1/L2 while the task
+walks the images in chunks of rows; for each chunk every block, tap and channel tile reduces the
+same rows of X and dY, which stay in L1/L2 (each element of X and dY is read from memory once per
+task, not once per tap or block). No partial sums between tasks: they own disjoint blocks of dW.
+The bias gradient (a sum of dY over images and pixels) is a block of its own, one task per
+output block.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class WeightGradPlan:
     n_r: int  # output channels per call: a multiple of the lanes
     rows: int  # output rows per chunk of the reduction
     bias: bool = False  # also the bias gradient (OCB, y)
-    # Input and output blocks per task (1x1 layers): a task reduces each chunk of rows into the
+    # Input and output blocks per task (large images): a task reduces each chunk of rows into the
     # dW blocks of all of them, reading each block's chunk of X and dY from memory once for them
     # (:func:`blocks_per_task`).
     ib_tile: int = 1
