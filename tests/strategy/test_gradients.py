@@ -85,7 +85,8 @@ def test_strided_gradient_runs_on_tvm_ext_kernels():
 ], ids=["strided", "partial-block"])
 def test_one_by_one_weight_gradients_with_several_blocks_a_task(case):
     """1x1 layers of >= 14x14 output pixels, in a graph: the weight gradient's tasks take several
-    input and output blocks (blocks as the graph's producers wrote them), against float64."""
+    input blocks (output blocks too only where X is larger than 8 MB, not at these sizes; the
+    kernel-level tests cover those), blocks as the graph's producers wrote them, against float64."""
     from tvm_ext.kernels.conv2d_backward_weight import blocks_per_task, plan_conv2d_backward_weight
     from tvm_ext.target import vector_isa
 
