@@ -247,9 +247,12 @@ def test_training_mode_batch_norms_on_cuda():
     tvm_ext.build(mod, TARGET)
 
 
-def test_batch_norm_running_statistics_on_cuda():
+@pytest.mark.parametrize("relu", [False, True])
+def test_batch_norm_running_statistics_on_cuda(relu):
     """A training-mode batch norm's whole result, (y, new running mean, new running variance), as
-    TVM's batch_norm defines it (momentum 0.1, the biased variance), on the emulator."""
+    TVM's batch_norm defines it (momentum 0.1, the biased variance), on the emulator; with a relu
+    after y, the relu in the batch norm's kernel and the statistics it computed reused for the
+    running ones (split_running_statistics), no second pass over x."""
     rng = np.random.default_rng(2)
     stats = [rng.uniform(0.5, 1.5, 6), rng.uniform(-0.5, 0.5, 6), rng.uniform(-0.5, 0.5, 6), rng.uniform(0.5, 1.5, 6)]
     gamma, beta, moving_mean, moving_var = (relax.const(v.astype(np.float32)) for v in stats)
@@ -257,11 +260,16 @@ def test_batch_norm_running_statistics_on_cuda():
     x = relax.Var("x", relax.TensorType((3, 6, 5, 4), "float32"))
     with bb.function("main", [x]):
         with bb.dataflow():
-            out = bb.emit_output(relax.op.nn.batch_norm(x, gamma, beta, moving_mean, moving_var, axis=1, epsilon=1e-5,
-                                                        momentum=0.1, training=True))
-        bb.emit_func_output(out)
+            norm = bb.emit(relax.op.nn.batch_norm(x, gamma, beta, moving_mean, moving_var, axis=1, epsilon=1e-5,
+                                                  momentum=0.1, training=True))
+            y = relax.TupleGetItem(norm, 0)
+            outs = [bb.emit_output(relax.op.nn.relu(y) if relu else y),
+                    *(bb.emit_output(relax.TupleGetItem(norm, i)) for i in (1, 2))]
+        bb.emit_func_output(relax.Tuple(outs))
     lowered = lower(bb.get(), TARGET)
-    assert any(gv.name_hint.startswith("tvm_ext_batch_norm_chwn_") for gv, _ in lowered.functions_items())
+    names = [gv.name_hint for gv, _ in lowered.functions_items()]
+    assert [name.endswith("_relu") for name in names if name.startswith("tvm_ext_batch_norm_chwn_")] == [relu], names
+    assert not any(name.startswith(("tvm_ext_batch_statistics", "relu", "fused_relu")) for name in names), names
     xv = (rng.standard_normal((3, 6, 5, 4)) * 2 + 1).astype(np.float32)
     y, new_mean, new_var = relax.VirtualMachine(emulated_executable(lowered, TARGET), tvm.cpu())["main"](
         tvm.runtime.tensor(xv))
@@ -270,6 +278,7 @@ def test_batch_norm_running_statistics_on_cuda():
     shape = (1, 6, 1, 1)
     expected = (xd - mean.reshape(shape)) / np.sqrt(var.reshape(shape) + 1e-5) * stats[0].reshape(shape) \
         + stats[1].reshape(shape)
+    expected = np.maximum(expected, 0) if relu else expected
     assert rel_err(y.numpy(), expected) <= 1e-5
     assert rel_err(new_mean.numpy(), 0.9 * stats[2] + 0.1 * mean) <= 1e-6
     assert rel_err(new_var.numpy(), 0.9 * stats[3] + 0.1 * var) <= 1e-6

@@ -212,8 +212,9 @@ def test_relax_training_trainer_updates_the_running_statistics():
     """relax.training with a batch norm's running statistics as states (the backbone returns the
     updated ones): five SGD steps of tvm_ext.train.SetupTrainer's module built with tvm_ext give
     the losses, parameters and states of TVM's SetupTrainer (which decomposes the batch norm) on
-    stock TVM, the batch norm on tvm_ext's kernels (its statistics read outside: no fused
-    epilogue). TVM's SetupTrainer left it on stock ops."""
+    stock TVM, the batch norm on tvm_ext's kernels with the relu in its kernel although its
+    running statistics are read (split_running_statistics; before, the relu was a pass of its
+    own), the statistics computed once. TVM's SetupTrainer left it on stock ops."""
     from tvm.relax.training import SetupTrainer, Trainer
     from tvm.relax.training.loss import CrossEntropyLoss
     from tvm.relax.training.optimizer import SGD
@@ -260,6 +261,9 @@ def test_relax_training_trainer_updates_the_running_statistics():
     calls = kernel_calls(mod, TARGET, function="backbone_loss_adjoint")
     assert sum(name.startswith("tvm_ext_batch_norm_backward_") for name in calls) == 1, calls
     assert not any(name.startswith(("mean", "variance", "fused_mean", "fused_variance")) for name in calls), calls
+    forward = [name for name in calls if name.startswith("tvm_ext_batch_norm_") and "backward" not in name]
+    assert len(forward) == 1 and forward[0].endswith("_relu"), calls
+    assert not any(name.startswith(("tvm_ext_relu", "relu", "tvm_ext_batch_statistics")) for name in calls), calls
 
 
 def test_importer_tuples_do_not_stop_the_fused_epilogue():

@@ -275,6 +275,10 @@ class Emitter(Protocol):
         """A training-mode batch norm: (y, the new running mean, the new running variance), or
         relu(y + residual) alone for a fused composite."""
 
+    def batch_norm_statistics(self, call: relax.Call) -> relax.Expr:
+        """A training-mode batch norm of which only the new running statistics are read: (an
+        unread placeholder for y, the new running mean, the new running variance)."""
+
     def batch_norm_backward(self, found) -> tuple[relax.Expr, relax.Var, relax.Var]:
         """(dX, dgamma, dbeta) of a training-mode batch norm's gradient (a
         :class:`~tvm_ext.transform.gradients.BatchNormGradient` over the function being built)."""

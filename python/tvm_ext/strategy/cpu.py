@@ -573,10 +573,33 @@ class CpuEmitter:
                 *([self.pack(residual, block)] if residual is not None else [])]
         y, mean, var = self._calls(_batch_norm.batch_norm_forward_func(norm), f"tvm_ext_batch_norm_{norm.tag()}",
                                    args, [norm.shape, (channels,), (channels,)])
-        self._batch_statistics[x] = (mean, var)
+        self._batch_statistics[x] = self._batch_statistics[data] = (mean, var)
         if residual is not None or relu:
             return self.unpack(y, channels)
         return relax.Tuple([self.unpack(y, channels), *running_statistics(call, mean, var)])
+
+    def _statistics_of(self, x: relax.Expr, channels: int, epsilon: float) -> tuple[relax.Var, relax.Var]:
+        """The batch mean and variance of blocked `x`: those its forward kernel computed, else
+        one statistics-only kernel's."""
+        statistics = self._batch_statistics.get(x)
+        if statistics is None:
+            norm = _batch_norm.BatchNorm(known_shape(image_shape(x), "batch_norm: the blocked data"), epsilon,
+                                         scale=False, center=False)
+            mean, var = self._calls(_batch_norm.batch_norm_forward_func(norm, normalize=False),
+                                    f"tvm_ext_batch_statistics_{norm.tag()}", [x], [(channels,), (channels,)])
+            statistics = self._batch_statistics[x] = (mean, var)
+        return statistics
+
+    def batch_norm_statistics(self, call: relax.Call) -> relax.Expr:
+        """A training-mode batch norm whose y nobody reads, only the new running statistics (the
+        copy :func:`~tvm_ext.transform.split_running_statistics` makes): those, from the batch
+        statistics of the kernel that normalized the same x. y's place holds x (unread)."""
+        data = call.args[0]
+        statistics = self._batch_statistics.get(data)  # (by the NCHW view too: an input's blocked copy is new)
+        if statistics is None:
+            channels = known_shape(image_shape(data), "batch_norm: the data")[1]
+            statistics = self._statistics_of(self._batch_norm_input(data)[0], channels, float(call.attrs.epsilon))
+        return relax.Tuple([data, *running_statistics(call, *statistics)])
 
     def batch_norm_backward(self, found: BatchNormGradient) -> tuple[relax.Expr, relax.Var, relax.Var]:
         """(dX, dgamma, dbeta) of a training-mode batch norm's gradient (`found`'s operands are
@@ -587,12 +610,7 @@ class CpuEmitter:
         x, block = self._batch_norm_input(found.x)
         shape = known_shape(image_shape(x), "batch_norm: the blocked data")
         dy = self.pack(tuple_field(self.bb, found.dy), block)
-        statistics = self._batch_statistics.get(x)
-        if statistics is None:
-            norm = _batch_norm.BatchNorm(shape, found.epsilon, scale=False, center=False)
-            mean, var = self._calls(_batch_norm.batch_norm_forward_func(norm, normalize=False),
-                                    f"tvm_ext_batch_statistics_{norm.tag()}", [x], [(channels,), (channels,)])
-            statistics = self._batch_statistics[x] = (mean, var)
+        statistics = self._statistics_of(x, channels, found.epsilon)
         norm = _batch_norm.BatchNorm(shape, found.epsilon, scale=found.gamma is not None)
         args = [x, dy, *statistics, *([found.gamma] if found.gamma is not None else [])]
         dx, dgamma, dbeta = self._calls(_batch_norm.batch_norm_backward_func(norm),

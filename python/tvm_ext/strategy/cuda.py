@@ -259,10 +259,32 @@ class CudaEmitter:
         y, mean, var = self._calls(_cuda_batch_norm.batch_norm_forward_chwn_func(norm),
                                    _name("batch_norm_chwn", norm.tag()), args,
                                    [norm.shape, (norm.channels,), (norm.channels,)])
-        self._batch_statistics[x] = (mean, var)
+        self._batch_statistics[x] = self._batch_statistics[data] = (mean, var)
         if residual is not None or relu:
             return self.nchw(y)
         return relax.Tuple([self.bb.emit(self.nchw(y)), *running_statistics(call, mean, var)])
+
+    def _statistics_of(self, x: relax.Expr, epsilon: float) -> tuple[relax.Var, relax.Var]:
+        """The batch mean and variance of CHWN `x`: those its forward kernel computed, else one
+        statistics-only kernel's."""
+        statistics = self._batch_statistics.get(x)
+        if statistics is None:
+            norm = _batch_norm.BatchNorm(_shape(x), epsilon, scale=False, center=False, layout="CHWN")
+            mean, var = self._calls(_cuda_batch_norm.batch_norm_forward_chwn_func(norm, normalize=False),
+                                    _name("batch_statistics_chwn", norm.tag()), [x],
+                                    [(norm.channels,), (norm.channels,)])
+            statistics = self._batch_statistics[x] = (mean, var)
+        return statistics
+
+    def batch_norm_statistics(self, call: relax.Call) -> relax.Expr:
+        """A training-mode batch norm whose y nobody reads, only the new running statistics (the
+        copy :func:`~tvm_ext.transform.split_running_statistics` makes): those, from the batch
+        statistics of the kernel that normalized the same x. y's place holds x (unread)."""
+        data = call.args[0]
+        statistics = self._batch_statistics.get(data)  # (by the NCHW view too: an input's CHWN copy is new)
+        if statistics is None:
+            statistics = self._statistics_of(self.chwn(data), float(call.attrs.epsilon))
+        return relax.Tuple([data, *running_statistics(call, *statistics)])
 
     def batch_norm_backward(self, found: BatchNormGradient) -> tuple[relax.Expr, relax.Var, relax.Var]:
         """(dX, dgamma, dbeta) of a training-mode batch norm's gradient in CHWN, one kernel
@@ -270,13 +292,7 @@ class CudaEmitter:
         statistics the forward kernel computed for the same x (computed again where it did not run)."""
         x = self.chwn(found.x)
         shape = _shape(x)
-        statistics = self._batch_statistics.get(x)
-        if statistics is None:
-            norm = _batch_norm.BatchNorm(shape, found.epsilon, scale=False, center=False, layout="CHWN")
-            mean, var = self._calls(_cuda_batch_norm.batch_norm_forward_chwn_func(norm, normalize=False),
-                                    _name("batch_statistics_chwn", norm.tag()), [x],
-                                    [(norm.channels,), (norm.channels,)])
-            statistics = self._batch_statistics[x] = (mean, var)
+        statistics = self._statistics_of(x, found.epsilon)
         norm = _batch_norm.BatchNorm(shape, found.epsilon, scale=found.gamma is not None, layout="CHWN")
         args = [x, self.chwn(found.dy), *statistics, *([found.gamma] if found.gamma is not None else [])]
         dx, dgamma, dbeta = self._calls(_cuda_batch_norm.batch_norm_backward_chwn_func(norm),

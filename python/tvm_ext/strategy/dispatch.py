@@ -82,6 +82,7 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
             # training-mode batch norm gradients (batch_norm_gradients): binding -> (the chain, its dX)
             self.norm_gradients: dict[relax.Var, tuple[BatchNormGradient, relax.Var]] = {}
             self.norm_outputs: dict[relax.Var, tuple] = {}  # dX's variable -> (dX, dgamma, dbeta) emitted
+            self.statistics_only: set[relax.Var] = set()  # batch norms read for their running statistics only
 
         def visit_binding_block_(self, block: relax.BindingBlock) -> relax.BindingBlock:
             self._new_block()
@@ -145,6 +146,8 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                 paired = self._norm_gradient(call)
             if paired is not None:
                 return paired
+            statistics_only = (self.binding is not None and call.same_as(self.binding.value)
+                               and self.binding.var in self.statistics_only)
             call = super().visit_call_(call)
             if isinstance(call.op, tvm.ir.Op):
                 interleaved = self.emitter.interleaved_phases(call)  # a strided convolution's dX, from its phases
@@ -157,6 +160,8 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                     return self.emitter.conv2d_backward_weight(call, decision)
                 if decision.plan is not None:
                     return self.emitter.conv2d(call, call.args[0], decision, padded_out=self.padded_out)
+                if statistics_only and decision.kernel == "batch_norm_training":
+                    return self.emitter.batch_norm_statistics(call)
                 return self.emitter.other_op(call, decision)
             if not isinstance(call.op, tvm.ir.GlobalVar):
                 return call
@@ -200,6 +205,7 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                 if isinstance(lowering.emitter, CpuEmitter):
                     lowering.gradient_pairs = weight_and_bias_gradients(func, target)
                 lowering.norm_gradients = batch_norm_gradients(func)
+                lowering.statistics_only = statistics_only_norms(func)
                 lowering.builder_.update_func(gvar, lowering.visit_expr(func))
         lowered = relax.transform.DeadCodeElimination()(lowering.builder_.get())
         if isinstance(lowering.emitter, CpuEmitter):  # blocked CPU layouts: no padded copies
@@ -272,6 +278,17 @@ def batch_norm_gradients(func: relax.Function) -> dict[relax.Var, tuple[BatchNor
                     for var in (binding.var, chain.dgamma, chain.dbeta):
                         found[var] = (chain, binding.var)
     return found
+
+
+def statistics_only_norms(func: relax.Function) -> set[relax.Var]:
+    """The variables of `func`'s batch norms that are read only for their new running statistics
+    (outputs 1 and 2; :func:`~tvm_ext.transform.split_running_statistics` makes them)."""
+    norm = tvm.ir.Op.get("relax.nn.batch_norm")
+    norms = {binding.var for block in func.body.blocks for binding in block.bindings
+             if isinstance(binding, relax.VarBinding) and isinstance(binding.value, relax.Call)
+             and binding.value.op.same_as(norm)}
+    return {var for var, readers in readers_of(func).items()
+            if var in norms and all(isinstance(r, relax.TupleGetItem) and r.index in (1, 2) for r in readers)}
 
 
 # ops that read a padded blocked tensor as it is (CpuEmitter.blocked(padded=True))

@@ -10,7 +10,14 @@ import tvm
 from tvm import relax
 
 from ..relax_info import dtype, image_shape, is_channel_bias, known_shape, same_extent, static_shape, symbolic_batch
-from ..transform import channels_last_as_nchw, fold_batch_norm, matmul_as_conv2d, recognise_silu, unique_constants
+from ..transform import (
+    channels_last_as_nchw,
+    fold_batch_norm,
+    matmul_as_conv2d,
+    recognise_silu,
+    split_running_statistics,
+    unique_constants,
+)
 from .base import ACTIVATION_OPS, Activation, activation_at, scalar_constant
 from .decide import channel_affine_reason, decide, epilogue_activation
 
@@ -424,7 +431,7 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     return [relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination(),
             relax.transform.FoldConstant(), fold_batch_norm(), matmul_as_conv2d(),
             channels_last_as_nchw(layer_norm_over_channels=target.kind.name == "llvm"),
-            recognise_silu(), unique_constants(),
+            recognise_silu(), unique_constants(), split_running_statistics(),
             relax.transform.FuseOpsByPattern(fusion_patterns(target), bind_constants=True)]
 
 
