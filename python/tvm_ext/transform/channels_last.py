@@ -245,6 +245,7 @@ def channels_last_as_nchw(layer_norm_over_channels: bool = False) -> tvm.transfo
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.ChannelsLastAsNCHW")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        mod = mod.clone()  # the caller's module stays as it was
         for gvar, func in mod.functions_items():
             if not isinstance(func, relax.Function):
                 continue

@@ -96,6 +96,7 @@ def fold_batch_norm() -> tvm.transform.Pass:
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.FoldBatchNorm")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        mod = mod.clone()  # the caller's module stays as it was
         for gvar, func in mod.functions_items():
             if isinstance(func, relax.Function):
                 func = rewrite_call(scaled, scale_rewriter, rewrite_call(pattern, rewriter, func))
@@ -149,6 +150,7 @@ def fold_trained_batch_norm() -> tvm.transform.Pass:
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.FoldTrainedBatchNorm")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        mod = mod.clone()  # the caller's module stays as it was
         for gvar, func in mod.functions_items():
             if isinstance(func, relax.Function):
                 mod[gvar] = rewrite_call(is_tuple_get_item(bn, 0), rewriter, func)

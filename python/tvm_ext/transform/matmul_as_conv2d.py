@@ -77,6 +77,7 @@ def matmul_as_conv2d() -> tvm.transform.Pass:
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.MatmulAsConv2d")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        mod = mod.clone()  # the caller's module stays as it was
         for gvar, func in mod.functions_items():
             if isinstance(func, relax.Function):
                 mod[gvar] = rewrite_call(pattern, rewriter, func)

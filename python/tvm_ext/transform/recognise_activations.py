@@ -20,6 +20,7 @@ def recognise_silu() -> tvm.transform.Pass:
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.RecogniseSiLU")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        mod = mod.clone()  # the caller's module stays as it was
         for gvar, func in mod.functions_items():
             if isinstance(func, relax.Function):
                 mod[gvar] = rewrite_call(pattern, lambda _orig, matched: relax.op.nn.silu(matched[x]), func)
