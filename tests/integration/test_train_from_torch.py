@@ -1,0 +1,166 @@
+"""tvm_ext.train.from_torch: a PyTorch model trained through relax.training on tvm_ext's kernels
+follows torch.optim.SGD step by step, its batch norms' running statistics included (PyTorch's
+unbiased running variance, num_batches_tracked), and the trained values go back into the model."""
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from reference import kernel_calls, rel_err
+from tvm import relax
+
+import tvm_ext
+from tvm_ext.errors import UnsupportedError
+from tvm_ext.train import SetupTrainer, from_torch
+
+TARGET = tvm_ext.resolve_target("llvm")
+BATCH = 4
+
+
+class _Net(torch.nn.Module):
+    """conv -> bn -> relu, conv -> bn (momentum 0.3) + shortcut -> relu, a frozen 1x1 conv with a
+    batch norm kept in eval mode (a fine-tuning's frozen part), global mean, linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = torch.nn.Conv2d(3, 16, 3, padding=1, bias=False), torch.nn.BatchNorm2d(16)
+        self.conv2 = torch.nn.Conv2d(16, 16, 3, padding=1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(16, momentum=0.3)
+        self.frozen, self.frozen_bn = torch.nn.Conv2d(16, 8, 1), torch.nn.BatchNorm2d(8)
+        self.fc = torch.nn.Linear(8, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.bn1(self.conv1(x)))
+        h = torch.relu(self.bn2(self.conv2(h)) + h)
+        return self.fc(self.frozen_bn(self.frozen(h)).mean((2, 3)))
+
+
+def _net(seed: int = 0) -> _Net:
+    torch.manual_seed(seed)
+    net = _Net().train()
+    net.frozen.requires_grad_(False)
+    net.frozen_bn.eval()
+    with torch.no_grad():  # statistics away from PyTorch's initial ones, so that a wrong update shows
+        for bn in (net.bn1, net.bn2, net.frozen_bn):
+            bn.running_mean.uniform_(-1, 1)
+            bn.running_var.uniform_(0.5, 2)
+    return net
+
+
+def test_training_follows_pytorch_with_running_statistics():
+    """Five SGD steps: the losses, every parameter and every buffer after write_to agree with
+    PyTorch's (the running variance from the unbiased batch variance: TVM's biased one would be
+    1/63 of the batch variance short), and the batch norms still fuse their relu and shortcut
+    although the step reads their running statistics."""
+    from tvm.relax.training import Trainer
+    from tvm.relax.training.loss import CrossEntropyLoss
+    from tvm.relax.training.optimizer import SGD
+
+    ours, theirs = _net(), _net()
+    x = torch.randn(BATCH, 3, 8, 8)
+    imported = from_torch(ours, (x,))
+    assert imported.param_names == ["conv1.weight", "bn1.weight", "bn1.bias", "conv2.weight", "bn2.weight",
+                                    "bn2.bias", "frozen_bn.weight", "frozen_bn.bias", "fc.weight", "fc.bias"]
+    assert imported.state_names == [f"{bn}.{s}" for bn in ("bn1", "bn2")
+                                    for s in ("running_mean", "running_var", "num_batches_tracked")]
+    loss_args = [imported.output_type, relax.TensorType((BATCH,), "int64")]
+    mod = SetupTrainer(CrossEntropyLoss(reduction="sum"), SGD(0.05), loss_args, legalize=False)(imported.mod)
+    trainer = Trainer(mod, relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu()), tvm.cpu(),
+                      zero_init_param_state=False)
+    trainer.load_params(imported.params)
+    trainer.load_states(imported.states)
+    sgd = torch.optim.SGD([p for p in theirs.parameters() if p.requires_grad], lr=0.05)
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        xv, yv = rng.standard_normal((BATCH, 3, 8, 8)).astype(np.float32), rng.integers(0, 10, BATCH)
+        loss = torch.nn.functional.cross_entropy(theirs(torch.from_numpy(xv)), torch.from_numpy(yv), reduction="sum")
+        sgd.zero_grad()
+        loss.backward()
+        sgd.step()
+        assert float(trainer.update([xv], [yv]).numpy()) == pytest.approx(loss.item(), rel=1e-5)
+    before = {name: value.clone() for name, value in ours.state_dict().items()}
+    imported.write_to(ours, list(trainer.export_params().values()), list(trainer.export_states().values()))
+    for name, want in theirs.state_dict().items():
+        got = ours.state_dict()[name]
+        assert rel_err(got.numpy(), want.numpy()) <= 1e-5, name
+        assert name.startswith(("frozen", "fc.")) or not torch.equal(got, before[name]), name  # trained, updated
+    assert int(ours.bn1.num_batches_tracked) == 5
+
+    calls = kernel_calls(mod, TARGET, function="backbone_loss_adjoint")
+    forward = [name for name in calls if name.startswith("tvm_ext_batch_norm_") and "backward" not in name]
+    assert [name.rsplit("_", 2)[-2:] for name in forward] == [["center", "relu"], ["residual", "relu"]], calls
+    assert not any(name.startswith(("tvm_ext_batch_statistics", "tvm_ext_relu", "relu")) for name in calls), calls
+
+
+def test_eval_mode_model_has_no_states():
+    """A model in eval mode normalizes with its running statistics (constants): no states, and the
+    backbone returns the output alone."""
+    net = _net().eval()
+    imported = from_torch(net, (torch.randn(2, 3, 8, 8),))
+    assert imported.states == [] and imported.state_names == []
+    assert int(imported.mod.attrs["state_num"]) == 0
+    assert tuple(int(d) for d in imported.output_type.shape) == (2, 10)
+    x = np.random.default_rng(2).standard_normal((2, 3, 8, 8)).astype(np.float32)
+    vm = relax.VirtualMachine(tvm_ext.build(imported.mod, TARGET), tvm.cpu())
+    got = vm["backbone"](tvm.runtime.tensor(x), *map(tvm.runtime.tensor, imported.params)).numpy()
+    with torch.no_grad():
+        assert rel_err(got, net(torch.from_numpy(x)).numpy()) <= 1e-5
+
+
+class _Counting(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 1)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.conv(x)
+
+
+class _TwiceNormed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        return self.bn(self.bn(x))
+
+
+@pytest.mark.parametrize("model,message", [
+    (torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4, momentum=None)), "momentum=None"),
+    (_Counting(), "updates 'calls'"),
+    (_TwiceNormed(), "runs twice"),
+], ids=["cumulative-average", "other-buffer", "batch-norm-twice"])
+def test_refused_models_say_why(model, message):
+    """What the import cannot carry is refused with the reason, not trained wrongly."""
+    with pytest.raises(UnsupportedError, match=message):
+        from_torch(model.train(), (torch.randn(2, 3, 4, 4),))
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(TypeError, match="model"):
+        from_torch(lambda x: x, (torch.randn(1),))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="example_inputs"):
+        from_torch(_net(), torch.randn(2, 3, 8, 8))  # type: ignore[arg-type]
+    net = _net()
+    imported = from_torch(net, (torch.randn(2, 3, 8, 8),))
+    with pytest.raises(ValueError, match="params has 1 values"):
+        imported.write_to(net, imported.params[:1], imported.states)
+    with pytest.raises(ValueError, match="'conv1.weight' is"):
+        imported.write_to(net, [np.zeros(3, np.float32)] + imported.params[1:], imported.states)
+
+
+def test_batch_norm_without_running_statistics_has_no_state():
+    """A batch norm that tracks no running statistics (always batch statistics) imports as such:
+    not a state, not refused; the output is PyTorch's."""
+    torch.manual_seed(3)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8, track_running_stats=False),
+                              torch.nn.ReLU()).train()
+    x = torch.randn(2, 3, 6, 6)
+    imported = from_torch(net, (x,))
+    assert imported.states == [] and imported.param_names == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    vm = relax.VirtualMachine(tvm_ext.build(imported.mod, TARGET), tvm.cpu())
+    got = vm["backbone"](tvm.runtime.tensor(x.numpy()), *map(tvm.runtime.tensor, imported.params)).numpy()
+    with torch.no_grad():
+        assert rel_err(got, net(x).numpy()) <= 1e-5
