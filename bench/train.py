@@ -9,9 +9,10 @@ measured peak (bench/peak.py) and the ratio to PyTorch. Benchmarks print; they n
 
 With --model (a torchvision name), whole training steps instead: the model's loss (its output
 against fixed weights, summed; batch norms in inference form, or with the batch's statistics
-under --batch-norm training, on every side) differentiated by
-relax.transform.Gradient and built with tvm_ext, against PyTorch eager's forward + backward and
-torch.compile's (unless --no-compile), plus an SGD update of every parameter on each side;
+under --batch-norm training, on every side, each side updating the running statistics: tvm_ext's
+are states, tvm_ext.train.from_torch) differentiated by relax.transform.Gradient and built with
+tvm_ext, against PyTorch eager's forward + backward and torch.compile's (unless --no-compile),
+plus an SGD update of every parameter on each side;
 median ms timed alternately in one process, and the peak memory (RSS high-water mark) of a
 process that runs only that side's steps; for tvm_ext two: a process that exports and builds the
 step itself, and one that loads the built step as a library (as torch.compile's process, whose
@@ -202,12 +203,17 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
-def _sgd_step(adjoint, x, tensors: list, lr: float):
-    """tvm_ext's step: the built gradient function, then SGD in NumPy on the VM's tensors."""
-    params = [np.from_dlpack(t) for t in tensors]  # views: SGD updates the parameters in place
+def _sgd_step(adjoint, x, tensors: list, lr: float, num_states: int = 0):
+    """tvm_ext's step: the built gradient function, then SGD in NumPy on the VM's tensors. The
+    last `num_states` tensors are states (running statistics): the step returns their new values,
+    which the next step reads."""
+    split = len(tensors) - num_states
+    params = [np.from_dlpack(t) for t in tensors[:split]]  # views: SGD updates the parameters in place
 
     def ours() -> None:
-        _, grads = adjoint(x, *tensors)
+        out, grads = adjoint(x, *tensors)
+        if num_states:
+            tensors[split:] = [out[i] for i in range(1, num_states + 1)]
         for param, grad in zip(params, grads, strict=True):
             step = np.from_dlpack(grad)
             step *= -lr
@@ -226,7 +232,7 @@ def _step_functions(sides: tuple[str, ...]) -> tuple[dict, float, tuple | None]:
     from tvm import relax
 
     from tvm_ext.models import torchvision_zoo
-    from tvm_ext.models.training import loss_gradient, loss_module
+    from tvm_ext.models.training import loss_gradient, loss_module, loss_step_gradient
 
     x = np.random.default_rng(1).standard_normal((ARGS.batch, 3, ARGS.size, ARGS.size), dtype=np.float32)
     model = torchvision_zoo.load(ARGS.model, ARGS.size).train(ARGS.batch_norm == "training")
@@ -234,7 +240,10 @@ def _step_functions(sides: tuple[str, ...]) -> tuple[dict, float, tuple | None]:
     # one torch loss module (the model's parameters) for every side, built with the export if tvm_ext runs
     loss = loss_module(model, x) if "tvm_ext" not in sides else None
     if "tvm_ext" in sides:
-        mod, values, loss = loss_gradient(model, x)
+        if model.training:  # the running statistics are states, updated as PyTorch's step updates them
+            mod, values, states, loss = loss_step_gradient(model, x)
+        else:
+            (mod, values, loss), states = loss_gradient(model, x), []
         if sides == ("tvm_ext",):  # tvm_ext's own process: the torch model is not needed once exported
             del model, loss
         start = time.perf_counter()
@@ -242,11 +251,11 @@ def _step_functions(sides: tuple[str, ...]) -> tuple[dict, float, tuple | None]:
         build_s = time.perf_counter() - start
         del mod
         xt = tvm.runtime.tensor(x)
-        tensors = [tvm.runtime.tensor(v) for v in values]
-        del values
-        steps["tvm_ext"] = _sgd_step(relax.VirtualMachine(ex, tvm.cpu())["main_adjoint"], xt, tensors,
-                                     LEARNING_RATE)
-        built = (ex, [xt, *tensors])
+        tensors, num_states = [tvm.runtime.tensor(v) for v in [*values, *states]], len(states)
+        del values, states
+        steps["tvm_ext"] = _sgd_step(relax.VirtualMachine(ex, tvm.cpu())[_adjoint_name(num_states)], xt, tensors,
+                                     LEARNING_RATE, num_states)
+        built = (ex, [xt, *tensors], num_states)
     if sides == ("tvm_ext",):
         return steps, build_s, built
     sgd = torch.optim.SGD(loss.parameters(), lr=LEARNING_RATE)
@@ -262,6 +271,11 @@ def _step_functions(sides: tuple[str, ...]) -> tuple[dict, float, tuple | None]:
     return steps, build_s, built
 
 
+def _adjoint_name(num_states: int) -> str:
+    """The step's gradient function: loss_step_gradient's with states, loss_gradient's without."""
+    return "backbone_adjoint" if num_states else "main_adjoint"
+
+
 def _library_step(folder: Path):
     """tvm_ext's step loaded from the library `_export_step` wrote: how a trainer deploys a built
     step (tvm and NumPy only; no export, no compiler in the process)."""
@@ -269,15 +283,16 @@ def _library_step(folder: Path):
     from tvm import relax
 
     data = np.load(folder / "tensors.npz")
-    x, *tensors = (tvm.runtime.tensor(data[f"arr_{i}"]) for i in range(len(data.files)))
+    num_states = int(data["num_states"])
+    x, *tensors = (tvm.runtime.tensor(data[f"arr_{i}"]) for i in range(len(data.files) - 1))
     vm = relax.VirtualMachine(tvm.runtime.load_module(str(folder / "step.so")), tvm.cpu())
-    return _sgd_step(vm["main_adjoint"], x, tensors, LEARNING_RATE)
+    return _sgd_step(vm[_adjoint_name(num_states)], x, tensors, LEARNING_RATE, num_states)
 
 
-def _export_step(folder: Path, executable, tensors: list) -> None:
-    """A built step as a shared library, with its input and parameters."""
+def _export_step(folder: Path, executable, tensors: list, num_states: int) -> None:
+    """A built step as a shared library, with its input, parameters and states."""
     executable.export_library(str(folder / "step.so"))
-    np.savez(folder / "tensors.npz", *(t.numpy() for t in tensors))
+    np.savez(folder / "tensors.npz", *(t.numpy() for t in tensors), num_states=np.array(num_states))
 
 
 def _peak_memory_mib(side: str, library: Path | None = None) -> float:
@@ -313,7 +328,7 @@ def _training_steps() -> int:
         else:
             print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         return 0
-    steps, build_s, (executable, tensors) = _step_functions(sides)
+    steps, build_s, (executable, tensors, num_states) = _step_functions(sides)
     ms = _alternate(steps, ARGS.repeat)
     print(f"# training step: {ARGS.model} {ARGS.size}x{ARGS.size} batch={ARGS.batch} threads={ARGS.threads} "
           f"batch norms: {ARGS.batch_norm}; "
@@ -322,7 +337,7 @@ def _training_steps() -> int:
           "/ its built library loaded)")
     print("side | ms | tvm_ext speedup | peak MiB")
     with tempfile.TemporaryDirectory(prefix="tvm_ext_train_") as folder:
-        _export_step(Path(folder), executable, tensors)
+        _export_step(Path(folder), executable, tensors, num_states)
         for side in sides:
             mib = f"{_peak_memory_mib(side):.0f}"
             if side == "tvm_ext":

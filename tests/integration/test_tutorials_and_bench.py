@@ -381,9 +381,11 @@ def test_bench_train_times_the_blocked_kernels():
 
 @pytest.mark.slow
 @pytest.mark.long
-def test_bench_train_times_whole_steps():
+@pytest.mark.parametrize("batch_norm", ["inference", "training"])
+def test_bench_train_times_whole_steps(batch_norm):
+    """(training: the running statistics are states, fed back step after step, also from the library)"""
     out = _run("bench/train.py", "--model", "resnet18", "--size", "32", "--batch", "2", "--repeat", "1",
-               "--no-compile", env={"TVM_NUM_THREADS": "1"})
+               "--no-compile", "--batch-norm", batch_norm, env={"TVM_NUM_THREADS": "1"})
     rows = {line.split(" | ")[0]: line.split(" | ") for line in out.splitlines() if " | " in line}
     assert set(rows) == {"side", "tvm_ext", "torch"}
     assert rows["tvm_ext"][2] == "1.00x" and float(rows["torch"][3]) > 100  # peak MiB of a process of its own

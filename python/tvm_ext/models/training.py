@@ -12,7 +12,8 @@ from tvm import relax
 
 from ..transform import fold_trained_batch_norm
 
-__all__ = ["DIGITS_CNN_SHAPES", "digits_cnn", "digits_cnn_init", "digits_cnn_torch", "loss_gradient", "loss_module"]
+__all__ = ["DIGITS_CNN_SHAPES", "digits_cnn", "digits_cnn_init", "digits_cnn_torch", "loss_gradient", "loss_module",
+           "loss_step_gradient"]
 
 # conv 3x3 (8) -> relu -> max pool 2 -> conv 3x3 (16) -> relu -> flatten -> linear (10), biases
 DIGITS_CNN_SHAPES = {"w1": (8, 1, 3, 3), "b1": (8,), "w2": (16, 8, 3, 3), "b2": (16,), "w3": (10, 256), "b3": (10,)}
@@ -84,7 +85,8 @@ def loss_gradient(model, x: np.ndarray, seed: int = 2):
     every parameter's gradient, in the order of the torch loss module's `parameters()`. A model
     in eval mode has its batch norms in inference form, folded into their convolutions' weights
     (:func:`tvm_ext.transform.fold_trained_batch_norm`); in training mode they normalize with the
-    batch's statistics (the running statistics are not updated: the importer drops them)."""
+    batch's statistics (the running statistics are not updated: the importer drops them;
+    :func:`loss_step_gradient` updates them)."""
     import torch
     from tvm.relax.frontend.torch import from_exported_program
 
@@ -100,3 +102,21 @@ def loss_gradient(model, x: np.ndarray, seed: int = 2):
         mod = relax.transform.DecomposeOpsForInference()(mod)
     mod = relax.transform.Gradient("main", require_grads=mod["main"].params[1:])(mod)
     return mod, [p.numpy() for p in params["main"]], loss
+
+
+def loss_step_gradient(model, x: np.ndarray, seed: int = 2):
+    """(gradient module, parameter arrays, state arrays, torch loss) for a training step of
+    `model`'s loss sum(model(x) * r) (:func:`loss_module`) imported by
+    :func:`tvm_ext.train.from_torch`: `backbone_adjoint(x, *parameters, *states)` returns ((the
+    loss, *the new states), the parameters' gradients), the states being the batch norms' running
+    statistics, updated as PyTorch's training step updates them."""
+    import torch
+
+    from ..train import from_torch
+
+    loss = loss_module(model, x, seed)
+    imported = from_torch(loss, (torch.from_numpy(x),))
+    backbone = imported.mod["backbone"]
+    params = backbone.params[1:1 + len(imported.params)]
+    mod = relax.transform.Gradient("backbone", require_grads=list(params))(imported.mod)
+    return mod, imported.params, imported.states, loss
