@@ -164,3 +164,27 @@ def test_batch_norm_without_running_statistics_has_no_state():
     got = vm["backbone"](tvm.runtime.tensor(x.numpy()), *map(tvm.runtime.tensor, imported.params)).numpy()
     with torch.no_grad():
         assert rel_err(got, net(x).numpy()) <= 1e-5
+
+
+def test_loss_step_gradient_returns_the_gradients_and_the_new_statistics():
+    """models.training.loss_step_gradient (bench/train.py's step): the adjoint gives autograd's
+    gradients of sum(model(x) * r) and the running statistics PyTorch's forward leaves."""
+    from tvm_ext.models.training import loss_step_gradient
+
+    net = _net()
+    x = np.random.default_rng(4).standard_normal((BATCH, 3, 8, 8)).astype(np.float32)
+    mod, params, states, loss = loss_step_gradient(net, x)
+    vm = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())
+    (value, *new_states), grads = vm["backbone_adjoint"](*map(tvm.runtime.tensor, [x, *params, *states]))
+    want = loss(torch.from_numpy(x))  # (updates net's buffers as a training step does)
+    want.backward()
+    assert float(value.numpy()) == pytest.approx(want.item(), rel=1e-5)
+    trained = [p for p in loss.parameters() if p.requires_grad]
+    assert len(grads) == len(trained)
+    for got, param in zip(grads, trained, strict=True):
+        assert rel_err(got.numpy(), param.grad.numpy()) <= 1e-4
+    buffers = dict(net.named_buffers())
+    names = [f"{bn}.{s}" for bn in ("bn1", "bn2") for s in ("running_mean", "running_var", "num_batches_tracked")]
+    assert len(new_states) == len(names)  # (frozen_bn, in eval mode, has none)
+    for name, got in zip(names, new_states, strict=True):
+        assert rel_err(got.numpy(), buffers[name].numpy()) <= 1e-5, name

@@ -62,9 +62,10 @@ def loss_module(model, x: np.ndarray, seed: int = 2):
     import torch
 
     with torch.no_grad():
-        training = model.training
+        modes = [(module, module.training) for module in model.modules()]  # (a part may be in eval mode)
         classes = model.eval()(torch.from_numpy(x[:1])).shape[1]  # (batch statistics of one image may not exist)
-        model.train(training)
+        for module, training in modes:
+            module.train(training)
     weights = torch.from_numpy(np.random.default_rng(seed).standard_normal((x.shape[0], classes),
                                                                             dtype=np.float32))
 
