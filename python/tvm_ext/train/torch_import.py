@@ -94,6 +94,9 @@ def from_torch(model: torch.nn.Module, example_inputs: tuple) -> TorchBackbone:
     from tvm.relax.frontend.torch import from_exported_program
 
     imported = from_exported_program(program, keep_params_as_input=True, unwrap_unit_return_tuple=True)
+    # the importer's tuples around each batch norm, (y, mean, zeros, ...)[0], read back at once: left
+    # in, Gradient would write zero adjoints for their fields (activation-sized zeros and adds)
+    imported = relax.transform.DeadCodeElimination()(relax.transform.CanonicalizeBindings()(imported))
     main = imported["main"]
     by_target = {str(spec.target): spec.arg.name for spec in program.graph_signature.input_specs
                  if spec.kind == torch.export.graph_signature.InputKind.PARAMETER}
