@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(PY) -m tvm_ext demo --model resnet50 --batch 1
 
 # The suite (what CI runs, .ci/run), the NEON kernels' emulated runs included when the AArch64
-# sysroot can be prepared (else those tests skip and say why). The 30 tests marked `long`
+# sysroot can be prepared (else those tests skip and say why). The 32 tests marked `long`
 # (tuning's crash recovery over RPC and three more tuning runs, the autotuning tutorial, the bench
 # scripts' smoke runs, the zoo's four biggest builds, VGG-16 and OverFeat against float64, the
 # wheel's install, the eager cache's 500 shapes: 10 s to three minutes each) run in

@@ -391,3 +391,15 @@ def test_bench_train_times_whole_steps(batch_norm):
     assert rows["tvm_ext"][2] == "1.00x" and float(rows["torch"][3]) > 100  # peak MiB of a process of its own
     in_process, library = (float(mib) for mib in rows["tvm_ext"][3].split(" / "))  # built there / loaded
     assert in_process > 100 and library > 100
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_bench_profile_step_sums_the_kernels():
+    out = _run("bench/profile_step.py", "--model", "resnet18", "--size", "32", "--batch", "2", "--threads", "1",
+               "--repeat", "1", "--top", "5")
+    rows = [line.split(" | ") for line in out.splitlines() if " | " in line]
+    split = rows.index(["kernel", "ms", "calls", "kind"])
+    kinds = {row[0]: float(row[1]) for row in rows[1:split]}
+    assert {"convolution", "weight gradient", "batch norm forward", "batch norm backward"} <= set(kinds), out
+    assert len(rows) - split - 1 == 5 and all(row[3] in kinds for row in rows[split + 1:]), out
