@@ -116,7 +116,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                                 help="every convolution direct (no Winograd for 3x3 and 5x5 layers)")
         elif name == "precision":
             parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                                help="bf16: convolutions in bfloat16 on AMX tiles where the CPU has them")
+                                help="bf16: convolutions in bfloat16 on AMX tiles, or AVX512-BF16 where it beats fp32")
 
     demo = sub.add_parser("demo", help="build with tvm_ext and stock TVM, compare outputs and latency")
     report = sub.add_parser("report", help="the dispatch report (one row per op)")

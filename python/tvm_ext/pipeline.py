@@ -113,11 +113,13 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
     estimate beats the direct tile's. False keeps every convolution direct.
 
     `precision` "bf16" (CPUs): convolutions with constant weights run in bfloat16 on AMX tiles
-    (Sapphire Rapids and later; :mod:`tvm_ext.intrin.cpu_amx`): their input rounded to bf16 as it
-    is packed for them, their weights at build time, fp32 accumulation and output (so the
-    activations between kernels stay fp32; an odd channel count, an RGB stem's, gets a zero
-    channel); those that cannot (no AMX or the OS refusing its tiles, depthwise or grouped,
-    run-time weights) stay fp32, and `dispatch_report` says which and why.
+    (Sapphire Rapids and later; :mod:`tvm_ext.intrin.cpu_amx`), or on AVX512-BF16's `vdpbf16ps`
+    where it does twice the FMA's work (Zen 4 and later; there Winograd's 3x3 layers stay fp32,
+    fewer multiplies still): their input rounded to bf16 as it is packed for them, their weights
+    at build time, fp32 accumulation and output (so the activations between kernels stay fp32;
+    an odd channel count, an RGB stem's, gets a zero channel); those that cannot (no engine or
+    the OS refusing AMX tiles, depthwise or grouped, run-time weights) stay fp32, and
+    `dispatch_report` says which and why.
 
     `maxdnn` (CPUs): "auto" runs a convolution on the maxDNN tile (the images in the vector lanes,
     :mod:`tvm_ext.kernels.conv2d_maxdnn`) where its cost model expects it faster than the blocked

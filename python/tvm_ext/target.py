@@ -156,6 +156,17 @@ def has_avx512_bf16(target: TargetLike) -> bool:
     return _has_features(target, ["avx512bf16", "avx512f"])
 
 
+def bf16_dot_doubles_fma(target: TargetLike) -> bool:
+    """Whether the target's CPU runs AVX512-BF16's `vdpbf16ps` at twice the fp32 FMA's FLOP rate,
+    so that a bfloat16 convolution on it beats fp32 without AMX: AMD's Zen 4 and later do (one
+    zmm `vdpbf16ps` a cycle, 64 FLOP: 2.00x our fp32 on ResNet-50's layers, bench/layers.py
+    --dtype bf16); Intel's do not (0.55x on Emerald Rapids, which has AMX for bf16)."""
+    if not has_avx512_bf16(target):
+        return False
+    mcpu = str(resolve_target(target).attrs.get("mcpu", ""))
+    return mcpu.startswith("znver") and mcpu[5:].isdigit() and int(mcpu[5:]) >= 4
+
+
 def has_amx_bf16(target: TargetLike) -> bool:
     """Whether the (resolved) LLVM target has AMX with bf16 (`tdpbf16ps`; Sapphire Rapids and
     later), which the BRGEMM's "amx" engine issues."""

@@ -1,5 +1,6 @@
-"""`tvm_ext.build(mod, target, precision="bf16")`: convolutions in bfloat16 on AMX tiles where they
-can (fp32 accumulation and output), fp32 elsewhere with the reason in `dispatch_report`."""
+"""`tvm_ext.build(mod, target, precision="bf16")`: convolutions in bfloat16 on AMX tiles, or on
+AVX512-BF16 vectors where those beat fp32 (Zen 4), where they can (fp32 accumulation and output),
+fp32 elsewhere with the reason in `dispatch_report`."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from tvm import relax
 import tvm_ext
 from tvm_ext.errors import UnsupportedError
 from tvm_ext.models.torch_reference import to_torch
-from tvm_ext.target import amx_permitted, has_amx_bf16
+from tvm_ext.strategy.decide import BF16_ENGINES, bf16_engine
 
-BF16 = "bf16 on AMX tiles, fp32 accumulation and output"
-AMX = has_amx_bf16("llvm") and amx_permitted()
-needs_amx = pytest.mark.skipif(not AMX, reason="this CPU has no AMX-BF16, or the OS does not grant its tiles")
+ENGINE = bf16_engine(tvm_ext.resolve_target("llvm"))  # this machine's: "amx", "fma" or None
+BF16 = f"{BF16_ENGINES[ENGINE]}, fp32 accumulation and output" if ENGINE else "-"
+WINOGRAD = "fp32 (Winograd's fewer multiplies beat bf16 on vdpbf16ps); Winograd F(4x4, 3x3)"
+needs_bf16 = pytest.mark.skipif(ENGINE is None, reason="this CPU has no bf16 engine that beats fp32 (AMX-BF16, "
+                                                       "or Zen 4's AVX512-BF16), or the OS does not grant AMX tiles")
 
 
 def _net(seed: int = 0) -> tvm.IRModule:
@@ -46,19 +49,29 @@ def _net(seed: int = 0) -> tvm.IRModule:
 
 def test_report_says_which_convolutions_run_in_bf16_and_why_not():
     mod = _net()
-    reasons = [row.reason for row in tvm_ext.dispatch_report(mod, "llvm", precision="bf16") if row.op == "nn.conv2d"]
-    if AMX:  # the RGB stem with a zero fourth channel
+    def reasons_on(target) -> list[str]:
+        return [row.reason for row in tvm_ext.dispatch_report(mod, target, precision="bf16") if row.op == "nn.conv2d"]
+
+    reasons = reasons_on("llvm")
+    if ENGINE == "amx":  # the RGB stem with a zero fourth channel
         assert reasons[:4] == [BF16] * 4 and reasons[5] == BF16
         assert reasons[4].startswith("fp32 (4 groups")
-    # a CPU without AMX (Zen 4 has AVX512-BF16 only): every convolution fp32, with the reason
-    zen4 = [row.reason for row in tvm_ext.dispatch_report(mod, {"kind": "llvm", "mcpu": "znver4"}, precision="bf16")
-            if row.op == "nn.conv2d"]
-    assert all(reason.startswith("fp32 (the CPU has no AMX-BF16)") for reason in zen4[1:]), zen4
+    # Zen 4: AVX512-BF16 at twice the FMA's rate, no AMX: the stem, the 1x1 and the 3x3 of 40 filters
+    # in bf16 on vdpbf16ps, the two Winograd 3x3 layers fp32 (fewer multiplies), the grouped one fp32
+    fma = f"{BF16_ENGINES['fma']}, fp32 accumulation and output"
+    zen4 = reasons_on({"kind": "llvm", "mcpu": "znver4"})
+    assert zen4[:4] == [fma, WINOGRAD, WINOGRAD, fma] and zen4[5] == fma, zen4
+    assert zen4[4].startswith("fp32 (4 groups"), zen4
+    # Cooper Lake: AVX512-BF16 no faster than fp32; Skylake: no bf16 at all
+    cooper = reasons_on({"kind": "llvm", "mcpu": "cooperlake"})
+    assert all(r.startswith("fp32 (the CPU has no AMX-BF16, and its AVX512-BF16 is no faster") for r in cooper), cooper
+    skylake = reasons_on({"kind": "llvm", "mcpu": "skylake-avx512"})
+    assert all(r.startswith("fp32 (the CPU has neither AMX-BF16 nor AVX512-BF16)") for r in skylake), skylake
     # the default precision names none of it
     assert not any("bf16" in row.reason or "fp32 (" in row.reason for row in tvm_ext.dispatch_report(mod, "llvm"))
 
 
-@needs_amx
+@needs_bf16
 def test_bf16_network_matches_float64_within_bf16_rounding():
     mod = _net()
     vm = relax.VirtualMachine(tvm_ext.build(mod, "llvm", precision="bf16"), tvm.cpu())
@@ -94,10 +107,10 @@ def test_a_symbolic_batch_runs_in_bf16():
         bb.emit_func_output(out)
     mod = bb.get()
     reasons = [row.reason for row in tvm_ext.dispatch_report(mod, "llvm", precision="bf16") if row.op == "nn.conv2d"]
-    assert reasons == ([BF16] if AMX else reasons) and (AMX or reasons[0].startswith("fp32 ("))
+    assert reasons == ([BF16] if ENGINE else reasons) and (ENGINE or reasons[0].startswith("fp32 ("))
     vm = relax.VirtualMachine(tvm_ext.build(mod, "llvm", precision="bf16"), tvm.cpu())
     for batch in (1, 3):
         xv = rng.standard_normal((batch, 16, 10, 10)).astype(np.float32)
         got = vm["main"](tvm.runtime.tensor(xv)).numpy()
         error = rel_err(got, to_torch(mod, torch.float64)(torch.from_numpy(xv).double()).numpy())
-        assert (1e-5 < error < 2e-2) if AMX else error < 1e-5
+        assert (1e-5 < error < 2e-2) if ENGINE else error < 1e-5

@@ -66,3 +66,15 @@ def test_usable_cores_is_the_affinity_mask(monkeypatch):
     assert usable_cores() == len(os.sched_getaffinity(0))
     monkeypatch.delattr(os, "sched_getaffinity")  # an OS that cannot say: every core
     assert usable_cores() == (os.cpu_count() or 1)
+
+
+@pytest.mark.parametrize("mcpu,fast", [("znver4", True), ("znver5", True), ("znver3", False), ("cooperlake", False),
+                                       ("sapphirerapids", False), ("skylake-avx512", False)])
+def test_bf16_dot_doubles_fma_on_zen4_and_later(mcpu, fast):
+    """AVX512-BF16 beats fp32 where vdpbf16ps does twice the FMA's FLOPs (Zen 4+); Cooper Lake
+    and Sapphire Rapids have the instruction without that rate, Zen 3 and Skylake not at all."""
+    from tvm_ext.target import bf16_dot_doubles_fma, has_avx512_bf16
+
+    target = {"kind": "llvm", "mcpu": mcpu}
+    assert bf16_dot_doubles_fma(target) == fast
+    assert has_avx512_bf16(target) == (mcpu not in ("znver3", "skylake-avx512"))

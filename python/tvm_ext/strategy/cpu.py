@@ -320,7 +320,7 @@ class CpuEmitter:
     def _bf16_conv2d(self, plan: _conv.Conv2dPlan, data: relax.Expr, weight: np.ndarray,
                      bias: np.ndarray | relax.Expr | None, residual: relax.Expr | None,
                      activation: Activation | None, suffix: str, padded_out: bool) -> relax.Expr:
-        """A bfloat16 convolution (AMX; `precision="bf16"`): the data packed in blocks as for fp32,
+        """A bfloat16 convolution (AMX or vdpbf16ps; `precision="bf16"`): the data packed in blocks as for fp32,
         then rounded to bf16 (one pass), the weights rounded and packed here; the kernel
         accumulates and writes fp32 with the same epilogue, so its readers are unchanged."""
         wl = plan.wl

@@ -14,7 +14,7 @@ from ..kernels import pool2d as _pool
 from ..kernels import winograd as _winograd
 from ..kernels.common import ACTIVATIONS
 from ..relax_info import dtype, image_shape, known_shape, shape_text, static_shape, symbolic_batch
-from ..target import amx_permitted, has_amx_bf16, vector_isa
+from ..target import amx_permitted, bf16_dot_doubles_fma, has_amx_bf16, has_avx512_bf16, vector_isa
 from .base import ACTIVATION_OPS, DATA_MOVEMENT_OPS, POOLS, Decision, channel_scale_operands, is_relu6, pool_workload
 from .cpu_engine import maxdnn_decision
 from .cuda_engine import FUSED_ACTIVATIONS, conv2d_decision
@@ -32,8 +32,9 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
     convolution engine, see :func:`tvm_ext.strategy.cuda_engine.engine_for`; `winograd`: whether a
     convolution with constant weights may run as Winograd, :mod:`tvm_ext.kernels.winograd` and
     :mod:`tvm_ext.kernels.cuda.winograd`; `precision` "bf16": a CPU convolution may run in
-    bfloat16 on AMX, :func:`bf16_conv2d_reason`; `maxdnn`: whether a CPU convolution may run on
-    the maxDNN tile, :func:`tvm_ext.strategy.cpu_engine.maxdnn_decision`)."""
+    bfloat16 (AMX, or AVX512-BF16 where it beats fp32), :func:`bf16_conv2d_reason`; `maxdnn`:
+    whether a CPU convolution may run on the maxDNN tile,
+    :func:`tvm_ext.strategy.cpu_engine.maxdnn_decision`)."""
     op = call.op.name if isinstance(call.op, tvm.ir.Op) else str(call.op)
     tensors = [arg for arg in call.args if isinstance(arg.ty, relax.TensorType)]
     shapes = tuple(shape_text(arg) for arg in tensors)
@@ -83,10 +84,14 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
     bf16 = None
     if precision == "bf16":
         bf16 = bf16_conv2d_reason(wl, call.args[1], target)
-        if bf16 is None:  # an odd channel count (an RGB stem) gets a zero channel: pairs
+        bf16_on = bf16_engine(target)
+        if bf16 is None and bf16_on == "fma" and winograd and not _winograd.eligible(wl):
+            # (ResNet-50 on Zen 4, batch 1 and 8: 8% and 5% faster with its 3x3 layers so)
+            bf16 = "Winograd's fewer multiplies beat bf16 on vdpbf16ps"
+        if bf16 is None and bf16_on is not None:  # an odd channel count (an RGB stem) gets a zero channel: pairs
             paired = dataclasses.replace(wl, C=wl.C + wl.C % 2, dtype="bfloat16")
-            plan = _conv.plan_conv2d(paired, vector_isa(target), engine="amx")
-            return Decision(op, shapes, f"{plan.kind}_conv2d", "bf16 on AMX tiles, fp32 accumulation and output",
+            plan = _conv.plan_conv2d(paired, vector_isa(target), engine=bf16_on)
+            return Decision(op, shapes, f"{plan.kind}_conv2d", f"{BF16_ENGINES[bf16_on]}, fp32 accumulation and output",
                             plan)
         bf16 = f"fp32 ({bf16})"
     plan = _conv.plan_conv2d(wl, vector_isa(target))
@@ -102,15 +107,30 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
     return Decision(op, shapes, f"{plan.kind}_conv2d", reason, plan)
 
 
+# the bfloat16 convolution's engines, as dispatch_report names them
+BF16_ENGINES = {"amx": "bf16 on AMX tiles", "fma": "bf16 on AVX512-BF16 vdpbf16ps"}
+
+
+def bf16_engine(target: tvm.target.Target) -> str | None:
+    """The engine a bfloat16 convolution runs on for `target`: AMX tiles where the CPU has them
+    and the OS grants them, else `vdpbf16ps` vectors where they beat fp32
+    (:func:`~tvm_ext.target.bf16_dot_doubles_fma`: Zen 4 and later), else None."""
+    if has_amx_bf16(target) and amx_permitted():
+        return "amx"
+    return "fma" if bf16_dot_doubles_fma(target) else None
+
+
 def bf16_conv2d_reason(wl: _conv.Conv2dWorkload, weight: relax.Expr, target: tvm.target.Target) -> str | None:
     """Why the float32 convolution `wl` does not run in bfloat16 on `target` (`precision="bf16"`),
-    or None: the AMX kernel (:mod:`tvm_ext.intrin.cpu_amx`) needs AMX-BF16, a dense convolution
-    (an odd channel count gets a zero channel) and constant weights (rounded and packed at build
-    time)."""
-    if not has_amx_bf16(target):
-        return "the CPU has no AMX-BF16"
-    if not amx_permitted():
-        return "the OS does not let this process use AMX tiles (arch_prctl refused)"
+    or None: the kernel needs an engine (:func:`bf16_engine`: AMX-BF16, or AVX512-BF16 on a CPU
+    where it beats fp32), a dense convolution (an odd channel count gets a zero channel) and
+    constant weights (rounded and packed at build time)."""
+    if bf16_engine(target) is None:
+        if has_amx_bf16(target):
+            return "the OS does not let this process use AMX tiles (arch_prctl refused)"
+        if has_avx512_bf16(target):
+            return "the CPU has no AMX-BF16, and its AVX512-BF16 is no faster than fp32"
+        return "the CPU has neither AMX-BF16 nor AVX512-BF16"
     if not isinstance(weight, tvm.ir.Constant):
         return "run-time weights"
     if wl.groups == 1 and wl.C % 2:  # (a zero channel pairs the last one)
