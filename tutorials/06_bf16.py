@@ -1,8 +1,9 @@
-"""Tutorial 6: run a network's convolutions in bfloat16 on AMX.
+"""Tutorial 6: run a network's convolutions in bfloat16 (AMX tiles; AVX512-BF16 on Zen 4).
 
 1. import torchvision's ResNet-18 (random weights) into Relax;
 2. ask `tvm_ext.dispatch_report(..., precision="bf16")` which convolutions run in bf16 (on a CPU
-   with AMX-BF16, Sapphire Rapids and later: all of them; elsewhere each says why it stays fp32);
+   with AMX-BF16, Sapphire Rapids and later: all of them; on Zen 4 and later, on `vdpbf16ps`, all
+   but the 3x3 layers Winograd serves in fp32; elsewhere each says why it stays fp32);
 3. build it in fp32 and in bf16, compare the outputs (bf16 keeps 8 bits of mantissa of each
    convolution's inputs: expect about 1e-2 relative) and the top-5 classes, and time both against
    ONNX Runtime in fp32 (if installed).
@@ -22,6 +23,7 @@ from tvm.relax.frontend.torch import from_exported_program
 
 import tvm_ext
 from tvm_ext.models import torchvision_zoo
+from tvm_ext.strategy.decide import bf16_engine
 from tvm_ext.target import amx_permitted, has_amx_bf16
 
 
@@ -42,7 +44,8 @@ def main() -> None:
         program = torch.export.export(model, (torch.from_numpy(x),))
     mod = from_exported_program(program, keep_params_as_input=False)
 
-    print(f"AMX-BF16 on this CPU: {has_amx_bf16('llvm')}, tiles granted by the OS: {amx_permitted()}")
+    print(f"AMX-BF16 on this CPU: {has_amx_bf16('llvm')}, tiles granted by the OS: {amx_permitted()}; "
+          f"bf16 engine: {bf16_engine(tvm_ext.resolve_target('llvm'))}")
     report = tvm_ext.dispatch_report(mod, "llvm", precision="bf16")
     convolutions = [row for row in report if row.op == "nn.conv2d"]
     in_bf16 = sum(row.reason.startswith("bf16") for row in convolutions)
