@@ -192,3 +192,36 @@ def test_loss_step_gradient_returns_the_gradients_and_the_new_statistics():
     assert len(new_states) == len(names)  # (frozen_bn, in eval mode, has none)
     for name, got in zip(names, new_states, strict=True):
         assert rel_err(got.numpy(), buffers[name].numpy()) <= 1e-5, name
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8)
+        self.head1, self.head2 = torch.nn.Linear(8, 10), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x))).mean((2, 3))
+        return self.head1(h), self.head2(h)
+
+
+def test_a_model_of_several_outputs_returns_them_flat_before_the_states():
+    """(SetupTrainer's loss takes the outputs as its first arguments; before, a model's tuple was
+    one nested field and output_type its tuple type)"""
+    torch.manual_seed(6)
+    net = _TwoHeads().train()
+    x = torch.randn(2, 3, 6, 6)
+    imported = from_torch(net, (x,))
+    assert [tuple(int(d) for d in t.shape) for t in imported.output_types] == [(2, 10), (2, 4)]
+    with pytest.raises(ValueError, match="2 outputs; see output_types"):
+        _ = imported.output_type
+    vm = relax.VirtualMachine(tvm_ext.build(imported.mod, TARGET), tvm.cpu())
+    out = vm["backbone"](*map(tvm.runtime.tensor, [x.numpy(), *imported.params, *imported.states]))
+    with torch.no_grad():
+        want = net(x)
+    got = [out[i].numpy() for i in range(len(out))]
+    assert len(got) == 2 + 3
+    for ours, theirs in zip(got[:2], want, strict=True):
+        assert rel_err(ours, theirs.numpy()) <= 1e-5
+    for ours, name in zip(got[2:], imported.state_names, strict=True):
+        assert rel_err(ours, net.state_dict()[name].numpy()) <= 1e-5, name

@@ -47,10 +47,20 @@ class TorchBackbone:
     state_names: list[str]
 
     @property
-    def output_type(self) -> relax.TensorType:
-        """The type of the model's output: the prediction argument of a loss for `SetupTrainer`."""
+    def output_types(self) -> list[relax.TensorType]:
+        """The types of the model's outputs (a tuple's flattened): the prediction arguments of a
+        loss for `SetupTrainer`."""
         ret = self.mod["backbone"].ret_ty
-        return ret.fields[0] if self.states else ret
+        fields = list(ret.fields) if isinstance(ret, relax.TupleType) else [ret]
+        return fields[:len(fields) - len(self.states)]
+
+    @property
+    def output_type(self) -> relax.TensorType:
+        """The type of the model's one output (:attr:`output_types` for several)."""
+        types = self.output_types
+        if len(types) != 1:
+            raise ValueError(f"output_type: the model has {len(types)} outputs; see output_types")
+        return types[0]
 
     def write_to(self, model: torch.nn.Module, params: Sequence[Any], states: Sequence[Any]) -> None:
         """Copy trained `params` and `states` (NumPy arrays or TVM tensors in the backbone's order,
@@ -202,13 +212,17 @@ def _backbone(main: relax.Function, num_inputs: int, params: list[relax.Var], st
         with bb.dataflow():
             for binding in body.blocks[0].bindings:
                 bb.emit_normalized(binding)
+            result = body.body
+            count = len(result.ty.fields) if isinstance(result.ty, relax.TupleType) else 0
+            outputs = [bb.emit_output(relax.TupleGetItem(result, i)) for i in range(count)] if count else [result]
             updated: list[relax.Expr] = []
             for prefix, (norm, call) in calls.items():
                 updated += [bb.emit_output(relax.TupleGetItem(norm, 1)),
                             bb.emit_output(_unbiased_running_variance(norm, call)),
                             bb.emit_output(relax.op.add(counts[prefix], relax.const(1, "int64")))]
         # SetupTrainer reads the states off the returned tuple itself (not a variable bound to it)
-        bb.emit_func_output(relax.Tuple([body.body, *updated]) if updated else body.body)
+        # (a model's tuple of outputs flattened: SetupTrainer's loss takes them as its first arguments)
+        bb.emit_func_output(relax.Tuple([*outputs, *updated]) if updated else body.body)
     return bb.get()["backbone"], state_names
 
 
