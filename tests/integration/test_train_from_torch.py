@@ -131,11 +131,22 @@ class _TwiceNormed(torch.nn.Module):
         return self.bn(self.bn(x))
 
 
+class _StochasticDepth(torch.nn.Module):
+    """torchvision's StochasticDepth (EfficientNet): the importer turned its bernoulli into the
+    uninitialized tensor it fills, and the loss came out 0."""
+
+    def forward(self, x):
+        noise = torch.empty([x.shape[0], 1, 1, 1], dtype=x.dtype).bernoulli_(0.8)
+        return x * noise.div_(0.8)
+
+
 @pytest.mark.parametrize("model,message", [
     (torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4, momentum=None)), "momentum=None"),
     (_Counting(), "updates 'calls'"),
     (_TwiceNormed(), "runs twice"),
-], ids=["cumulative-average", "other-buffer", "batch-norm-twice"])
+    (torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.Dropout(0.2)), "random numbers.*dropout"),
+    (torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), _StochasticDepth()), "random numbers.*bernoulli"),
+], ids=["cumulative-average", "other-buffer", "batch-norm-twice", "dropout", "stochastic-depth"])
 def test_refused_models_say_why(model, message):
     """What the import cannot carry is refused with the reason, not trained wrongly."""
     with pytest.raises(UnsupportedError, match=message):
@@ -225,3 +236,16 @@ def test_a_model_of_several_outputs_returns_them_flat_before_the_states():
         assert rel_err(ours, theirs.numpy()) <= 1e-5
     for ours, name in zip(got[2:], imported.state_names, strict=True):
         assert rel_err(ours, net.state_dict()[name].numpy()) <= 1e-5, name
+
+
+def test_dropout_in_eval_mode_or_of_zero_trains():
+    """The way out the refusal names: dropout modules in eval mode (and p = 0) import as the
+    identity they then are."""
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.Dropout(0.2), torch.nn.Dropout(0.0)).train()
+    net[1].eval()
+    x = torch.randn(2, 3, 4, 4)
+    imported = from_torch(net, (x,))
+    vm = relax.VirtualMachine(tvm_ext.build(imported.mod, TARGET), tvm.cpu())
+    got = vm["backbone"](tvm.runtime.tensor(x.numpy()), *map(tvm.runtime.tensor, imported.params)).numpy()
+    with torch.no_grad():
+        assert rel_err(got, net(x).numpy()) <= 1e-6

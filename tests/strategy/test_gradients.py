@@ -502,3 +502,31 @@ def test_avg_pool_gradient_matches_autograd(kernel, stride, padding, ceil_mode, 
     assert rel_err(dx, expected) <= 1e-5
     pooling = [name for name in built_kernels(mod, TARGET) if name.startswith("tvm_ext_avg_pool2d_backward")]
     assert len(pooling) == 1 and pooling[0].endswith("_exclude_pad") != count_include_pad, pooling
+
+
+def test_dense_connections_with_a_one_tensor_concat_differentiate():
+    """DenseNet's pattern: torch.cat([x]) (one tensor) then concatenations that reuse earlier
+    features. TVM's concat gradient splits dY at no index and Gradient failed ("Expected nested to
+    match tuple"); tvm_ext's gives the one-tensor case its tuple. Gradients against float64 autograd."""
+    rng = np.random.default_rng(11)
+    xv = rng.standard_normal((2, 4, 6, 6)).astype(np.float32)
+    w1, w2 = (rng.standard_normal(shape).astype(np.float32) * 0.3 for shape in ((4, 4, 3, 3), (4, 8, 3, 3)))
+    r = rng.standard_normal((2, 12, 6, 6)).astype(np.float32)
+    op, bb = relax.op, relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, 4, 6, 6), "float32"))
+    wa, wb = (relax.Var(name, relax.TensorType(w.shape, "float32")) for name, w in (("wa", w1), ("wb", w2)))
+    with bb.function("main", [x, wa, wb]):
+        with bb.dataflow():
+            y1 = bb.emit(op.nn.relu(op.nn.conv2d(bb.emit(op.concat([x], axis=1)), wa, padding=1)))
+            y2 = bb.emit(op.nn.conv2d(bb.emit(op.concat([x, y1], axis=1)), wb, padding=1))
+            loss = bb.emit_output(op.sum(op.multiply(op.concat([x, y1, y2], axis=1), relax.const(r))))
+        bb.emit_func_output(loss)
+    mod = relax.transform.Gradient("main")(bb.get())
+    vm = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())
+    _, grads = vm["main_adjoint"](*map(tvm.runtime.tensor, (xv, w1, w2)))
+    xt, at, bt = (torch.from_numpy(v).double().requires_grad_() for v in (xv, w1, w2))
+    t1 = torch.relu(torch.nn.functional.conv2d(torch.cat([xt], 1), at, padding=1))
+    t2 = torch.nn.functional.conv2d(torch.cat([xt, t1], 1), bt, padding=1)
+    (torch.cat([xt, t1, t2], 1) * torch.from_numpy(r).double()).sum().backward()
+    for got, want in zip(grads, (xt, at, bt), strict=True):
+        assert rel_err(got.numpy(), want.grad.numpy()) <= 1e-5

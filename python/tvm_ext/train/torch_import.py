@@ -89,8 +89,9 @@ def from_torch(model: torch.nn.Module, example_inputs: tuple) -> TorchBackbone:
 
     Its trainable parameters (`requires_grad`) are the backbone's parameters; frozen ones are
     constants. Batch norms in train mode must track running statistics with a momentum (not
-    PyTorch's cumulative average, `momentum=None`) and be called once per forward. The model
-    itself is not changed."""
+    PyTorch's cumulative average, `momentum=None`) and be called once per forward; dropout and
+    stochastic depth must be in eval mode (no random numbers: the importer would drop them). The
+    model itself is not changed."""
     import torch
 
     if not isinstance(model, torch.nn.Module):
@@ -100,6 +101,7 @@ def from_torch(model: torch.nn.Module, example_inputs: tuple) -> TorchBackbone:
     norms = _training_norms(model)
     program = torch.export.export(_statistics_as_parameters(model, norms), example_inputs).run_decompositions()
     _check_mutations(program, norms)
+    _check_randomness(program)
 
     from tvm.relax.frontend.torch import from_exported_program
 
@@ -161,6 +163,27 @@ def _statistics_as_parameters(model: torch.nn.Module, norms: dict[str, Any]) -> 
             assert tensor is not None  # (tracked statistics: _training_norms)
             setattr(module, statistic, torch.nn.Parameter(tensor, requires_grad=False))
     return copied
+
+
+# ops that draw random numbers: TVM's importer makes dropout the identity and bernoulli its input
+_RANDOM_OPS = ("dropout", "bernoulli", "rand", "normal", "uniform", "exponential", "multinomial", "poisson")
+
+
+def _check_randomness(program) -> None:
+    """Refuse a forward that draws random numbers (a Dropout or stochastic depth in train mode):
+    the importer would train without them, silently (EfficientNet's stochastic depth multiplies by
+    an uninitialized tensor there)."""
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = str(node.target)
+        if not any(part in name for part in _RANDOM_OPS):
+            continue
+        if "dropout" in name and len(node.args) > 1 and node.args[1] == 0:
+            continue  # (p = 0: the identity, which is what the importer gives)
+        raise UnsupportedError(f"from_torch: the model draws random numbers in training mode ({name}: a Dropout, "
+                               "or stochastic depth's bernoulli), which TVM's importer drops; put those modules "
+                               "in eval mode to train without them")
 
 
 def _check_mutations(program, norms: dict[str, Any]) -> None:

@@ -29,6 +29,10 @@ The running statistics get no gradient.
 adaptive_avg_pool2d (none in TVM; ResNet's and most classifiers' global pooling): where its
 windows tile the image (H and W multiples of the output's), the gradient of the average pooling
 with those windows; otherwise a clear error.
+
+concat of one tensor (DenseNet's first layer of each block, `torch.cat([x])`): its gradient as a
+tuple of that one gradient. TVM's splits dY at no index, and `Gradient` then fails ("Expected
+nested to match tuple"); concatenations of several keep TVM's.
 """
 
 from __future__ import annotations
@@ -48,8 +52,8 @@ from ..kernels.conv2d_backward_data import data_gradient_phases
 from ..relax_info import dtype, image_shape, prim_value, static_shape
 
 __all__ = ["BatchNormGradient", "PhaseInterleave", "activation_gradient", "adaptive_avg_pool2d_gradient",
-           "batch_norm_gradient", "conv2d_gradient", "read_batch_norm_gradient", "read_phase_interleave",
-           "read_phase_weight", "weight_gradient_as_conv2d", "weight_gradient_input"]
+           "batch_norm_gradient", "concat_gradient", "conv2d_gradient", "read_batch_norm_gradient",
+           "read_phase_interleave", "read_phase_weight", "weight_gradient_as_conv2d", "weight_gradient_input"]
 
 LEVEL = 11  # above TVM's registration (10)
 
@@ -295,6 +299,15 @@ def adaptive_avg_pool2d_gradient(orig_var: relax.Var, orig_call: relax.Call, out
     return [relax.op.grad.avg_pool2d_backward(output_grad, x, window, window)]
 
 
+def concat_gradient(orig_var: relax.Var, orig_call: relax.Call, output_grad: relax.Var,
+                    ctx: relax.BlockBuilder) -> list[relax.Expr]:
+    """[(dX,)] of a concatenation of one tensor; TVM's gradient for more (module docstring)."""
+    fields = orig_call.args[0].ty.fields
+    if len(fields) == 1:
+        return [relax.Tuple([output_grad])]
+    return _op_gradient.concat_grad(orig_var, orig_call, output_grad, ctx)
+
+
 def _reduced_axes(orig_call: relax.Call) -> tuple[list[int], list[int], int]:
     """(the axes a batch norm reduces, the shape broadcasting one value per channel, the count of
     values per channel) of a batch norm of static rank and shape."""
@@ -437,5 +450,6 @@ def read_batch_norm_gradient(dx: relax.Expr, value_of: Callable[[relax.Expr], re
 register_gradient("relax.nn.batch_norm", batch_norm_gradient, level=LEVEL)
 register_gradient("relax.nn.conv2d", conv2d_gradient, level=LEVEL)
 register_gradient("relax.nn.adaptive_avg_pool2d", adaptive_avg_pool2d_gradient, level=LEVEL)
+register_gradient("relax.concat", concat_gradient, level=LEVEL)
 for _name in ("relax.nn.relu", "relax.nn.leakyrelu", "relax.clip", "relax.nn.gelu"):
     register_gradient(_name, activation_gradient, level=LEVEL)
