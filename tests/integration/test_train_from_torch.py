@@ -181,6 +181,26 @@ def test_batch_norm_without_running_statistics_has_no_state():
         assert rel_err(got, net(x).numpy()) <= 1e-5
 
 
+def test_float64_batch_norm_updates_its_statistics_in_float64():
+    """The running variance's update is written in the model's dtype (it was float32 constants:
+    a float64 model's import failed on the dtype mismatch), and a batch norm that is the model
+    itself has its statistics carried (their names have no module prefix: it was refused as a
+    forward updating other buffers). TVM's importer writes convolutions in float32 whatever the
+    model's dtype, so the model is a batch norm alone."""
+    torch.manual_seed(4)
+    net = torch.nn.BatchNorm2d(5).double().train()
+    x = torch.randn(3, 5, 4, 4, dtype=torch.float64)
+    imported = from_torch(net, (x,))
+    vm = relax.VirtualMachine(tvm.compile(imported.mod, "llvm"), tvm.cpu())
+    got, *states = vm["backbone"](*map(tvm.runtime.tensor, [x.numpy(), *imported.params, *imported.states]))
+    with torch.no_grad():
+        want = net(x).numpy()
+    assert rel_err(got.numpy(), want) <= 1e-12
+    for name, state in zip(imported.state_names, states, strict=True):
+        assert state.numpy().dtype == net.state_dict()[name].numpy().dtype
+        assert rel_err(state.numpy(), net.state_dict()[name].numpy()) <= 1e-12
+
+
 def test_loss_step_gradient_returns_the_gradients_and_the_new_statistics():
     """models.training.loss_step_gradient (bench/train.py's step): the adjoint gives autograd's
     gradients of sum(model(x) * r) and the running statistics PyTorch's forward leaves."""

@@ -21,7 +21,7 @@ import tvm
 from tvm import relax
 
 from ..errors import UnsupportedError
-from ..relax_info import shape_text, static_shape
+from ..relax_info import dtype, shape_text, static_shape
 
 if TYPE_CHECKING:
     import torch
@@ -116,7 +116,7 @@ def from_torch(model: torch.nn.Module, example_inputs: tuple) -> TorchBackbone:
     variables = {var.name: var for var in main.params}
     num_inputs = int(main.attrs["num_input"])
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-    statistics = {f"{prefix}.{s}": prefix for prefix in norms for s in _STATISTICS}
+    statistics = {_qualified(prefix, s): prefix for prefix in norms for s in _STATISTICS}
     param_names = [t for t in by_target if t in trainable]
     frozen = {by_target[t]: tvm.runtime.tensor(values[t].detach().numpy())
               for t in by_target if t not in trainable and t not in statistics}
@@ -128,6 +128,11 @@ def from_torch(model: torch.nn.Module, example_inputs: tuple) -> TorchBackbone:
         .with_attr("state_num", len(state_names))
     return TorchBackbone(mod, [values[t].detach().numpy().copy() for t in param_names], states,
                          param_names, state_names)
+
+
+def _qualified(prefix: str, name: str) -> str:
+    """A module's tensor's name in the state dict ("" is the model itself: a bare BatchNorm2d)."""
+    return f"{prefix}.{name}" if prefix else name
 
 
 def _training_norms(model: torch.nn.Module) -> dict[str, Any]:
@@ -192,7 +197,7 @@ def _check_mutations(program, norms: dict[str, Any]) -> None:
     import torch
 
     kind = torch.export.graph_signature.OutputKind
-    carried = {f"{prefix}.{s}" for prefix in norms for s in (*_STATISTICS, "num_batches_tracked")}
+    carried = {_qualified(prefix, s) for prefix in norms for s in (*_STATISTICS, "num_batches_tracked")}
     for spec in program.graph_signature.output_specs:
         if spec.kind in (kind.BUFFER_MUTATION, kind.PARAMETER_MUTATION) and spec.target not in carried:
             raise UnsupportedError(f"from_torch: the model's forward updates {spec.target!r}, which the import "
@@ -229,7 +234,7 @@ def _backbone(main: relax.Function, num_inputs: int, params: list[relax.Var], st
         states += [call.args[3], call.args[4]]
         counts[prefix] = relax.Var(f"b_{prefix.replace('.', '_')}_num_batches_tracked", relax.TensorType((), "int64"))
         states.append(counts[prefix])
-        state_names += [f"{prefix}.{s}" for s in (*_STATISTICS, "num_batches_tracked")]
+        state_names += [_qualified(prefix, s) for s in (*_STATISTICS, "num_batches_tracked")]
     bb = relax.BlockBuilder()
     with bb.function("backbone", [*main.params[:num_inputs], *params, *states]):
         with bb.dataflow():
@@ -259,11 +264,12 @@ def _unbiased_running_variance(norm: relax.Var, call: relax.Call) -> relax.Expr:
     count = int(np.prod(shape)) // shape[int(call.attrs.axis)]
     if count < 2:
         raise UnsupportedError("from_torch: a training-mode batch norm needs more than one value per channel")
-    keep = relax.const(1 - float(call.attrs.momentum), "float32")
+    kind = dtype(call.args[4])  # (the running variance's: a float64 model's is float64)
+    keep = relax.const(1 - float(call.attrs.momentum), kind)
     biased = relax.TupleGetItem(norm, 2)
     # (biased - keep * old) is m * var: the unbiased update adds m * var / (n - 1)
     return relax.op.add(biased, relax.op.multiply(relax.op.subtract(biased, relax.op.multiply(keep, call.args[4])),
-                                                  relax.const(1 / (count - 1), "float32")))
+                                                  relax.const(1 / (count - 1), kind)))
 
 
 def _state_value(model: torch.nn.Module, name: str) -> np.ndarray:
