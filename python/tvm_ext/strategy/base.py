@@ -16,6 +16,7 @@ from ..kernels import pool2d as _pool
 from ..relax_info import prim_value, same_extent
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import TypeAlias
 
     from ..kernels.conv2d import Conv2dPlan
@@ -246,6 +247,16 @@ def running_statistics(batch_norm: relax.Call, mean: relax.Expr, var: relax.Expr
     keep, take = relax.const(1 - momentum, "float32"), relax.const(momentum, "float32")
     return [relax.op.add(relax.op.multiply(keep, old), relax.op.multiply(take, new))
             for old, new in ((batch_norm.args[3], mean), (batch_norm.args[4], var))]
+
+
+def statistics_only_batch_norm(call: relax.Call, known: dict, compute: Callable[[], tuple]) -> relax.Expr:
+    """A training-mode batch norm whose y nobody reads, only the new running statistics (the copy
+    :func:`~tvm_ext.transform.split_running_statistics` makes): those, from the batch statistics
+    `known` for the same data (a kernel that normalized it; keyed by the NCHW view too, since an
+    input's blocked copy is new each time), else from `compute()`. y's place holds x (unread)."""
+    data = call.args[0]
+    statistics = known.get(data)
+    return relax.Tuple([data, *running_statistics(call, *(statistics if statistics is not None else compute()))])
 
 
 class Emitter(Protocol):

@@ -46,6 +46,7 @@ from .base import (
     pool_tag,
     pool_workload,
     running_statistics,
+    statistics_only_batch_norm,
     tuple_field,
 )
 from .cpu_engine import tile_out_block
@@ -591,15 +592,11 @@ class CpuEmitter:
         return statistics
 
     def batch_norm_statistics(self, call: relax.Call) -> relax.Expr:
-        """A training-mode batch norm whose y nobody reads, only the new running statistics (the
-        copy :func:`~tvm_ext.transform.split_running_statistics` makes): those, from the batch
-        statistics of the kernel that normalized the same x. y's place holds x (unread)."""
+        """The new running statistics alone (:func:`.base.statistics_only_batch_norm`)."""
         data = call.args[0]
-        statistics = self._batch_statistics.get(data)  # (by the NCHW view too: an input's blocked copy is new)
-        if statistics is None:
-            channels = known_shape(image_shape(data), "batch_norm: the data")[1]
-            statistics = self._statistics_of(self._batch_norm_input(data)[0], channels, float(call.attrs.epsilon))
-        return relax.Tuple([data, *running_statistics(call, *statistics)])
+        channels = known_shape(image_shape(data), "batch_norm: the data")[1]
+        return statistics_only_batch_norm(call, self._batch_statistics, lambda: self._statistics_of(
+            self._batch_norm_input(data)[0], channels, float(call.attrs.epsilon)))
 
     def batch_norm_backward(self, found: BatchNormGradient) -> tuple[relax.Expr, relax.Var, relax.Var]:
         """(dX, dgamma, dbeta) of a training-mode batch norm's gradient (`found`'s operands are

@@ -47,6 +47,7 @@ from .base import (
     pool_tag,
     pool_workload,
     running_statistics,
+    statistics_only_batch_norm,
     tuple_field,
 )
 from .decide import pool2d_backward_workload
@@ -277,14 +278,9 @@ class CudaEmitter:
         return statistics
 
     def batch_norm_statistics(self, call: relax.Call) -> relax.Expr:
-        """A training-mode batch norm whose y nobody reads, only the new running statistics (the
-        copy :func:`~tvm_ext.transform.split_running_statistics` makes): those, from the batch
-        statistics of the kernel that normalized the same x. y's place holds x (unread)."""
-        data = call.args[0]
-        statistics = self._batch_statistics.get(data)  # (by the NCHW view too: an input's CHWN copy is new)
-        if statistics is None:
-            statistics = self._statistics_of(self.chwn(data), float(call.attrs.epsilon))
-        return relax.Tuple([data, *running_statistics(call, *statistics)])
+        """The new running statistics alone (:func:`.base.statistics_only_batch_norm`)."""
+        return statistics_only_batch_norm(call, self._batch_statistics, lambda: self._statistics_of(
+            self.chwn(call.args[0]), float(call.attrs.epsilon)))
 
     def batch_norm_backward(self, found: BatchNormGradient) -> tuple[relax.Expr, relax.Var, relax.Var]:
         """(dX, dgamma, dbeta) of a training-mode batch norm's gradient in CHWN, one kernel
