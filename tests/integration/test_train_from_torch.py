@@ -269,3 +269,22 @@ def test_dropout_in_eval_mode_or_of_zero_trains():
     got = vm["backbone"](tvm.runtime.tensor(x.numpy()), *map(tvm.runtime.tensor, imported.params)).numpy()
     with torch.no_grad():
         assert rel_err(got, net(x).numpy()) <= 1e-6
+
+
+def test_loss_gradient_refuses_dropout_in_training_mode():
+    """models.training.loss_gradient exports the model itself; a training-mode dropout there was
+    the identity, silently. Refused as from_torch refuses it; in eval mode (an undecomposed export
+    keeps it as dropout(train=False)) it is the identity and the loss is PyTorch's."""
+    from tvm_ext.models.training import loss_gradient
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.Flatten(), torch.nn.Linear(64, 5),
+                              torch.nn.Dropout(0.3)).train()
+    x = np.random.default_rng(5).standard_normal((2, 3, 4, 4)).astype(np.float32)
+    with pytest.raises(UnsupportedError, match="loss_gradient: .*random numbers"):
+        loss_gradient(net, x)
+    net[3].eval()
+    mod, params, loss = loss_gradient(net, x)
+    vm = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())
+    value, _ = vm["main_adjoint"](*map(tvm.runtime.tensor, [x, *params]))
+    with torch.no_grad():
+        assert rel_err(value.numpy(), loss(torch.from_numpy(x)).numpy()) <= 1e-5

@@ -91,9 +91,12 @@ def loss_gradient(model, x: np.ndarray, seed: int = 2):
     import torch
     from tvm.relax.frontend.torch import from_exported_program
 
+    from ..train import check_deterministic
+
     loss = loss_module(model, x, seed)
     with torch.no_grad():
         program = torch.export.export(loss, (torch.from_numpy(x),))
+    check_deterministic(program, "loss_gradient")
     mod = from_exported_program(program, keep_params_as_input=True, unwrap_unit_return_tuple=True)
     mod, params = relax.frontend.detach_params(mod)
     if model.training:  # the importer's tuples around each batch norm, read back at once

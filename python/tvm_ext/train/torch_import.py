@@ -26,7 +26,7 @@ from ..relax_info import dtype, shape_text, static_shape
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TorchBackbone", "from_torch"]
+__all__ = ["TorchBackbone", "check_deterministic", "from_torch"]
 
 _STATISTICS = ("running_mean", "running_var")
 
@@ -101,7 +101,7 @@ def from_torch(model: torch.nn.Module, example_inputs: tuple) -> TorchBackbone:
     norms = _training_norms(model)
     program = torch.export.export(_statistics_as_parameters(model, norms), example_inputs).run_decompositions()
     _check_mutations(program, norms)
-    _check_randomness(program)
+    check_deterministic(program, "from_torch")
 
     from tvm.relax.frontend.torch import from_exported_program
 
@@ -174,19 +174,20 @@ def _statistics_as_parameters(model: torch.nn.Module, norms: dict[str, Any]) -> 
 _RANDOM_OPS = ("dropout", "bernoulli", "rand", "normal", "uniform", "exponential", "multinomial", "poisson")
 
 
-def _check_randomness(program) -> None:
-    """Refuse a forward that draws random numbers (a Dropout or stochastic depth in train mode):
-    the importer would train without them, silently (EfficientNet's stochastic depth multiplies by
-    an uninitialized tensor there)."""
+def check_deterministic(program: torch.export.ExportedProgram, caller: str) -> None:
+    """Refuse (an UnsupportedError naming `caller`) an exported forward that draws random numbers
+    (a Dropout or stochastic depth in train mode): TVM's importer would train without them,
+    silently (EfficientNet's stochastic depth multiplies by an uninitialized tensor there)."""
     for node in program.graph.nodes:
         if node.op != "call_function":
             continue
         name = str(node.target)
         if not any(part in name for part in _RANDOM_OPS):
             continue
-        if "dropout" in name and len(node.args) > 1 and node.args[1] == 0:
-            continue  # (p = 0: the identity, which is what the importer gives)
-        raise UnsupportedError(f"from_torch: the model draws random numbers in training mode ({name}: a Dropout, "
+        args = node.args
+        if "dropout" in name and (len(args) > 1 and args[1] == 0 or len(args) > 2 and args[2] is False):
+            continue  # (p = 0 or not training, as an undecomposed export writes eval mode: the identity)
+        raise UnsupportedError(f"{caller}: the model draws random numbers in training mode ({name}: a Dropout, "
                                "or stochastic depth's bernoulli), which TVM's importer drops; put those modules "
                                "in eval mode to train without them")
 
