@@ -26,7 +26,7 @@ def one_input_graph(shape, body):
     return bb.get()
 
 
-def kernel_calls(mod, target, winograd: bool = True, function: str = "main") -> list[str]:
+def kernel_calls(mod, target, winograd: bool = True, function: str = "main", precision: str = "fp32") -> list[str]:
     """The kernels `function` calls after tvm_ext's lowering for `target`, in order (layout views
     that dead-code elimination drops later included)."""
     import tvm
@@ -36,7 +36,8 @@ def kernel_calls(mod, target, winograd: bool = True, function: str = "main") -> 
     from tvm_ext.strategy.fusion import fusion_passes
 
     with target:
-        lowered = tvm.transform.Sequential(fusion_passes(target) + [lower_to_kernels(target, winograd=winograd)])(mod)
+        lower = lower_to_kernels(target, winograd=winograd, precision=precision)
+        lowered = tvm.transform.Sequential(fusion_passes(target) + [lower])(mod)
     names = []
     relax.analysis.post_order_visit(lowered[function], lambda e: names.append(e.args[0].name_hint) if (
         isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == "relax.call_tir") else None)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from reference import rel_err
+from reference import kernel_calls, rel_err
 from tvm import relax
 
 import tvm_ext
@@ -80,6 +80,29 @@ def test_bf16_network_matches_float64_within_bf16_rounding():
     expected = to_torch(mod, torch.float64)(torch.from_numpy(x).double()).numpy()
     # inputs of each bf16 convolution rounded to 8 bits of mantissa: about 2^-9 a rounding
     assert 1e-5 < rel_err(got, expected) < 2e-2
+
+
+def test_bf16_convolutions_read_their_producers_blocks():
+    """On vdpbf16ps (Zen 4) a bf16 convolution reads the 32-channel blocks its producer wrote
+    (16 bf16 pairs), rounded in place; it re-blocked them to 16 before (an unpack and a pack
+    around every layer: 25.4 -> 22.7 ms for ResNet-50 at batch 1 on 2 threads)."""
+    rng = np.random.default_rng(3)
+    op = relax.op
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 64, 14, 14), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            z = x
+            for c_in, c_out in ((64, 128), (128, 64), (64, 256)):
+                w = relax.const((rng.standard_normal((c_out, c_in, 1, 1)) * 0.1).astype(np.float32))
+                z = bb.emit(op.nn.relu(op.nn.conv2d(z, w)))
+            out = bb.emit_output(z)
+        bb.emit_func_output(out)
+    zen4 = tvm.target.Target({"kind": "llvm", "mcpu": "znver4"})
+    calls = kernel_calls(bb.get(), zen4, precision="bf16")
+    convs = [name for name in calls if "conv2d" in name]
+    assert len(convs) == 3 and all("_bf16_fma" in name for name in convs), calls
+    assert [name for name in calls if "pack_nchwc" in name] == [calls[0], calls[-1]], calls  # in and out only
 
 
 def test_precision_is_checked_before_anything_compiles():

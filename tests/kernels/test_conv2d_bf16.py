@@ -52,9 +52,10 @@ def test_bf16_brgemm_is_correct(engine, m_r, k, batch, stride):
     assert rel_err(out.numpy(), ref) <= 1e-6
 
 
-def _run_conv(x_shape, w_shape, stride, padding, dilation, engine, seed=0):
+def _run_conv(x_shape, w_shape, stride, padding, dilation, engine, seed=0, ic_bn=None):
     wl = Conv2dWorkload.make(x_shape, w_shape, stride, padding, dilation, dtype="bfloat16")
-    plan = plan_conv2d(wl, AVX512, engine=engine)
+    plan = plan_conv2d(wl, AVX512, engine=engine, ic_bn=ic_bn)
+    assert ic_bn is None or plan.ic_bn == ic_bn
     lib = compile_kernel(conv2d_blocked_kernel(plan, 16, Epilogue()), TARGET)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(x_shape).astype(ml_dtypes.bfloat16)
@@ -85,6 +86,17 @@ CASES = [((1, 64, 14, 14), (64, 64, 3, 3), 1, 1, 1), ((2, 32, 9, 11), (48, 32, 3
 @pytest.mark.parametrize("case", CASES, ids=[f"c{i}" for i in range(len(CASES))])
 def test_bf16_conv2d_matches_float64_of_bf16_inputs(case, engine):
     got, expected = _run_conv(*case, engine)
+    assert rel_err(got, expected) <= 1e-5
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0][1] % 32 == 0],
+                         ids=lambda c: f"{c[0][1]}x{c[0][2]}_{c[1][2]}x{c[1][3]}")
+def test_bf16_conv2d_reads_blocks_of_32_channels(case):
+    """vdpbf16ps over 16 pairs a block: the blocks an fp32 or bf16 producer writes, which a graph's
+    bf16 convolution reads as they are (:meth:`~tvm_ext.strategy.cpu.CpuEmitter._plan`)."""
+    if not has_avx512_bf16(TARGET):
+        pytest.skip("no AVX512-BF16")
+    got, expected = _run_conv(*case, "fma", ic_bn=32)
     assert rel_err(got, expected) <= 1e-5
 
 

@@ -324,6 +324,8 @@ class CpuEmitter:
         """A bfloat16 convolution (AMX or vdpbf16ps; `precision="bf16"`): the data packed in blocks as for fp32,
         then rounded to bf16 (one pass), the weights rounded and packed here; the kernel
         accumulates and writes fp32 with the same epilogue, so its readers are unchanged."""
+        if plan.engine == "fma":  # read the producer's blocks (32 channels: 16 pairs), not a re-blocked copy
+            plan = self._plan(plan, data)
         wl = plan.wl
         if weight.shape[1] < wl.C:  # the zero channel that pairs an odd count (the pack adds the data's)
             weight = np.concatenate([weight, np.zeros((wl.K, wl.C - weight.shape[1], wl.KH, wl.KW), weight.dtype)], 1)
