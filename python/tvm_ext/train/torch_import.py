@@ -4,8 +4,9 @@ TVM's importer (`from_exported_program`) binds a model's buffers as constants an
 updates, so a model trained through it never updates a batch norm's running mean and variance:
 put back in eval mode, it normalizes with its initial statistics. Here the running statistics
 (and `num_batches_tracked`) become the backbone's states, updated as PyTorch updates them: the
-mean by momentum, the variance from the batch's *unbiased* variance (Relax's `batch_norm` uses
-the biased one, so its new running variance is corrected here). After training,
+mean by momentum (or as a cumulative average, `momentum=None`), the variance from the batch's
+*unbiased* variance (Relax's `batch_norm` uses the biased one, so its new running variance is
+corrected here). After training,
 :meth:`TorchBackbone.write_to` puts parameters and states back into the PyTorch model.
 """
 
@@ -88,8 +89,8 @@ def from_torch(model: torch.nn.Module, example_inputs: tuple) -> TorchBackbone:
     eval mode with its running statistics and has no states) for `tvm_ext.train.SetupTrainer`.
 
     Its trainable parameters (`requires_grad`) are the backbone's parameters; frozen ones are
-    constants. Batch norms in train mode must track running statistics with a momentum (not
-    PyTorch's cumulative average, `momentum=None`) and be called once per forward; dropout and
+    constants. Batch norms in train mode (whose running statistics are states, averaged by their
+    momentum or, with `momentum=None`, cumulatively) must be called once per forward; dropout and
     stochastic depth must be in eval mode (no random numbers: the importer would drop them). The
     model itself is not changed."""
     import torch
@@ -145,9 +146,6 @@ def _training_norms(model: torch.nn.Module) -> dict[str, Any]:
             continue
         if not (module.training and module.track_running_stats):
             continue
-        if module.momentum is None:
-            raise UnsupportedError(f"from_torch: batch norm {name!r} has momentum=None (a cumulative average of "
-                                   "the running statistics); give it a momentum")
         norms[name] = module
     return norms
 
@@ -167,6 +165,10 @@ def _statistics_as_parameters(model: torch.nn.Module, norms: dict[str, Any]) -> 
             tensor = module._buffers.pop(statistic)
             assert tensor is not None  # (tracked statistics: _training_norms)
             setattr(module, statistic, torch.nn.Parameter(tensor, requires_grad=False))
+        if module.momentum is None:
+            # a cumulative average: its factor 1 / num_batches_tracked would be traced as this step's
+            # number; with momentum 1 the import returns the batch's statistics, averaged in _backbone
+            setattr(module, "momentum", 1.0)  # noqa: B010 (a Module attribute the type checker types as a Tensor)
     return copied
 
 
@@ -246,8 +248,10 @@ def _backbone(main: relax.Function, num_inputs: int, params: list[relax.Var], st
             outputs = [bb.emit_output(relax.TupleGetItem(result, i)) for i in range(count)] if count else [result]
             updated: list[relax.Expr] = []
             for prefix, (norm, call) in calls.items():
-                updated += [bb.emit_output(relax.TupleGetItem(norm, 1)),
-                            bb.emit_output(_unbiased_running_variance(norm, call)),
+                mean, var = relax.TupleGetItem(norm, 1), _unbiased_running_variance(norm, call)
+                if norms[prefix].momentum is None:
+                    mean, var = _cumulative_averages(call, counts[prefix], mean, var)
+                updated += [bb.emit_output(mean), bb.emit_output(var),
                             bb.emit_output(relax.op.add(counts[prefix], relax.const(1, "int64")))]
         # SetupTrainer reads the states off the returned tuple itself (not a variable bound to it)
         # (a model's tuple of outputs flattened: SetupTrainer's loss takes them as its first arguments)
@@ -271,6 +275,17 @@ def _unbiased_running_variance(norm: relax.Var, call: relax.Call) -> relax.Expr:
     # (biased - keep * old) is m * var: the unbiased update adds m * var / (n - 1)
     return relax.op.add(biased, relax.op.multiply(relax.op.subtract(biased, relax.op.multiply(keep, call.args[4])),
                                                   relax.const(1 / (count - 1), kind)))
+
+
+def _cumulative_averages(call: relax.Call, count: relax.Var, mean: relax.Expr,
+                         var: relax.Expr) -> tuple[relax.Expr, relax.Expr]:
+    """PyTorch's running statistics of a batch norm with momentum=None: old + (new - old) / n,
+    n the batch count after this one, from the batch's mean and unbiased variance (`mean`,
+    `var`: what the import at momentum 1 gives)."""
+    op, kind = relax.op, dtype(call.args[3])
+    factor = op.divide(relax.const(1, kind), op.astype(op.add(count, relax.const(1, "int64")), kind))
+    return tuple(op.add(old, op.multiply(factor, op.subtract(new, old)))  # type: ignore[return-value]
+                 for old, new in ((call.args[3], mean), (call.args[4], var)))
 
 
 def _state_value(model: torch.nn.Module, name: str) -> np.ndarray:
