@@ -3,10 +3,13 @@ each built with tvm_ext and compared with its float64 PyTorch reference. A failu
 graph's steps and seed; `python bench/fuzz.py --first SEED --graphs 1 --show` reproduces it."""
 
 import pytest
+import tvm
+from reference import kernel_calls
 
 import tvm_ext
+from tvm_ext.strategy.decide import bf16_engine
 from tvm_ext.target import AVX2, AVX512, SSE, vector_isa
-from tvm_ext.testing.random_graphs import check_graph, random_graph
+from tvm_ext.testing.random_graphs import bf16_sensitivity, check_graph, random_graph
 
 TARGET = tvm_ext.resolve_target("llvm")
 GRAPHS, CHUNK = 300, 20
@@ -79,3 +82,44 @@ def test_graphs_are_reproducible():
     a, b = random_graph(7), random_graph(7)
     assert a.describe() == b.describe()
     assert all((x == y).all() for x, y in zip(a.inputs, b.inputs, strict=True))
+
+
+BF16_TOLERANCE = 3e-2  # (bench/fuzz.py's: a few roundings of 2^-9; a wrong answer is off by the output)
+
+
+def _bf16_problem(graph, target) -> str | None:
+    """What is wrong with `graph` built in bf16 for `target`, judged as bench/fuzz.py judges it:
+    within BF16_TOLERANCE, or 4x the graph's own sensitivity to bf16 rounding."""
+    build = lambda mod, winograd: tvm_ext.build(mod, target, winograd=winograd, precision="bf16")  # noqa: E731
+    problem = check_graph(graph, build, tolerance=BF16_TOLERANCE)
+    if problem and problem.startswith("output"):
+        sensitivity = bf16_sensitivity(graph, lambda mod, winograd: tvm_ext.build(mod, target, winograd=winograd))
+        problem = check_graph(graph, build, tolerance=4 * sensitivity)
+    return problem
+
+
+@pytest.mark.parametrize("seed", [5071, 5091, 5188])
+def test_bf16_graphs_whose_producers_write_odd_blocks(seed):
+    """Found by `bench/fuzz.py --precision bf16` (0.5.30): a bf16 convolution re-planned to read
+    its producer's blocks of 1 or 5 channels, which split its bf16 pairs (ValueError: blocks of 5
+    input channels are not whole groups of 2); it keeps its own blocks there. Lowered for Zen 4
+    everywhere, run where the CPU has a bf16 engine."""
+    graph = random_graph(seed)
+    kernel_calls(graph.module, tvm.target.Target({"kind": "llvm", "mcpu": "znver4"}), winograd=graph.winograd,
+                 precision="bf16")
+    if bf16_engine(TARGET) is not None:
+        assert _bf16_problem(graph, TARGET) is None
+
+
+def test_random_graphs_in_bf16():
+    """Twenty graphs built with precision="bf16" (their convolutions on bf16 inputs where the CPU
+    has a bf16 engine): right within bf16 rounding, no crash."""
+    if bf16_engine(TARGET) is None:
+        pytest.skip("this CPU has no bf16 engine (AMX-BF16, or Zen 4's AVX512-BF16)")
+    failures = []
+    for seed in range(5000, 5020):
+        graph = random_graph(seed)
+        problem = _bf16_problem(graph, TARGET)
+        if problem:
+            failures.append(f"{problem}\n{graph.describe()}")
+    assert not failures, "\n\n".join(failures)

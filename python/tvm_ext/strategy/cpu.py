@@ -13,6 +13,7 @@ import tvm
 from tvm import relax
 
 from ..errors import UnsupportedError
+from ..intrin.cpu import DOT_TYPES
 from ..kernels import batch_norm as _batch_norm
 from ..kernels import channel_affine as _affine
 from ..kernels import conv2d as _conv
@@ -197,6 +198,8 @@ class CpuEmitter:
             return _conv.plan_conv2d(wl, self.isa, data_bn=block) if wide else plan
         if plan.kind == "winograd":
             return _winograd.winograd_plan(wl, self.isa, ic_bn=block)
+        if block % DOT_TYPES[wl.dtype].group:  # (bf16 pairs, int8 fours: a block of 5 splits one)
+            return plan
         return _conv.plan_conv2d(wl, self.isa, ic_bn=block)
 
     def _read_padded(self, plan: _conv.Conv2dPlan, data: relax.Expr, weight: np.ndarray,

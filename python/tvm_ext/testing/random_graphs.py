@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import tvm
 from tvm import relax
 
-__all__ = ["RandomGraph", "random_graph", "check_graph", "compare_outputs"]
+__all__ = ["RandomGraph", "random_graph", "check_graph", "compare_outputs", "bf16_sensitivity"]
 
 
 @dataclasses.dataclass
@@ -425,25 +425,25 @@ def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
 
 
 def check_graph(graph: RandomGraph, build: Callable[[tvm.IRModule, bool], relax.VMExecutable],
-                device: tvm.runtime.Device | None = None) -> str | None:
+                device: tvm.runtime.Device | None = None, tolerance: float | None = None) -> str | None:
     """Build `graph` with `build(module, winograd)`, run it, compare with the float64 reference:
     None when right, else what is wrong (an exception counts: a crash is a failure too).
-    Tolerance: :meth:`RandomGraph.tolerance`."""
+    Tolerance: :meth:`RandomGraph.tolerance`, or at least `tolerance` (a bf16 build's)."""
     try:
         ex = build(graph.module, graph.winograd)
         vm = relax.VirtualMachine(ex, device or tvm.cpu())
         out = vm["main"](*[tvm.runtime.tensor(x) for x in graph.inputs])
     except Exception as err:  # noqa: BLE001 - the property is "never raises" as much as "right"
         return f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:300] if str(err).strip() else ''}"
-    return compare_outputs(graph, [out.numpy()] if hasattr(out, "numpy") else [o.numpy() for o in out])
+    return compare_outputs(graph, [out.numpy()] if hasattr(out, "numpy") else [o.numpy() for o in out], tolerance)
 
 
-def compare_outputs(graph: RandomGraph, got: list[np.ndarray]) -> str | None:
+def compare_outputs(graph: RandomGraph, got: list[np.ndarray], tolerance: float | None = None) -> str | None:
     """None when `got` (the graph's outputs, a tuple flattened) matches the float64 reference
-    within :meth:`RandomGraph.tolerance`, else what is wrong."""
+    within :meth:`RandomGraph.tolerance` (or `tolerance`, if larger), else what is wrong."""
     if len(got) != len(graph.expected):
         return f"{len(got)} outputs, expected {len(graph.expected)}"
-    tolerance = graph.tolerance()
+    tolerance = max(graph.tolerance(), tolerance or 0.0)
     for i, (g, e) in enumerate(zip(got, graph.expected, strict=True)):
         if g.shape != e.shape:
             return f"output {i}: shape {g.shape}, expected {e.shape}"
@@ -453,3 +453,26 @@ def compare_outputs(graph: RandomGraph, got: list[np.ndarray]) -> str | None:
         if not err <= tolerance:
             return f"output {i}: relative error {err:.3g} > {tolerance:.3g}"
     return None
+
+
+def bf16_sensitivity(graph: RandomGraph, build: Callable[[tvm.IRModule, bool], relax.VMExecutable]) -> float:
+    """The relative error of `graph` built by `build(module, winograd)` (fp32) with its
+    convolution weights (4-d constants) and inputs rounded to bf16: how far bf16 rounding alone
+    moves this graph's output, the scale a bf16 build's error is judged on."""
+    import ml_dtypes
+
+    def rounded(a: np.ndarray) -> np.ndarray:
+        return a.astype(ml_dtypes.bfloat16).astype(a.dtype) if a.dtype == np.float32 else a
+
+    @relax.expr_functor.mutator
+    class RoundWeights(relax.PyExprMutator):
+        def visit_constant_(self, op: relax.Constant) -> relax.Expr:
+            value = op.data.numpy()
+            return relax.const(rounded(value)) if value.ndim == 4 else op
+
+    mod = tvm.IRModule({gv: RoundWeights().visit_expr(f) if isinstance(f, relax.Function) else f
+                        for gv, f in graph.module.functions.items()})
+    vm = relax.VirtualMachine(build(mod, graph.winograd), tvm.cpu())
+    out = vm["main"](*[tvm.runtime.tensor(rounded(x)) for x in graph.inputs])
+    got = [out.numpy()] if hasattr(out, "numpy") else [o.numpy() for o in out]
+    return max(rel_err(g, e) for g, e in zip(got, graph.expected, strict=True))
