@@ -11,8 +11,11 @@ sensitive to rounding, within 4x the error of its fp32 build with the weights an
 to bf16 (a chain of 2-channel convolutions: 7%): bf16 rounding is not checked so, a wrong layout
 or a lost epilogue is.
 
+--mcpu builds for another CPU than this one (haswell: AVX2, x86-64: SSE), which this host must
+be able to run.
+
 Usage: python bench/fuzz.py [--graphs 1000] [--first 0] [--max-steps 7] [--show] [--stock]
-                            [--precision fp32|bf16]
+                            [--precision fp32|bf16] [--mcpu NAME]
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--show", action="store_true", help="print each failing graph's Relax script")
     parser.add_argument("--stock", action="store_true", help="also build every graph with stock TVM")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="tvm_ext.build's precision")
+    parser.add_argument("--mcpu", help="an LLVM CPU name to build for (default: this host's)")
     args = parser.parse_args(argv)
     if args.graphs < 1 or args.max_steps < 2:
         parser.error("--graphs must be >= 1 and --max-steps >= 2")
-    target = tvm_ext.resolve_target("llvm")
+    target = tvm_ext.resolve_target({"kind": "llvm", "mcpu": args.mcpu} if args.mcpu else "llvm")
+    print(f"target {target}", flush=True)
     ours = lambda mod, winograd: tvm_ext.build(mod, target, winograd=winograd, precision=args.precision)  # noqa: E731
     tolerance = BF16_TOLERANCE if args.precision == "bf16" else None
     stock = lambda mod, _winograd: tvm.compile(mod, target)  # noqa: E731
