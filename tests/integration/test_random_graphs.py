@@ -9,7 +9,7 @@ from reference import kernel_calls
 import tvm_ext
 from tvm_ext.strategy.decide import bf16_engine
 from tvm_ext.target import AVX2, AVX512, SSE, vector_isa
-from tvm_ext.testing.random_graphs import bf16_sensitivity, check_graph, random_graph
+from tvm_ext.testing.random_graphs import check_bf16_graph, check_graph, random_graph
 
 TARGET = tvm_ext.resolve_target("llvm")
 GRAPHS, CHUNK = 300, 20
@@ -84,18 +84,12 @@ def test_graphs_are_reproducible():
     assert all((x == y).all() for x, y in zip(a.inputs, b.inputs, strict=True))
 
 
-BF16_TOLERANCE = 3e-2  # (bench/fuzz.py's: a few roundings of 2^-9; a wrong answer is off by the output)
-
-
 def _bf16_problem(graph, target) -> str | None:
-    """What is wrong with `graph` built in bf16 for `target`, judged as bench/fuzz.py judges it:
-    within BF16_TOLERANCE, or 4x the graph's own sensitivity to bf16 rounding."""
-    build = lambda mod, winograd: tvm_ext.build(mod, target, winograd=winograd, precision="bf16")  # noqa: E731
-    problem = check_graph(graph, build, tolerance=BF16_TOLERANCE)
-    if problem and problem.startswith("output"):
-        sensitivity = bf16_sensitivity(graph, lambda mod, winograd: tvm_ext.build(mod, target, winograd=winograd))
-        problem = check_graph(graph, build, tolerance=4 * sensitivity)
-    return problem
+    """What is wrong with `graph` built in bf16 for `target`, as bench/fuzz.py judges it."""
+    def build(precision: str):
+        return lambda mod, winograd: tvm_ext.build(mod, target, winograd=winograd, precision=precision)
+
+    return check_bf16_graph(graph, build("bf16"), build("fp32"))[0]
 
 
 @pytest.mark.parametrize("seed", [5071, 5091, 5188])
