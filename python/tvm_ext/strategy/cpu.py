@@ -599,9 +599,12 @@ class CpuEmitter:
     def batch_norm_statistics(self, call: relax.Call) -> relax.Expr:
         """The new running statistics alone (:func:`.base.statistics_only_batch_norm`)."""
         data = call.args[0]
-        channels = known_shape(image_shape(data), "batch_norm: the data")[1]
-        return statistics_only_batch_norm(call, self._batch_statistics, lambda: self._statistics_of(
-            self._batch_norm_input(data)[0], channels, float(call.attrs.epsilon)))
+
+        def computed() -> tuple[relax.Var, relax.Var]:  # (the shape is needed only where no kernel normalized x)
+            channels = known_shape(image_shape(data), "batch_norm: the data")[1]
+            return self._statistics_of(self._batch_norm_input(data)[0], channels, float(call.attrs.epsilon))
+
+        return statistics_only_batch_norm(call, self._batch_statistics, computed)
 
     def batch_norm_backward(self, found: BatchNormGradient) -> tuple[relax.Expr, relax.Var, relax.Var]:
         """(dX, dgamma, dbeta) of a training-mode batch norm's gradient (`found`'s operands are

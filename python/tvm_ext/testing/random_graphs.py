@@ -436,12 +436,17 @@ def check_graph(graph: RandomGraph, build: Callable[[tvm.IRModule, bool], relax.
     None when right, else what is wrong (an exception counts: a crash is a failure too).
     Tolerance: :meth:`RandomGraph.tolerance`, or at least `tolerance` (a bf16 build's)."""
     try:
-        ex = build(graph.module, graph.winograd)
-        vm = relax.VirtualMachine(ex, device or tvm.cpu())
-        out = vm["main"](*[tvm.runtime.tensor(x) for x in graph.inputs])
+        got = _outputs(build(graph.module, graph.winograd), graph.inputs, device)
     except Exception as err:  # noqa: BLE001 - the property is "never raises" as much as "right"
         return f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:300] if str(err).strip() else ''}"
-    return compare_outputs(graph, [out.numpy()] if hasattr(out, "numpy") else [o.numpy() for o in out], tolerance)
+    return compare_outputs(graph, got, tolerance)
+
+
+def _outputs(ex: relax.VMExecutable, inputs: list[np.ndarray],
+             device: tvm.runtime.Device | None = None) -> list[np.ndarray]:
+    """`main`'s outputs of `ex` on `inputs`, a tuple flattened."""
+    out = relax.VirtualMachine(ex, device or tvm.cpu())["main"](*[tvm.runtime.tensor(x) for x in inputs])
+    return [out.numpy()] if hasattr(out, "numpy") else [o.numpy() for o in out]
 
 
 def compare_outputs(graph: RandomGraph, got: list[np.ndarray], tolerance: float | None = None) -> str | None:
@@ -478,9 +483,7 @@ def bf16_sensitivity(graph: RandomGraph, build: Callable[[tvm.IRModule, bool], r
 
     mod = tvm.IRModule({gv: RoundWeights().visit_expr(f) if isinstance(f, relax.Function) else f
                         for gv, f in graph.module.functions.items()})
-    vm = relax.VirtualMachine(build(mod, graph.winograd), tvm.cpu())
-    out = vm["main"](*[tvm.runtime.tensor(rounded(x)) for x in graph.inputs])
-    got = [out.numpy()] if hasattr(out, "numpy") else [o.numpy() for o in out]
+    got = _outputs(build(mod, graph.winograd), [rounded(x) for x in graph.inputs])
     return max(rel_err(g, e) for g, e in zip(got, graph.expected, strict=True))
 
 
