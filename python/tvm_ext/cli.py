@@ -125,7 +125,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     for parser, names in ((demo, ("model", "batch", "target", "threads", "repeat", "direct", "precision")),
                           (report, ("model", "onnx", "batch", "target", "direct", "precision")),
                           (bench, ("model", "batch", "target", "threads", "repeat")),
-                          (tune, ("model", "onnx", "batch", "target", "threads", "direct"))):
+                          (tune, ("model", "onnx", "batch", "target", "threads", "direct", "precision"))):
         for name in names:
             option(parser, name)
     for parser in (demo, bench):
@@ -277,7 +277,7 @@ def tune(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"tvm_ext tune: {err}", file=sys.stderr)
         return 2
-    tasks = extract_tasks(mod, target, winograd=not args.direct)
+    tasks = extract_tasks(mod, target, winograd=not args.direct, precision=args.precision)
     print(f"tvm_ext tune: {name} on {target}: {len(tasks)} tasks ({sum(t.weight for t in tasks)} kernel calls), "
           f"{args.trials} trials, records in {args.work_dir}")
     progress = TuningProgress(tasks, args.trials)

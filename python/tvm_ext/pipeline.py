@@ -57,11 +57,11 @@ def _mark_tvm_ext_scheduled() -> tvm.transform.Pass:
     return _pass
 
 
-def _lowering_passes(target: tvm.target.Target, lower: tvm.transform.Pass, default_rules: list) -> list:
-    """tvm_ext's kernels first (`lower`), stock legalization for what is left, fusion, then a
-    default schedule (dlight `default_rules`) for every PrimFunc that has none."""
+def _lowering_passes(target: tvm.target.Target, lower: list, default_rules: list) -> list:
+    """tvm_ext's kernels first (the passes `lower`), stock legalization for what is left, fusion,
+    then a default schedule (dlight `default_rules`) for every PrimFunc that has none."""
     return [
-        lower,
+        *lower,
         relax.transform.LegalizeOps(legalize_map(target)),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
@@ -154,19 +154,28 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
     def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         with resolved:
             passes = (
-                [lower_quantized_conv2d(resolved), split_batch(images_per_call)]
-                + cpu_pipeline.library_dispatch_passes(resolved)
-                + fusion_passes(resolved)
-                + _lowering_passes(resolved, lower_to_kernels(resolved, database, winograd=winograd,
-                                                              precision=precision, maxdnn=maxdnn),
-                                   [Guarded(dlight.cpu.GEMV()), Guarded(OnAlignedAccesses(dlight.cpu.Reduction())),
-                                    ParallelVectorize()])
+                _lowering_passes(resolved, cpu_kernel_passes(resolved, database, images_per_call, winograd=winograd,
+                                                             precision=precision, maxdnn=maxdnn),
+                                 [Guarded(dlight.cpu.GEMV()), Guarded(OnAlignedAccesses(dlight.cpu.Reduction())),
+                                  ParallelVectorize()])
                 + cpu_pipeline.dataflow_lower_passes(resolved)
                 + _with_arena(cpu_pipeline.finalize_passes(resolved))
             )
             return tvm.transform.Sequential(passes)(mod)
 
     return _pipeline
+
+
+def cpu_kernel_passes(target: tvm.target.Target, database=None, images_per_call: int | None = None, *,
+                      winograd: bool = True, precision: str = "fp32", maxdnn: str = "auto") -> list:
+    """The CPU pipeline's passes up to tvm_ext's kernel calls: the int8 kernels of quantized
+    convolutions, the batch split, fusion, then every kernel the strategy gives. What
+    :func:`tvm_ext.tuning.extract_tasks` runs too, so that tasks are the kernels a build runs.
+    `database`: a MetaSchedule Database or None; the rest as :func:`pipeline` takes them."""
+    return ([lower_quantized_conv2d(target, database), split_batch(images_per_call)]
+            + cpu_pipeline.library_dispatch_passes(target)
+            + fusion_passes(target)
+            + [lower_to_kernels(target, database, winograd=winograd, precision=precision, maxdnn=maxdnn)])
 
 
 def _with_arena(passes: list) -> list:
@@ -189,8 +198,7 @@ def _cuda_pipeline(target: tvm.target.Target, tensor_cores: bool | str, winograd
             passes = (
                 cuda_pipeline.library_dispatch_passes(target)
                 + fusion_passes(target)
-                + _lowering_passes(target, lower_to_kernels(target, tensor_cores=tensor_cores,
-                                                                             winograd=winograd),
+                + _lowering_passes(target, [lower_to_kernels(target, tensor_cores=tensor_cores, winograd=winograd)],
                                    [*map(Guarded, (dlight.gpu.Matmul(), dlight.gpu.GEMV(), dlight.gpu.Reduction(),
                                                    dlight.gpu.GeneralReduction())), dlight.gpu.Fallback()])
                 + cuda_pipeline.dataflow_lower_passes(target)

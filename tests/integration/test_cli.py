@@ -108,6 +108,7 @@ def test_options_each_subcommand_takes_are_accepted():
     args = cli._parse(["tune", "--trials", "4", "--trials-per-task", "0", "--rpc", "127.0.0.1:9190:key", "--direct"])
     assert (args.model, args.batch, args.work_dir, args.trials, args.rpc) == ("resnet50", 1, "tuning", 4,
                                                                             "127.0.0.1:9190:key")
+    assert cli._parse(["tune", "--precision", "bf16"]).precision == "bf16"  # (tasks: the bf16 kernels)
     args = cli._parse(["report", "--target", "cuda", "--tensor-cores", "bf16", "--model", "vgg16"])
     assert (args.tensor_cores, args.model) == ("bf16", "vgg16")
     assert cli._parse(["bench", "--no-stock", "--threads", str(os.cpu_count())]).no_stock

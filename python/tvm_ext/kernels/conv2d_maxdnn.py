@@ -26,8 +26,10 @@ its accumulators start at zero and the tile is written once. A task is (group, b
 every `rows` output channels (BLIS's order: a call's input stays in cache for the calls of every
 `rows`), then applies the epilogue (bias, activation) while the tile is in cache.
 
-The generator is :func:`maxdnn_conv2d_func` (scheduled by :func:`schedule_maxdnn_conv2d`); the
-layouts' host-side forms are :func:`pack_data`, :func:`pack_weight`, :func:`pack_bias` and
+The generator is :func:`maxdnn_conv2d_func`, which fixes the layouts only; the blocking above is
+its schedule (:func:`block_maxdnn_conv2d`, then :func:`tensorize_maxdnn_conv2d`), the plan's
+(:func:`schedule_maxdnn_conv2d`) or a tuner's (:mod:`tvm_ext.tuning.maxdnn_space`). The layouts'
+host-side forms are :func:`pack_data`, :func:`pack_weight`, :func:`pack_bias` and
 :func:`unpack_output`.
 """
 
@@ -224,18 +226,20 @@ class Epilogue:
 
 def maxdnn_conv2d_func(plan: MaxDNNCpuPlan, epilogue: Epilogue = Epilogue()) -> tirx.PrimFunc:
     """The unscheduled kernel as TensorIR: parameters (x, w[, b], y) in :meth:`MaxDNNCpuPlan.data_shape`,
-    :meth:`~MaxDNNCpuPlan.weight_shape`, (G, K') and :meth:`~MaxDNNCpuPlan.out_shape`. Its
-    update block ("update") has the description's loops innermost (the taps, k_step channels
-    and the tile: :func:`~tvm_ext.intrin.outer_tile.outer_description`);
-    :func:`schedule_maxdnn_conv2d` tensorizes it."""
+    :meth:`~MaxDNNCpuPlan.weight_shape`, (G, K') and :meth:`~MaxDNNCpuPlan.out_shape`.
+
+    One reduction block ("update") over (group, row tile, output row, pixel, image block,
+    channel, filter row, filter column, 1, rows, 1, cols): the tile's loops innermost but for the
+    channels, which :func:`block_maxdnn_conv2d` splits into calls. It depends only on the
+    layouts (the plan's workload, rows and cols), not on the blocking, which the schedule makes:
+    that is what tuning searches (:mod:`tvm_ext.tuning.maxdnn_space`). With an epilogue the sums
+    go to a scratch tile ("acc") that the epilogue block reads into y, moved by the schedule
+    under the task's tile (its tile in cache, as the sums are written)."""
     if epilogue.residual:
         raise ValueError("maxdnn conv2d: the kernel's epilogue takes a bias and an activation; a residual is added "
                          "by the output pass (maxdnn_layout.tile_output_func)")
     wl = plan.wl
     (sh, sw), (dh, dw) = wl.stride, wl.dilation
-    g_count, blocks = plan.groups, plan.outputs // plan.macro_rows
-    row_tiles, col_tiles, vec = plan.macro_rows // plan.rows, plan.macro_cols // plan.cols, plan.isa.lanes
-    init = plan.steps == 1
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("conv")
         x = param_buffer("x", plan.data_shape())
@@ -243,56 +247,95 @@ def maxdnn_conv2d_func(plan: MaxDNNCpuPlan, epilogue: Epilogue = Epilogue()) -> 
         bias = param_buffer("b", (plan.groups, plan.outputs)) if epilogue.bias else None
         y = param_buffer("y", plan.out_shape())
         with T.sblock("root"):
-            with T.parallel(0, g_count * blocks * wl.OH) as task, \
-                    T.grid(wl.OW, plan.image_blocks // col_tiles) as (q, mb):
-                IRBuilder.name_many(["task", "q", "mb"], [task, q, mb])
-                g, ob, p = task // (blocks * wl.OH), task // wl.OH % blocks, task % wl.OH
-
-                def tile_pass(name: str, value) -> None:
-                    """Each element of the task's macro_rows x macro_cols tile: y = value(y, group, channel)."""
-                    with T.grid(col_tiles, plan.macro_rows, plan.cols // vec) as (nb, i, j), \
-                            T.vectorized(0, vec) as lane, T.sblock(name):
-                        IRBuilder.name_many(["nb", "i", "j", "lane"], [nb, i, j, lane])
-                        vt, vq, vmb, vnb, vi, vj, vl = T.axis.remap("SSSSSSS", [task, q, mb, nb, i, j, lane])
-                        vg, vo = vt // (blocks * wl.OH), vt // wl.OH % blocks * plan.macro_rows + vi
-                        index = [vmb * col_tiles + vnb, vt % wl.OH, vq, vg * plan.outputs + vo, vj * vec + vl]
-                        T.buffer_store(y, value(y[tuple(index)], vg, vo), index)
-
-                if not init:  # (a single chunk of channels: the tile's accumulators start at zero)
-                    tile_pass("zero", lambda old, vg, vo: T.float32(0))
-                with T.grid(plan.steps, col_tiles, row_tiles) as (cb, nb, t), \
-                        T.grid(wl.KH, wl.KW, plan.k_step, 1, plan.rows, 1, plan.cols) as inner, T.sblock("update"):
-                    r, s, kk, _, i1, _, j1 = IRBuilder.name_many(["r", "s", "kk", "i0", "i1", "j0", "j1"], inner)
-                    IRBuilder.name_many(["cb", "nb", "t"], [cb, nb, t])
-                    vg = IRBuilder.name("vg", T.axis.spatial(g_count, g))
-                    vb = IRBuilder.name("vb", T.axis.spatial(blocks, ob))
-                    vp = IRBuilder.name("vp", T.axis.spatial(wl.OH, p))
-                    vq, vmb = IRBuilder.name_many(["vq", "vmb"], T.axis.remap("SS", [q, mb]))
-                    vcb = IRBuilder.name("vcb", T.axis.reduce(plan.steps, cb))
-                    vnb, vt = IRBuilder.name_many(["vnb", "vt"], T.axis.remap("SS", [nb, t]))
-                    vr, vs, vk = IRBuilder.name_many(["vr", "vs", "vk"], T.axis.remap("RRR", [r, s, kk]))
-                    vi, vj = IRBuilder.name_many(["vi", "vj"], T.axis.remap("SS", [i1, j1]))
-                    c = vcb * plan.k_step + vk
-                    n_block = vmb * col_tiles + vnb
-                    out = [n_block, vp, vq, vg * plan.outputs + vb * plan.macro_rows + vt * plan.rows + vi, vj]
-                    xi = [n_block, vp * sh + vr * dh, vq * sw + vs * dw, vg * plan.channels + c, vj]
-                    if init:
-                        with T.init():
-                            T.buffer_store(y, T.float32(0), out)
-                    T.buffer_store(y, y[tuple(out)] + w[vg, vb * row_tiles + vt, vr, vs, c, vi] * x[tuple(xi)], out)
-                if not epilogue.empty:
-                    tile_pass("epilogue", lambda value, vg, vo: epilogue.apply(
-                        value, None if bias is None else bias[vg, vo]))
+            acc = y if epilogue.empty else IRBuilder.name("acc", T.alloc_buffer(plan.out_shape(), "float32"))
+            extents = (plan.groups, plan.outputs // plan.rows, wl.OH, wl.OW, plan.image_blocks, plan.channels,
+                       wl.KH, wl.KW, 1, plan.rows, 1, plan.cols)
+            with T.grid(*extents) as loops, T.sblock("update"):
+                g, t, p, q, n, c, r, s, i0, i, j0, j = IRBuilder.name_many(
+                    ["g", "t", "p", "q", "n", "c", "r", "s", "i0", "i", "j0", "j"], loops)
+                del i0, j0  # (the tile description's unit loops: their iterators are not bound)
+                vg, vt, vp, vq, vn = IRBuilder.name_many(["vg", "vt", "vp", "vq", "vn"],
+                                                         T.axis.remap("SSSSS", [g, t, p, q, n]))
+                # (the reduction's iterators in the description's order: taps, then channels)
+                vr, vs, vc = IRBuilder.name_many(["vr", "vs", "vc"], T.axis.remap("RRR", [r, s, c]))
+                vi, vj = IRBuilder.name_many(["vi", "vj"], T.axis.remap("SS", [i, j]))
+                out = [vn, vp, vq, vg * plan.outputs + vt * plan.rows + vi, vj]
+                xi = [vn, vp * sh + vr * dh, vq * sw + vs * dw, vg * plan.channels + vc, vj]
+                with T.init():
+                    T.buffer_store(acc, T.float32(0), out)
+                T.buffer_store(acc, acc[tuple(out)] + w[vg, vt, vr, vs, vc, vi] * x[tuple(xi)], out)
+            if not epilogue.empty:
+                with T.grid(*plan.out_shape()) as loops, T.sblock("epilogue"):
+                    index = IRBuilder.name_many(["vn", "vp", "vq", "vo", "vj"], T.axis.remap("SSSSS", loops))
+                    vo = index[3]
+                    value = acc[tuple(index)]
+                    b = None if bias is None else bias[vo // plan.outputs, vo % plan.outputs]
+                    T.buffer_store(y, epilogue.apply(value, b), index)
     return builder.get().with_attr(KERNEL_ATTR, "maxdnn_conv2d")
 
 
-def schedule_maxdnn_conv2d(sch: s_tir.Schedule, plan: MaxDNNCpuPlan) -> None:
-    """Tensorize the update block onto the tile's intrinsic (and drop the initialization that
-    tensorizing leaves beside an `init` call, which writes the whole tile itself)."""
-    loops = sch.get_loops(sch.get_sblock("update"))
-    sch.tensorize(loops[-7], get_cpu_outer_intrin(plan.tile, plan.isa, plan.unroll))
-    if plan.tile.init:
+MAXDNN_UNROLL = "tvm_ext.maxdnn_unroll"  # update block annotation: k steps unrolled in a call
+UNROLL_CHOICES: tuple[int, ...] = (1, 2, 4)
+
+
+def block_maxdnn_conv2d(sch: s_tir.Schedule, tiles: tuple, unroll) -> None:
+    """The blocking of :func:`maxdnn_conv2d_func`: `tiles` are the (outer, inner) splits of the row
+    tiles (inner: a task's tile of `macro_rows`), of the image blocks (inner: `macro_cols`) and of
+    the channels (inner: `k_step`, a call's), given or sampled; `unroll` likewise.
+
+    The order is BLIS's: a task is (group, output channels of its tile, output row); for each
+    pixel and block of images, the chunks of channels, then the register tiles of images and of
+    output channels (a call's input stays in cache for the calls of every row tile). The epilogue
+    runs on the task's tile after its last chunk, vectorized. Tensorizing, which needs the k_step
+    the split gave, is :func:`tensorize_maxdnn_conv2d`'s. Every decision gives the same loops
+    (trace replay, mutation)."""
+    update = sch.get_sblock("update")
+    g, t, p, q, n, c, r, s, i0, i, j0, j = sch.get_loops(update)
+    ob, rt = sch.split(t, tiles[0], preserve_unit_iters=True)
+    mb, nb = sch.split(n, tiles[1], preserve_unit_iters=True)
+    cb, kk = sch.split(c, tiles[2], preserve_unit_iters=True)
+    sch.reorder(g, ob, p, q, mb, cb, nb, rt, r, s, kk, i0, i, j0, j)
+    sch.annotate(update, MAXDNN_UNROLL, unroll)
+    if "epilogue" in _block_names(sch):
+        epilogue = sch.get_sblock("epilogue")
+        sch.reverse_compute_at(epilogue, mb, preserve_unit_loops=True)
+        sch.vectorize(sch.get_loops(epilogue)[-1])  # (the tile's images, whole vectors)
+    sch.parallel(sch.fuse(g, ob, p, preserve_unit_iters=True))
+
+
+def _block_names(sch: s_tir.Schedule) -> set[str]:
+    return {sch.get(block).name_hint for block in sch.get_child_blocks(sch.get_sblock("root"))}
+
+
+def tensorize_maxdnn_conv2d(sch: s_tir.Schedule, plan: MaxDNNCpuPlan) -> None:
+    """Tensorize the blocked update onto the tile's intrinsic for the k_step and unroll the
+    schedule gave (:func:`block_maxdnn_conv2d`). With one chunk of channels the call starts its
+    accumulators at zero (the initialization tensorize leaves beside it is dropped); with more, a
+    vectorized zero pass over the task's tile comes first."""
+    update = sch.get_sblock("update")
+    loops = sch.get_loops(update)
+    cb, k_step = int(sch.get(loops[-10]).extent), int(sch.get(loops[-5]).extent)
+    unroll = int(sch.get(update).annotations.get(MAXDNN_UNROLL, plan.unroll))
+    tile = dataclasses.replace(plan.tile, k_step=k_step, init=cb == 1)
+    if cb > 1:
+        zero = sch.decompose_reduction(update, loops[-10])
+        sch.vectorize(sch.get_loops(zero)[-1])
+    sch.tensorize(sch.get_loops(update)[-7], get_cpu_outer_intrin(tile, plan.isa, unroll))
+    if tile.init:
         drop_init(sch, sch.get_sblock("update_o"))
+
+
+def schedule_maxdnn_conv2d(sch: s_tir.Schedule, plan: MaxDNNCpuPlan) -> None:
+    """The analytic schedule: the plan's blocking (:func:`block_maxdnn_conv2d`), tensorized."""
+    block_maxdnn_conv2d(sch, analytic_tiles(plan), plan.unroll)
+    tensorize_maxdnn_conv2d(sch, plan)
+
+
+def analytic_tiles(plan: MaxDNNCpuPlan) -> tuple[list[int], list[int], list[int]]:
+    """The splits of :func:`block_maxdnn_conv2d` that give the plan's blocking."""
+    row_tiles, col_tiles = plan.macro_rows // plan.rows, plan.macro_cols // plan.cols
+    return ([plan.outputs // plan.macro_rows, row_tiles], [plan.image_blocks // col_tiles, col_tiles],
+            [plan.steps, plan.k_step])
 
 
 @functools.cache

@@ -33,8 +33,8 @@ from ..kernels.conv2d_maxdnn import MaxDNNCpuPlan
 from ..relax_info import image_shape, known_shape, static_shape, symbolic_batch
 from ..target import vector_isa
 from ..transform.gradients import BatchNormGradient, read_phase_interleave, read_phase_weight
+from ..tuning import maxdnn_space as _maxdnn_space
 from ..tuning import pool_space as _pool_space
-from ..tuning import space as _space
 from .base import (
     POOLS,
     Activation,
@@ -303,7 +303,7 @@ class CpuEmitter:
         x = self._call(_maxdnn_layout.tile_input_func(plan, source_shape, block),
                        f"tvm_ext_maxdnn_tile_input_{tag}_b{block or 0}", [source], plan.data_shape())
         w = relax.const(_maxdnn.pack_weight(plan, weight.value.numpy()))
-        sums = self._call(_maxdnn.maxdnn_conv2d_kernel(plan), f"tvm_ext_maxdnn_conv2d_{tag}", [x, w],
+        sums = self._call(self.maxdnn_kernel(plan), f"tvm_ext_maxdnn_conv2d_{tag}", [x, w],
                           plan.out_shape())
         out_block = tile_out_block(_conv.plan_conv2d(wl, self.isa))
         args = [sums]
@@ -338,7 +338,7 @@ class CpuEmitter:
                 relax.const(_conv.pack_weight_array(plan, weight))]
         operands, epilogue = self._epilogue(plan, bias, residual, activation, blocked_out, None)
         name = f"tvm_ext_{plan.kind}_conv2d_{_tag(plan)}_bf16_{plan.engine}{suffix}"
-        func = _space.default_kernel(plan, epilogue, self.isa)  # (tuning records are fp32's)
+        func = self.conv_kernel(plan, epilogue)
         if not blocked_out:
             return self._call_tir(func, name, args + operands, wl.out_shape)
         return self.unpack(self._call(func, name, args + operands, plan.out_shape()), wl.K)
@@ -474,13 +474,20 @@ class CpuEmitter:
 
     def conv_kernel(self, plan: _conv.Conv2dPlan, epilogue: Epilogue) -> tvm.tirx.PrimFunc:
         """The tuned schedule of this convolution if the database has one, else the analytic one."""
-        if self.database is not None and _space.tunable(plan, epilogue):
+        from ..tuning.records import conv2d_kernel
+
+        return conv2d_kernel(plan, epilogue, self.isa, self.target, self.database)
+
+    def maxdnn_kernel(self, plan: MaxDNNCpuPlan) -> tvm.tirx.PrimFunc:
+        """The tuned blocking of this convolution on the maxDNN tile if the database has one, else
+        the plan's."""
+        if self.database is not None:
             from ..tuning.records import tuned_kernel
 
-            tuned = tuned_kernel(self.database, _space.conv2d_workload(plan, epilogue, self.isa), self.target)
+            tuned = tuned_kernel(self.database, _maxdnn_space.maxdnn_workload(plan), self.target)
             if tuned is not None:
                 return tuned
-        return _space.default_kernel(plan, epilogue, self.isa)
+        return _maxdnn_space.default_maxdnn_kernel(plan)
 
     def pool_kernel(self, wl: _pool.Pool2dWorkload, block: int | None) -> tvm.tirx.PrimFunc:
         """The tuned schedule of this pooling if the database has one, else the analytic one."""

@@ -39,6 +39,7 @@ from ..kernels import pool2d as _pool
 from ..kernels.quantized import Quantization, QuantizedSum, quantized_add_func
 from ..relax_info import is_channel_bias, known_shape, static_shape
 from ..target import AVX2, AVX512, VectorISA, amx_permitted, has_amx_int8, has_vnni
+from ..tuning.records import conv2d_kernel
 from .base import add_kernel, readers_of
 
 logger = logging.getLogger("tvm_ext")
@@ -336,7 +337,8 @@ def _plan(found: QuantizedConv2d, isa: VectorISA, engine: str, blocked: relax.Ex
 def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target: tvm.target.Target,
                           blocked: relax.Expr | None = None,
                           units_border: tuple[int, int, int, int] | None = None,
-                          add: tuple[QuantizedSum, relax.Expr] | None = None) -> tuple[relax.Expr, relax.Var]:
+                          add: tuple[QuantizedSum, relax.Expr] | None = None,
+                          database=None) -> tuple[relax.Expr, relax.Var]:
     """The int8 kernel calls that compute `found`'s quantize: (the NCHW view of the output, the
     blocked uint8 output). The data is read from `blocked` (its blocked uint8 form, written by an
     int8 kernel: its border is padded with the zero point if the convolution has padding) where
@@ -346,7 +348,8 @@ def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target
     output is float32 units with that border, for the grouped or depthwise convolutions that read it.
     With `add` (the terms, the other operand's blocked uint8 form) the kernel adds the output to
     that operand (a fused quantized add) and the outputs are the sum's; ValueError, before
-    anything is emitted, where the operand's blocks are not the output's."""
+    anything is emitted, where the operand's blocks are not the output's. `database`: tuning
+    records (a MetaSchedule Database), whose best schedule of the kernel runs if it has one."""
     engine, isa = int8_engine(target) or ("fma", AVX512)
     if blocked is not None and not _uint8(blocked) and not _float_sums(found):
         blocked = None  # (units are for the float32 kernels)
@@ -397,7 +400,7 @@ def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target
     epilogue = _conv.Epilogue(bias=True, activation=found.activation, out_dtype="uint8", zero_point=out_zero,
                               units=units_border is not None, out_pad=units_border or (0, 0, 0, 0),
                               add=add[0] if add is not None else None)
-    kernel = _conv.conv2d_blocked_kernel(plan, isa.lanes, epilogue)
+    kernel = conv2d_kernel(plan, epilogue, isa, target, database)
     tag = _name((wl.N, wl.C, wl.H, wl.W, wl.K, wl.KH, wl.KW), f"s{wl.stride[0]}{wl.stride[1]}")
     kind = plan.kind if float_sums else plan.engine
     out = _call(bb, kernel, f"tvm_ext_int8_conv2d_{tag}_{kind}" + (FUSED_ADD if add is not None else ""),
@@ -507,10 +510,11 @@ def _decisions(values: dict, readers: dict, target: tvm.target.Target) -> dict:
     return decisions
 
 
-def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
+def lower_quantized_conv2d(target: tvm.target.Target, database=None) -> tvm.transform.Pass:
     """Replace every quantized convolution of the module's functions (the quantize that ends it)
     with the int8 kernel calls where :func:`quantized_conv2d_reason` finds nothing against it;
-    the float ops it leaves unread are dropped."""
+    the float ops it leaves unread are dropped. `database`: tuning records (a MetaSchedule
+    Database) for the kernels."""
 
     @relax.expr_functor.mutator
     class _Lower(relax.PyExprMutator):
@@ -588,7 +592,7 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
             if self._fused_conv2d(binding, found):
                 return None
             self._bind(binding, *emit_quantized_conv2d(self.builder_, found, target, self.blocked.get(found.data),
-                                                       self.units_borders.get(binding.var)))
+                                                       self.units_borders.get(binding.var), database=database))
             return None
 
         def _fused_conv2d(self, binding: relax.VarBinding, found: QuantizedConv2d) -> bool:
@@ -605,7 +609,7 @@ def lower_quantized_conv2d(target: tvm.target.Target) -> tvm.transform.Pass:
             terms = QuantizedSum(add.a_quantization, add.b_quantization, add.out_quantization, add.relu, own)
             try:
                 self.fused[add_var] = emit_quantized_conv2d(self.builder_, found, target, self.blocked.get(found.data),
-                                                            None, (terms, other))
+                                                            None, (terms, other), database=database)
             except ValueError:
                 return False
             super().visit_var_binding_(binding)

@@ -1,15 +1,17 @@
-"""The kinds of tuning task tvm_ext has (convolutions, poolings), and the lookup of a function's
-kind: above :mod:`.space` and :mod:`.pool_space`, which define them with :class:`.kinds.TaskKind`."""
+"""The kinds of tuning task tvm_ext has (BRGEMM convolutions, poolings, convolutions on the maxDNN
+tile), and the lookup of a function's kind: above :mod:`.space`, :mod:`.pool_space` and
+:mod:`.maxdnn_space`, which define them with :class:`.kinds.TaskKind`."""
 
 from __future__ import annotations
 
 import tvm
 
 from .kinds import TaskKind
+from .maxdnn_space import MAXDNN_CONV2D
 from .pool_space import POOL2D
 from .space import CONV2D
 
-KINDS: tuple[TaskKind, ...] = (CONV2D, POOL2D)
+KINDS: tuple[TaskKind, ...] = (CONV2D, POOL2D, MAXDNN_CONV2D)
 
 
 def kind_of(func: tvm.tirx.PrimFunc) -> TaskKind | None:

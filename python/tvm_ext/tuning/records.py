@@ -29,6 +29,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from ..intrin.cpu import register_named
 from ..target import TargetLike, resolve_target
+from . import space as _space
 from .known_kinds import kind_of, task_kind
 
 logger = logging.getLogger("tvm_ext")
@@ -306,6 +307,17 @@ def tuned_kernel(database: ms.Database, workload: tvm.tirx.PrimFunc,
 
 
 TUNED_ATTR = "tvm_ext.tuned"  # on kernels whose schedule came from a tuning record
+
+
+def conv2d_kernel(plan, epilogue, isa, target: tvm.target.Target,
+                  database: ms.Database | None) -> tvm.tirx.PrimFunc:
+    """A blocked convolution's kernel (:mod:`tvm_ext.kernels.conv2d` `plan` and `epilogue`, for
+    `isa`): its best record's schedule where `database` has one, else the analytic one."""
+    if database is not None and _space.tunable(plan, epilogue):
+        tuned = tuned_kernel(database, _space.conv2d_workload(plan, epilogue, isa), target)
+        if tuned is not None:
+            return tuned
+    return _space.default_kernel(plan, epilogue, isa)
 
 
 def target_key(target: TargetLike) -> str:

@@ -1,11 +1,12 @@
 """`tvm_ext.tune`: MetaSchedule tuning of a whole Relax network's tvm_ext kernels.
 
-Tasks are the graph's BRGEMM convolution and pooling kernels as tvm_ext lowers them (layouts
-included), identical ones merged and weighted by how often the network calls them. Each is tuned
-over its design space (:func:`tvm_ext.tuning.space.conv2d_space`,
-:func:`tvm_ext.tuning.pool_space.pool2d_space`) with MetaSchedule's evolutionary search and XGBoost
-cost model; records go to a JSON database in `work_dir` (one line per measured candidate, so an
-interrupted run keeps what it measured and a rerun continues from it). `tvm_ext.build(mod,
+Tasks are the graph's BRGEMM convolution, pooling and maxDNN-tile convolution kernels as tvm_ext
+lowers them (layouts included), identical ones merged and weighted by how often the network calls
+them. Each is tuned over its design space (:func:`tvm_ext.tuning.space.conv2d_space`,
+:func:`tvm_ext.tuning.pool_space.pool2d_space`, :func:`tvm_ext.tuning.maxdnn_space.maxdnn_space`)
+with MetaSchedule's evolutionary search and XGBoost cost model; records go to a JSON database in
+`work_dir` (one line per measured candidate, so an interrupted run keeps what it measured and a
+rerun continues from it). `tvm_ext.build(mod,
 target, database=work_dir)` then uses the best record of each kernel and the analytic schedule
 for the others: tuning is never required.
 
@@ -56,23 +57,25 @@ class Task:
 
 
 def extract_tasks(mod: tvm.IRModule, target: TargetLike = None, winograd: bool = True,
-                  images_per_call: int | None = None) -> list[Task]:
+                  images_per_call: int | None = None, maxdnn: str = "auto", precision: str = "fp32") -> list[Task]:
     """The tunable tvm_ext kernels of `mod` on `target`, identical ones merged (weight = how
     often one inference runs them). They are the kernels the build runs: the batch is split as
     :func:`tvm_ext.build` splits it (`images_per_call`, `winograd`: as there; a Winograd
     convolution's task is its GEMM), so a batch-16 network's trunk is tuned at the images per
-    call it runs with, not at 16."""
-    from ..pipeline import check_images_per_call
-    from ..strategy.dispatch import lower_to_kernels
-    from ..strategy.fusion import fusion_passes
-    from ..transform.split_batch import runs_per_inference, split_batch
+    call it runs with, not at 16; `maxdnn` and `precision` as there: which convolutions run on the
+    maxDNN tile, in bf16). A quantized network's tasks include its int8 kernels."""
+    from ..pipeline import check_images_per_call, check_precision, cpu_kernel_passes
+    from ..strategy.cpu_engine import check_maxdnn
+    from ..transform.split_batch import runs_per_inference
 
     check_images_per_call(images_per_call)
+    check_maxdnn(maxdnn)
+    check_precision(precision)
     resolved = resolve_target(target)
     isa = vector_isa(resolved)
     with resolved:
-        lowered = tvm.transform.Sequential([split_batch(images_per_call)] + fusion_passes(resolved)
-                                           + [lower_to_kernels(resolved, winograd=winograd)])(mod)
+        lowered = tvm.transform.Sequential(cpu_kernel_passes(resolved, None, images_per_call, winograd=winograd,
+                                                             precision=precision, maxdnn=maxdnn))(mod)
     runs = runs_per_inference(lowered)
     tasks: dict[str, Task] = {}  # by the workload's self-description: equal kernels, one task
     for gvar, func in lowered.functions_items():
@@ -132,7 +135,8 @@ def _search_strategy() -> ms.search_strategy.SearchStrategy:
 def tune(mod: tvm.IRModule, target: TargetLike, work_dir: str | os.PathLike, max_trials: int = 64,
          trials_per_task: int | None = None, *, num_trials_per_iter: int = 16, cost_model: str = "xgb",
          seed: int = 1, tasks: list[Task] | None = None, measure_callbacks: list | None = None,
-         rpc: str | None = None, images_per_call: int | None = None) -> ms.Database:
+         rpc: str | None = None, images_per_call: int | None = None, maxdnn: str = "auto",
+         precision: str = "fp32") -> ms.Database:
     """Tune the tvm_ext convolutions and poolings of `mod` for `target`; records go to `work_dir`.
 
     Each task new to the database first gets its analytic schedule measured and recorded (one
@@ -143,14 +147,16 @@ def tune(mod: tvm.IRModule, target: TargetLike, work_dir: str | os.PathLike, max
     max_trials). Bad arguments and a work_dir that cannot be written fail before any worker
     starts or anything is measured. `cost_model`:
     "xgb" (default) or "random". `tasks`: those of :func:`extract_tasks` (extracted if not given,
-    with `images_per_call`: the build's, default one image per core);
+    with `images_per_call`, `maxdnn` and `precision`: the build's, default one image per core,
+    "auto" and "fp32");
     `measure_callbacks`: MetaSchedule measure callbacks run after MetaSchedule's own (e.g.
     :class:`tvm_ext.tuning.progress.TuningProgress`). `rpc`: "host:port:key" of a TVM RPC
     tracker (`python -m tvm.exec.rpc_tracker`) whose servers (`python -m tvm.exec.rpc_server
     --tracker host:port --key key`) run the candidates; a server that dies fails only the
     candidates it held.
     """
-    from ..pipeline import check_images_per_call
+    from ..pipeline import check_images_per_call, check_precision
+    from ..strategy.cpu_engine import check_maxdnn
 
     resolved = resolve_target(target)
     if resolved.kind.name != "llvm":
@@ -160,12 +166,15 @@ def tune(mod: tvm.IRModule, target: TargetLike, work_dir: str | os.PathLike, max
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low):
             raise ValueError(f"tune: {name} must be an int of at least {low}, got {value!r}")
     check_images_per_call(images_per_call)
+    check_maxdnn(maxdnn)
+    check_precision(precision)
     tracker = None if rpc is None else _tracker(rpc)
     # Everything that can fail on the arguments fails above or here, before workers start, the
     # tasks are extracted (seconds for a large network) or anything is measured.
     database = open_database(work_dir, create=True)
     runner = _runner(tracker)
-    tasks = extract_tasks(mod, resolved, images_per_call=images_per_call) if tasks is None else tasks
+    if tasks is None:
+        tasks = extract_tasks(mod, resolved, images_per_call=images_per_call, maxdnn=maxdnn, precision=precision)
     if not tasks:
         raise UnsupportedError("tune: the module has no tvm_ext convolution or pooling with a design space")
     logger.info("tvm_ext.tune: %d tasks, %d kernel calls", len(tasks), sum(t.weight for t in tasks))
