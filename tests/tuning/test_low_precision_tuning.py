@@ -102,9 +102,9 @@ def test_amx_kernels_keep_their_schedule():
     assert plan.engine == "amx" and not tunable(plan, Epilogue(out_dtype="uint8"))
 
 
-def _qdq_conv(seed: int = 0) -> tuple[tvm.IRModule, np.ndarray]:
+def _qdq_conv(seed: int = 0, out_scale: float = 0.5, out_zero: int = 4) -> tuple[tvm.IRModule, np.ndarray]:
     """uint8 x -> dequantize -> conv2d 3x3 (int8 weights, per-channel scales) + bias -> relu ->
-    quantize uint8: one int8 kernel."""
+    quantize uint8 (`out_scale`, `out_zero`): one int8 kernel."""
     rng = np.random.default_rng(seed)
     n, c, h, w, k = 1, 32, 10, 12, 64
     f32 = lambda v: relax.const(np.asarray(v, np.float32))  # noqa: E731
@@ -120,8 +120,8 @@ def _qdq_conv(seed: int = 0) -> tuple[tvm.IRModule, np.ndarray]:
                                                f32(0.02 * scales), relax.const(np.zeros(k, np.int32)), axis=0))
             y = bb.emit(relax.op.nn.relu(relax.op.add(relax.op.nn.conv2d(xd, wd, padding=1),
                                                       relax.op.reshape(bias, (1, k, 1, 1)))))
-            out = bb.emit_output(bb.emit(relax.op.quantize(y, f32(0.5), relax.const(np.asarray(4, "uint8")),
-                                                           axis=1, out_dtype="uint8")))
+            zero = relax.const(np.asarray(out_zero, "uint8"))
+            out = bb.emit_output(bb.emit(relax.op.quantize(y, f32(out_scale), zero, axis=1, out_dtype="uint8")))
         bb.emit_func_output(out)
     return bb.get(), rng.integers(0, 256, (n, c, h, w)).astype(np.uint8)
 
@@ -157,6 +157,22 @@ def test_a_quantized_network_tunes_its_int8_kernels(tmp_path):
         run = lambda ex: relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()  # noqa: E731
         np.testing.assert_array_equal(run(tvm_ext.build(mod, ZEN4, database=tmp_path)),
                                       run(tvm_ext.build(mod, ZEN4)))
+
+
+def test_one_task_and_record_serve_every_quantization_of_a_layer(tmp_path):
+    """Zero points and scales change no loop: two calibrations of one layer are one task (before,
+    a task and a record per calibration), and its record runs each with its own constants."""
+    first, x = _qdq_conv(out_scale=0.5, out_zero=4)
+    second, _ = _qdq_conv(out_scale=0.3, out_zero=17)
+    (task,), (other,) = extract_tasks(first, ZEN4), extract_tasks(second, ZEN4)
+    tvm.ir.assert_structural_equal(task.workload, other.workload)
+    _commit_other_record(tmp_path, task.workload)
+    assert len(_tuned_kernels(second, open_database(tmp_path))) == 1
+    if int8_engine(HOST) is not None and has_avx512_bf16(HOST):
+        run = lambda ex: relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()  # noqa: E731
+        tuned, untuned = run(tvm_ext.build(second, ZEN4, database=tmp_path)), run(tvm_ext.build(second, ZEN4))
+        np.testing.assert_array_equal(tuned, untuned)
+        assert not np.array_equal(tuned, run(tvm_ext.build(first, ZEN4)))
 
 
 def test_a_bf16_build_tunes_its_bf16_kernels(tmp_path):

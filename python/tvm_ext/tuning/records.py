@@ -291,14 +291,15 @@ def _replayed(trace: tvm.s_tir.Trace, workload: tvm.tirx.PrimFunc) -> tvm.tirx.P
         return None
 
 
-def tuned_kernel(database: ms.Database, workload: tvm.tirx.PrimFunc,
-                 target: tvm.target.Target) -> tvm.tirx.PrimFunc | None:
-    """The best record's schedule of `workload` in `database`, or None when it has none."""
+def tuned_kernel(database: ms.Database, workload: tvm.tirx.PrimFunc, target: tvm.target.Target,
+                 replay_on: tvm.tirx.PrimFunc | None = None) -> tvm.tirx.PrimFunc | None:
+    """The best record's schedule of `workload` in `database` (replayed on `replay_on`, a workload
+    of the same loops, where given), or None when it has none."""
     mod = tvm.IRModule({"main": workload})
     record = database.query_tuning_record(mod, target, "main")
     if record is None:
         return None
-    kernel = _replayed(record.trace, workload)
+    kernel = _replayed(record.trace, workload if replay_on is None else replay_on)
     if kernel is None:
         logger.warning("tvm_ext: a tuning record of %s does not apply; using the analytic schedule",
                        workload.attrs[task_kind(workload).attr])
@@ -314,7 +315,8 @@ def conv2d_kernel(plan, epilogue, isa, target: tvm.target.Target,
     """A blocked convolution's kernel (:mod:`tvm_ext.kernels.conv2d` `plan` and `epilogue`, for
     `isa`): its best record's schedule where `database` has one, else the analytic one."""
     if database is not None and _space.tunable(plan, epilogue):
-        tuned = tuned_kernel(database, _space.conv2d_workload(plan, epilogue, isa), target)
+        tuned = tuned_kernel(database, _space.conv2d_task(plan, epilogue, isa), target,
+                             replay_on=_space.conv2d_workload(plan, epilogue, isa))
         if tuned is not None:
             return tuned
     return _space.default_kernel(plan, epilogue, isa)

@@ -34,6 +34,7 @@ from tvm.s_tir.meta_schedule.postproc import PyPostproc
 from ..kernels import conv2d as _conv
 from ..kernels import winograd as _winograd
 from ..kernels.common import KERNEL_ATTR
+from ..kernels.quantized import Quantization
 from .kinds import TaskKind, fields_from_json
 
 PLAN_ATTR = "tvm_ext.conv2d_plan"
@@ -84,6 +85,25 @@ def conv2d_workload(plan: _conv.Conv2dPlan, epilogue: _conv.Epilogue, isa) -> tv
     """The tuning task of a convolution: its unscheduled TensorIR, describing itself."""
     func = _conv.conv2d_blocked_func(plan, epilogue)
     return func.with_attr(PLAN_ATTR, _describe(plan, epilogue, isa.lanes, isa.registers))
+
+
+def task_epilogue(epilogue: _conv.Epilogue) -> _conv.Epilogue:
+    """`epilogue` with its constants at canonical values: a quantized output's zero point and scale,
+    a fused add's quantizations, leaky ReLU's slope. They change no loop of the kernel, so one
+    schedule serves every value; without this, each quantization of a layer (a network's
+    calibration) was a task and a record of its own."""
+    add = epilogue.add
+    if add is not None:
+        add = dataclasses.replace(add, **{name: Quantization(1.0, 0, getattr(add, name).dtype)
+                                          for name in ("a", "b", "out")})
+    return dataclasses.replace(epilogue, zero_point=0, out_scale=1.0, alpha=0.01, add=add)
+
+
+def conv2d_task(plan: _conv.Conv2dPlan, epilogue: _conv.Epilogue, isa) -> tvm.tirx.PrimFunc:
+    """The tuning task of a kernel: :func:`conv2d_workload` of its :func:`task_epilogue` (what
+    tuning measures and a record is found by; the record's schedule is then replayed on the
+    kernel's own workload)."""
+    return conv2d_workload(plan, task_epilogue(epilogue), isa)
 
 
 def default_kernel(plan: _conv.Conv2dPlan, epilogue: _conv.Epilogue, isa) -> tvm.tirx.PrimFunc:
@@ -178,7 +198,7 @@ class TensorizeBRGEMM(PyPostproc):
 
 def _task_of(kernel: tvm.tirx.PrimFunc, isa) -> tvm.tirx.PrimFunc | None:
     plan, epilogue, _, _ = _described_kernel(kernel)
-    return conv2d_workload(plan, epilogue, isa) if tunable(plan, epilogue) else None
+    return conv2d_task(plan, epilogue, isa) if tunable(plan, epilogue) else None
 
 
 def _finish(sch: Schedule) -> tvm.tirx.PrimFunc | None:
