@@ -414,14 +414,16 @@ def test_shipped_records_apply_only_to_their_target(tmp_path, monkeypatch):
     assert rel_err(ours, stock) <= 1e-4
 
 
-@pytest.mark.parametrize("model, batch", [("resnet50", 1), ("resnet50", 2),
-                                          pytest.param("vgg16", 1, marks=[pytest.mark.slow, pytest.mark.long])])
-def test_shipped_records_cover_every_task_of_their_networks(model, batch):
+@pytest.mark.parametrize("model, batch, precision", [
+    ("resnet50", 1, "fp32"), ("resnet50", 2, "fp32"), ("resnet50", 1, "bf16"),
+    pytest.param("vgg16", 1, "fp32", marks=[pytest.mark.slow, pytest.mark.long])])
+def test_shipped_records_cover_every_task_of_their_networks(model, batch, precision):
     """A change of the analytic plan changes a task's workload and orphans its shipped record
     (the build then silently falls back to the analytic schedule): every tunable kernel of the
     networks the records were tuned for (Zen 4; ResNet-50's two-image trunk is what batch 16 runs
-    on 2 threads) must still find one. They were tuned before Winograd: they cover the direct
-    build, and the Winograd GEMMs of the default build run their analytic schedule."""
+    on 2 threads) must still find one. The fp32 ones were tuned before Winograd: they cover the
+    direct build, and the Winograd GEMMs of the default build run their analytic schedule. The
+    bf16 ones (0.5.31) cover the default bf16 build, its fp32 Winograd GEMMs included."""
     from tvm_ext import models
     from tvm_ext.tuning.records import shipped_database
     from tvm_ext.tuning.tuner import extract_tasks
@@ -429,7 +431,8 @@ def test_shipped_records_cover_every_task_of_their_networks(model, batch):
     target = tvm.target.Target({"kind": "llvm", "mcpu": "znver4"})
     database = shipped_database(target)
     assert database is not None
-    tasks = extract_tasks(models.get(model, batch=batch)[0], target, winograd=False, images_per_call=2)
+    tasks = extract_tasks(models.get(model, batch=batch)[0], target, winograd=precision == "bf16",
+                          images_per_call=2, precision=precision)
     missing = [t.name for t in tasks if not database.has_workload(tvm.IRModule({"main": t.workload}))]
     assert tasks and not missing, f"no shipped record for {missing}: re-run `python -m tvm_ext tune --ship`"
 
