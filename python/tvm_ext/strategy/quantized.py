@@ -125,12 +125,18 @@ def match_quantized_conv2d(quantize: relax.Call, value_of) -> QuantizedConv2d | 
         bias_operand = value.args[1] if _is(a, "relax.nn.conv2d") else value.args[0]
         if _is(other, "relax.reshape"):
             other = through(other.args[0])
-        if not (_is(conv, "relax.nn.conv2d") and _is(other, "relax.dequantize")):
-            return "the add is not a convolution + a dequantized constant bias"
-        values, scale, zero = (_const(arg) for arg in other.args)
-        if values is None or scale is None or zero is None:
-            return "the bias is not a dequantized constant"
-        bias = ((values.astype(np.float64) - zero) * scale.astype(np.float64)).reshape(-1)
+        if not _is(conv, "relax.nn.conv2d"):
+            return "the add is not a convolution + a constant bias"
+        if _is(other, "relax.dequantize"):  # ONNX QDQ: int32 values times s_x * s_w
+            values, scale, zero = (_const(arg) for arg in other.args)
+            if values is None or scale is None or zero is None:
+                return "the bias is not a dequantized constant"
+            bias = ((values.astype(np.float64) - zero) * scale.astype(np.float64)).reshape(-1)
+        else:  # PT2E: a float bias, rounded to the sums' unit by the kernel (_requantization)
+            values = _const(other)
+            if values is None or values.dtype != np.float32:
+                return "the bias is not a float32 or dequantized constant"
+            bias = values.astype(np.float64).reshape(-1)
         value = conv
     if not _is(value, "relax.nn.conv2d"):
         return "no convolution before the quantize"
