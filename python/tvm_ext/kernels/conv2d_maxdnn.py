@@ -313,14 +313,15 @@ def tensorize_maxdnn_conv2d(sch: s_tir.Schedule, plan: MaxDNNCpuPlan) -> None:
     accumulators at zero (the initialization tensorize leaves beside it is dropped); with more, a
     vectorized zero pass over the task's tile comes first."""
     update = sch.get_sblock("update")
-    loops = sch.get_loops(update)
-    cb, k_step = int(sch.get(loops[-10]).extent), int(sch.get(loops[-5]).extent)
+    # block_maxdnn_conv2d's order, innermost last: (task, q, mb, cb, nb, rt, r, s, kk, i0, i, j0, j)
+    chunks, taps, k_loop = sch.get_loops(update)[-10], sch.get_loops(update)[-7], sch.get_loops(update)[-5]
+    steps, k_step = int(sch.get(chunks).extent), int(sch.get(k_loop).extent)
     unroll = int(sch.get(update).annotations.get(MAXDNN_UNROLL, plan.unroll))
-    tile = dataclasses.replace(plan.tile, k_step=k_step, init=cb == 1)
-    if cb > 1:
-        zero = sch.decompose_reduction(update, loops[-10])
+    tile = dataclasses.replace(plan.tile, k_step=k_step, init=steps == 1)
+    if steps > 1:
+        zero = sch.decompose_reduction(update, chunks)
         sch.vectorize(sch.get_loops(zero)[-1])
-    sch.tensorize(sch.get_loops(update)[-7], get_cpu_outer_intrin(tile, plan.isa, unroll))
+    sch.tensorize(taps, get_cpu_outer_intrin(tile, plan.isa, unroll))
     if tile.init:
         drop_init(sch, sch.get_sblock("update_o"))
 
