@@ -28,7 +28,8 @@ from tvm.s_tir import Schedule
 from tvm.s_tir import meta_schedule as ms
 
 from ..intrin.cpu import register_named
-from ..target import TargetLike, resolve_target
+from ..kernels.conv2d import Conv2dPlan, Epilogue
+from ..target import TargetLike, VectorISA, resolve_target
 from . import space as _space
 from .known_kinds import kind_of, task_kind
 
@@ -310,7 +311,7 @@ def tuned_kernel(database: ms.Database, workload: tvm.tirx.PrimFunc, target: tvm
 TUNED_ATTR = "tvm_ext.tuned"  # on kernels whose schedule came from a tuning record
 
 
-def conv2d_kernel(plan, epilogue, isa, target: tvm.target.Target,
+def conv2d_kernel(plan: Conv2dPlan, epilogue: Epilogue, isa: VectorISA, target: tvm.target.Target,
                   database: ms.Database | None) -> tvm.tirx.PrimFunc:
     """A blocked convolution's kernel (:mod:`tvm_ext.kernels.conv2d` `plan` and `epilogue`, for
     `isa`): its best record's schedule where `database` has one, else the analytic one."""
