@@ -12,10 +12,11 @@ the weights and inputs rounded to bf16 (a chain of 2-channel convolutions: 7%). 
 not checked so; a wrong layout or a lost epilogue is.
 
 --mcpu builds for another CPU than this one (haswell: AVX2, x86-64: SSE), which this host must
-be able to run.
+be able to run. --maxdnn always puts every convolution the maxDNN tile takes on it (its layout
+passes in and out of the blocked kernels included).
 
 Usage: python bench/fuzz.py [--graphs 1000] [--first 0] [--max-steps 7] [--show] [--stock]
-                            [--precision fp32|bf16] [--mcpu NAME]
+                            [--precision fp32|bf16] [--mcpu NAME] [--maxdnn auto|always|never]
 """
 
 from __future__ import annotations
@@ -39,12 +40,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stock", action="store_true", help="also build every graph with stock TVM")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="tvm_ext.build's precision")
     parser.add_argument("--mcpu", help="an LLVM CPU name to build for (default: this host's)")
+    parser.add_argument("--maxdnn", choices=("auto", "always", "never"), default="auto",
+                        help="tvm_ext.build's maxdnn: always runs every convolution the maxDNN tile takes on it")
     args = parser.parse_args(argv)
     if args.graphs < 1 or args.max_steps < 2:
         parser.error("--graphs must be >= 1 and --max-steps >= 2")
     target = tvm_ext.resolve_target({"kind": "llvm", "mcpu": args.mcpu} if args.mcpu else "llvm")
     print(f"target {target}", flush=True)
-    ours = lambda mod, winograd: tvm_ext.build(mod, target, winograd=winograd, precision=args.precision)  # noqa: E731
+    ours = lambda mod, winograd: tvm_ext.build(mod, target, winograd=winograd, precision=args.precision,  # noqa: E731
+                                               maxdnn=args.maxdnn)
     fp32 = lambda mod, winograd: tvm_ext.build(mod, target, winograd=winograd)  # noqa: E731
     stock = lambda mod, _winograd: tvm.compile(mod, target)  # noqa: E731
     failed, stock_failed, start = [], 0, time.time()
