@@ -314,7 +314,8 @@ def tensorize_maxdnn_conv2d(sch: s_tir.Schedule, plan: MaxDNNCpuPlan) -> None:
     vectorized zero pass over the task's tile comes first."""
     update = sch.get_sblock("update")
     # block_maxdnn_conv2d's order, innermost last: (task, q, mb, cb, nb, rt, r, s, kk, i0, i, j0, j)
-    chunks, taps, k_loop = sch.get_loops(update)[-10], sch.get_loops(update)[-7], sch.get_loops(update)[-5]
+    loops = sch.get_loops(update)
+    chunks, taps, k_loop = loops[-10], loops[-7], loops[-5]
     steps, k_step = int(sch.get(chunks).extent), int(sch.get(k_loop).extent)
     unroll = int(sch.get(update).annotations.get(MAXDNN_UNROLL, plan.unroll))
     tile = dataclasses.replace(plan.tile, k_step=k_step, init=steps == 1)

@@ -35,6 +35,7 @@ from ..target import vector_isa
 from ..transform.gradients import BatchNormGradient, read_phase_interleave, read_phase_weight
 from ..tuning import maxdnn_space as _maxdnn_space
 from ..tuning import pool_space as _pool_space
+from ..tuning.records import conv2d_kernel, tuned_kernel
 from .base import (
     POOLS,
     Activation,
@@ -474,16 +475,12 @@ class CpuEmitter:
 
     def conv_kernel(self, plan: _conv.Conv2dPlan, epilogue: Epilogue) -> tvm.tirx.PrimFunc:
         """The tuned schedule of this convolution if the database has one, else the analytic one."""
-        from ..tuning.records import conv2d_kernel
-
         return conv2d_kernel(plan, epilogue, self.isa, self.target, self.database)
 
     def maxdnn_kernel(self, plan: MaxDNNCpuPlan) -> tvm.tirx.PrimFunc:
         """The tuned blocking of this convolution on the maxDNN tile if the database has one, else
         the plan's."""
         if self.database is not None:
-            from ..tuning.records import tuned_kernel
-
             tuned = tuned_kernel(self.database, _maxdnn_space.maxdnn_workload(plan), self.target)
             if tuned is not None:
                 return tuned
@@ -492,8 +489,6 @@ class CpuEmitter:
     def pool_kernel(self, wl: _pool.Pool2dWorkload, block: int | None) -> tvm.tirx.PrimFunc:
         """The tuned schedule of this pooling if the database has one, else the analytic one."""
         if self.database is not None:
-            from ..tuning.records import tuned_kernel
-
             tuned = tuned_kernel(self.database, _pool_space.pool2d_workload(wl, block), self.target)
             if tuned is not None:
                 return tuned
