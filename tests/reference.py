@@ -158,3 +158,18 @@ def tensorized_batch_reduce(spec, m: int, target):
     sch.decompose_reduction(sch.get_sblock("C"), ii)
     sch.tensorize(ii, get_brgemm_intrin(spec))
     return tvm.compile(sch.mod, target)
+
+
+def host_x86_targets() -> list:
+    """(VectorISA, target) for each x86 vector ISA this host executes: SSE (x86-64), AVX2
+    (Haswell) and AVX-512 (Skylake-SP) up to the host's own, none on another architecture."""
+    import tvm_ext
+    from tvm_ext.target import AVX2, AVX512, SSE, vector_isa
+
+    order = [(SSE, "x86-64"), (AVX2, "haswell"), (AVX512, "skylake-avx512")]
+    host = vector_isa("llvm")
+    isas = [isa for isa, _ in order]
+    if host not in isas:
+        return []
+    return [(isa, tvm_ext.resolve_target({"kind": "llvm", "mcpu": mcpu}))
+            for isa, mcpu in order[: isas.index(host) + 1]]

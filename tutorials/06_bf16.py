@@ -1,9 +1,11 @@
-"""Tutorial 6: run a network's convolutions in bfloat16 (AMX tiles; AVX512-BF16 on Zen 4).
+"""Tutorial 6: run a network's convolutions in bfloat16 (AMX tiles; AVX512-BF16 on Zen 4;
+emulated on FMA elsewhere).
 
 1. import torchvision's ResNet-18 (random weights) into Relax;
 2. ask `tvm_ext.dispatch_report(..., precision="bf16")` which convolutions run in bf16 (on a CPU
    with AMX-BF16, Sapphire Rapids and later: all of them; on Zen 4 and later, on `vdpbf16ps`, all
-   but the 3x3 layers Winograd serves in fp32; elsewhere each says why it stays fp32);
+   but the 3x3 layers Winograd serves in fp32; elsewhere the same layers as Zen 4's, emulated on
+   FMA: bf16's arithmetic at about fp32's speed, not faster);
 3. build it in fp32 and in bf16, compare the outputs (bf16 keeps 8 bits of mantissa of each
    convolution's inputs: expect about 1e-2 relative) and the top-5 classes, and time both against
    ONNX Runtime in fp32 (if installed).

@@ -1,6 +1,6 @@
-"""`tvm_ext.build(mod, target, precision="bf16")`: convolutions in bfloat16 on AMX tiles, or on
-AVX512-BF16 vectors where those beat fp32 (Zen 4), where they can (fp32 accumulation and output),
-fp32 elsewhere with the reason in `dispatch_report`."""
+"""`tvm_ext.build(mod, target, precision="bf16")`: convolutions in bfloat16 on AMX tiles, on
+AVX512-BF16 vectors where those beat fp32 (Zen 4), else emulated on FMA, where they can (fp32
+accumulation and output), fp32 elsewhere with the reason in `dispatch_report`."""
 
 from __future__ import annotations
 
@@ -8,19 +8,18 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from reference import kernel_calls, rel_err
+from reference import host_x86_targets, kernel_calls, rel_err
 from tvm import relax
 
 import tvm_ext
 from tvm_ext.errors import UnsupportedError
 from tvm_ext.models.torch_reference import to_torch
 from tvm_ext.strategy.decide import BF16_ENGINES, bf16_engine
+from tvm_ext.target import vector_isa
 
-ENGINE = bf16_engine(tvm_ext.resolve_target("llvm"))  # this machine's: "amx", "fma" or None
-BF16 = f"{BF16_ENGINES[ENGINE]}, fp32 accumulation and output" if ENGINE else "-"
-WINOGRAD = "fp32 (Winograd's fewer multiplies beat bf16 on vdpbf16ps); Winograd F(4x4, 3x3)"
-needs_bf16 = pytest.mark.skipif(ENGINE is None, reason="this CPU has no bf16 engine that beats fp32 (AMX-BF16, "
-                                                       "or Zen 4's AVX512-BF16), or the OS does not grant AMX tiles")
+ENGINE = bf16_engine(tvm_ext.resolve_target("llvm"))  # this machine's: "amx", "fma" or "emulated"
+BF16 = f"{BF16_ENGINES[ENGINE]}, fp32 accumulation and output"
+WINOGRAD = "fp32 (Winograd's fewer multiplies beat bf16 on AVX512-BF16 vdpbf16ps); Winograd F(4x4, 3x3)"
 
 
 def _net(seed: int = 0) -> tvm.IRModule:
@@ -62,16 +61,19 @@ def test_report_says_which_convolutions_run_in_bf16_and_why_not():
     zen4 = reasons_on({"kind": "llvm", "mcpu": "znver4"})
     assert zen4[:4] == [fma, WINOGRAD, WINOGRAD, fma] and zen4[5] == fma, zen4
     assert zen4[4].startswith("fp32 (4 groups"), zen4
-    # Cooper Lake: AVX512-BF16 no faster than fp32; Skylake: no bf16 at all
-    cooper = reasons_on({"kind": "llvm", "mcpu": "cooperlake"})
-    assert all(r.startswith("fp32 (the CPU has no AMX-BF16, and its AVX512-BF16 is no faster") for r in cooper), cooper
-    skylake = reasons_on({"kind": "llvm", "mcpu": "skylake-avx512"})
-    assert all(r.startswith("fp32 (the CPU has neither AMX-BF16 nor AVX512-BF16)") for r in skylake), skylake
+    # Cooper Lake: AVX512-BF16 no faster than fp32; Skylake: no bf16 at all. Both emulate it on FMA,
+    # at fp32's rate: Winograd's 3x3 layers stay fp32, as on Zen 4
+    emulated = "bf16 emulated on fp32 FMA ({}), fp32 accumulation and output"
+    winograd = "fp32 (Winograd's fewer multiplies beat bf16 emulated on fp32 FMA); Winograd F(4x4, 3x3)"
+    for mcpu, why in (("cooperlake", "the CPU has no AMX-BF16, and its AVX512-BF16 is no faster than fp32"),
+                      ("skylake-avx512", "the CPU has neither AMX-BF16 nor AVX512-BF16")):
+        found = reasons_on({"kind": "llvm", "mcpu": mcpu})
+        assert found[:4] == [emulated.format(why), winograd, winograd, emulated.format(why)], found
+        assert found[5] == emulated.format(why) and found[4].startswith("fp32 (4 groups"), found
     # the default precision names none of it
     assert not any("bf16" in row.reason or "fp32 (" in row.reason for row in tvm_ext.dispatch_report(mod, "llvm"))
 
 
-@needs_bf16
 def test_bf16_network_matches_float64_within_bf16_rounding():
     mod = _net()
     vm = relax.VirtualMachine(tvm_ext.build(mod, "llvm", precision="bf16"), tvm.cpu())
@@ -80,6 +82,36 @@ def test_bf16_network_matches_float64_within_bf16_rounding():
     expected = to_torch(mod, torch.float64)(torch.from_numpy(x).double()).numpy()
     # inputs of each bf16 convolution rounded to 8 bits of mantissa: about 2^-9 a rounding
     assert 1e-5 < rel_err(got, expected) < 2e-2
+
+
+def test_emulated_bf16_network_runs_on_every_x86_isa_this_host_has():
+    """A CPU without a bf16 dot product runs the same bf16 arithmetic on FMA: SSE, AVX2 and
+    AVX-512 builds executed here, where the host has them (its data rounded by a kernel of
+    integer operations: TVM folded astype to bfloat16 and back, and the emulated build ran fp32)."""
+    mod = _net()
+    x = np.random.default_rng(1).standard_normal((2, 3, 20, 18)).astype(np.float32)
+    expected = to_torch(mod, torch.float64)(torch.from_numpy(x).double()).numpy()
+    targets = host_x86_targets()
+    if not targets:
+        pytest.skip("not an x86 host")
+    for isa, target in targets:
+        assert bf16_engine(target) == "emulated"
+        got = relax.VirtualMachine(tvm_ext.build(mod, target, precision="bf16"), tvm.cpu())["main"](
+            tvm.runtime.tensor(x)).numpy()
+        assert 1e-5 < rel_err(got, expected) < 2e-2, isa.name
+
+
+def test_emulated_bf16_network_equals_vdpbf16ps_bit_for_bit():
+    """The same network built for Skylake-SP (emulated) and for Zen 4 (vdpbf16ps), run on a host
+    with both: the same output, bit for bit (the emulation adds a pair as the instruction does)."""
+    host = tvm_ext.resolve_target("llvm")
+    if ENGINE != "fma" or vector_isa(host).lanes != 16:
+        pytest.skip("no AVX512-BF16 here to compare with")
+    mod = _net()
+    x = tvm.runtime.tensor(np.random.default_rng(2).standard_normal((2, 3, 20, 18)).astype(np.float32))
+    outputs = [relax.VirtualMachine(tvm_ext.build(mod, {"kind": "llvm", "mcpu": mcpu}, precision="bf16"),
+                                    tvm.cpu())["main"](x).numpy() for mcpu in ("skylake-avx512", "znver4")]
+    assert np.array_equal(*outputs)
 
 
 def test_bf16_convolutions_read_their_producers_blocks():

@@ -4,7 +4,7 @@ graph's steps and seed; `python bench/fuzz.py --first SEED --graphs 1 --show` re
 
 import pytest
 import tvm
-from reference import kernel_calls
+from reference import host_x86_targets, kernel_calls
 
 import tvm_ext
 from tvm_ext.strategy.decide import bf16_engine
@@ -97,23 +97,28 @@ def test_bf16_graphs_whose_producers_write_odd_blocks(seed):
     """Found by `bench/fuzz.py --precision bf16` (0.5.30): a bf16 convolution re-planned to read
     its producer's blocks of 1 or 5 channels, which split its bf16 pairs (ValueError: blocks of 5
     input channels are not whole groups of 2); it keeps its own blocks there. Lowered for Zen 4
-    everywhere, run where the CPU has a bf16 engine."""
+    everywhere, and run here."""
     graph = random_graph(seed)
     kernel_calls(graph.module, tvm.target.Target({"kind": "llvm", "mcpu": "znver4"}), winograd=graph.winograd,
                  precision="bf16")
-    if bf16_engine(TARGET) is not None:
-        assert _bf16_problem(graph, TARGET) is None
+    assert _bf16_problem(graph, TARGET) is None
 
 
-def test_random_graphs_in_bf16():
-    """Twenty graphs built with precision="bf16" (their convolutions on bf16 inputs where the CPU
-    has a bf16 engine): right within bf16 rounding, no crash."""
-    if bf16_engine(TARGET) is None:
-        pytest.skip("this CPU has no bf16 engine (AMX-BF16, or Zen 4's AVX512-BF16)")
+@pytest.mark.parametrize("engine", ["host", "emulated"])
+def test_random_graphs_in_bf16(engine):
+    """Twenty graphs built with precision="bf16" (their convolutions on bf16 inputs, on this CPU's
+    bf16 engine; then ten emulated on FMA, for the widest x86 ISA of this host without a bf16
+    dot product): right within bf16 rounding, no crash."""
+    target, seeds = TARGET, range(5000, 5020)
+    if engine == "emulated":
+        emulating = [t for _, t in host_x86_targets() if bf16_engine(t) == "emulated"]
+        if not emulating:
+            pytest.skip("not an x86 host")
+        target, seeds = emulating[-1], range(5020, 5030)
     failures = []
-    for seed in range(5000, 5020):
+    for seed in seeds:
         graph = random_graph(seed)
-        problem = _bf16_problem(graph, TARGET)
+        problem = _bf16_problem(graph, target)
         if problem:
             failures.append(f"{problem}\n{graph.describe()}")
     assert not failures, "\n\n".join(failures)

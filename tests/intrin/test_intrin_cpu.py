@@ -165,6 +165,24 @@ def test_x86_inner_loop_is_vfmadd_without_spills(target, register, shape):
         assert not block.spills, [ln for ln in block.lines if "rsp" in ln]
 
 
+@pytest.mark.parametrize("target, register", [(AVX2_TARGET, "%ymm"), (AVX512_TARGET, "%zmm"), (NEON_TARGET, "v")])
+def test_emulated_bf16_inner_loop_is_fma_without_spills(target, register):
+    """Emulated bf16 (a CPU without AVX512-BF16) widens a row of B's pairs into two: its tiles
+    leave room for them and a mask, and the A broadcast stays folded into the FMA on AVX-512
+    (widened in registers, LLVM hoisted every row's broadcast and spilled the tile)."""
+    target = resolve_target(target)
+    isa = vector_isa(target)
+    plan = plan_conv2d(Conv2dWorkload.make((1, 64, 14, 14), (64, 64, 3, 3), 1, 1, dtype="bfloat16"), isa,
+                       engine="emulated")
+    func = conv2d_blocked_kernel(plan, isa.lanes, Epilogue(bias=True, activation="relu"))
+    asm = tvm.compile(tvm.IRModule({"conv": func.with_attr("global_symbol", "conv")}), target).mod.inspect_source("asm")
+    blocks = fma_blocks(asm, isa)
+    step = 2 * plan.m_r * plan.tile_n // isa.lanes  # FMAs of one pair of channels over the tile
+    assert "dpbf16" not in asm and any(b.fma % step == 0 for b in blocks)
+    for block in blocks:
+        assert block.fma_on_isa_registers == block.fma and not block.spills, [ln for ln in block.lines if "sp" in ln]
+
+
 def test_aarch64_inner_loop_is_fmla_without_spills():
     plan, isa, asm = _conv_asm(NEON_TARGET)
     blocks = fma_blocks(asm, isa)

@@ -1,6 +1,7 @@
-"""bfloat16 convolutions on the BRGEMM microkernel, on AVX512-BF16's `vdpbf16ps` and on AMX tiles
-(`tdpbf16ps`): bf16 data and weights (pairs of input channels), fp32 products, sums and output.
-Checked against float64 on the bf16-rounded inputs (what the instructions multiply exactly)."""
+"""bfloat16 convolutions on the BRGEMM microkernel, on AVX512-BF16's `vdpbf16ps`, on AMX tiles
+(`tdpbf16ps`) and emulated on FMA (any vector ISA): bf16 data and weights (pairs of input
+channels), fp32 products, sums and output. Checked against float64 on the bf16-rounded inputs
+(what the instructions multiply exactly)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,31 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from reference import rel_err, tensorized_batch_reduce
+from reference import host_x86_targets, rel_err, tensorized_batch_reduce
 
 from tvm_ext.errors import UnsupportedError
 from tvm_ext.intrin.cpu import BRGEMM, brgemm_from_name
 from tvm_ext.kernels.conv2d import Conv2dWorkload, Epilogue, conv2d_blocked_kernel, pack_weight_array, plan_conv2d
+from tvm_ext.kernels.elementwise import bf16_round_func
 from tvm_ext.ops.forward import compile_kernel
-from tvm_ext.target import AVX2, AVX512, CPU_FEATURES_ATTR, amx_permitted, has_amx_bf16, has_avx512_bf16, resolve_target
+from tvm_ext.target import (
+    AVX2,
+    AVX512,
+    CPU_FEATURES_ATTR,
+    NEON,
+    SSE,
+    amx_permitted,
+    has_amx_bf16,
+    has_avx512_bf16,
+    resolve_target,
+    vector_isa,
+)
 
 TARGET = resolve_target("llvm")
 ENGINES = [pytest.param("fma", marks=pytest.mark.skipif(not has_avx512_bf16(TARGET), reason="no AVX512-BF16")),
            pytest.param("amx", marks=pytest.mark.skipif(not (has_amx_bf16(TARGET) and amx_permitted()),
-                                                        reason="no AMX-BF16, or the OS does not grant its tiles"))]
+                                                        reason="no AMX-BF16, or the OS does not grant its tiles")),
+           "emulated"]  # (on this host's vector ISA)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -30,33 +44,38 @@ ENGINES = [pytest.param("fma", marks=pytest.mark.skipif(not has_avx512_bf16(TARG
                                                    (24, 64, (1, 3, 3), 2)])
 def test_bf16_brgemm_is_correct(engine, m_r, k, batch, stride):
     """The microkernel tensorized into a plain batch-reduce: A (rows x channels) by B in pairs."""
-    if engine == "fma" and m_r > 14:
-        pytest.skip("a tile of more than 14 rows does not fit 32 vector registers")
-    m, n = 2 * m_r, 32
+    lanes = vector_isa(TARGET).lanes if engine == "emulated" else 16
+    spec = BRGEMM(m_r, 2 * lanes, k, lanes, batch, stride, dtype="bfloat16", engine=engine)
+    if engine != "amx" and spec.registers() > vector_isa(TARGET).registers:
+        pytest.skip(f"a tile of {m_r} rows does not fit the vector registers")
+    m, n = 2 * m_r, spec.n_r
     b0, b1, b2 = batch
     width = (m - 1) * stride + b2
-    lib = tensorized_batch_reduce(BRGEMM(m_r, n, k, 16, batch, stride, dtype="bfloat16", engine=engine), m, TARGET)
+    lib = tensorized_batch_reduce(spec, m, TARGET)
     asm = lib.mod.inspect_source("asm")
     if engine == "amx":  # two C tiles a row of tiles, each a tdpbf16ps a step
         assert asm.count("tdpbf16ps") >= 2 * -(-m_r // 16) and "ldtilecfg" in asm
-    else:
+    elif engine == "fma":
         assert asm.count("vdpbf16ps") >= 2 * m_r and "tdpbf16ps" not in asm
+    else:  # two FMAs a pair of channels, no bf16 instruction
+        assert asm.count("vfmadd") >= 2 * 2 * m_r and "dpbf16ps" not in asm
     rng = np.random.default_rng(0)
     av = rng.standard_normal((b0, b1, width, k)).astype(ml_dtypes.bfloat16)
     bv = rng.standard_normal((b0, b1, b2, k // 2, n, 2)).astype(ml_dtypes.bfloat16)
     out = tvm.runtime.empty((m, n), "float32")
-    lib(tvm.runtime.tensor(av), tvm.runtime.tensor(bv), out)
+    lib(tvm.runtime.tensor(av.astype(spec.types.a)), tvm.runtime.tensor(bv), out)
     a64, b64 = av.astype(np.float64), bv.astype(np.float64)
     ref = sum(a64[x0, x1, x2 + stride * np.arange(m)] @ b64[x0, x1, x2].transpose(0, 2, 1).reshape(k, n)
               for x0 in range(b0) for x1 in range(b1) for x2 in range(b2))
     assert rel_err(out.numpy(), ref) <= 1e-6
 
 
-def _run_conv(x_shape, w_shape, stride, padding, dilation, engine, seed=0, ic_bn=None):
+def _run_conv(x_shape, w_shape, stride, padding, dilation, engine, seed=0, ic_bn=None, target=TARGET):
     wl = Conv2dWorkload.make(x_shape, w_shape, stride, padding, dilation, dtype="bfloat16")
-    plan = plan_conv2d(wl, AVX512, engine=engine, ic_bn=ic_bn)
+    isa = vector_isa(target) if engine == "emulated" else AVX512
+    plan = plan_conv2d(wl, isa, engine=engine, ic_bn=ic_bn)
     assert ic_bn is None or plan.ic_bn == ic_bn
-    lib = compile_kernel(conv2d_blocked_kernel(plan, 16, Epilogue()), TARGET)
+    lib = compile_kernel(conv2d_blocked_kernel(plan, isa.lanes, Epilogue()), target)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(x_shape).astype(ml_dtypes.bfloat16)
     w = rng.standard_normal(w_shape).astype(np.float32)
@@ -65,6 +84,7 @@ def _run_conv(x_shape, w_shape, stride, padding, dilation, engine, seed=0, ic_bn
     padded = np.zeros((n, c, h + top + bottom, width + left + right), ml_dtypes.bfloat16)
     padded[:, :, top:top + h, left:left + width] = x
     blocked = padded.reshape(n, c // plan.ic_bn, plan.ic_bn, *padded.shape[2:]).transpose(0, 1, 3, 4, 2)
+    blocked = blocked.astype(plan.data_dtype)  # (emulated: fp32 of the bf16 values)
     out = tvm.runtime.empty(plan.out_shape(), "float32")
     lib(tvm.runtime.tensor(np.ascontiguousarray(blocked)), tvm.runtime.tensor(pack_weight_array(plan, w)), out)
     got = out.numpy().transpose(0, 1, 4, 2, 3).reshape(n, plan.K_pad, wl.OH, wl.OW)[:, :wl.K]
@@ -100,6 +120,50 @@ def test_bf16_conv2d_reads_blocks_of_32_channels(case):
     assert rel_err(got, expected) <= 1e-5
 
 
+def test_emulated_bf16_runs_on_every_x86_isa_this_host_has():
+    """Emulated bf16 is the same arithmetic on any FMA (or SSE's multiply and add): SSE, AVX2 and
+    AVX-512 kernels executed here, where the host has them, on a sample of the cases."""
+    targets = host_x86_targets()
+    if not targets:
+        pytest.skip("not an x86 host (NEON's run under qemu: tests/integration/test_aarch64.py)")
+    for isa, target in targets:
+        for case in CASES[:4] + CASES[-2:]:
+            got, expected = _run_conv(*case, "emulated", target=target)
+            assert rel_err(got, expected) <= 1e-5, (isa.name, case)
+
+
+def test_emulated_bf16_equals_vdpbf16ps_bit_for_bit():
+    """Each pair's two products added odd channel first, one rounding each, as the instruction
+    does: the emulated kernel's output is vdpbf16ps's, bit for bit (a convolution of 10 channel
+    blocks)."""
+    if not has_avx512_bf16(TARGET):
+        pytest.skip("no AVX512-BF16 to compare with")
+    case = ((1, 320, 9, 9), (64, 320, 3, 3), 1, 1, 1)
+    native, _ = _run_conv(*case, "fma", seed=5, ic_bn=32)
+    emulated, _ = _run_conv(*case, "emulated", seed=5, ic_bn=32)
+    assert np.array_equal(native, emulated)
+
+
+def test_bf16_rounding_kernel_is_astype_to_bfloat16():
+    """Round to nearest, ties to even, NaN kept NaN (the carry of a NaN's low bits would make it
+    infinite), overflow to infinity, subnormals kept: ml_dtypes' bfloat16, written as float32."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(3 * 5 * 7 * 11) * np.exp(rng.uniform(-87, 87, 3 * 5 * 7 * 11))).astype(np.float32)
+    special = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 3.4e38, -3.4e38, 1e-45, 1e-39, 1.00390625,
+                        1.01171875], np.float32)
+    low_bits = np.array([0x7F800001, 0xFF800001, 0x7FC00000, 0x3F808000, 0x3F818000, 0x7F7FFFFF], np.uint32)
+    x[:12], x[12:18] = special, low_bits.view(np.float32)
+    out = tvm.runtime.empty((3, 5, 7, 11), "float32")
+    compile_kernel(bf16_round_func((3, 5, 7, 11), vector_isa(TARGET).lanes), TARGET)(
+        tvm.runtime.tensor(x.reshape(3, 5, 7, 11)), out)
+    got = out.numpy().reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.array_equal(np.isnan(got), np.isnan(expected))
+    finite = ~np.isnan(expected)
+    assert np.array_equal(got[finite].view(np.uint32), expected[finite].view(np.uint32))
+
+
 def test_bf16_plans_refuse_what_the_microkernel_does_not_take():
     wl = Conv2dWorkload.make((1, 32, 8, 8), (32, 32, 3, 3), 1, 1, dtype="bfloat16")
     with pytest.raises(ValueError, match="AVX512-BF16 only"):
@@ -122,6 +186,17 @@ def test_bf16_plans_refuse_what_the_microkernel_does_not_take():
         BRGEMM(16, 16, 32, 16, engine="amx").validate()
     with pytest.raises(ValueError, match="the AMX engine takes bfloat16"):
         plan_conv2d(Conv2dWorkload.make((1, 32, 8, 8), (32, 32, 3, 3), 1, 1), AVX512, engine="amx")
+    with pytest.raises(ValueError, match="the emulated engine takes bfloat16"):
+        plan_conv2d(Conv2dWorkload.make((1, 32, 8, 8), (32, 32, 3, 3), 1, 1), AVX512, engine="emulated")
+    with pytest.raises(ValueError, match="only bfloat16 is emulated"):
+        BRGEMM(4, 16, 16, 16, dtype="int8", engine="emulated").validate()
+    for isa in (SSE, NEON, AVX2, AVX512):  # any vector ISA, tiles that leave room for a pair widened to two rows
+        plan = plan_conv2d(wl, isa, engine="emulated")
+        spec = BRGEMM(plan.m_r, plan.tile_n, plan.ic_bn, isa.lanes, (1, 3, 3), dtype="bfloat16", engine="emulated")
+        spec.validate(isa)
+        assert plan.engine == "emulated" and spec.registers() < isa.registers and brgemm_from_name(spec.name) == spec
+    with pytest.raises(ValueError, match="would spill"):
+        BRGEMM(14, 32, 16, 16, dtype="bfloat16", engine="emulated").validate(AVX512)  # vdpbf16ps's 14 x 32 tile
 
 
 def test_a_bf16_kernel_refuses_a_cpu_without_its_instructions():
@@ -133,6 +208,10 @@ def test_a_bf16_kernel_refuses_a_cpu_without_its_instructions():
         compile_kernel(kernel, tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"}))
     fp32 = conv2d_blocked_kernel(plan_conv2d(Conv2dWorkload.make((1, 32, 8, 8), (32, 32, 3, 3), 1, 1), AVX512), 16)
     assert CPU_FEATURES_ATTR not in fp32.attrs
+    emulated = conv2d_blocked_kernel(plan_conv2d(Conv2dWorkload.make((1, 32, 8, 8), (32, 32, 3, 3), 1, 1,
+                                                                     dtype="bfloat16"), AVX512, engine="emulated"), 16)
+    assert CPU_FEATURES_ATTR not in emulated.attrs  # (compiles for any AVX-512 CPU)
+    compile_kernel(emulated, tvm.target.Target({"kind": "llvm", "mcpu": "skylake-avx512"}))
     amx = conv2d_blocked_kernel(plan_conv2d(Conv2dWorkload.make((1, 32, 8, 8), (32, 32, 3, 3), 1, 1,
                                                                 dtype="bfloat16"), AVX512, engine="amx"), 16)
     with pytest.raises(UnsupportedError, match="amx-bf16"):  # Zen 4: AVX512-BF16, no AMX

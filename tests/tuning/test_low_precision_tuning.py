@@ -17,7 +17,7 @@ import tvm_ext
 from tvm_ext.kernels.conv2d import Conv2dWorkload, Epilogue, plan_conv2d
 from tvm_ext.pipeline import cpu_kernel_passes
 from tvm_ext.strategy.quantized import int8_engine
-from tvm_ext.target import AVX512, has_avx512_bf16, resolve_target
+from tvm_ext.target import AVX512, has_avx512_bf16, resolve_target, vector_isa
 from tvm_ext.tuning import extract_tasks, open_database
 from tvm_ext.tuning.records import TUNED_ATTR
 from tvm_ext.tuning.space import (
@@ -57,19 +57,22 @@ def _random_args(func: tvm.tirx.PrimFunc, rng: np.random.Generator) -> list[np.n
     return args
 
 
-@pytest.mark.parametrize("dtype", [
-    pytest.param("bfloat16", marks=pytest.mark.skipif(not has_avx512_bf16(HOST), reason="no AVX512-BF16")),
-    pytest.param("int8", marks=pytest.mark.skipif(int8_engine(HOST) is None, reason="no VNNI or AMX-INT8"))])
-def test_every_candidate_of_a_low_precision_space_computes_the_analytic_kernel(dtype):
-    """bf16 on vdpbf16ps and int8 on VNNI (u8 x s8, requantized to uint8): the candidates' tiles,
+@pytest.mark.parametrize("dtype, engine", [
+    pytest.param("bfloat16", "fma", marks=pytest.mark.skipif(not has_avx512_bf16(HOST), reason="no AVX512-BF16")),
+    ("bfloat16", "emulated"),
+    pytest.param("int8", "fma", marks=pytest.mark.skipif(int8_engine(HOST) is None, reason="no VNNI or AMX-INT8"))])
+def test_every_candidate_of_a_low_precision_space_computes_the_analytic_kernel(dtype, engine):
+    """bf16 on vdpbf16ps or emulated on FMA (this host's ISA; its tiles leave room for the
+    widened pairs), and int8 on VNNI (u8 x s8, requantized to uint8): the candidates' tiles,
     blockings and unrolls reorder no sum, so int8 is bit for bit and bf16 within fp32 rounding."""
+    isa = vector_isa(HOST) if engine == "emulated" else AVX512
     wl = Conv2dWorkload.make((2, 64, 9, 13), (64, 64, 3, 3), 1, 1, dtype=dtype)
-    plan = plan_conv2d(wl, AVX512)
+    plan = plan_conv2d(wl, isa, engine=engine)
     epilogue = (Epilogue(bias=True, activation="relu", out_dtype="uint8", zero_point=3) if dtype == "int8"
                 else Epilogue(bias=True, activation="relu"))
     assert tunable(plan, epilogue)
-    workload = conv2d_workload(plan, epilogue, AVX512)
-    default = default_kernel(plan, epilogue, AVX512)
+    workload = conv2d_workload(plan, epilogue, isa)
+    default = default_kernel(plan, epilogue, isa)
     out_shape, out_dtype = _params(default)[-1]
     args = [tvm.runtime.tensor(a) for a in _random_args(default, np.random.default_rng(1))]
 

@@ -24,6 +24,13 @@ legalizes bf16 vectors to 16-bit integers, which LLVM's intrinsic does not take,
 instruction is a small LLVM IR function imported into the module (`pragma_import_llvm`) and
 inlined (:data:`DOT_PRODUCTS`; see docs/low_precision.md).
 
+Without AVX512-BF16 (AVX2, AVX-512 before Cooper Lake, NEON, SSE), or where it is slower than
+fp32 FMA (Intel's), engine "emulated" runs the bf16 BRGEMM on FMA: B's pairs are widened to fp32
+in registers (a bf16 is the top half of an fp32: a mask and a shift) and A is read as fp32 holding
+bf16 values, rounded as the data is packed, so that its broadcast stays one load folded into the
+FMA (widened in registers, LLVM hoisted all m_r broadcasts of a step and spilled the tile). A bf16
+product is exact in fp32: the results are vdpbf16ps's up to the order of a pair's two additions.
+
 dtype "int8" (AVX512-VNNI on 16 lanes, AVX-VNNI on 8): A is uint8, B int8, C int32, and one
 `vpdpbusd` multiplies a group of 4 channels of A (one 32-bit broadcast) by the same 4 of B for
 each output lane, adding the four products to the int32 accumulator (exact: no rounding). B is
@@ -62,6 +69,8 @@ DOT_TYPES = {"float32": DotType("float32", "float32", "float32", 1),
              "bfloat16": DotType("bfloat16", "bfloat16", "float32", 2),
              "int8": DotType("uint8", "int8", "int32", 4)}
 
+EMULATED_BF16 = DotType("float32", "bfloat16", "float32", 2)
+
 
 @dataclasses.dataclass(frozen=True)
 class BRGEMM:
@@ -82,7 +91,8 @@ class BRGEMM:
     # A indexed (batch..., k * stride, m): one pixel's channels contiguous (the weight gradient).
     a_transposed: bool = False
     # "fma": vector registers (FMA, vdpbf16ps in bfloat16, vpdpbusd in int8); "amx": bfloat16 or
-    # int8 on AMX tiles (:mod:`tvm_ext.intrin.cpu_amx`)
+    # int8 on AMX tiles (:mod:`tvm_ext.intrin.cpu_amx`); "emulated": bfloat16 on any vector ISA
+    # without a bf16 dot product, by FMA (A then fp32: :data:`EMULATED_BF16`)
     engine: str = "fma"
 
     @property
@@ -96,9 +106,14 @@ class BRGEMM:
     def vectors(self) -> int:
         return self.n_r // self.lanes
 
+    @property
+    def b_rows(self) -> int:
+        return b_rows_for(self.engine)
+
     def registers(self) -> int:
-        """Vector registers the inner loop keeps live: accumulators, B row, broadcast A."""
-        return tile_registers(self.m_r, self.vectors)
+        """Vector registers the inner loop keeps live: accumulators, B rows, broadcast A (and
+        emulated bf16's mask)."""
+        return tile_registers(self.m_r, self.vectors, self.b_rows)
 
     def a_shape(self, batch: tuple | None = None) -> tuple:
         """A's extents (`batch`: the batch extents to use, parameters in a family's signature)."""
@@ -109,6 +124,8 @@ class BRGEMM:
 
     @property
     def types(self) -> DotType:
+        if self.engine == "emulated":  # A's bf16 values held in fp32: its broadcast folds into the FMA
+            return EMULATED_BF16
         return DOT_TYPES[self.dtype]
 
     @property
@@ -125,11 +142,13 @@ class BRGEMM:
         if self.dtype not in DOT_TYPES:
             raise ValueError(f"BRGEMM: dtype {self.dtype} is not supported ({', '.join(DOT_TYPES)})")
         g = self.group
-        lanes = (16,) if self.dtype == "bfloat16" else (8, 16)
+        lanes = (4, 8, 16) if self.engine == "emulated" else (16,) if self.dtype == "bfloat16" else (8, 16)
         if g > 1 and (self.k % g or self.lanes not in lanes or self.a_transposed):
             raise ValueError(f"BRGEMM: {self.dtype} takes groups of {g} channels of k (k={self.k}) over "
                              f"{' or '.join(map(str, lanes))} lanes ({self.lanes} given), A not transposed")
-        if self.engine not in ("fma", "amx"):
+        if self.engine == "emulated" and self.dtype != "bfloat16":
+            raise ValueError("BRGEMM: only bfloat16 is emulated")
+        if self.engine not in ("fma", "amx", "emulated"):
             raise ValueError(f"BRGEMM: engine {self.engine!r} is not 'fma' or 'amx'")
         if self.engine == "amx":
             from .cpu_amx import amx_k_step
@@ -143,7 +162,7 @@ class BRGEMM:
             raise ValueError(f"BRGEMM: prefetch distance {self.prefetch} is negative")
         if self.n_r % self.lanes:
             raise ValueError(f"BRGEMM: n_r={self.n_r} is not a multiple of the {self.lanes} lanes")
-        if isa is not None and self.engine == "fma":  # (AMX's tiles are not vector registers)
+        if isa is not None and self.engine != "amx":  # (AMX's tiles are not vector registers)
             if isa.lanes != self.lanes:
                 raise ValueError(f"BRGEMM: {isa.name} has {isa.lanes} lanes, not {self.lanes}")
             if self.registers() > isa.registers:
@@ -161,12 +180,12 @@ class BRGEMM:
             f"_b{b0}x{b1}x{b2}_s{self.stride}_d{dh}x{dw}_u{self.k_unroll}{'_init' if self.init else ''}"
             # The default distance is unnamed: records tuned before prefetching name no distance.
             f"{'' if self.prefetch == BRGEMM.prefetch else f'_p{self.prefetch}'}"
-            f"{'_at' if self.a_transposed else ''}{'_amx' if self.engine == 'amx' else ''}"
+            f"{'_at' if self.a_transposed else ''}{'' if self.engine == 'fma' else '_' + self.engine}"
         )
 
 
 _NAME = re.compile(r"tvm_ext\.brgemm_(\w+?)_(\d+)x(\d+)x(\d+)_l(\d+)_b(\d+)x(\d+)x(\d+)_s(\d+)_d(\d+)x(\d+)"
-                   r"_u(\d+)(_init)?(?:_p(\d+))?(_at)?(_amx)?\b")
+                   r"_u(\d+)(_init)?(?:_p(\d+))?(_at)?(?:_(amx|emulated))?\b")
 
 
 def brgemm_from_name(name: str) -> BRGEMM:
@@ -178,11 +197,11 @@ def brgemm_from_name(name: str) -> BRGEMM:
     match = _NAME.fullmatch(name)
     if match is None:
         raise ValueError(f"{name!r} is not the name of a tvm_ext BRGEMM intrinsic")
-    dtype, *v, init, prefetch, transposed, amx = match.groups()
+    dtype, *v, init, prefetch, transposed, engine = match.groups()
     m_r, n_r, k, lanes, b0, b1, b2, stride, dh, dw, unroll = (int(x) for x in v)
     return BRGEMM(m_r, n_r, k, lanes, (b0, b1, b2), stride, (dh, dw), dtype, init is not None, unroll,
                   BRGEMM.prefetch if prefetch is None else int(prefetch), transposed is not None,
-                  "amx" if amx else "fma")
+                  engine or "fma")
 
 
 def register_named(text: str) -> list[str]:
@@ -193,17 +212,24 @@ def register_named(text: str) -> list[str]:
     return names
 
 
-def tile_registers(rows: int, vectors: int) -> int:
-    """Vector registers a k loop of rows x `vectors` accumulators keeps live: the accumulators, one
-    row of the vector operand, the broadcast (the BRGEMM's tile and the CPU maxDNN tile alike)."""
-    return rows * vectors + vectors + 1
+def b_rows_for(engine: str) -> int:
+    """Rows of B vectors a k step of `engine` keeps live: two for emulated bf16 (a row of pairs
+    widened into two), else one."""
+    return 2 if engine == "emulated" else 1
 
 
-def register_tiles(isa: VectorISA, max_vectors: int = 4, spare: int = 0) -> list[tuple[int, int]]:
+def tile_registers(rows: int, vectors: int, b_rows: int = 1) -> int:
+    """Vector registers a k loop of rows x `vectors` accumulators keeps live: the accumulators,
+    `b_rows` rows of the vector operand, the broadcast (the BRGEMM's tile and the CPU maxDNN tile
+    alike; emulated bf16 widens a row of pairs into two and keeps a mask)."""
+    return rows * vectors + b_rows * vectors + 1 + (b_rows > 1)
+
+
+def register_tiles(isa: VectorISA, max_vectors: int = 4, spare: int = 0, b_rows: int = 1) -> list[tuple[int, int]]:
     """Every (m_r, n_r) that fits `isa`'s registers with `spare` left over, largest m_r first."""
     tiles = []
     for vectors in range(1, max_vectors + 1):
-        m_max = (isa.registers - 1 - vectors - spare) // vectors
+        m_max = (isa.registers - tile_registers(0, vectors, b_rows) - spare) // vectors
         tiles += [(m, vectors * isa.lanes) for m in range(m_max, 0, -1)]
     return tiles
 
@@ -219,7 +245,7 @@ def tile_efficiency(m_r: int, vectors: int, fma_per_cycle: float = 2.0, loads_pe
     return fma_cycles / max(fma_cycles, (m_r + vectors) / loads_per_cycle)
 
 
-def default_tile(isa: VectorISA, n_choices: list[int], width: int) -> tuple[int, int]:
+def default_tile(isa: VectorISA, n_choices: list[int], width: int, b_rows: int = 1) -> tuple[int, int]:
     """The analytic register tile (m_r, n_r) for rows of `width` pixels, n_r among `n_choices`.
 
     Ranks tiles that fit the register file by the FMA-slot fraction of their inner loop, then by
@@ -229,7 +255,7 @@ def default_tile(isa: VectorISA, n_choices: list[int], width: int) -> tuple[int,
     best, best_key = None, None
     # One register stays spare: with every register live, LLVM spilled a 4x24 AVX2 tile that
     # starts from zeroed accumulators (found by the assembly test).
-    for m_r, n_r in register_tiles(isa, spare=1):
+    for m_r, n_r in register_tiles(isa, spare=1, b_rows=b_rows):
         if n_r not in n_choices:
             continue
         calls = -(-width // m_r)
@@ -384,13 +410,14 @@ def _implementation(spec: BRGEMM) -> tirx.PrimFunc:
         with T.sblock("root"):
             _regions(spec, a, b, c)
             acc = [IRBuilder.name(f"acc{i}", T.alloc_buffer((nv,), vec)) for i in range(spec.m_r)]
-            bv = IRBuilder.name("bv", T.alloc_buffer((nv,), f"int32x{lanes}" if g > 1 else vec))
+            bv = IRBuilder.name("bv", T.alloc_buffer((nv,), f"int32x{lanes}" if g > 1 and spec.engine != "emulated"
+                                                     else vec))
             for i, j in tile:
                 start = (T.broadcast(tirx.const(0, spec.types.c), lanes) if spec.init
                          else c.vload([i, j * lanes], vec))
                 T.buffer_store(acc[i], start, [j])
             with contextlib.ExitStack() as frames:
-                if g > 1:
+                if g > 1 and spec.engine != "emulated":
                     frames.enter_context(T.attr(0, "pragma_import_llvm", DOT_PRODUCTS[spec.dtype, lanes][1]))
                 i0 = IRBuilder.name("i0", frames.enter_context(T.serial(batch[0])))
                 if spec.prefetch and spec.batch[0] > 1 and not spec.a_transposed:
@@ -399,7 +426,9 @@ def _implementation(spec: BRGEMM) -> tirx.PrimFunc:
                 with T.grid(*batch[1:]) as (i1, i2), T.serial(steps // ku) as k0, T.unroll(ku) as k1:
                     IRBuilder.name_many(["i1", "i2", "k0", "k1"], [i1, i2, k0, k1])
                     k = k0 * ku + k1
-                    if g > 1:
+                    if spec.engine == "emulated":
+                        _emulated_bf16_step(spec, a, b, acc, bv, tile, (i0, i1, i2), k)
+                    elif g > 1:
                         _group_step(spec, a, b, acc, bv, tile, (i0, i1, i2), k)
                     else:
                         for j in range(nv):
@@ -426,6 +455,25 @@ def _group_step(spec: BRGEMM, a: tirx.Buffer, b: tirx.Buffer, acc: list, bv: tir
         group_of_a = T.reinterpret("int32", a.vload(_a_index(spec, i0, i1, i2, i, g * group), f"{types.a}x{g}"))
         T.buffer_store(acc[i], T.call_extern(f"{types.c}x{lanes}", dot, acc[i][j], T.broadcast(group_of_a, lanes),
                                              bv[j]), [j])
+
+
+def _emulated_bf16_step(spec: BRGEMM, a: tirx.Buffer, b: tirx.Buffer, acc: list, bv: tirx.Buffer, tile: list,
+                        batch: tuple, pair) -> None:
+    """One bf16 step without a bf16 dot product: B's pairs widened to fp32 in registers (a bf16 is
+    the top half of its fp32: the odd channel masked, the even one shifted up), A's two channels
+    (fp32 holding bf16 values) broadcast into two FMAs, odd channel first as `vdpbf16ps` adds
+    them. A bf16 product is exact in fp32, so each FMA rounds once, as the instruction does."""
+    lanes, words, vec = spec.lanes, f"int32x{spec.lanes}", f"float32x{spec.lanes}"
+    i0, i1, i2 = batch
+    for half in (1, 0):
+        for j in range(spec.vectors):
+            word = T.reinterpret(words, b.vload([*batch, pair, j * lanes, 0], f"bfloat16x{2 * lanes}"))
+            widened = (word & T.broadcast(tirx.const(-65536, "int32"), lanes) if half  # 0xffff0000
+                       else word << T.broadcast(tirx.const(16, "int32"), lanes))
+            T.buffer_store(bv, T.reinterpret(vec, widened), [j])
+        for i, j in tile:
+            a_value = T.broadcast(a[tuple(_a_index(spec, i0, i1, i2, i, 2 * pair + half))], lanes)
+            T.buffer_store(acc[i], T.call_llvm_pure_intrin(vec, "llvm.fmuladd", a_value, bv[j], acc[i][j]), [j])
 
 
 def _prefetch_block(spec: BRGEMM, a: tirx.Buffer, batch: tuple, i0: tirx.PrimExpr) -> None:

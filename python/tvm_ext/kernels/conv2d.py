@@ -31,7 +31,7 @@ from tvm import s_tir, te, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from ..intrin.cpu import BRGEMM, DOT_TYPES, default_tile, get_brgemm_intrin, register_tiles
+from ..intrin.cpu import BRGEMM, DOT_TYPES, EMULATED_BF16, b_rows_for, default_tile, get_brgemm_intrin, register_tiles
 from ..intrin.cpu_depthwise import DepthwiseTile, get_depthwise_intrin
 from ..target import AVX2, AVX512, CPU_FEATURES_ATTR, NEON, SSE, VectorISA
 from .common import (
@@ -176,8 +176,9 @@ class Conv2dPlan:
     # blocks its producer wrote (each group within one block; ic_bn is then the group's channels),
     # instead of a copy re-blocked to ic_bn (:func:`plan_conv2d`). 0: the data's blocks are ic_bn.
     data_bn: int = 0
-    # The microkernel's engine: "fma" (vector registers) or "amx" (a bfloat16 or int8 workload on
-    # AMX tiles: :mod:`tvm_ext.intrin.cpu_amx`)
+    # The microkernel's engine: "fma" (vector registers), "amx" (a bfloat16 or int8 workload on
+    # AMX tiles: :mod:`tvm_ext.intrin.cpu_amx`) or "emulated" (a bfloat16 workload on FMA, the
+    # data fp32 holding bf16 values: :data:`~tvm_ext.intrin.cpu.EMULATED_BF16`)
     engine: str = "fma"
     # Output channels per microkernel call where fewer than a block (0: the block, oc_bn): AMX's
     # int8 tiles take 32 a call, and blocks of 64 let the next int8 convolution read whole
@@ -188,6 +189,16 @@ class Conv2dPlan:
     def tile_n(self) -> int:
         """Output channels per microkernel call."""
         return self.n_r or self.oc_bn
+
+    @property
+    def b_rows(self) -> int:
+        """Rows of weight vectors the microkernel keeps live a step (:func:`~tvm_ext.intrin.cpu.b_rows_for`)."""
+        return b_rows_for(self.engine)
+
+    @property
+    def data_dtype(self) -> str:
+        """The data's element type as the kernel reads it (emulated bf16: fp32 of bf16 values)."""
+        return EMULATED_BF16.a if self.engine == "emulated" else self.wl.data_dtype
 
     @property
     def in_bn(self) -> int:
@@ -217,7 +228,7 @@ class Conv2dPlan:
         """The kernel's blocked view (N, C/x, H, W, x) of its NCHW `data` (:attr:`nchw_in`)."""
         wl, plane = self.wl, self.wl.H * self.wl.W
         return IRBuilder.name("X_blocks", T.decl_buffer(
-            (wl.N, self.ICB, wl.H, wl.W, self.ic_bn), wl.data_dtype, data=data.data,
+            (wl.N, self.ICB, wl.H, wl.W, self.ic_bn), self.data_dtype, data=data.data,
             strides=(wl.C * plane, self.ic_bn * plane, wl.W, 1, plane)))
 
     def weight_shape(self) -> tuple[int, ...]:
@@ -244,7 +255,7 @@ class Conv2dPlan:
     def pad_bytes(self) -> int:
         """Bytes the zero border adds to the input over the plain tensor."""
         wl = self.wl
-        return tvm.DataType(wl.data_dtype).bits // 8 * wl.N * wl.C * (wl.HP * wl.WP - wl.H * wl.W)
+        return tvm.DataType(self.data_dtype).bits // 8 * wl.N * wl.C * (wl.HP * wl.WP - wl.H * wl.W)
 
     def row_segments(self) -> list[tuple[str, int, int]]:
         """(block name, width, first pixel) of each row segment: whole m_r tiles, then a tail.
@@ -336,7 +347,9 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
     channels), at an offset in a block of the data. `engine` "amx": a bfloat16 workload on AMX
     tiles (the CPU must have AMX-BF16: :func:`~tvm_ext.target.has_amx_bf16`), blocks of 32
     channels (a tile row of bf16 inputs; 16 output channels a tile) and rows of up to 32 pixels;
-    or an int8 workload (AMX-INT8), blocks of 64 channels."""
+    or an int8 workload (AMX-INT8), blocks of 64 channels. "emulated": a bfloat16 workload on any
+    vector ISA's FMA (:data:`~tvm_ext.intrin.cpu.EMULATED_BF16`), tiles that leave room for a row
+    of pairs widened into two."""
     if engine == "amx":
         if wl.dtype not in ("bfloat16", "int8"):
             raise ValueError(f"conv2d: the AMX engine takes bfloat16 or int8, not {wl.dtype}")
@@ -346,8 +359,10 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
         _check_groups_of_k(wl, ic)
         block, tile_n = _output_blocks(wl, n_r or (32 if wl.K > 16 else 16), n_r)
         return dataclasses.replace(plan, ic_bn=ic, oc_bn=block, m_r=m_r or min(32, wl.OW), engine="amx", n_r=tile_n)
-    if engine != "fma":
-        raise ValueError(f"conv2d: engine {engine!r} is not 'fma' or 'amx'")
+    if engine == "emulated" and wl.dtype != "bfloat16":
+        raise ValueError(f"conv2d: the emulated engine takes bfloat16, not {wl.dtype}")
+    if engine not in ("fma", "emulated"):
+        raise ValueError(f"conv2d: engine {engine!r} is not 'fma', 'amx' or 'emulated'")
     if data_bn is not None:
         reason = data_block_reason(wl, isa, data_bn)
         if reason is not None:
@@ -361,7 +376,7 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
     lanes = isa.lanes
     Cg, Kg = wl.C // wl.groups, wl.K // wl.groups
     if wl.dtype != "float32":
-        reason = low_precision_reason(wl, isa)
+        reason = low_precision_reason(wl, isa, engine)
         if reason is not None:
             raise ValueError(f"conv2d: {wl.dtype}: {reason}")
     if wl.depthwise:
@@ -382,7 +397,7 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
         n_choices = [v for v in range(lanes, 4 * lanes + 1, lanes) if k_pad % v == 0]
     if n_r is not None:
         n_choices = [n_r]
-    tile = default_tile(isa, n_choices, wl.OW)
+    tile = default_tile(isa, n_choices, wl.OW, b_rows_for(engine))
     if m_r is not None:
         tile = (min(m_r, wl.OW), tile[1])
     ic = ic_bn or largest_divisor(Cg, 16 if Cg > 16 else Cg, DOT_TYPES[wl.dtype].group)
@@ -406,7 +421,7 @@ def plan_conv2d(wl: Conv2dWorkload, isa: VectorISA, m_r: int | None = None, n_r:
         else:
             row_order = "ob_oh"
     block, tile_n = _output_blocks(wl, tile[1], n_r)
-    return Conv2dPlan(wl, "brgemm", ic, block, tile[0], row_order=row_order, n_r=tile_n)
+    return Conv2dPlan(wl, "brgemm", ic, block, tile[0], row_order=row_order, n_r=tile_n, engine=engine)
 
 
 def _check_groups_of_k(wl: Conv2dWorkload, ic_bn: int) -> None:
@@ -418,14 +433,15 @@ def _check_groups_of_k(wl: Conv2dWorkload, ic_bn: int) -> None:
                          f"groups of {group}")
 
 
-def low_precision_reason(wl: Conv2dWorkload, isa: VectorISA) -> str | None:
+def low_precision_reason(wl: Conv2dWorkload, isa: VectorISA, engine: str = "fma") -> str | None:
     """Why a bfloat16 or int8 convolution `wl` has no kernel on `isa`, or None. The BRGEMM's
     groups of input channels need a dot-product instruction: bf16 pairs AVX512-BF16 (16 lanes;
-    :func:`~tvm_ext.target.has_avx512_bf16` says whether the CPU has it), int8's groups of 4
-    AVX512-VNNI (16 lanes) or AVX-VNNI (8; :func:`~tvm_ext.target.has_vnni`); whole groups of
-    input channels; only dense convolutions take them so far."""
+    :func:`~tvm_ext.target.has_avx512_bf16` says whether the CPU has it) or the "emulated"
+    engine (any ISA), int8's groups of 4 AVX512-VNNI (16 lanes) or AVX-VNNI (8;
+    :func:`~tvm_ext.target.has_vnni`); whole groups of input channels; only dense convolutions
+    take them so far."""
     g = DOT_TYPES[wl.dtype].group
-    if wl.dtype == "bfloat16" and isa.lanes != 16:
+    if wl.dtype == "bfloat16" and isa.lanes != 16 and engine != "emulated":
         return f"the {isa.name} BRGEMM has no bf16 dot product (AVX512-BF16 only)"
     if wl.dtype == "int8" and isa.lanes not in (8, 16):
         return f"the {isa.name} BRGEMM has no int8 dot product (AVX512-VNNI or AVX-VNNI)"
@@ -763,7 +779,7 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("conv")
         # NCHW data may be a user's array (NumPy aligns to 16 bytes): it is only broadcast, element by element
-        x = param_buffer("x", plan.data_shape(), align=USER_ALIGNMENT if plan.nchw_in else -1, dtype=wl.data_dtype)
+        x = param_buffer("x", plan.data_shape(), align=USER_ALIGNMENT if plan.nchw_in else -1, dtype=plan.data_dtype)
         w = param_buffer("w", plan.weight_shape(), align=USER_ALIGNMENT if plan.oihw_weight else -1,
                          dtype=wl.weight_dtype)
         bias = param_buffer("b", (plan.OCB, plan.oc_bn), dtype=wl.sum_dtype) if epilogue.bias else None
@@ -863,7 +879,7 @@ def _tile_segment(sch: s_tir.Schedule, plan: Conv2dPlan, block, width: int, lane
     sampled decisions that feed the same primitives, so every decision gives the same loops."""
     ow, o = sch.get_loops(block)[-6:-4]
     if tunable:
-        largest_m = max(m for m, _ in register_tiles_for(registers, lanes))
+        largest_m = max(m for m, _ in register_tiles_for(registers, lanes, plan.b_rows))
         choices = ([m for m in range(1, min(width, largest_m) + 1) if width % m == 0],
                    [n for n in range(lanes, plan.oc_bn + 1, lanes) if plan.oc_bn % n == 0],
                    list(UNROLL_CHOICES))
@@ -876,10 +892,11 @@ def _tile_segment(sch: s_tir.Schedule, plan: Conv2dPlan, block, width: int, lane
     sch.annotate(block, BRGEMM_UNROLL, unroll)
 
 
-def register_tiles_for(registers: int | None, lanes: int) -> list[tuple[int, int]]:
-    """The (m_r, n_r) tiles that fit a vector register file (one register spare)."""
+def register_tiles_for(registers: int | None, lanes: int, b_rows: int = 1) -> list[tuple[int, int]]:
+    """The (m_r, n_r) tiles that fit a vector register file (one register spare; `b_rows`:
+    :attr:`~tvm_ext.intrin.cpu.BRGEMM.b_rows`)."""
     isa = next(i for i in (AVX512, AVX2, NEON, SSE) if i.lanes == lanes and registers in (None, i.registers))
-    return register_tiles(isa, spare=1)
+    return register_tiles(isa, spare=1, b_rows=b_rows)
 
 
 def tensorize_brgemm_segments(sch: s_tir.Schedule, plan: Conv2dPlan, lanes: int, registers: int | None = None) -> bool:
@@ -888,7 +905,7 @@ def tensorize_brgemm_segments(sch: s_tir.Schedule, plan: Conv2dPlan, lanes: int,
     buffer copied out afterwards cost a third of the time of AVX2 1x1 layers). False, and nothing
     tensorized, if a tile does not fit the register file."""
     wl = plan.wl
-    fits = set(register_tiles_for(registers, lanes))
+    fits = set(register_tiles_for(registers, lanes, plan.b_rows))
     tiles = []
     for name, _, _ in plan.row_segments():
         block = sch.get_sblock(name)
@@ -1023,7 +1040,7 @@ def kernel_cpu_features(plan: Conv2dPlan, lanes: int) -> str | None:
         return "amx-int8,amx-tile" if plan.wl.dtype == "int8" else "amx-bf16,amx-tile"
     if plan.wl.dtype == "int8":
         return "avx512vnni" if lanes == 16 else "avxvnni"
-    return "avx512bf16" if plan.wl.dtype == "bfloat16" else None
+    return "avx512bf16" if plan.wl.dtype == "bfloat16" and plan.engine == "fma" else None
 
 
 def _weight_tile(plan: Conv2dPlan, rows: tirx.Buffer, ob, ib, q0, o0, store: Callable) -> None:

@@ -18,7 +18,8 @@ from tvm import tirx
 from . import script
 from .common import ACTIVATIONS, KERNEL_ATTR, activation_text
 
-__all__ = ["ACTIVATIONS", "activation_func", "check_slope", "dynamic_activation_func", "flat_activation_func"]
+__all__ = ["ACTIVATIONS", "activation_func", "bf16_round_func", "check_slope", "dynamic_activation_func",
+           "flat_activation_func"]
 
 _TEMPLATE = """
 @T.prim_func(s_tir=True)
@@ -104,6 +105,27 @@ def flat_activation_func(name: str, shape, alpha: float, inner: int, outer_loop:
     text = _TEMPLATE.format(shape=shape, size=size, inner=inner, outer_loop=outer_loop.format(outer),
                             inner_loop=inner_loop.format(inner), value=activation_text(name, "X_flat[v]", alpha))
     return script.from_source(text).with_attr(KERNEL_ATTR, name)
+
+
+# float32 -> the nearest bfloat16 (ties to even), kept in float32: the top 16 bits after adding
+# 0x7fff plus the lowest kept bit; a NaN stays a quiet NaN (the carry would make some infinite)
+_BF16_ROUND = ('T.reinterpret("float32", T.if_then_else((bits & T.uint32(0x7FFFFFFF)) > T.uint32(0x7F800000), '
+               '(bits | T.uint32(0x00400000)) & T.uint32(0xFFFF0000), '
+               '(bits + T.uint32(0x7FFF) + ((bits >> T.uint32(16)) & T.uint32(1))) & T.uint32(0xFFFF0000)))')
+
+
+def bf16_round_func(shape, lanes: int) -> tirx.PrimFunc:
+    """Every element of a float32 tensor of `shape` rounded to bfloat16 (to nearest, ties to
+    even, as `astype`), written as float32: the data of an emulated bf16 convolution
+    (:data:`~tvm_ext.intrin.cpu.EMULATED_BF16`). Integer arithmetic, because TVM folds a cast to
+    bfloat16 and back into nothing."""
+    shape = tuple(int(v) for v in shape)
+    size = math.prod(shape)
+    inner = 4 * lanes if size >= 4 * lanes else 1
+    value = _BF16_ROUND.replace("bits", 'T.reinterpret("uint32", X_flat[v])')
+    text = _TEMPLATE.format(shape=shape, size=size, inner=inner, outer_loop=f"T.parallel({-(-size // inner)})",
+                            inner_loop=f"T.vectorized({inner})", value=value)
+    return script.from_source(text).with_attr(KERNEL_ATTR, "bf16_round")
 
 
 def channel_scale_func(shape, lanes: int, channels: int | None = None) -> tirx.PrimFunc:

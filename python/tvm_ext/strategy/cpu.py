@@ -201,7 +201,7 @@ class CpuEmitter:
             return _winograd.winograd_plan(wl, self.isa, ic_bn=block)
         if block % DOT_TYPES[wl.dtype].group:  # (bf16 pairs, int8 fours: a block of 5 splits one)
             return plan
-        return _conv.plan_conv2d(wl, self.isa, ic_bn=block)
+        return _conv.plan_conv2d(wl, self.isa, ic_bn=block, engine=plan.engine)
 
     def _read_padded(self, plan: _conv.Conv2dPlan, data: relax.Expr, weight: np.ndarray,
                      bias: np.ndarray | None) -> tuple[_conv.Conv2dPlan, np.ndarray, np.ndarray | None] | None:
@@ -325,18 +325,24 @@ class CpuEmitter:
     def _bf16_conv2d(self, plan: _conv.Conv2dPlan, data: relax.Expr, weight: np.ndarray,
                      bias: np.ndarray | relax.Expr | None, residual: relax.Expr | None,
                      activation: Activation | None, suffix: str, padded_out: bool) -> relax.Expr:
-        """A bfloat16 convolution (AMX or vdpbf16ps; `precision="bf16"`): the data packed in blocks as for fp32,
-        then rounded to bf16 (one pass), the weights rounded and packed here; the kernel
-        accumulates and writes fp32 with the same epilogue, so its readers are unchanged."""
-        if plan.engine == "fma":  # read the producer's blocks (32 channels: 16 pairs), not a re-blocked copy
+        """A bfloat16 convolution (AMX, vdpbf16ps or emulated on FMA; `precision="bf16"`): the data
+        packed in blocks as for fp32, then rounded to bf16 (one pass; emulated, kept in fp32), the
+        weights rounded and packed here; the kernel accumulates and writes fp32 with the same
+        epilogue, so its readers are unchanged."""
+        if plan.engine != "amx":  # read the producer's blocks (32 channels: 16 pairs), not a re-blocked copy
             plan = self._plan(plan, data)
         wl = plan.wl
         if weight.shape[1] < wl.C:  # the zero channel that pairs an odd count (the pack adds the data's)
             weight = np.concatenate([weight, np.zeros((wl.K, wl.C - weight.shape[1], wl.KH, wl.KW), weight.dtype)], 1)
         blocked_out = plan.K_pad == wl.K or padded_out
         packed = self.pack(data, plan.in_bn, wl.padding, padded=True)
-        args = [self.bb.emit(relax.op.astype(packed, "bfloat16")),
-                relax.const(_conv.pack_weight_array(plan, weight))]
+        if plan.engine == "emulated":  # bf16 values in fp32
+            shape = known_shape(image_shape(packed), "conv2d: the blocked data")
+            rounded = self._call(_elementwise.bf16_round_func(shape, self.isa.lanes),
+                                 f"tvm_ext_bf16_round_{'x'.join(map(str, shape))}", [packed], shape)
+        else:
+            rounded = self.bb.emit(relax.op.astype(packed, "bfloat16"))
+        args = [rounded, relax.const(_conv.pack_weight_array(plan, weight))]
         operands, epilogue = self._epilogue(plan, bias, residual, activation, blocked_out, None)
         name = f"tvm_ext_{plan.kind}_conv2d_{_tag(plan)}_bf16_{plan.engine}{suffix}"
         func = self.conv_kernel(plan, epilogue)

@@ -19,8 +19,8 @@ from .base import ACTIVATION_OPS, DATA_MOVEMENT_OPS, POOLS, Decision, channel_sc
 from .cpu_engine import maxdnn_decision
 from .cuda_engine import FUSED_ACTIVATIONS, conv2d_decision
 
-__all__ = ["PRECISIONS", "bf16_conv2d_reason", "channel_affine_reason", "decide", "epilogue_activation",
-           "is_weight_gradient"]
+__all__ = ["PRECISIONS", "bf16_conv2d_reason", "channel_affine_reason", "decide", "emulation_reason",
+           "epilogue_activation", "is_weight_gradient"]
 
 
 PRECISIONS = ("fp32", "bf16")
@@ -32,7 +32,8 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
     convolution engine, see :func:`tvm_ext.strategy.cuda_engine.engine_for`; `winograd`: whether a
     convolution with constant weights may run as Winograd, :mod:`tvm_ext.kernels.winograd` and
     :mod:`tvm_ext.kernels.cuda.winograd`; `precision` "bf16": a CPU convolution may run in
-    bfloat16 (AMX, or AVX512-BF16 where it beats fp32), :func:`bf16_conv2d_reason`; `maxdnn`:
+    bfloat16 (AMX, AVX512-BF16 where it beats fp32, else emulated on FMA: :func:`bf16_engine`),
+    :func:`bf16_conv2d_reason`; `maxdnn`:
     whether a CPU convolution may run on the maxDNN tile,
     :func:`tvm_ext.strategy.cpu_engine.maxdnn_decision`)."""
     op = call.op.name if isinstance(call.op, tvm.ir.Op) else str(call.op)
@@ -85,14 +86,16 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
     if precision == "bf16":
         bf16 = bf16_conv2d_reason(wl, call.args[1], target)
         bf16_on = bf16_engine(target)
-        if bf16 is None and bf16_on == "fma" and winograd and not _winograd.eligible(wl):
-            # (ResNet-50 on Zen 4, batch 1 and 8: 8% and 5% faster with its 3x3 layers so)
-            bf16 = "Winograd's fewer multiplies beat bf16 on vdpbf16ps"
-        if bf16 is None and bf16_on is not None:  # an odd channel count (an RGB stem) gets a zero channel: pairs
+        if bf16 is None and bf16_on != "amx" and winograd and not _winograd.eligible(wl):
+            # (ResNet-50 on Zen 4, batch 1 and 8: 8% and 5% faster with its 3x3 layers so; on FMA
+            # emulated bf16 runs at fp32's rate)
+            bf16 = f"Winograd's fewer multiplies beat {BF16_ENGINES[bf16_on]}"
+        if bf16 is None:  # an odd channel count (an RGB stem) gets a zero channel: pairs
             paired = dataclasses.replace(wl, C=wl.C + wl.C % 2, dtype="bfloat16")
             plan = _conv.plan_conv2d(paired, vector_isa(target), engine=bf16_on)
-            return Decision(op, shapes, f"{plan.kind}_conv2d", f"{BF16_ENGINES[bf16_on]}, fp32 accumulation and output",
-                            plan)
+            why = "" if bf16_on != "emulated" else f" ({emulation_reason(target)})"
+            return Decision(op, shapes, f"{plan.kind}_conv2d",
+                            f"{BF16_ENGINES[bf16_on]}{why}, fp32 accumulation and output", plan)
         bf16 = f"fp32 ({bf16})"
     plan = _conv.plan_conv2d(wl, vector_isa(target))
     winograd_plan = _winograd.winograd_plan(wl, vector_isa(target)) if winograd and not _winograd.eligible(wl) else None
@@ -108,34 +111,39 @@ def decide(call: relax.Call, target: tvm.target.Target, engine: str = "ffma", wi
 
 
 # the bfloat16 convolution's engines, as dispatch_report names them
-BF16_ENGINES = {"amx": "bf16 on AMX tiles", "fma": "bf16 on AVX512-BF16 vdpbf16ps"}
+BF16_ENGINES = {"amx": "bf16 on AMX tiles", "fma": "bf16 on AVX512-BF16 vdpbf16ps",
+                "emulated": "bf16 emulated on fp32 FMA"}
 
 
-def bf16_engine(target: tvm.target.Target) -> str | None:
+def bf16_engine(target: tvm.target.Target) -> str:
     """The engine a bfloat16 convolution runs on for `target`: AMX tiles where the CPU has them
     and the OS grants them, else `vdpbf16ps` vectors where they beat fp32
-    (:func:`~tvm_ext.target.bf16_dot_doubles_fma`: Zen 4 and later), else None."""
+    (:func:`~tvm_ext.target.bf16_dot_doubles_fma`: Zen 4 and later), else "emulated": the same
+    bf16 arithmetic on FMA (:data:`~tvm_ext.intrin.cpu.EMULATED_BF16`), at about fp32's rate."""
     if has_amx_bf16(target) and amx_permitted():
         return "amx"
-    return "fma" if bf16_dot_doubles_fma(target) else None
+    return "fma" if bf16_dot_doubles_fma(target) else "emulated"
+
+
+def emulation_reason(target: tvm.target.Target) -> str:
+    """Why bfloat16 is emulated on `target` (:func:`bf16_engine` says "emulated")."""
+    if has_amx_bf16(target):
+        return "the OS does not let this process use AMX tiles (arch_prctl refused)"
+    if has_avx512_bf16(target):
+        return "the CPU has no AMX-BF16, and its AVX512-BF16 is no faster than fp32"
+    return "the CPU has neither AMX-BF16 nor AVX512-BF16"
 
 
 def bf16_conv2d_reason(wl: _conv.Conv2dWorkload, weight: relax.Expr, target: tvm.target.Target) -> str | None:
     """Why the float32 convolution `wl` does not run in bfloat16 on `target` (`precision="bf16"`),
-    or None: the kernel needs an engine (:func:`bf16_engine`: AMX-BF16, or AVX512-BF16 on a CPU
-    where it beats fp32), a dense convolution (an odd channel count gets a zero channel) and
-    constant weights (rounded and packed at build time)."""
-    if bf16_engine(target) is None:
-        if has_amx_bf16(target):
-            return "the OS does not let this process use AMX tiles (arch_prctl refused)"
-        if has_avx512_bf16(target):
-            return "the CPU has no AMX-BF16, and its AVX512-BF16 is no faster than fp32"
-        return "the CPU has neither AMX-BF16 nor AVX512-BF16"
+    or None: the kernel (on :func:`bf16_engine`'s engine) needs a dense convolution (an odd
+    channel count gets a zero channel) and constant weights (rounded and packed at build time)."""
     if not isinstance(weight, tvm.ir.Constant):
         return "run-time weights"
     if wl.groups == 1 and wl.C % 2:  # (a zero channel pairs the last one)
         wl = dataclasses.replace(wl, C=wl.C + 1)
-    return _conv.low_precision_reason(dataclasses.replace(wl, dtype="bfloat16"), vector_isa(target))
+    return _conv.low_precision_reason(dataclasses.replace(wl, dtype="bfloat16"), vector_isa(target),
+                                      bf16_engine(target))
 
 
 POOL_GRADIENTS = {"relax.grad.max_pool2d_backward": "max", "relax.grad.avg_pool2d_backward": "avg"}

@@ -118,14 +118,14 @@ def default_kernel(plan: _conv.Conv2dPlan, epilogue: _conv.Epilogue, isa) -> tvm
 
 def tunable(plan: _conv.Conv2dPlan, epilogue: _conv.Epilogue) -> bool:
     """Whether a kernel has a design space: the BRGEMM kind with a blocked output, on the vector
-    registers (fp32, bf16 on `vdpbf16ps`, int8 on VNNI).
+    registers (fp32, bf16 on `vdpbf16ps` or emulated on FMA, int8 on VNNI).
 
     Depthwise and direct kernels keep their schedule. So do kernels that write NCHW (output
     channels that do not fill their last block, e.g. a 1000-class classifier): their register
     transposes are `Shuffle` nodes, which MetaSchedule's FLOP estimator rejects. And AMX kernels:
     the space's register tiles are the vector registers', not AMX's tiles.
     """
-    return plan.kind == "brgemm" and plan.engine == "fma" and not epilogue.nchw_out
+    return plan.kind == "brgemm" and plan.engine != "amx" and not epilogue.nchw_out
 
 
 def conv2d_space(sch: Schedule) -> None:
