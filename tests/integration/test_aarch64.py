@@ -3,6 +3,7 @@ SVE), linked by the cross linker and run under qemu-user with TVM's AArch64 runt
 (tvm_ext.testing.aarch64), against float64 PyTorch. `make aarch64` prepares the emulator and its
 sysroot; without them these tests skip and say so."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -46,15 +47,17 @@ def _conv_config(rng: np.random.Generator) -> dict:
             "residual": bool(rng.random() < 0.3)}
 
 
-def _conv_graph(cfg: dict, rng: np.random.Generator):
+def _conv_graph(cfg: dict, rng: np.random.Generator, bf16: bool = False):
     """The Relax graph of `cfg` (constant weights, as an importer writes them), its inputs and
-    the float64 PyTorch reference."""
+    the float64 PyTorch reference (`bf16`: of the data and weights rounded to bfloat16)."""
     n, c, h, w, k, groups = cfg["n"], cfg["c"], cfg["h"], cfg["w"], cfg["k"], cfg["groups"]
     x = rng.standard_normal((n, c, h, w)).astype(np.float32)
     weight = rng.standard_normal((k, c // groups, *cfg["kernel"])).astype(np.float32)
     bias = rng.standard_normal(k).astype(np.float32)
     pt, pl, pb, pr = cfg["padding"]
-    ref = F.conv2d(F.pad(torch.from_numpy(x).double(), (pl, pr, pt, pb)), torch.from_numpy(weight).double(),
+    rounded = [v.astype(ml_dtypes.bfloat16) if bf16 else v for v in (x, weight)]
+    ref = F.conv2d(F.pad(torch.from_numpy(rounded[0].astype(np.float64)), (pl, pr, pt, pb)),
+                   torch.from_numpy(rounded[1].astype(np.float64)),
                    torch.from_numpy(bias).double() if cfg["bias"] else None, cfg["stride"], 0, cfg["dilation"], groups)
     act, act_ref = ACTIVATIONS[cfg["activation"]]
     ref = act_ref(ref)
@@ -79,16 +82,17 @@ def _conv_graph(cfg: dict, rng: np.random.Generator):
     return bb.get(), inputs, ref.numpy()
 
 
-def _run_all(modules, winograd: bool = False) -> list:
+def _run_all(modules, winograd: bool = False, precision: str = "fp32") -> list:
     """Build each (module, inputs) for NEON and run them all in one emulator process."""
-    cases = [aarch64.Case(tvm_ext.build(mod, TARGET, winograd=winograd), inputs) for mod, inputs in modules]
+    cases = [aarch64.Case(tvm_ext.build(mod, TARGET, winograd=winograd, precision=precision), inputs)
+             for mod, inputs in modules]
     return aarch64.run(cases)
 
 
-def _assert_right_on_neon(graphs: list, tolerance: float, winograd: bool = False) -> None:
+def _assert_right_on_neon(graphs: list, tolerance: float, winograd: bool = False, precision: str = "fp32") -> None:
     """Run every (config, module, inputs, float64 reference) on NEON, in one emulator process:
     each output within `tolerance` (relative to its largest value) of its reference."""
-    results = _run_all([(mod, inputs) for _, mod, inputs, _ in graphs], winograd)
+    results = _run_all([(mod, inputs) for _, mod, inputs, _ in graphs], winograd, precision)
     for (cfg, _, _, ref), got in zip(graphs, results, strict=True):
         assert not isinstance(got, str), f"{cfg}\n{got}"
         assert got[0].shape == ref.shape and rel_err(got[0], ref) <= tolerance, (cfg, rel_err(got[0], ref))
@@ -107,6 +111,20 @@ def test_random_convolutions_on_neon():
     for cfg, mod, _, _ in graphs:
         assert "fallback" not in _conv_kernels(mod), cfg
     _assert_right_on_neon(graphs, 1e-5)
+
+
+@needs_emulator
+def test_emulated_bf16_convolutions_on_neon():
+    """precision="bf16" on NEON (no bf16 dot product on a Cortex-A72): 12 random dense
+    convolutions emulated on FMA with their epilogues, within 1e-5 of float64 on the bf16-rounded
+    data and weights (what the kernel multiplies exactly)."""
+    rng = np.random.default_rng(34)
+    configs = [cfg for cfg in (_conv_config(rng) for _ in range(40)) if cfg["groups"] == 1][:12]
+    graphs = [(cfg, *_conv_graph(cfg, rng, bf16=True)) for cfg in configs]
+    for cfg, mod, _, _ in graphs:
+        reasons = [r.reason for r in tvm_ext.dispatch_report(mod, TARGET, precision="bf16") if r.op == "nn.conv2d"]
+        assert reasons[0].startswith("bf16 emulated on fp32 FMA"), (cfg, reasons)
+    _assert_right_on_neon(graphs, 1e-5, precision="bf16")
 
 
 @needs_emulator
