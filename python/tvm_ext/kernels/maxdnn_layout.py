@@ -25,7 +25,7 @@ from tvm import s_tir, te, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from .common import KERNEL_ATTR, param_buffer
+from .common import KERNEL_ATTR, accept_user_alignment, param_buffer
 from .conv2d_maxdnn import Epilogue, MaxDNNCpuPlan
 from .transpose import TILE, transpose8x8
 
@@ -72,7 +72,10 @@ def tile_input_func(plan: MaxDNNCpuPlan, source_shape: Sequence[int], block: int
         return tirx.if_then_else(inside, value, tirx.const(0.0, "float32"))
 
     y = te.compute(plan.data_shape(), body, name="tile_input")
-    sch = s_tir.Schedule(te.create_prim_func([x, y]))
+    func = te.create_prim_func([x, y])
+    # NCHW data may be a user's array (`ops.conv2d`): NumPy aligns it to 16 bytes, not TVM's 64,
+    # and LLVM's aligned vector loads of it crashed the process where it was not
+    sch = s_tir.Schedule(accept_user_alignment(func, "data") if block is None else func)
     nb, h, w, c, j = sch.get_loops(sch.get_sblock("tile_input"))
     sch.parallel(sch.fuse(nb, h))
     return sch.mod["main"].with_attr(KERNEL_ATTR, "maxdnn_tile_input")

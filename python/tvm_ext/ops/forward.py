@@ -27,11 +27,14 @@ import tvm_ffi
 
 from ..errors import UnsupportedError
 from ..kernels import conv2d as _conv
+from ..kernels import conv2d_maxdnn as _maxdnn
 from ..kernels import elementwise as _elementwise
 from ..kernels import layout as _layout
+from ..kernels import maxdnn_layout as _maxdnn_layout
 from ..kernels import pool2d as _pool
 from ..kernels import script as _script
 from ..kernels.common import KERNEL_ATTR, STACK_BUFFER_CONFIG, USER_ALIGNMENT
+from ..strategy.cpu_engine import check_maxdnn, maxdnn_decision, tile_out_block
 from ..target import TargetLike, check_cpu_features, resolve_target, vector_isa
 
 logger = logging.getLogger("tvm_ext")
@@ -361,11 +364,19 @@ def run_kernel(key: tuple, make, target, inputs: list[np.ndarray], out_shape,
 
 
 def conv2d_plan(x_shape, w_shape, *, stride=1, padding=0, dilation=1, groups: int = 1,
-                target: TargetLike = None) -> _conv.Conv2dPlan:
-    """The plan (kernel kind, blocking, register tile) `conv2d` uses for these arguments."""
+                target: TargetLike = None, maxdnn: str = "auto") -> _conv.Conv2dPlan | _maxdnn.MaxDNNCpuPlan:
+    """The plan `conv2d` uses for these arguments: the blocked kernel's (kind, blocking, register
+    tile), or the maxDNN tile's where `maxdnn` lets it serve (:func:`conv2d`)."""
+    check_maxdnn(maxdnn)
     stride, padding, dilation, groups = conv_options("conv2d", w_shape, stride, padding, dilation, groups)
     wl = _conv.Conv2dWorkload.make(x_shape, w_shape, stride, padding, dilation, groups)
-    plan = _conv.plan_conv2d(wl, vector_isa(target))
+    isa = vector_isa(target)
+    plan = _conv.plan_conv2d(wl, isa)
+    tile, why = maxdnn_decision(wl, isa, plan, None, True, maxdnn)
+    if tile is not None:
+        return tile
+    if why:  # (maxdnn="always" where the tile cannot serve)
+        logger.info("tvm_ext conv2d %s: %s", x_shape, why)
     if plan.kind == "direct":
         logger.warning("tvm_ext conv2d %s: fallback to the direct schedule: %s", x_shape, plan.reason)
     return plan
@@ -404,6 +415,11 @@ class _Conv2dKernel:
                        + (_nbytes((plan.OCB, plan.oc_bn)) if bias else 0))
         self.lock = threading.Lock()  # the workspace belongs to one call at a time
 
+    @property
+    def layout(self) -> tuple:
+        """What a packed weight's layout depends on (:class:`Conv2d` packs once per layout)."""
+        return (self.plan.kind, self.plan.weight_shape())
+
     def packed_weight(self, w: np.ndarray) -> tvm.runtime.Tensor:
         """`w` in the kernel's blocked layout, in memory of its own (for :class:`Conv2d`)."""
         if self.pack_weight is None:
@@ -441,6 +457,59 @@ class _Conv2dKernel:
         return out
 
 
+class _MaxDNNConv2dKernel:
+    """A compiled conv2d signature on the maxDNN tile (:mod:`tvm_ext.kernels.conv2d_maxdnn`: the
+    images in the vector lanes): the NCHW data into the tile's layout, the tile's kernel, its
+    output back to channel blocks with the bias, then NCHW; the weights laid out by NumPy (once,
+    by :class:`Conv2d`). The intermediate tensors are the signature's workspace, as
+    :class:`_Conv2dKernel`'s."""
+
+    def __init__(self, plan: _maxdnn.MaxDNNCpuPlan, blocked: _conv.Conv2dPlan, target: tvm.target.Target,
+                 bias: bool):
+        wl = self.wl = plan.wl
+        self.plan = plan
+        block = tile_out_block(blocked)
+        blocked_shape = (wl.N, wl.K // block, wl.OH, wl.OW, block)
+        self.tile_input = build_kernel(_maxdnn_layout.tile_input_func(plan, (wl.N, wl.C, wl.H, wl.W), None), target)
+        self.conv = build_kernel(_maxdnn.maxdnn_conv2d_kernel(plan), target)
+        self.tile_output = build_kernel(_maxdnn_layout.tile_output_func(plan, block, _maxdnn.Epilogue(bias=bias)),
+                                        target)
+        self.unpack = build_kernel(_layout.unpack_nchwc_func(blocked_shape, wl.K), target)
+        self.data, self.sums, self.blocked = (as_tvm(aligned_empty(shape)) for shape in (
+            plan.data_shape(), plan.out_shape(), blocked_shape))
+        self.weight = as_tvm(aligned_empty(plan.weight_shape()))
+        self.bias = as_tvm(np.zeros(wl.K, np.float32)) if bias else None
+        self.nbytes = 4 * KERNEL_BYTES + sum(_nbytes(shape) for shape in (
+            plan.data_shape(), plan.out_shape(), blocked_shape, plan.weight_shape())) + (4 * wl.K if bias else 0)
+        self.lock = threading.Lock()
+
+    @property
+    def layout(self) -> tuple:
+        return ("maxdnn", self.plan.weight_shape())
+
+    def packed_weight(self, w: np.ndarray) -> tvm.runtime.Tensor:
+        """`w` in the tile's layout (:meth:`MaxDNNCpuPlan.weight_shape`), in memory of its own."""
+        return as_tvm(_maxdnn.pack_weight(self.plan, w))
+
+    def __call__(self, x: np.ndarray, w: np.ndarray | tvm.runtime.Tensor, bias: np.ndarray | None) -> np.ndarray:
+        out = aligned_empty(self.wl.out_shape)
+        with self.lock:
+            self.tile_input(as_tvm(x, USER_ALIGNMENT), self.data)
+            if isinstance(w, np.ndarray):
+                self.weight.copyfrom(_maxdnn.pack_weight(self.plan, w))
+                w = self.weight
+            self.conv(self.data, w, self.sums)
+            if self.bias is not None:
+                if bias is None:
+                    raise ValueError("conv2d: this kernel adds a bias and none was given")
+                self.bias.copyfrom(np.ascontiguousarray(bias, np.float32))
+                self.tile_output(self.sums, self.bias, self.blocked)
+            else:
+                self.tile_output(self.sums, self.blocked)
+            self.unpack(self.blocked, as_tvm(out))
+        return out
+
+
 def _empty_conv(x_shape, w_shape, stride, padding, dilation, groups) -> np.ndarray:
     """A batch of no images: PyTorch's empty (0, K, OH, OW) result, the shapes still validated."""
     wl = _conv.Conv2dWorkload.make((1, *x_shape[1:]), w_shape, stride, padding, dilation, groups)
@@ -448,15 +517,20 @@ def _empty_conv(x_shape, w_shape, stride, padding, dilation, groups) -> np.ndarr
 
 
 def conv2d(x, w, bias=None, *, stride: int | Sequence[int] = 1, padding: int | str | Sequence[int] = 0,
-           dilation: int | Sequence[int] = 1, groups: int = 1, target: TargetLike = None) -> np.ndarray:
+           dilation: int | Sequence[int] = 1, groups: int = 1, target: TargetLike = None,
+           maxdnn: str = "auto") -> np.ndarray:
     """2-D convolution (cross-correlation, as in PyTorch) of NCHW `x` with OIHW `w`.
 
     padding: int, (ph, pw), (top, left, bottom, right), "valid" or "same" (stride 1; PyTorch's
-    split). Integers may be NumPy's. Raises ValueError naming the problem for mismatched channels,
+    split). Integers may be NumPy's. `maxdnn` (CPU targets), as `tvm_ext.build`'s: "auto" runs a
+    layer on the maxDNN tile (images in the vector lanes) where the cost model expects it faster
+    than the blocked kernel (large batches of small images), "always" wherever it can (not
+    grouped), "never". Raises ValueError naming the problem for mismatched channels,
     negative padding, a kernel larger than the padded input, empty inputs other than a batch of 0
     (which gives an empty result), or a dtype other than float32; UnsupportedError for tensors of
     more than 2^31 - 1 elements. A repeated signature goes straight to its compiled kernel.
     """
+    check_maxdnn(maxdnn)
     x = check_array("conv2d data", x, 4)
     w = check_array("conv2d weight", w, 4)
     if bias is not None:
@@ -469,7 +543,8 @@ def conv2d(x, w, bias=None, *, stride: int | Sequence[int] = 1, padding: int | s
         return _empty_conv(x.shape, w.shape, stride, padding, dilation, groups)
     if resolve_target(target).kind.name != "llvm":  # CPU kernels read the pixels they use in place (nchw_in)
         x, stride = _pointwise_subsample(x, w.shape, stride, padding)
-    kernel = _conv_kernel(x.shape, w.shape, bias is not None, stride, padding, dilation, groups, target)
+    kernel = _conv_kernel(x.shape, w.shape, bias is not None, stride, padding, dilation, groups, target,
+                          maxdnn=maxdnn)
     return kernel(_contiguous(x), _contiguous(w), None if bias is None else _contiguous(bias))
 
 
@@ -489,14 +564,18 @@ def _runtime_threads() -> int:
     return int(tvm.get_global_func("runtime.NumThreads")())
 
 
+_CpuConv2dKernel = _Conv2dKernel | _MaxDNNConv2dKernel
+
+
 def _conv_kernel(x_shape, w_shape, bias: bool, stride, padding, dilation, groups,
-                 target, prepacked: bool = False) -> _Conv2dKernel | _CudaConv2dKernel:
+                 target, prepacked: bool = False, maxdnn: str = "auto") -> _CpuConv2dKernel | _CudaConv2dKernel:
     """The kernel of a signature whose options :func:`conv_options` normalized. `prepacked`:
     its calls bring weights :meth:`_Conv2dKernel.packed_weight` laid out (:class:`Conv2d`);
     otherwise OIHW weights, which large layers lay out inside the convolution."""
-    key = ("conv2d", x_shape, w_shape, bias, stride, padding, dilation, groups, _target_key(target), prepacked)
+    key = ("conv2d", x_shape, w_shape, bias, stride, padding, dilation, groups, _target_key(target), prepacked,
+           maxdnn)
 
-    def make() -> _Conv2dKernel | _CudaConv2dKernel:
+    def make() -> _CpuConv2dKernel | _CudaConv2dKernel:
         resolved = resolve_target(target)
         wl = _conv.Conv2dWorkload.make(x_shape, w_shape, stride, padding, dilation, groups)
         check_elements("conv2d padded data", (wl.N, wl.C, wl.HP, wl.WP))
@@ -504,7 +583,12 @@ def _conv_kernel(x_shape, w_shape, bias: bool, stride, padding, dilation, groups
         if resolved.kind.name == "cuda":
             return _CudaConv2dKernel(wl, resolved, bias)
         plan = conv2d_plan(x_shape, w_shape, stride=stride, padding=padding, dilation=dilation,
-                           groups=groups, target=resolved)
+                           groups=groups, target=resolved, maxdnn=maxdnn)
+        if isinstance(plan, _maxdnn.MaxDNNCpuPlan):
+            for what, shape in (("data", plan.data_shape()), ("weight", plan.weight_shape()),
+                                ("output", plan.out_shape())):
+                check_elements(f"conv2d maxdnn tile {what}", shape)
+            return _MaxDNNConv2dKernel(plan, _conv.plan_conv2d(wl, vector_isa(resolved)), resolved, bias)
         check_elements("conv2d blocked data", plan.data_shape())
         check_elements("conv2d blocked weight", plan.weight_shape())
         if not prepacked:
@@ -554,11 +638,13 @@ class Conv2d:
     `ops.conv2d` re-lays out its weights at each call, as a stateless API must (the caller may
     change them); this is the inference-time form (cuDNN keeps its filter in place the same way,
     and oneDNN calls it prepacking). Copy semantics: the weights are read when first packed.
-    Options are as :func:`conv2d`'s, checked here ("same" is resolved from the weights).
+    Options are as :func:`conv2d`'s (`maxdnn` too), checked here ("same" is resolved from the weights).
     """
 
     def __init__(self, weight, bias=None, *, stride=1, padding=0, dilation=1, groups: int = 1,
-                 target: TargetLike = None):
+                 target: TargetLike = None, maxdnn: str = "auto"):
+        check_maxdnn(maxdnn)
+        self.maxdnn = maxdnn
         self.weight = check_array("Conv2d weight", weight, 4).copy()
         self.bias = None if bias is None else check_array("Conv2d bias", bias, 1).copy()
         if self.bias is not None and self.bias.shape[0] != self.weight.shape[0]:
@@ -581,12 +667,13 @@ class Conv2d:
         if x.shape[0] == 0:
             return _empty_conv(x.shape, self.weight.shape,
                                **{k: v for k, v in self.options.items() if k != "target"})
-        kernel = _conv_kernel(x.shape, self.weight.shape, self.bias is not None, **self.options, prepacked=True)
-        if not isinstance(kernel, _Conv2dKernel):  # refused in __init__: only CPU kernels prepack
+        kernel = _conv_kernel(x.shape, self.weight.shape, self.bias is not None, **self.options, prepacked=True,
+                              maxdnn=self.maxdnn)
+        if not isinstance(kernel, (_Conv2dKernel, _MaxDNNConv2dKernel)):  # refused in __init__: only CPU kernels
             raise UnsupportedError(f"Conv2d: no prepacked kernel for target {self.options['target']!r}")
         packed = self._packed.get(x.shape)
         if packed is None:
-            layout = (kernel.plan.kind, kernel.plan.weight_shape())
+            layout = kernel.layout
             packed = self._layouts.get(layout)
             if packed is None:
                 packed = self._layouts[layout] = kernel.packed_weight(self.weight)
