@@ -137,6 +137,52 @@ def test_bf16_convolutions_read_their_producers_blocks():
     assert [name for name in calls if "pack_nchwc" in name] == [calls[0], calls[-1]], calls  # in and out only
 
 
+def _resnet_block() -> tvm.IRModule:
+    """A bottleneck: 1x1 -> 3x3 (Winograd on Zen 4) -> 1x1 + shortcut -> relu, then a strided 3x3
+    (bf16) -> 1x1: the activations the next convolution alone reads, and one it shares."""
+    rng = np.random.default_rng(5)
+    op = relax.op
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 64, 14, 14), "float32"))
+
+    def conv(z, c_out, c_in, k, stride=1):
+        w = relax.const((rng.standard_normal((c_out, c_in, k, k)) * 0.1).astype(np.float32))
+        b = relax.const((rng.standard_normal((1, c_out, 1, 1)) * 0.1).astype(np.float32))
+        return op.add(op.nn.conv2d(z, w, strides=stride, padding=k // 2), b)
+
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(op.nn.relu(conv(x, 32, 64, 1)))
+            y = bb.emit(op.nn.relu(conv(y, 32, 32, 3)))
+            y = bb.emit(op.nn.relu(op.add(conv(y, 64, 32, 1), x)))
+            y = bb.emit(op.nn.relu(conv(y, 64, 64, 3, stride=2)))
+            out = bb.emit_output(conv(y, 96, 64, 1))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_bf16_convolutions_read_bf16_their_producers_wrote(monkeypatch):
+    """Activations between kernels in bf16 (issue 34): a convolution whose output only a bf16
+    convolution reads writes it rounded to bf16 itself (Winograd's output transform, the BRGEMM
+    kernel), instead of an fp32 tensor and a rounding pass; the block's output, which the shortcut
+    also reads, stays fp32 and is rounded for its bf16 reader. The values are the same, bit for
+    bit."""
+    from tvm_ext.strategy import dispatch
+
+    mod = _resnet_block()
+    zen4 = tvm.target.Target({"kind": "llvm", "mcpu": "znver4"})
+    calls = kernel_calls(mod, zen4, precision="bf16")
+    writers = [name for name in calls if name.endswith("_bf16")]
+    assert len(writers) == 3 and any("winograd" in name for name in writers), calls  # 1x1 -> 3x3 -> 1x1; 3x3 -> 1x1
+    if ENGINE != "fma":
+        return  # (built for Zen 4; run where the CPU has AVX512-BF16)
+    x = tvm.runtime.tensor(np.random.default_rng(6).standard_normal((1, 64, 14, 14)).astype(np.float32))
+    with_pass = relax.VirtualMachine(tvm_ext.build(mod, zen4, precision="bf16"), tvm.cpu())["main"](x).numpy()
+    monkeypatch.setattr(dispatch, "write_bf16_activations", lambda lowered, _make: lowered)
+    without = relax.VirtualMachine(tvm_ext.build(mod, zen4, precision="bf16"), tvm.cpu())["main"](x).numpy()
+    assert np.array_equal(with_pass, without)
+
+
 def test_precision_is_checked_before_anything_compiles():
     mod = _net()
     with pytest.raises(ValueError, match="precision must be one of"):

@@ -5,6 +5,8 @@ channels), fp32 products, sums and output. Checked against float64 on the bf16-r
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -233,3 +235,57 @@ def test_amx_tiles_are_granted_where_the_cpu_and_kernel_have_them():
     if not has_amx_bf16(TARGET) or release < (5, 16):
         pytest.skip("no AMX-BF16 on this CPU, or a kernel before 5.16")
     assert amx_permitted()
+
+
+@pytest.mark.parametrize("dtype, shape, padding", [
+    ("float32", ((1, 64, 14, 14), (64, 64, 1, 1)), 0), ("float32", ((2, 32, 9, 11), (40, 32, 3, 3)), 1),
+    pytest.param("bfloat16", ((1, 64, 14, 14), (64, 64, 3, 3)), 1,
+                 marks=pytest.mark.skipif(not has_avx512_bf16(TARGET), reason="no AVX512-BF16")),
+    ("winograd", ((1, 64, 14, 14), (64, 64, 3, 3)), 1)])
+@pytest.mark.parametrize("epilogue", [Epilogue(bias=True, activation="relu"), Epilogue(bias=True, residual=True),
+                                      Epilogue(out_pad=(1, 1, 1, 1)),
+                                      Epilogue(activation="sigmoid", out_pad=(0, 1, 2, 1))])
+def test_a_bf16_output_is_the_fp32_output_rounded(dtype, shape, padding, epilogue):
+    """A convolution writing its bf16 readers' input (Epilogue.out_dtype "bfloat16": the BRGEMM
+    kernel from fp32 sums in a row, Winograd's output transform) writes the fp32 kernel's output
+    rounded to nearest even, bit for bit: its border (zero bits) and channels past K included."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvm_ext.kernels.winograd import bf16_output_reason, winograd_plan
+    from tvm_ext.tuning.space import default_kernel
+
+    if dtype == "winograd" and bf16_output_reason(epilogue):  # (refused: the next test)
+        return
+    isa = vector_isa(TARGET)
+    wl = Conv2dWorkload.make(*shape, 1, padding, dtype="float32" if dtype == "winograd" else dtype)
+    plan = winograd_plan(wl, isa) if dtype == "winograd" else plan_conv2d(wl, AVX512 if dtype == "bfloat16" else isa)
+    kernels = [default_kernel(plan, dataclasses.replace(epilogue, out_dtype=out), isa)
+               for out in ("float32", "bfloat16")]
+    rng = np.random.default_rng(4)
+    infos = ms.arg_info.ArgInfo.from_prim_func(kernels[0])
+    inputs = [tvm.runtime.tensor(rng.standard_normal(tuple(int(e) for e in info.shape)).astype(
+        ml_dtypes.bfloat16 if str(info.dtype) == "bfloat16" else np.float32)) for info in infos[:-1]]
+    outputs = []
+    for kernel, out_dtype in zip(kernels, ("float32", "bfloat16"), strict=True):
+        out = tvm.runtime.tensor(np.full(tuple(int(e) for e in infos[-1].shape), 7, np.float32).astype(
+            ml_dtypes.bfloat16 if out_dtype == "bfloat16" else np.float32))
+        compile_kernel(kernel, TARGET)(*inputs, out)
+        outputs.append(out.numpy())
+    expected = outputs[0].astype(ml_dtypes.bfloat16)
+    assert outputs[1].dtype == ml_dtypes.bfloat16
+    assert np.array_equal(outputs[1].view(np.uint16), expected.view(np.uint16))
+
+
+def test_a_bf16_output_takes_no_gradient_mask_and_no_int8():
+    from tvm_ext.kernels.winograd import output_transform_func, winograd_plan
+
+    plan = winograd_plan(Conv2dWorkload.make((1, 64, 14, 14), (64, 64, 3, 3), 1, 1), vector_isa(TARGET))
+    with pytest.raises(ValueError, match="no bf16 output after sigmoid"):
+        output_transform_func(plan, Epilogue(activation="sigmoid", out_dtype="bfloat16"))
+    with pytest.raises(ValueError, match="a bfloat16 output is a blocked forward activation"):
+        Epilogue(mask="relu", out_dtype="bfloat16")
+    with pytest.raises(ValueError, match="a bfloat16 output is a blocked forward activation"):
+        Epilogue(nchw_out=True, out_dtype="bfloat16")
+    with pytest.raises(ValueError, match="cannot take"):
+        conv2d_blocked_kernel(plan_conv2d(Conv2dWorkload.make((1, 32, 8, 8), (32, 32, 1, 1), dtype="int8"), AVX512),
+                              16, Epilogue(out_dtype="bfloat16"))

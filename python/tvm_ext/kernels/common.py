@@ -92,6 +92,21 @@ def activation_expr(name: str, value: tirx.PrimExpr, alpha: float = 0.01, *,
     return eval(text, {"T": tvm.script.tirx, "v": value, **functions})  # noqa: S307
 
 
+def bf16_bits(value: tirx.Var) -> tirx.PrimExpr:
+    """The bits (uint16) of the bfloat16 nearest to float32 `value`, ties to even, as `astype`
+    rounds; a NaN stays a quiet NaN (the rounding carry would make some infinite). Integer
+    arithmetic: TVM's bf16 legalization refused the Let expressions of an activation inside a
+    cast to bfloat16. `value` is read three times: a bound variable."""
+    bits = tirx.reinterpret("uint32", value)
+
+    def u32(v: int) -> tirx.PrimExpr:
+        return tirx.const(v, "uint32")
+
+    rounded = (bits + u32(0x7FFF) + ((bits >> u32(16)) & u32(1))) >> u32(16)
+    nan = (bits | u32(0x00400000)) >> u32(16)
+    return tirx.Cast("uint16", tirx.Select((bits & u32(0x7FFFFFFF)) > u32(0x7F800000), nan, rounded))
+
+
 def param_buffer(name: str, shape, align: int = -1, dtype: str = "float32") -> tirx.Buffer:
     """A parameter `name` of the PrimFunc being built and its buffer (named in capitals)."""
     return IRBuilder.name(name.upper(), T.match_buffer(T.arg(name, T.handle()), shape, dtype, align=align))

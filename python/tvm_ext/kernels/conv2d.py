@@ -40,6 +40,7 @@ from .common import (
     USER_ALIGNMENT,
     accept_user_alignment,
     activation_expr,
+    bf16_bits,
     normalize_padding,
     pair,
     param_buffer,
@@ -535,7 +536,9 @@ class Epilogue:
     mask_pad: tuple[int, int, int, int] = (0, 0, 0, 0)
     # An int8 workload's output (its sums are int32, times a per-channel scale: :func:`quantized_value`):
     # "float32", or quantized to "uint8" / "int8" with this zero point (also the value of out_pad's
-    # border: the next convolution's padding) after a multiplication by out_scale.
+    # border: the next convolution's padding) after a multiplication by out_scale. A float
+    # workload's: "float32", or "bfloat16" (rounded to nearest even: the input of bf16
+    # convolutions, written here instead of by a rounding pass of theirs).
     out_dtype: str = "float32"
     zero_point: int = 0
     out_scale: float = 1.0
@@ -561,8 +564,10 @@ class Epilogue:
             raise ValueError(f"epilogue: mask {self.mask!r} not in {MASKS}")
         if any(self.mask_pad) and (self.mask is None or self.nchw_out):
             raise ValueError("epilogue: mask_pad applies to a mask read in the blocked layout")
-        if self.out_dtype not in QUANTIZED_RANGES and self.out_dtype != "float32":
-            raise ValueError(f"epilogue: out_dtype {self.out_dtype!r} is not float32, uint8 or int8")
+        if self.out_dtype not in QUANTIZED_RANGES and self.out_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"epilogue: out_dtype {self.out_dtype!r} is not float32, bfloat16, uint8 or int8")
+        if self.out_dtype == "bfloat16" and (self.mask or self.nchw_out or self.units or self.add):
+            raise ValueError("epilogue: a bfloat16 output is a blocked forward activation (no mask, no NCHW)")
         low, high = QUANTIZED_RANGES.get(self.out_dtype, (0, 0))
         if not low <= self.zero_point <= high:
             raise ValueError(f"epilogue: zero_point {self.zero_point} is outside {self.out_dtype}'s range")
@@ -600,8 +605,8 @@ class Epilogue:
 # kernel, 8 of the 24 s of a ResNet-50 build. (The same IR: structurally equal.)
 
 
-def _alias(name: str, of: tirx.Buffer) -> tirx.Buffer:
-    return IRBuilder.name(name, T.decl_buffer(of.shape, of.dtype, data=of.data))
+def _alias(name: str, of: tirx.Buffer, dtype: str | None = None) -> tirx.Buffer:
+    return IRBuilder.name(name, T.decl_buffer(of.shape, dtype or of.dtype, data=of.data))
 
 
 def _segment(plan: Conv2dPlan, name: str, width: int, start: int, row: tuple, out: tirx.Buffer,
@@ -774,7 +779,8 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
     # exact below 2**24) quantized by the epilogue
     quantizing = wl.dtype == "int8" or epilogue.quantized
     if (quantizing and wl.dtype == "bfloat16") or (
-            quantizing and (epilogue.residual or epilogue.mask or epilogue.nchw_out or plan.oihw_weight)):
+            quantizing and (epilogue.residual or epilogue.mask or epilogue.nchw_out or plan.oihw_weight)) or (
+            epilogue.out_dtype == "bfloat16" and wl.dtype == "int8"):
         raise ValueError(f"conv2d: a {wl.dtype} workload cannot take {epilogue}")
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("conv")
@@ -805,6 +811,9 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
         if plan.nchw_in:  # after the parameters: a declared buffer opens a frame
             x = plan.data_view(x)
         border = tirx.const(0 if epilogue.units else epilogue.zero_point, epilogue.buffer_dtype)
+        if epilogue.buffer_dtype == "bfloat16":  # written as bits (:func:`~.common.bf16_bits`)
+            y_bits = y_border = _alias("Y_bits", y, "uint16")
+            border = tirx.const(0, "uint16")
         with contextlib.ExitStack() as loops:
             if plan.oihw_weight:
                 # One task per output block: its weights laid out in a scratch of the task (the
@@ -826,6 +835,16 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
                 for (_, width, start), row_buffer in zip(plan.row_segments(), rows, strict=True):
                     _write_nchw(plan, epilogue, row_buffer, width, start, out, bias, residual, mask, v_n, v_ob,
                                 v_oh)
+            elif epilogue.out_dtype == "bfloat16":  # fp32 sums in a row, then rounded to the blocked output
+                rows, (v_n, v_ob, v_oh) = _scratch_rows(plan, row, x, w)
+                for (_, width, start), row_buffer in zip(plan.row_segments(), rows, strict=True):
+                    with T.serial(0, width) as ow, T.vectorized(0, plan.oc_bn) as o:
+                        value = _epilogue_value(epilogue, row_buffer[ow, o], _load(bias, [v_ob, o]),
+                                                _load(residual, [v_n, v_ob, v_oh, ow + start, o]))
+                        if plan.K_pad > wl.K:  # the channels past K are zeros, whatever the input held
+                            value = T.Select(v_ob * plan.oc_bn + o < wl.K, value, T.float32(0))
+                        T.buffer_store(y_bits, bf16_bits(T.Bind(value)),
+                                       [v_n, v_ob, v_oh + top, ow + (start + left), o])
             elif scale is not None:  # int8: the int32 sums to the blocked output of the epilogue's dtype
                 rows, (v_n, v_ob, v_oh) = _scratch_rows(plan, row, x, w)
                 for (_, width, start), row_buffer in zip(plan.row_segments(), rows, strict=True):

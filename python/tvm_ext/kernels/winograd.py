@@ -36,7 +36,7 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from .common import KERNEL_ATTR, activation_expr, param_buffer
+from .common import ACTIVATIONS, KERNEL_ATTR, activation_expr, bf16_bits, param_buffer
 from .conv2d import IMAGES_INSIDE_BLOCKS, Conv2dPlan, Conv2dWorkload, Epilogue, plan_conv2d
 
 # Interpolation points of F(m, r) by the tile size a = m + r - 1 (the point at infinity is
@@ -258,6 +258,16 @@ def input_transform_func(plan: Conv2dPlan) -> tirx.PrimFunc:
     return builder.get().with_attr(KERNEL_ATTR, "winograd_input_transform")
 
 
+def bf16_output_reason(epilogue: Epilogue) -> str | None:
+    """Why the output transform cannot write `epilogue` in bfloat16 (None: it can). The
+    activations built on a vectorized exp or erf bind variables inside the value (Let
+    expressions), and TVM's passes refused them bound again for the rounding to bf16 (a conflict
+    of their ranges in the arithmetic analyzer)."""
+    if epilogue.activation and "_vector_" in ACTIVATIONS[epilogue.activation]:
+        return f"{epilogue.activation} (vectorized exp or erf) before a rounding to bf16"
+    return None
+
+
 def output_transform_func(plan: Conv2dPlan, epilogue: Epilogue | None = None) -> tirx.PrimFunc:
     """The GEMM's output (N, a² K/y, the :func:`grid` of tiles, y) -> the blocked output
     (N, K/y, OH, OW, y) with `epilogue`'s border: A^T M A per tile, then + bias, + shortcut
@@ -268,6 +278,8 @@ def output_transform_func(plan: Conv2dPlan, epilogue: Epilogue | None = None) ->
     if epilogue.mask:
         raise ValueError("winograd: the output transform applies no mask (a gradient's convolutions have "
                          "run-time weights, which Winograd does not take)")
+    if epilogue.buffer_dtype == "bfloat16" and bf16_output_reason(epilogue):
+        raise ValueError(f"winograd: no bf16 output after {bf16_output_reason(epilogue)}")
     wl, m = plan.wl, plan.m_r
     at, _, _ = matrices(plan)
     a, (th, tw), ocb = at.shape[1], tiles(plan), wl.K // plan.oc_bn
@@ -279,7 +291,9 @@ def output_transform_func(plan: Conv2dPlan, epilogue: Epilogue | None = None) ->
         products = param_buffer("mm", (wl.N, a * a * ocb, *grid(plan), plan.oc_bn))
         bias = param_buffer("b", (ocb, plan.oc_bn)) if epilogue.bias else None
         residual = param_buffer("r", plan.out_shape()) if epilogue.residual else None
-        y = param_buffer("y", y_shape)
+        y = param_buffer("y", y_shape, dtype=epilogue.buffer_dtype)  # fp32, or bf16 (rounded) for bf16 readers
+        # a bf16 output is written as bits (:func:`~.common.bf16_bits`), its zero border too
+        bits = y if epilogue.buffer_dtype == "float32" else T.decl_buffer(y_shape, "uint16", data=y.data)
         with T.sblock("root"):
             vectorized = epilogue.activation not in _UNVECTORIZED_ACTIVATIONS
             with _tile_loops(plan, ocb, plan.oc_bn, vectorized) as (n, ob, ty, tx, c):
@@ -300,14 +314,17 @@ def output_transform_func(plan: Conv2dPlan, epilogue: Epilogue | None = None) ->
                         inside = ([ty * m + i < wl.OH] if i >= wl.OH - (th - 1) * m else []) + (
                             [tx * m + j < wl.OW] if j >= wl.OW - (tw - 1) * m else [])
                         index = [n, ob, ty * m + (i + top), tx * m + (j + left), c]
+                        target = y
+                        if epilogue.buffer_dtype == "bfloat16":  # rounded for bf16 readers, as bits
+                            value, target = bf16_bits(T.Bind(value)), bits
                         if inside:
                             with T.If(functools.reduce(tirx.And, inside)), T.Then():
-                                T.buffer_store(y, value, index)
+                                T.buffer_store(target, value, index)
                         else:
-                            T.buffer_store(y, value, index)
+                            T.buffer_store(target, value, index)
             for rows, cols, row, col in ((top, y_shape[3], 0, 0), (bottom, y_shape[3], top + wl.OH, 0),
                                          (wl.OH, left, top, 0), (wl.OH, right, top, left + wl.OW)):
-                if rows and cols:  # the zero border
+                if rows and cols:
                     with T.grid(wl.N, ocb, rows, cols) as (n, ob, i, j), T.vectorized(0, plan.oc_bn) as c:
-                        T.buffer_store(y, tirx.const(0.0, "float32"), [n, ob, row + i, col + j, c])
+                        T.buffer_store(bits, tirx.const(0, bits.dtype), [n, ob, row + i, col + j, c])
     return builder.get().with_attr(KERNEL_ATTR, "winograd_conv2d")

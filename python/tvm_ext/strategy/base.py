@@ -182,6 +182,14 @@ def pool_workload(call: relax.Call, shape: tuple) -> _pool.Pool2dWorkload:
                                      bool(attrs.ceil_mode), bool(attrs.count_include_pad))
 
 
+def called_kernel(mod: tvm.IRModule, value) -> tvm.tirx.PrimFunc | None:
+    """The PrimFunc `value` calls if it is a call_tir, else None."""
+    if not (isinstance(value, relax.Call) and value.op == tvm.ir.Op.get("relax.call_tir")):
+        return None
+    func = mod[value.args[0]]
+    return func if isinstance(func, tvm.tirx.PrimFunc) else None
+
+
 def readers_of(func: relax.Function) -> dict[relax.Var, list]:
     """Each variable of `func` and what reads it, once a read: the value of a binding, or None
     for the function's result."""

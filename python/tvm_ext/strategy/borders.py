@@ -36,19 +36,11 @@ from ..kernels.batch_loop import BATCHED_ATTR, batch_loop
 from ..kernels.common import with_border
 from ..kernels.layout import PADDING_ATTR
 from ..tuning import space as _space
-from .base import readers_of
+from .base import called_kernel, readers_of
 
 logger = logging.getLogger("tvm_ext")
 
 KernelMaker = Callable[[_conv.Conv2dPlan, _conv.Epilogue], tvm.tirx.PrimFunc]
-
-
-def _called_kernel(mod: tvm.IRModule, value) -> tvm.tirx.PrimFunc | None:
-    """The PrimFunc `value` calls if it is a call_tir, else None."""
-    if not (isinstance(value, relax.Call) and value.op == tvm.ir.Op.get("relax.call_tir")):
-        return None
-    func = mod[value.args[0]]
-    return func if isinstance(func, tvm.tirx.PrimFunc) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +58,7 @@ def _padded_producers(mod: tvm.IRModule, func: relax.Function) -> dict[relax.Var
     bindings = relax.analysis.get_var2val(func)
     found = {}
     for source, (pad_var, border) in _padded_copies(mod, func).items():
-        producer = _called_kernel(mod, bindings.get(source))
+        producer = called_kernel(mod, bindings.get(source))
         described = None if producer is None else _space.describe_kernel(producer)
         if described is None or uses[source] != 1:
             continue
@@ -81,7 +73,7 @@ def _padded_copies(mod: tvm.IRModule, func: relax.Function) -> dict[relax.Var, t
     """tensor -> (its padded copy, the border) for each `pad_nchwc` call of `func`."""
     copies = {}
     for var, value in relax.analysis.get_var2val(func).items():
-        pad = _called_kernel(mod, value)
+        pad = called_kernel(mod, value)
         if pad is not None and PADDING_ATTR in (pad.attrs or {}) and isinstance(value.args[1].fields[0], relax.Var):
             copies[value.args[1].fields[0]] = (var, tuple(int(p) for p in pad.attrs[PADDING_ATTR]))
     return copies
@@ -121,7 +113,7 @@ def read_masks_padded(mod: tvm.IRModule, make_kernel: KernelMaker) -> tvm.IRModu
         copies = _padded_copies(mod, func)
         rebuilt = {}
         for var, value in relax.analysis.get_var2val(func).items() if copies else ():
-            kernel = _called_kernel(mod, value)
+            kernel = called_kernel(mod, value)
             if kernel is None or not value.args[1].fields or value.args[1].fields[-1] not in copies:
                 continue
             mask = value.args[1].fields[-1]

@@ -16,6 +16,7 @@ from ..kernels.common import KERNEL_ATTR
 from ..relax_info import known_shape, static_shape
 from ..transform.gradients import BatchNormGradient, read_batch_norm_gradient
 from .base import ACTIVATION_OPS, POOLS, Activation, Emitter, readers_of
+from .bf16_activations import write_bf16_activations
 from .borders import read_masks_padded, write_borders
 from .cpu import CpuEmitter
 from .cuda import CudaEmitter
@@ -208,9 +209,10 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                 lowering.statistics_only = statistics_only_norms(func)
                 lowering.builder_.update_func(gvar, lowering.visit_expr(func))
         lowered = relax.transform.DeadCodeElimination()(lowering.builder_.get())
-        if isinstance(lowering.emitter, CpuEmitter):  # blocked CPU layouts: no padded copies
-            lowered = write_borders(read_masks_padded(lowered, lowering.emitter.conv_kernel),
-                                    lowering.emitter.conv_kernel)
+        if isinstance(lowering.emitter, CpuEmitter):  # blocked CPU layouts: no padded copies, no rounding passes
+            make_kernel = lowering.emitter.conv_kernel
+            lowered = write_bf16_activations(write_borders(read_masks_padded(lowered, make_kernel), make_kernel),
+                                             make_kernel)
         return _drop_unused_kernels(lowered)
 
     return _pass
