@@ -15,40 +15,24 @@ producer may write its reader's zero border too).
 from __future__ import annotations
 
 import dataclasses
-import logging
-from collections.abc import Callable
 
 import tvm
 from tvm import relax
 
-from ..kernels import conv2d as _conv
 from ..kernels import winograd as _winograd
-from ..kernels.batch_loop import BATCHED_ATTR, batch_loop
 from ..tuning import space as _space
 from .base import called_kernel, readers_of
-
-logger = logging.getLogger("tvm_ext")
+from .borders import KernelMaker, Rebuilt, rebuild_producers
 
 __all__ = ["write_bf16_activations"]
-
-KernelMaker = Callable[[_conv.Conv2dPlan, _conv.Epilogue], tvm.tirx.PrimFunc]
 
 # the kernel kinds whose generators write a bf16 output
 _WRITERS = ("brgemm", "winograd")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Rounded:
-    """A convolution to rebuild: the rounding pass it replaces, and its plan and bf16 epilogue."""
-
-    cast_var: relax.Var
-    plan: _conv.Conv2dPlan
-    epilogue: _conv.Epilogue  # with out_dtype "bfloat16"
-
-
-def _rounded_producers(mod: tvm.IRModule, func: relax.Function) -> dict[relax.Var, _Rounded]:
-    """conv output var -> its :class:`_Rounded`, for convolutions whose output only an
-    `astype(..., "bfloat16")` reads."""
+def _rounded_producers(mod: tvm.IRModule, func: relax.Function) -> dict[relax.Var, Rebuilt]:
+    """conv output var -> its rebuild with a bf16 output (:class:`~.borders.Rebuilt`), for
+    convolutions whose output only an `astype(..., "bfloat16")` reads."""
     readers = readers_of(func)
     bindings = relax.analysis.get_var2val(func)
     astype = tvm.ir.Op.get("relax.astype")
@@ -68,7 +52,7 @@ def _rounded_producers(mod: tvm.IRModule, func: relax.Function) -> dict[relax.Va
                 or epilogue.nchw_out or epilogue.mask
                 or (plan.kind == "winograd" and _winograd.bf16_output_reason(epilogue) is not None)):
             continue
-        found[source] = _Rounded(var, plan, dataclasses.replace(epilogue, out_dtype="bfloat16"))
+        found[source] = Rebuilt(var, plan, dataclasses.replace(epilogue, out_dtype="bfloat16"), "_bf16")
     return found
 
 
@@ -76,43 +60,4 @@ def write_bf16_activations(mod: tvm.IRModule, make_kernel: KernelMaker) -> tvm.I
     """Rebuild each convolution whose output only a rounding to bf16 reads so that it writes the
     bf16 tensor itself (`make_kernel(plan, epilogue)` gives the kernel: tuned or analytic), and
     drop the rounding (module docstring)."""
-    for gvar, func in list(mod.functions_items()):
-        if not isinstance(func, relax.Function) or "Composite" in (func.attrs or {}):
-            continue
-        producers = _rounded_producers(mod, func)
-        if producers:
-            mod = _rewrite(mod, gvar, func, producers, make_kernel)
-    return mod
-
-
-def _rewrite(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Function,
-             producers: dict[relax.Var, _Rounded], make_kernel: KernelMaker) -> tvm.IRModule:
-    @relax.expr_functor.mutator
-    class _Mutator(relax.PyExprMutator):
-        def __init__(self, mod: tvm.IRModule):
-            super().__init__(mod)
-            self.dropped = {rounded.cast_var for rounded in producers.values()}
-
-        def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-            if binding.var in self.dropped:
-                return  # the producer now writes this tensor: its var was remapped there
-            if binding.var not in producers:
-                super().visit_var_binding_(binding)
-                return
-            rounded = producers[binding.var]
-            call = binding.value
-            old = self.builder_.get()[call.args[0]]
-            kernel = make_kernel(rounded.plan, rounded.epilogue).with_attr("op_pattern", old.attrs["op_pattern"])
-            shape = tuple(binding.var.ty.shape)
-            if BATCHED_ATTR in old.attrs:  # one image's kernel over a symbolic batch, as the old one
-                kernel = batch_loop(kernel, [int(i) for i in old.attrs[BATCHED_ATTR]])
-            name = call.args[0].name_hint + "_bf16"
-            args = [self.visit_expr(arg) for arg in call.args[1].fields]
-            out = self.builder_.emit(relax.call_tir(self.builder_.add_func(kernel, name), args,
-                                                    relax.TensorType(shape, "bfloat16")))
-            self.set_var_remap(rounded.cast_var, out)
-            logger.debug("tvm_ext: %s writes bf16 for its bf16 reader; no rounding pass", name)
-
-    mutator = _Mutator(mod)
-    mutator.builder_.update_func(gvar, mutator.visit_expr(func))
-    return mutator.builder_.get()
+    return rebuild_producers(mod, _rounded_producers, make_kernel)

@@ -43,17 +43,9 @@ logger = logging.getLogger("tvm_ext")
 KernelMaker = Callable[[_conv.Conv2dPlan, _conv.Epilogue], tvm.tirx.PrimFunc]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Border:
-    """A convolution to rebuild: the pad it replaces, and its kernel with the border."""
-
-    pad_var: relax.Var
-    plan: _conv.Conv2dPlan
-    epilogue: _conv.Epilogue  # with out_pad set
-
-
-def _padded_producers(mod: tvm.IRModule, func: relax.Function) -> dict[relax.Var, _Border]:
-    """conv output var -> its :class:`_Border`, for convolutions whose output only a pad reads."""
+def _padded_producers(mod: tvm.IRModule, func: relax.Function) -> dict[relax.Var, Rebuilt]:
+    """conv output var -> its rebuild with the border (:class:`Rebuilt`), for convolutions whose
+    output only a pad reads."""
     uses = Counter({var: len(readers) for var, readers in readers_of(func).items()})
     bindings = relax.analysis.get_var2val(func)
     found = {}
@@ -65,7 +57,8 @@ def _padded_producers(mod: tvm.IRModule, func: relax.Function) -> dict[relax.Var
         plan, epilogue, _, _ = described
         if epilogue.nchw_out or any(epilogue.out_pad) or plan.wl.dtype == "int8":
             continue  # (an int8 kernel's border is its reader's zero point: strategy.quantized's own)
-        found[source] = _Border(pad_var, plan, dataclasses.replace(epilogue, out_pad=border))
+        found[source] = Rebuilt(pad_var, plan, dataclasses.replace(epilogue, out_pad=border),
+                                "_border" + "x".join(map(str, border)))
     return found
 
 
@@ -150,22 +143,43 @@ def _rewrite_masks(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Functi
 def write_borders(mod: tvm.IRModule, make_kernel: KernelMaker) -> tvm.IRModule:
     """Rebuild each convolution whose output only a `pad_nchwc` reads so that it writes the border
     itself (`make_kernel(plan, epilogue)` gives the kernel: tuned or analytic), and drop the pad."""
+    return rebuild_producers(mod, _padded_producers, make_kernel)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rebuilt:
+    """A convolution rebuilt with another epilogue: the binding its new output replaces (dropped),
+    its plan and new epilogue, and the suffix of the new kernel's name."""
+
+    replaced: relax.Var
+    plan: _conv.Conv2dPlan
+    epilogue: _conv.Epilogue
+    suffix: str
+
+
+def rebuild_producers(mod: tvm.IRModule, find: Callable[[tvm.IRModule, relax.Function], dict[relax.Var, Rebuilt]],
+                      make_kernel: KernelMaker) -> tvm.IRModule:
+    """Each Relax function of `mod` with the convolutions `find(mod, func)` names (by their
+    output variables) rebuilt by `make_kernel(plan, epilogue)` (tuned or analytic)."""
     for gvar, func in list(mod.functions_items()):
         if not isinstance(func, relax.Function) or "Composite" in (func.attrs or {}):
             continue
-        producers = _padded_producers(mod, func)
+        producers = find(mod, func)
         if producers:
-            mod = _rewrite(mod, gvar, func, producers, make_kernel)
+            mod = _rebuild(mod, gvar, func, producers, make_kernel)
     return mod
 
 
-def _rewrite(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Function,
-             producers: dict[relax.Var, _Border], make_kernel: KernelMaker) -> tvm.IRModule:
+def _rebuild(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Function,
+             producers: dict[relax.Var, Rebuilt], make_kernel: KernelMaker) -> tvm.IRModule:
+    """`func` with each convolution bound to a key of `producers` rebuilt (over a symbolic batch
+    as the old kernel was) to write what its `replaced` binding computed from its output, and
+    that binding dropped."""
     @relax.expr_functor.mutator
     class _Mutator(relax.PyExprMutator):
         def __init__(self, mod: tvm.IRModule):
             super().__init__(mod)
-            self.dropped = {border.pad_var for border in producers.values()}
+            self.dropped = {rebuilt.replaced for rebuilt in producers.values()}
 
         def visit_var_binding_(self, binding: relax.VarBinding) -> None:
             if binding.var in self.dropped:
@@ -173,20 +187,20 @@ def _rewrite(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Function,
             if binding.var not in producers:
                 super().visit_var_binding_(binding)
                 return
-            border = producers[binding.var]
+            rebuilt = producers[binding.var]
             call = binding.value
             old = self.builder_.get()[call.args[0]]
-            kernel = make_kernel(border.plan, border.epilogue).with_attr("op_pattern", old.attrs["op_pattern"])
-            shape = border.epilogue.out_shape(border.plan)
+            kernel = make_kernel(rebuilt.plan, rebuilt.epilogue).with_attr("op_pattern", old.attrs["op_pattern"])
+            shape = rebuilt.epilogue.out_shape(rebuilt.plan)
             if BATCHED_ATTR in old.attrs:  # one image's kernel over a symbolic batch, as the old one
                 kernel = batch_loop(kernel, [int(i) for i in old.attrs[BATCHED_ATTR]])
                 shape = (binding.var.ty.shape[0], *shape[1:])
-            name = call.args[0].name_hint + "_border" + "x".join(map(str, border.epilogue.out_pad))
-            new_gvar = self.builder_.add_func(kernel, name)
+            name = call.args[0].name_hint + rebuilt.suffix
             args = [self.visit_expr(arg) for arg in call.args[1].fields]
-            out = self.builder_.emit(relax.call_tir(new_gvar, args, relax.TensorType(shape, "float32")))
-            self.set_var_remap(border.pad_var, out)
-            logger.debug("tvm_ext: %s writes its %s border; no padded copy", name, border.epilogue.out_pad)
+            out = self.builder_.emit(relax.call_tir(self.builder_.add_func(kernel, name), args,
+                                                    relax.TensorType(shape, rebuilt.epilogue.buffer_dtype)))
+            self.set_var_remap(rebuilt.replaced, out)
+            logger.debug("tvm_ext: %s writes what a pass over its output wrote; the pass is gone", name)
 
     mutator = _Mutator(mod)
     mutator.builder_.update_func(gvar, mutator.visit_expr(func))
