@@ -14,9 +14,11 @@ import numbers
 
 import numpy as np
 from tvm import tirx
+from tvm.script.ir_builder import IRBuilder
+from tvm.tirx.script import builder as T
 
 from . import script
-from .common import ACTIVATIONS, KERNEL_ATTR, activation_text
+from .common import ACTIVATIONS, KERNEL_ATTR, activation_text, bf16_bits, param_buffer
 
 __all__ = ["ACTIVATIONS", "activation_func", "bf16_round_func", "check_slope", "dynamic_activation_func",
            "flat_activation_func"]
@@ -107,25 +109,25 @@ def flat_activation_func(name: str, shape, alpha: float, inner: int, outer_loop:
     return script.from_source(text).with_attr(KERNEL_ATTR, name)
 
 
-# float32 -> the nearest bfloat16 (ties to even), kept in float32: the top 16 bits after adding
-# 0x7fff plus the lowest kept bit; a NaN stays a quiet NaN (the carry would make some infinite)
-_BF16_ROUND = ('T.reinterpret("float32", T.if_then_else((bits & T.uint32(0x7FFFFFFF)) > T.uint32(0x7F800000), '
-               '(bits | T.uint32(0x00400000)) & T.uint32(0xFFFF0000), '
-               '(bits + T.uint32(0x7FFF) + ((bits >> T.uint32(16)) & T.uint32(1))) & T.uint32(0xFFFF0000)))')
-
-
 def bf16_round_func(shape, lanes: int) -> tirx.PrimFunc:
     """Every element of a float32 tensor of `shape` rounded to bfloat16 (to nearest, ties to
     even, as `astype`), written as float32: the data of an emulated bf16 convolution
-    (:data:`~tvm_ext.intrin.cpu.EMULATED_BF16`). Integer arithmetic, because TVM folds a cast to
-    bfloat16 and back into nothing."""
+    (:data:`~tvm_ext.intrin.cpu.EMULATED_BF16`). The bits of :func:`~.common.bf16_bits` in the
+    top half: integer arithmetic, because TVM folds a cast to bfloat16 and back into nothing."""
     shape = tuple(int(v) for v in shape)
     size = math.prod(shape)
     inner = 4 * lanes if size >= 4 * lanes else 1
-    value = _BF16_ROUND.replace("bits", 'T.reinterpret("uint32", X_flat[v])')
-    text = _TEMPLATE.format(shape=shape, size=size, inner=inner, outer_loop=f"T.parallel({-(-size // inner)})",
-                            inner_loop=f"T.vectorized({inner})", value=value)
-    return script.from_source(text).with_attr(KERNEL_ATTR, "bf16_round")
+    with IRBuilder() as builder, T.prim_func(s_tir=True):
+        T.func_name("bf16_round")
+        x, y = (param_buffer(name, shape) for name in ("x", "y"))
+        x_flat, y_flat = (T.decl_buffer((size,), "float32", data=b.data) for b in (x, y))
+        with T.sblock("root"), T.parallel(0, -(-size // inner)) as i, T.vectorized(0, inner) as j:
+            with T.sblock("output"):
+                v = T.axis.spatial(size, i * inner + j)
+                T.where(i * inner + j < size)
+                bits = tirx.Cast("uint32", bf16_bits(T.Bind(x_flat[v]))) << tirx.const(16, "uint32")
+                T.buffer_store(y_flat, tirx.reinterpret("float32", bits), [v])
+    return builder.get().with_attr(KERNEL_ATTR, "bf16_round")
 
 
 def channel_scale_func(shape, lanes: int, channels: int | None = None) -> tirx.PrimFunc:
