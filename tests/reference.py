@@ -160,13 +160,20 @@ def tensorized_batch_reduce(spec, m: int, target):
     return tvm.compile(sch.mod, target)
 
 
+def x86_isas() -> list:
+    """(VectorISA, LLVM CPU) of each x86 vector ISA the kernels are generated for, narrowest first."""
+    from tvm_ext.target import AVX2, AVX512, SSE
+
+    return [(SSE, "x86-64"), (AVX2, "haswell"), (AVX512, "skylake-avx512")]
+
+
 def host_x86_targets() -> list:
     """(VectorISA, target) for each x86 vector ISA this host executes: SSE (x86-64), AVX2
     (Haswell) and AVX-512 (Skylake-SP) up to the host's own, none on another architecture."""
     import tvm_ext
-    from tvm_ext.target import AVX2, AVX512, SSE, vector_isa
+    from tvm_ext.target import vector_isa
 
-    order = [(SSE, "x86-64"), (AVX2, "haswell"), (AVX512, "skylake-avx512")]
+    order = x86_isas()
     host = vector_isa("llvm")
     isas = [isa for isa, _ in order]
     if host not in isas:

@@ -4,11 +4,11 @@ graph's steps and seed; `python bench/fuzz.py --first SEED --graphs 1 --show` re
 
 import pytest
 import tvm
-from reference import host_x86_targets, kernel_calls
+from reference import host_x86_targets, kernel_calls, x86_isas
 
 import tvm_ext
 from tvm_ext.strategy.decide import bf16_engine
-from tvm_ext.target import AVX2, AVX512, SSE, vector_isa
+from tvm_ext.target import vector_isa
 from tvm_ext.testing.random_graphs import check_bf16_graph, check_graph, random_graph
 
 TARGET = tvm_ext.resolve_target("llvm")
@@ -34,7 +34,7 @@ def test_random_graphs_match_pytorch(first):
 
 # Each x86 ISA's kernels executed on this host when it has that ISA (the host's own runs above);
 # NEON's run under qemu-user: tests/integration/test_aarch64.py.
-X86_ISAS = [(SSE, "x86-64"), (AVX2, "haswell"), (AVX512, "skylake-avx512")]
+X86_ISAS = x86_isas()
 
 
 @pytest.mark.parametrize("isa, mcpu", X86_ISAS, ids=[isa.name for isa, _ in X86_ISAS])

@@ -278,8 +278,9 @@ def output_transform_func(plan: Conv2dPlan, epilogue: Epilogue | None = None) ->
     if epilogue.mask:
         raise ValueError("winograd: the output transform applies no mask (a gradient's convolutions have "
                          "run-time weights, which Winograd does not take)")
-    if epilogue.buffer_dtype == "bfloat16" and bf16_output_reason(epilogue):
-        raise ValueError(f"winograd: no bf16 output after {bf16_output_reason(epilogue)}")
+    refused = bf16_output_reason(epilogue) if epilogue.buffer_dtype == "bfloat16" else None
+    if refused:
+        raise ValueError(f"winograd: no bf16 output after {refused}")
     wl, m = plan.wl, plan.m_r
     at, _, _ = matrices(plan)
     a, (th, tw), ocb = at.shape[1], tiles(plan), wl.K // plan.oc_bn
