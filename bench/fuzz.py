@@ -11,12 +11,18 @@ where the CPU has a bf16 engine) and judged by `testing.random_graphs.check_bf16
 the weights and inputs rounded to bf16 (a chain of 2-channel convolutions: 7%). bf16 rounding is
 not checked so; a wrong layout or a lost epilogue is.
 
+With --precision int8 each graph is first quantized (`testing.random_graphs.quantized_graph`:
+tvm_ext.quantize's QDQ form), then built by tvm_ext (the int8 kernels) and by stock TVM (the same
+module in float32) and judged by `check_int8_graph`: at most 10% of the values a step apart (a
+tie the integer sums round the other way, spread by the layers after it), none by more than the
+quantization's own error.
+
 --mcpu builds for another CPU than this one (haswell: AVX2, x86-64: SSE), which this host must
 be able to run. --maxdnn always puts every convolution the maxDNN tile takes on it (its layout
 passes in and out of the blocked kernels included).
 
 Usage: python bench/fuzz.py [--graphs 1000] [--first 0] [--max-steps 7] [--show] [--stock]
-                            [--precision fp32|bf16] [--mcpu NAME] [--maxdnn auto|always|never]
+                            [--precision fp32|bf16|int8] [--mcpu NAME] [--maxdnn auto|always|never]
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import time
 import tvm
 
 import tvm_ext
-from tvm_ext.testing.random_graphs import check_bf16_graph, check_graph, random_graph
+from tvm_ext.testing.random_graphs import check_bf16_graph, check_graph, check_int8_graph, random_graph
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=7, help="grammar steps per graph (at most)")
     parser.add_argument("--show", action="store_true", help="print each failing graph's Relax script")
     parser.add_argument("--stock", action="store_true", help="also build every graph with stock TVM")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="tvm_ext.build's precision")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "int8"), default="fp32",
+                        help="tvm_ext.build's precision; int8: the graph's QDQ form (tvm_ext.quantize)")
     parser.add_argument("--mcpu", help="an LLVM CPU name to build for (default: this host's)")
     parser.add_argument("--maxdnn", choices=("auto", "always", "never"), default="auto",
                         help="tvm_ext.build's maxdnn: always runs every convolution the maxDNN tile takes on it")
@@ -47,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--graphs must be >= 1 and --max-steps >= 2")
     target = tvm_ext.resolve_target({"kind": "llvm", "mcpu": args.mcpu} if args.mcpu else "llvm")
     print(f"target {target}", flush=True)
-    ours = lambda mod, winograd: tvm_ext.build(mod, target, winograd=winograd, precision=args.precision,  # noqa: E731
+    precision = "fp32" if args.precision == "int8" else args.precision  # (int8: the module says it)
+    ours = lambda mod, winograd: tvm_ext.build(mod, target, winograd=winograd, precision=precision,  # noqa: E731
                                                maxdnn=args.maxdnn)
     fp32 = lambda mod, winograd: tvm_ext.build(mod, target, winograd=winograd)  # noqa: E731
     stock = lambda mod, _winograd: tvm.compile(mod, target)  # noqa: E731
@@ -58,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             problem, sensitivity = check_bf16_graph(graph, ours, fp32)
             if sensitivity is not None and problem is None:
                 print(f"seed {seed}: within 4x its bf16 sensitivity {sensitivity:.3g}", flush=True)
+        elif args.precision == "int8":
+            problem = check_int8_graph(graph, ours, target)
         else:
             problem = check_graph(graph, ours)
         stock_problem = check_graph(graph, stock) if (problem or args.stock) else None

@@ -86,9 +86,10 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
     if resolved.kind.name == "llvm" and function in [gvar.name_hint for gvar in mod.get_global_vars()]:
         for found, reason in quantized_conv2d_decisions(mod[function], resolved).values():
             if reason is None:
-                int8_rows.append(DispatchRow("nn.conv2d", (static_shape(found.data), found.weight.shape),
-                                             int8_kernel(found, resolved),
-                                             f"quantized (QDQ): uint8 data, int8 weights, {found.out_dtype} out"))
+                int8_rows.append((DispatchRow("nn.conv2d", (static_shape(found.data), found.weight.shape),
+                                              int8_kernel(found, resolved),
+                                              f"quantized (QDQ): uint8 data, int8 weights, {found.out_dtype} out"),
+                                  found.residual is not None))
             else:
                 logger.info("tvm_ext: a quantized conv2d stays in float: %s", reason)
         with resolved:
@@ -155,14 +156,16 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
             if _is_call_to(expr, "relax.call_tir"):  # the quantized ops' kernels (strategy.quantized)
                 callee = expr.args[0].name_hint
                 if callee.startswith("tvm_ext_int8_conv2d") and int8_rows:
-                    report.append(dataclasses.replace(int8_rows.pop(0), runs=runs))
+                    int8_row, float_add = int8_rows.pop(0)
+                    report.append(dataclasses.replace(int8_row, runs=runs))
                     # (FUSED_ADD ends the name, before the number a repeated kernel's name gets)
                     blocked = static_shape(expr.args[1].fields[-1]) if FUSED_ADD in callee else None
                     if blocked is not None:
                         n, blocks, h, w, block = blocked
-                        report.append(DispatchRow("add", ((n, blocks * block, h, w),), "int8_conv2d epilogue",
-                                                  "fused: the quantized (QDQ) add of this output and the other "
-                                                  "operand, ONNX Runtime's QLinearAdd", runs))
+                        report.append(DispatchRow("add", ((n, blocks * block, h, w),), "int8_conv2d epilogue", (
+                            "fused: the add of this convolution's float output and a dequantized tensor, then "
+                            "quantized (PT2E)" if float_add else "fused: the quantized (QDQ) add of this output "
+                            "and the other operand, ONNX Runtime's QLinearAdd"), runs))
                 for prefix, op in (("tvm_ext_quantized_add", "add"), ("tvm_ext_quantized_max_pool", "nn.max_pool2d")):
                     blocked = static_shape(expr.args[1].fields[0])
                     if callee.startswith(prefix) and blocked is not None:

@@ -245,6 +245,148 @@ def test_a_residual_add_fused_into_its_convolution(monkeypatch, dtype, shortcut_
     np.testing.assert_array_equal(got, separate)
 
 
+def _float_residual_block(dtype: str, shortcut_first: bool, relu: bool, shortcut: str):
+    """PT2E's conv + add [+ relu]: q1 = a quantized convolution of x_q; y = conv2(dequantize(q1))
+    + a float32 bias, its float output added to dequantize(shortcut) (the shortcut first with
+    `shortcut_first`) [-> relu], then quantized: (module, x_q, the int8 kernel's arithmetic in
+    NumPy). `shortcut`: "q1" (blocked, written by an int8 kernel), "input" (the network's NCHW
+    input, packed) or "strided" (q1 read with other blocks: conv2 is strided, the shortcut a
+    strided 1x1 of x_q)."""
+    rng = np.random.default_rng(5)
+    n, c, h, w, k = 2, 20, 9, 7, 40  # (40 channels: a padded last block)
+    low, high = (-128, 127) if dtype == "int8" else (0, 255)
+    f32 = lambda v: relax.const(np.asarray(v, np.float32))  # noqa: E731
+    zero = lambda v: relax.const(np.asarray(v, dtype))  # noqa: E731
+    stride = 2 if shortcut == "strided" else 1
+    x_zero, (s1, z1), (s_out, z_out) = low + 100, (0.5, low + 2), (0.9, low + 60)
+    s_x = 0.05
+    w1 = rng.integers(-127, 128, (k, c, 3, 3)).astype(np.int8)
+    w2 = rng.integers(-127, 128, (c if shortcut == "input" else k, k, 3, 3)).astype(np.int8)
+    s_w1, s_w2 = (rng.random(k) * 0.01 + 0.002).astype(np.float32), (rng.random(w2.shape[0]) * 0.01 + 0.002)
+    s_w2 = s_w2.astype(np.float32)
+    bias = (rng.standard_normal(w2.shape[0]) * 3).astype(np.float32)
+    bb = relax.BlockBuilder()
+    xv = relax.Var("x", relax.TensorType((n, c, h, w), dtype))
+
+    def conv(data, scale, zero_point, weight, weight_scale, strides=1):
+        d = bb.emit(relax.op.dequantize(data, f32(scale), zero(zero_point), axis=1))
+        wd = bb.emit(relax.op.dequantize(relax.const(weight), f32(weight_scale),
+                                         relax.const(np.zeros(weight.shape[0], np.int8)), axis=0))
+        return bb.emit(relax.op.nn.conv2d(d, wd, strides=strides, padding=1 if weight.shape[2] == 3 else 0))
+
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            q1 = bb.emit(relax.op.quantize(bb.emit(relax.op.nn.relu(conv(xv, s_x, x_zero, w1, s_w1))), f32(s1),
+                                           zero(z1), axis=1, out_dtype=dtype))
+            y = bb.emit(relax.op.add(conv(q1, s1, z1, w2, s_w2, stride),
+                                     relax.const(bias.reshape(1, -1, 1, 1))))
+            other, s_sc, z_sc = (xv, s_x, x_zero) if shortcut == "input" else (q1, s1, z1)
+            if shortcut == "strided":
+                ws = rng.integers(-127, 128, (k, c, 1, 1)).astype(np.int8)
+                other, s_sc, z_sc = bb.emit(relax.op.quantize(conv(xv, s_x, x_zero, ws, s_w1, 2), f32(0.3),
+                                                              zero(low + 50), axis=1, out_dtype=dtype)), 0.3, low + 50
+            sc = bb.emit(relax.op.dequantize(other, f32(s_sc), zero(z_sc), axis=1))
+            total = bb.emit(relax.op.add(sc, y) if shortcut_first else relax.op.add(y, sc))
+            if relu:
+                total = bb.emit(relax.op.nn.relu(total))
+            out = bb.emit_output(relax.op.quantize(total, f32(s_out), zero(z_out), axis=1, out_dtype=dtype))
+        bb.emit_func_output(out)
+    x_q = rng.integers(low, high + 1, (n, c, h, w)).astype(dtype)
+
+    def sums(data, data_zero, weight, strides=1):  # exact: integers far below 2**53
+        pad = 1 if weight.shape[2] == 3 else 0
+        padded = np.pad(data.astype(np.int64) - data_zero, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+        return torch.nn.functional.conv2d(torch.from_numpy(padded.astype(np.float64)),
+                                          torch.from_numpy(weight.astype(np.float64)), stride=strides).numpy()
+
+    def requantize(values, scale, zero_point, activation=True):
+        value = values.astype(np.float32) * scale.reshape(1, -1, 1, 1)
+        value = np.maximum(value, np.float32(0)) if activation else value
+        return np.clip(np.rint(value) + np.float32(zero_point), low, high).astype(np.int64)
+
+    f = np.float32
+    q1_ref = requantize(sums(x_q, x_zero, w1), f(s_x) * s_w1 / f(s1), z1)
+    other_ref = x_q.astype(np.int64) if shortcut == "input" else q1_ref
+    if shortcut == "strided":
+        other_ref = requantize(sums(x_q, x_zero, ws, 2), f(s_x) * s_w1 / f(0.3), low + 50, activation=False)
+    # the kernel: (sums + the bias in units of the sums) * s1 * s_w2 / s_out, + dequantize(other) / s_out
+    # (MLAS's add: fma(other, ratio, z_out - ratio * z_sc) once rounded, float64 holds it exactly)
+    units = np.rint(bias.astype(np.float64) / (np.float64(s1) * s_w2.astype(np.float64))).astype(np.int64)
+    own = (sums(q1_ref, z1, w2, stride) + units.reshape(1, -1, 1, 1)).astype(np.float32) * (
+        f(s1) * s_w2 / f(s_out)).reshape(1, -1, 1, 1)
+    ratio = f(f(s_sc) / f(s_out))
+    fixed = f(f(z_out) - f(ratio * f(z_sc)))
+    total = own + (other_ref.astype(np.float64) * np.float64(ratio) + np.float64(fixed)).astype(np.float32)
+    expected = np.clip(np.rint(total), max(low, z_out) if relu else low, high).astype(dtype)
+    return bb.get(), x_q, expected
+
+
+@needs_int8
+@pytest.mark.parametrize("dtype, shortcut_first, relu, shortcut", [
+    ("uint8", False, True, "q1"), ("uint8", True, False, "input"), ("int8", False, False, "strided"),
+    ("int8", True, True, "q1"), ("int8", False, True, "input")])
+def test_a_float_output_added_to_a_quantized_tensor_is_fused(dtype, shortcut_first, relu, shortcut):
+    """PT2E's conv + add + relu (X86InductorQuantizer quantizes the sum, not the convolution's
+    output) runs on the int8 kernel with the add in its epilogue, the float output unrounded:
+    bit for bit the arithmetic in NumPy, either operand order, the shortcut read blocked from an
+    int8 kernel or packed from NCHW; within a step of stock TVM's float arithmetic of the module."""
+    import tvm_ext.strategy.quantized as quantized
+
+    mod, x_q, expected = _float_residual_block(dtype, shortcut_first, relu, shortcut)
+    with TARGET:
+        lowered = lower_quantized_conv2d(TARGET)(mod)
+    assert "R.nn.conv2d" not in lowered.script()
+    callee = {b.var: b.value.args[0].name_hint for block in lowered["main"].body.blocks for b in block.bindings
+              if isinstance(b.value, relax.Call) and b.value.op.name == "relax.call_tir"}
+    fused = [b.value for block in lowered["main"].body.blocks for b in block.bindings
+             if quantized.FUSED_ADD in callee.get(b.var, "")]
+    assert len(fused) == 1
+    shortcut_from = callee.get(fused[0].args[1].fields[-1], "")  # the shortcut's blocked form: whose?
+    assert shortcut_from.startswith("tvm_ext_pack_quantized" if shortcut == "input" else "tvm_ext_int8_conv2d")
+    rows = [r for r in tvm_ext.dispatch_report(mod, TARGET) if r.op == "add"]
+    assert [r.kernel for r in rows] == ["int8_conv2d epilogue"] and "PT2E" in rows[0].reason
+    got = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main"](tvm.runtime.tensor(x_q)).numpy()
+    assert len(np.unique(got)) > 20  # (not saturated)
+    np.testing.assert_array_equal(got, expected)
+    stock = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())["main"](tvm.runtime.tensor(x_q)).numpy()
+    assert np.abs(got.astype(np.int64) - stock).max() <= 1
+
+
+@needs_int8
+@pytest.mark.parametrize("out_scale", [0.02, 0.05])
+def test_a_relu6_before_the_quantize_is_a_relu_where_the_quantization_saturates(out_scale):
+    """PT2E's MobileNets write conv -> clip(0, 6) -> quantize. Where the quantization saturates at
+    or below 6 (255 * 0.02 = 5.1) the clip's upper bound changes no value: a relu, on the int8
+    kernel, within a step of stock TVM's float arithmetic (0.5.33: these stayed float). Where it
+    does not (255 * 0.05 = 12.75), the clip stays float with the reason."""
+    rng = np.random.default_rng(11)
+    f32 = lambda v: relax.const(np.asarray(v, np.float32))  # noqa: E731
+    w = rng.integers(-127, 128, (24, 16, 3, 3)).astype(np.int8)
+    bb = relax.BlockBuilder()
+    xv = relax.Var("x", relax.TensorType((1, 16, 10, 10), "uint8"))
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            xd = bb.emit(relax.op.dequantize(xv, f32(0.05), relax.const(np.asarray(100, np.uint8)), axis=1))
+            wd = bb.emit(relax.op.dequantize(relax.const(w), f32(0.004), relax.const(np.asarray(0, np.int8)), axis=0))
+            y = bb.emit(relax.op.clip(relax.op.nn.conv2d(xd, wd, padding=1), 0.0, 6.0))
+            out = bb.emit_output(relax.op.quantize(y, f32(out_scale), relax.const(np.asarray(0, np.uint8)), axis=1,
+                                                   out_dtype="uint8"))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    x = rng.integers(0, 256, (1, 16, 10, 10)).astype(np.uint8)
+    row = next(r for r in tvm_ext.dispatch_report(mod, TARGET) if r.op == "nn.conv2d")
+    got = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
+    stock = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())["main"](tvm.runtime.tensor(x)).numpy()
+    if out_scale * 255 <= 6:
+        assert row.kernel.startswith("int8_conv2d")
+        assert (stock == 255).mean() > 0.05 and (stock == 0).mean() > 0.05  # (both bounds matter)
+        assert np.abs(got.astype(int) - stock).max() <= 1 and (got != stock).mean() < 0.01
+    else:
+        with TARGET:
+            assert "R.nn.conv2d" in lower_quantized_conv2d(TARGET)(mod).script()
+        np.testing.assert_array_equal(got, stock)
+
+
 @pytest.mark.parametrize("dtype", ["uint8", "int8"])
 def test_the_quantized_add_is_onnx_runtimes_qlinear_add(dtype):
     """The blocked add against ONNX Runtime running dequantize + dequantize -> Add -> quantize

@@ -253,13 +253,19 @@ def test_an_epilogue_with_a_fused_add_reads_back_from_its_json_description():
     from tvm_ext.kernels.quantized import Quantization, QuantizedSum
 
     add = QuantizedSum(Quantization(0.1, 3), Quantization(0.2, 5, "int8"), Quantization(0.3, 1), True, "b")
-    epilogue = Epilogue(bias=True, out_dtype="uint8", zero_point=3, add=add)
-    fields = json.loads(json.dumps(dataclasses.asdict(epilogue)))
-    assert Epilogue(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}) == epilogue
+    float_add = QuantizedSum.of_float_output(Quantization(0.2, 5, "int8"), Quantization(0.3, 1), True)
+    for fused in (add, float_add):
+        epilogue = Epilogue(bias=True, out_dtype="uint8", zero_point=3, add=fused)
+        fields = json.loads(json.dumps(dataclasses.asdict(epilogue)))
+        assert Epilogue(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}) == epilogue
     with pytest.raises(ValueError, match="a fused quantized add follows a uint8 output without a border"):
         Epilogue(out_dtype="uint8", out_pad=(1, 1, 1, 1), add=add)
+    with pytest.raises(ValueError, match="the activation after it"):
+        Epilogue(bias=True, activation="relu", out_dtype="uint8", add=float_add)
     with pytest.raises(ValueError, match="own must be 'a' or 'b'"):
         QuantizedSum(add.a, add.b, add.out, own="c")
+    with pytest.raises(ValueError, match="a float operand is a"):
+        QuantizedSum(Quantization(0.3, 2), add.b, add.out, float_own=True)
 
 
 @pytest.mark.skipif(not (has_amx_int8(TARGET) and amx_permitted()),

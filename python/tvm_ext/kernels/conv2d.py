@@ -548,6 +548,7 @@ class Epilogue:
     # A quantized add fused after the requantization (a ResNet's residual add in a quantized
     # network): this output is one operand (`add.own`), a blocked uint8 tensor of its shape the
     # other (a parameter after the scale); the sum, ONNX Runtime's QLinearAdd, is written instead.
+    # With `add.float_own` the unrounded output is the operand (PT2E's conv + add).
     add: QuantizedSum | None = None
 
     def __post_init__(self):
@@ -578,9 +579,12 @@ class Epilogue:
         if isinstance(self.add, dict):  # read back from a JSON description (tuning.space)
             add = dict(self.add)
             a, b, out = (Quantization(**add[name]) for name in ("a", "b", "out"))
-            object.__setattr__(self, "add", QuantizedSum(a, b, out, bool(add["relu"]), str(add["own"])))
+            object.__setattr__(self, "add", QuantizedSum(a, b, out, bool(add["relu"]), str(add["own"]),
+                                                         bool(add.get("float_own", False))))
         if self.add is not None and (not self.quantized or self.units or any(self.out_pad)):
             raise ValueError("epilogue: a fused quantized add follows a uint8 output without a border")
+        if self.add is not None and self.add.float_own and (self.activation or self.out_scale != 1.0):
+            raise ValueError("epilogue: an add of the float output takes the activation after it (add.relu)")
 
     @property
     def quantized(self) -> bool:
@@ -687,9 +691,14 @@ def quantized_value(epilogue: Epilogue, sums: tirx.PrimExpr, bias: tirx.PrimExpr
     operation (no multiply-add to contract), so NumPy reproduces it bit for bit. Float32 sums of
     integers below 2**24 (and a float32 bias of integers) give the same, exactly.
     With `epilogue.add`, that value and `other` (the held uint8 of the add's other operand) are
-    then added as the add kernel adds them (:func:`~tvm_ext.kernels.quantized.quantized_sum`)."""
+    then added as the add kernel adds them (:func:`~tvm_ext.kernels.quantized.quantized_sum`);
+    with `epilogue.add.float_own` the value before any rounding is the operand (PT2E)."""
     value = sums + bias if epilogue.bias else sums
     value = tirx.Cast("float32", value) * scale
+    if epilogue.add is not None and epilogue.add.float_own and other is not None:
+        # (scale is s_x * s_w / s_out: the float output in units of the sum's scale, unrounded)
+        raw_other = tirx.Cast("float32", other) - T.float32(epilogue.add.b.offset)
+        return tirx.Cast(epilogue.out_dtype, quantized_sum(value, raw_other, epilogue.add))
     if epilogue.activation:
         value = activation_expr(epilogue.activation, value, epilogue.alpha)
     if not epilogue.quantized:

@@ -53,17 +53,30 @@ def quantized_add_terms(a: Quantization, b: Quantization, out: Quantization) -> 
 @dataclasses.dataclass(frozen=True)
 class QuantizedSum:
     """A quantized add, a + b [-> relu] quantized as `out` (ONNX Runtime's QLinearAdd): the add
-    kernel's, or a convolution's epilogue's where the convolution computes one operand (`own`)."""
+    kernel's, or a convolution's epilogue's where the convolution computes one operand (`own`).
+
+    `float_own`: the convolution's operand is its float output, not a quantized one (PyTorch
+    PT2E's conv + add + relu, whose quantizer quantizes the sum only): that operand's
+    quantization is then `out.scale` with zero point 0, the float output in units of the sum's
+    scale, which the epilogue adds unrounded."""
 
     a: Quantization
     b: Quantization
     out: Quantization
     relu: bool = False
     own: str = "a"  # which operand a convolution that fuses the add computes
+    float_own: bool = False
 
     def __post_init__(self):
         if self.own not in ("a", "b"):
             raise ValueError(f"QuantizedSum: own must be 'a' or 'b', got {self.own!r}")
+        if self.float_own and (self.own != "a" or self.a.scale != self.out.scale or self.a.zero_point != 0):
+            raise ValueError("QuantizedSum: a float operand is a, its quantization the sum's scale with zero point 0")
+
+    @staticmethod
+    def of_float_output(other: Quantization, out: Quantization, relu: bool) -> QuantizedSum:
+        """The PT2E form: a convolution's float output (operand a) + dequantize(other), quantized as `out`."""
+        return QuantizedSum(Quantization(out.scale, 0, out.dtype), other, out, relu, "a", float_own=True)
 
 
 def quantized_sum(raw_a: tirx.PrimExpr, raw_b: tirx.PrimExpr, terms: QuantizedSum, lanes: int = 1) -> tirx.PrimExpr:

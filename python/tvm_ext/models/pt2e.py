@@ -11,6 +11,8 @@ pipeline's int8 lowering (:mod:`tvm_ext.strategy.quantized`) serves both.
 from __future__ import annotations
 
 import functools
+import types
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -96,3 +98,51 @@ def from_pt2e(program: torch.export.ExportedProgram) -> IRModule:
     from tvm.relax.frontend.torch import from_exported_program
 
     return from_exported_program(program, custom_convert_map=pt2e_convert_map(program))
+
+
+def quantize_pt2e(model: torch.nn.Module, example: torch.Tensor,
+                  calibration: Iterable[torch.Tensor]) -> tuple[torch.nn.Module, torch.export.ExportedProgram]:
+    """torchao's PT2E flow for x86 (`X86InductorQuantizer`'s default configuration: uint8
+    activations per tensor, int8 weights per channel): export `model` (in eval mode) at
+    `example`, annotate, calibrate on `calibration`, convert; (the quantized module, its
+    `torch.export`) — the program :func:`from_pt2e` imports. Needs torchao."""
+    import torch
+    from torchao.quantization.pt2e import quantize_pt2e as pt2e
+    from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as x86
+
+    quantizer = x86.X86InductorQuantizer()
+    quantizer.set_global(x86.get_default_x86_inductor_quantization_config())
+    prepared = pt2e.prepare_pt2e(torch.export.export(model.eval(), (example,)).module(), quantizer)
+    with torch.no_grad():
+        for batch in calibration:
+            prepared(batch)
+    converted = pt2e.convert_pt2e(prepared)
+    return converted, torch.export.export(converted, (example,))
+
+
+def one_relu_per_call(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` (changed in place) with each torchvision ResNet block (BasicBlock, Bottleneck:
+    ResNet, ResNeXt, wide ResNet) calling a ReLU module of its own at each of its relus.
+    X86InductorQuantizer's patterns are by module, and those blocks call one ReLU module two or
+    three times: torchao fails on them ("Input partition has more than one output node")."""
+    import torch
+
+    from .torchvision_zoo import import_torchvision
+
+    resnet = import_torchvision().models.resnet
+    BasicBlock, Bottleneck = resnet.BasicBlock, resnet.Bottleneck  # noqa: N806 (classes)
+
+    def forward(block, x):
+        identity = x if block.downsample is None else block.downsample(x)
+        out = block.relu_1(block.bn1(block.conv1(x)))
+        if isinstance(block, Bottleneck):
+            out = block.bn3(block.conv3(block.relu_2(block.bn2(block.conv2(out)))))
+        else:
+            out = block.bn2(block.conv2(out))
+        return block.relu_out(out + identity)
+
+    for module in model.modules():
+        if isinstance(module, BasicBlock | Bottleneck):
+            module.relu_1, module.relu_2, module.relu_out = (torch.nn.ReLU() for _ in range(3))
+            module.forward = types.MethodType(forward, module)
+    return model

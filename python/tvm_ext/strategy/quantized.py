@@ -37,7 +37,7 @@ from ..kernels import conv2d as _conv
 from ..kernels import layout as _layout
 from ..kernels import pool2d as _pool
 from ..kernels.quantized import Quantization, QuantizedSum, quantized_add_func
-from ..relax_info import is_channel_bias, known_shape, static_shape
+from ..relax_info import is_channel_bias, known_shape, prim_value, static_shape
 from ..target import AVX2, AVX512, VectorISA, amx_permitted, has_amx_int8, has_vnni
 from ..tuning.records import conv2d_kernel
 from .base import add_kernel, readers_of
@@ -67,6 +67,9 @@ class QuantizedConv2d:
     out_zero: int
     out_scale: float
     inside: tuple[relax.Var, ...]  # the float values the kernel computes: read by nothing else
+    # PT2E's conv + add [+ relu]: the quantized tensor (NCHW, the output's shape) whose
+    # dequantized values the convolution's float output is added to, before `activation`
+    residual: tuple[relax.Expr, Quantization] | None = None
 
 
 def _const(expr: relax.Expr) -> np.ndarray | None:
@@ -117,6 +120,16 @@ def match_quantized_conv2d(quantize: relax.Call, value_of) -> QuantizedConv2d | 
     activation = None
     if _is(value, "relax.nn.relu"):
         activation, value = "relu", through(value.args[0], True)
+    elif _is(value, "relax.clip") and (prim_value(value.args[1]), prim_value(value.args[2])) == (0.0, 6.0):
+        # relu6 (PT2E's MobileNets): a relu where the quantization saturates at or below 6 anyway
+        _, high = _conv.QUANTIZED_RANGES[out.dtype]
+        if (high - out.zero_point) * out.scale > 6.0:
+            return "a relu6 whose quantization reaches past 6"
+        activation, value = "relu", through(value.args[0], True)
+    residual = _residual(value, value_of) if _is(value, "relax.add") else None
+    if residual is not None:
+        side, residual = residual
+        value = through(side, True)
     bias = None
     bias_operand = None
     if _is(value, "relax.add"):
@@ -161,7 +174,28 @@ def match_quantized_conv2d(quantize: relax.Call, value_of) -> QuantizedConv2d | 
         data=data.args[0], data_zero=data_quantization.zero_point, data_scale=data_quantization.scale, weight=w,
         weight_scale=np.broadcast_to(w_scale.astype(np.float64).reshape(-1), (k,)).copy(),
         bias=None if bias is None else np.broadcast_to(bias, (k,)).copy(), conv=conv, activation=activation,
-        out_dtype=out.dtype, out_zero=out.zero_point, out_scale=out.scale, inside=tuple(inside))
+        out_dtype=out.dtype, out_zero=out.zero_point, out_scale=out.scale, inside=tuple(inside), residual=residual)
+
+
+def _residual(add: relax.Call, value_of) -> tuple[relax.Expr, tuple[relax.Expr, Quantization]] | None:
+    """(the convolution's side, (the quantized tensor, its quantization)) of `add` where it adds a
+    dequantized tensor of its own shape (per tensor, not a constant) to a convolution's float output
+    [+ bias], in either order: PT2E's conv + add, whose quantizer quantizes only the sum."""
+    def value(arg):
+        return value_of(arg) if isinstance(arg, relax.Var) and value_of(arg) is not None else arg
+
+    for i in (0, 1):
+        dq, side = value(add.args[i]), add.args[1 - i]
+        computed = value(side)
+        convolution = _is(computed, "relax.nn.conv2d") or (
+            _is(computed, "relax.add") and any(_is(value(arg), "relax.nn.conv2d") for arg in computed.args))
+        if not (_is(dq, "relax.dequantize") and convolution) or _const(dq.args[0]) is not None:
+            continue
+        quantization = _quantization(dq)
+        shape = static_shape(add)
+        if quantization is not None and shape is not None and static_shape(dq.args[0]) == shape == static_shape(side):
+            return side, (dq.args[0], quantization)
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +260,8 @@ def quantized_conv2d_reason(found: QuantizedConv2d, target: tvm.target.Target, r
         return "not NCHW/OIHW"
     if static_shape(found.data) is None:  # (checked first: every other use is of a known shape)
         return "a symbolic shape"
+    if found.residual is not None and _float_sums(found):
+        return f"{int(attrs.groups)} groups and a residual add (the grouped kernel fuses no add)"
     if _float_sums(found):  # summed in float32: exact while every sum stays below 2**24
         _, units_bias, _ = _requantization(found, 0)
         _, group, kh, kw = found.weight.shape
@@ -354,15 +390,25 @@ def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target
     output is float32 units with that border, for the grouped or depthwise convolutions that read it.
     With `add` (the terms, the other operand's blocked uint8 form) the kernel adds the output to
     that operand (a fused quantized add) and the outputs are the sum's; ValueError, before
-    anything is emitted, where the operand's blocks are not the output's. `database`: tuning
+    anything is emitted, where the operand's blocks are not the output's. The operand may be
+    NCHW instead (uint8 or int8, the output's shape): it is packed into the output's blocks.
+    `found.residual` (PT2E) is such an add of the float output: `add` is its operand. `database`: tuning
     records (a MetaSchedule Database), whose best schedule of the kernel runs if it has one."""
     engine, isa = int8_engine(target) or ("fma", AVX512)
     if blocked is not None and not _uint8(blocked) and not _float_sums(found):
         blocked = None  # (units are for the float32 kernels)
     plan, reads_blocked = _plan(found, isa, _engine(found, engine, target), blocked)
     wl, float_sums = plan.wl, _float_sums(found)
-    if add is not None and (float_sums or units_border is not None or _shape(add[1]) != plan.out_shape()):
-        raise ValueError(f"a quantized add on blocks {_shape(add[1])} cannot fuse into a convolution writing "
+    if (found.residual is None) != (add is None or not add[0].float_own):
+        raise ValueError("quantized conv2d: a residual add of the float output needs its operand, and only it")
+    other_shape = _shape(add[1]) if add is not None else ()
+    nchw_other = len(other_shape) == 4
+    if nchw_other and other_shape != (wl.N, found.weight.shape[0], wl.OH, wl.OW):
+        raise ValueError(f"a quantized add of {other_shape} cannot fuse into a convolution writing "
+                         f"{(wl.N, found.weight.shape[0], wl.OH, wl.OW)}")
+    if add is not None and (float_sums or units_border is not None or (
+            not nchw_other and other_shape != plan.out_shape())):
+        raise ValueError(f"a quantized add on blocks {other_shape} cannot fuse into a convolution writing "
                          f"{plan.out_shape()}")
     data_dtype = str(found.data.ty.dtype.dtype)
     data_zero = found.data_zero + (128 if data_dtype == "int8" else 0)  # uint8's
@@ -403,9 +449,18 @@ def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target
                      _name("tvm_ext_pad_quantized", bshape, f"z{data_zero}"), [source], plan.data_shape(), "uint8")
     else:
         data = source
-    epilogue = _conv.Epilogue(bias=True, activation=found.activation, out_dtype="uint8", zero_point=out_zero,
-                              units=units_border is not None, out_pad=units_border or (0, 0, 0, 0),
-                              add=add[0] if add is not None else None)
+    if add is not None and nchw_other:  # packed: its channels past K hold its zero point (sums to z_out)
+        terms, other = add
+        quantization = terms.b if terms.own == "a" else terms.a
+        other_zero = quantization.zero_point + quantization.offset
+        add = terms, _call(bb, _layout.pack_quantized_func(_shape(other), plan.oc_bn, (0, 0, 0, 0), other_zero,
+                                                           quantization.dtype),
+                           _name("tvm_ext_pack_quantized", _shape(other), plan.oc_bn, f"z{other_zero}"), [other],
+                           plan.out_shape(), "uint8")
+    float_own = add is not None and add[0].float_own
+    epilogue = _conv.Epilogue(bias=True, activation=None if float_own else found.activation, out_dtype="uint8",
+                              zero_point=out_zero, units=units_border is not None,
+                              out_pad=units_border or (0, 0, 0, 0), add=add[0] if add is not None else None)
     kernel = conv2d_kernel(plan, epilogue, isa, target, database)
     tag = _name((wl.N, wl.C, wl.H, wl.W, wl.K, wl.KH, wl.KW), f"s{wl.stride[0]}{wl.stride[1]}")
     kind = plan.kind if float_sums else plan.engine
@@ -452,7 +507,7 @@ def units_borders(decisions: dict, values: dict, readers: dict) -> dict:
     float_sums = {found.conv: found for found, reason in decisions.values() if reason is None and _float_sums(found)}
     borders = {}
     for var, (found, reason) in decisions.items():
-        if reason is not None or _float_sums(found):
+        if reason is not None or _float_sums(found) or found.residual is not None:
             continue
         paddings = set()
         for reader in readers.get(var, []):
@@ -484,7 +539,7 @@ def fusable_adds(decisions: dict, values: dict, readers: dict) -> dict:
         candidates = []
         for own, operand, dq in (("a", found.a, dequantized[0]), ("b", found.b, dequantized[1])):
             decision = decisions.get(operand)
-            if decision is None or decision[1] is not None or _float_sums(decision[0]):
+            if decision is None or decision[1] is not None or _float_sums(decision[0]) or decision[0].residual:
                 continue
             if len(readers.get(operand, [])) == 1 and len(readers.get(dq, [])) == 1:
                 candidates.append((order[operand], own, operand))
@@ -492,6 +547,19 @@ def fusable_adds(decisions: dict, values: dict, readers: dict) -> dict:
             _, own, conv = max(candidates)
             fusable[conv] = (var, found, own)
     return fusable
+
+
+def _field_value(var: relax.Expr, values: dict) -> relax.Expr | None:
+    """The value bound to `var`, or where `var` is a field of a tuple bound in the function, that
+    field's value: PyTorch's max_pool2d_with_indices imports as (the pooling, zeros) and a
+    TupleGetItem of it."""
+    value = values.get(var)
+    if value is not None and isinstance(value, relax.TupleGetItem):
+        tuple_value = values.get(value.tuple_value)
+        if tuple_value is not None and isinstance(tuple_value, relax.Tuple):
+            field = tuple_value.fields[value.index]
+            return values.get(field) if isinstance(field, relax.Var) else field
+    return value
 
 
 def _bindings(func: relax.Function) -> dict:
@@ -560,7 +628,7 @@ def lower_quantized_conv2d(target: tvm.target.Target, database=None) -> tvm.tran
             quantize = binding.value
             if not _is(quantize, "relax.quantize"):
                 return False
-            pool = self.values.get(quantize.args[0])
+            pool = _field_value(quantize.args[0], self.values)
             if not _is(pool, "relax.nn.max_pool2d"):
                 return False
             dq = self.values.get(pool.args[0])
@@ -595,6 +663,9 @@ def lower_quantized_conv2d(target: tvm.target.Target, database=None) -> tvm.tran
                             reason)
                 return super().visit_var_binding_(binding)
             found = dataclasses.replace(found, data=self.visit_expr(found.data))
+            if found.residual is not None:
+                self._bind(binding, *self._residual_conv2d(found, *found.residual))
+                return None
             if self._fused_conv2d(binding, found):
                 return None
             self._bind(binding, *emit_quantized_conv2d(self.builder_, found, target, self.blocked.get(found.data),
@@ -620,6 +691,25 @@ def lower_quantized_conv2d(target: tvm.target.Target, database=None) -> tvm.tran
                 return False
             super().visit_var_binding_(binding)
             return True
+
+        def _residual_conv2d(self, found: QuantizedConv2d, other: relax.Expr,
+                             quantization: Quantization) -> tuple[relax.Expr, relax.Var]:
+            """Emit `found` with its residual add (PT2E: `other`, quantized as `quantization`) in
+            the epilogue, reading the operand's blocked uint8 form where an int8 kernel wrote it in
+            the output's blocks, else packing it."""
+            other = self.visit_expr(other)
+            terms = QuantizedSum.of_float_output(quantization, Quantization(found.out_scale, found.out_zero,
+                                                                            found.out_dtype),
+                                                 found.activation == "relu")
+            blocked = self.blocked.get(other)
+            if _uint8(blocked):
+                try:
+                    return emit_quantized_conv2d(self.builder_, found, target, self.blocked.get(found.data), None,
+                                                 (terms, blocked), database=database)
+                except ValueError:
+                    pass
+            return emit_quantized_conv2d(self.builder_, found, target, self.blocked.get(found.data), None,
+                                         (terms, other), database=database)
 
         def _bind(self, binding: relax.VarBinding, view: relax.Expr, blocked: relax.Var) -> None:
             """`binding`'s variable bound to the NCHW `view` of a kernel's `blocked` output, which

@@ -25,7 +25,15 @@ import tvm
 from tvm import relax
 
 __all__ = ["RandomGraph", "random_graph", "check_graph", "compare_outputs", "bf16_sensitivity", "check_bf16_graph",
-           "BF16_TOLERANCE"]
+           "BF16_TOLERANCE", "quantized_graph", "check_int8_graph", "INT8_DIFFERING"]
+
+# The share of an int8 build's outputs that may differ from stock TVM's float arithmetic of the
+# same QDQ module: where the float sums land within their rounding of a tie, the exact integer
+# ones round the value the other way, and each later layer spreads those steps (seed 7111: 0.01%
+# of the first convolution's values, 3% after a SiLU whose float32 differs in its last bit, 5.6%
+# of the 198 outputs, a step each); a wrong scale or zero point moves every value, a lost add
+# most, by more than a step.
+INT8_DIFFERING = 0.1
 
 # A bf16 build's error bound: a few roundings of 2^-9 along a graph's convolutions (a 6-layer
 # network stays within 2e-2: tests/integration/test_precision.py); a wrong answer is off by the
@@ -497,3 +505,41 @@ def check_bf16_graph(graph: RandomGraph, build_bf16: Callable[[tvm.IRModule, boo
         return problem, None
     sensitivity = bf16_sensitivity(graph, build_fp32)
     return check_graph(graph, build_bf16, tolerance=4 * sensitivity), sensitivity
+
+
+def quantized_graph(graph: RandomGraph) -> tvm.IRModule:
+    """`graph`'s QDQ form by `tvm_ext.quantize`, calibrated on its input and two more random ones
+    (the seed's), with uint8 or (every third seed) int8 activations."""
+    from ..quantization import quantize
+
+    rng = np.random.default_rng([graph.seed, 0x18])
+    x = graph.inputs[0]
+    calibration = [x, *(rng.standard_normal(x.shape).astype(np.float32) for _ in range(2))]
+    return quantize(graph.module, calibration, activations="int8" if graph.seed % 3 == 0 else "uint8")
+
+
+def check_int8_graph(graph: RandomGraph, build: Callable[[tvm.IRModule, bool], relax.VMExecutable],
+                     target: tvm.target.Target) -> str | None:
+    """Build :func:`quantized_graph` of `graph` with `build(module, winograd)` (its convolutions
+    on the int8 kernels where the CPU has them) and with stock TVM (the same quantize and
+    dequantize ops in float32) for `target`: None when at most :data:`INT8_DIFFERING` of the
+    outputs differ and none by more than the quantization's own error (stock TVM's from the
+    float64 reference), else what is wrong (an exception counts)."""
+    module = quantized_graph(graph)
+    expected = _outputs(tvm.compile(module, target), graph.inputs)
+    try:
+        got = _outputs(build(module, graph.winograd), graph.inputs)
+    except Exception as err:  # noqa: BLE001 - the property is "never raises" as much as "right"
+        return f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:300] if str(err).strip() else ''}"
+    quantization_error = max(rel_err(e, r) for e, r in zip(expected, graph.expected, strict=True))
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        if g.shape != e.shape:
+            return f"output {i}: shape {g.shape}, stock TVM's {e.shape}"
+        scale = max(float(np.abs(e).max()), 1e-30)
+        difference = np.abs(g.astype(np.float64) - e) / scale
+        differing = float((difference > 1e-5).mean()) if difference.size else 0.0
+        if differing > INT8_DIFFERING or difference.max(initial=0) > max(quantization_error, 1e-5):
+            return (f"output {i}: {differing:.1%} of the values differ from stock TVM's, by up to "
+                    f"{difference.max(initial=0):.3g} of the largest (the quantization's own error: "
+                    f"{quantization_error:.3g})")
+    return None
