@@ -63,7 +63,7 @@ class QuantizedConv2d:
     bias: np.ndarray | None  # the bias in float (B_q - z_b) * s_b, (K,)
     conv: relax.Call  # the float conv2d (strides, padding, dilation)
     activation: str | None
-    out_dtype: str  # uint8 or int8
+    out_dtype: str  # uint8 or int8; float32: the float output as it is (match_float_output_conv2d)
     out_zero: int
     out_scale: float
     inside: tuple[relax.Var, ...]  # the float values the kernel computes: read by nothing else
@@ -106,6 +106,18 @@ def match_quantized_conv2d(quantize: relax.Call, value_of) -> QuantizedConv2d | 
     out = _quantization(quantize)
     if out is None:
         return "not a per-tensor uint8/int8 quantize"
+    return _match_conv2d(quantize.args[0], value_of, out)
+
+
+def match_float_output_conv2d(var: relax.Var, value_of) -> QuantizedConv2d | str:
+    """The quantized convolution (int8 data and weights) whose float output [+ bias] [-> relu] is
+    `var`, read as it is: no quantize after it (PT2E quantizes after a concatenation, a SiLU or a
+    hardswish, not the convolution's output), or why it is not one."""
+    return _match_conv2d(var, value_of, None)
+
+
+def _match_conv2d(output: relax.Expr, value_of, out: Quantization | None) -> QuantizedConv2d | str:
+    """:func:`match_quantized_conv2d` of the value `output` that `out` quantizes (None: a float output)."""
     inside = []
 
     def through(expr, computed: bool = False):
@@ -116,17 +128,18 @@ def match_quantized_conv2d(quantize: relax.Call, value_of) -> QuantizedConv2d | 
             return value_of(expr)
         return expr
 
-    value = through(quantize.args[0], True)
+    value = through(output, out is not None)  # (a float output is read by whatever reads it)
     activation = None
     if _is(value, "relax.nn.relu"):
         activation, value = "relu", through(value.args[0], True)
-    elif _is(value, "relax.clip") and (prim_value(value.args[1]), prim_value(value.args[2])) == (0.0, 6.0):
+    elif out is not None and _is(value, "relax.clip") and (
+            prim_value(value.args[1]), prim_value(value.args[2])) == (0.0, 6.0):
         # relu6 (PT2E's MobileNets): a relu where the quantization saturates at or below 6 anyway
         _, high = _conv.QUANTIZED_RANGES[out.dtype]
         if (high - out.zero_point) * out.scale > 6.0:
             return "a relu6 whose quantization reaches past 6"
         activation, value = "relu", through(value.args[0], True)
-    residual = _residual(value, value_of) if _is(value, "relax.add") else None
+    residual = _residual(value, value_of) if out is not None and _is(value, "relax.add") else None
     if residual is not None:
         side, residual = residual
         value = through(side, True)
@@ -174,7 +187,8 @@ def match_quantized_conv2d(quantize: relax.Call, value_of) -> QuantizedConv2d | 
         data=data.args[0], data_zero=data_quantization.zero_point, data_scale=data_quantization.scale, weight=w,
         weight_scale=np.broadcast_to(w_scale.astype(np.float64).reshape(-1), (k,)).copy(),
         bias=None if bias is None else np.broadcast_to(bias, (k,)).copy(), conv=conv, activation=activation,
-        out_dtype=out.dtype, out_zero=out.zero_point, out_scale=out.scale, inside=tuple(inside), residual=residual)
+        out_dtype=out.dtype if out else "float32", out_zero=out.zero_point if out else 0,
+        out_scale=out.scale if out else 1.0, inside=tuple(inside), residual=residual)
 
 
 def _residual(add: relax.Call, value_of) -> tuple[relax.Expr, tuple[relax.Expr, Quantization]] | None:
@@ -262,6 +276,8 @@ def quantized_conv2d_reason(found: QuantizedConv2d, target: tvm.target.Target, r
         return "a symbolic shape"
     if found.residual is not None and _float_sums(found):
         return f"{int(attrs.groups)} groups and a residual add (the grouped kernel fuses no add)"
+    if found.out_dtype == "float32" and _float_sums(found):
+        return f"{int(attrs.groups)} groups and a float output (the grouped kernel writes units)"
     if _float_sums(found):  # summed in float32: exact while every sum stays below 2**24
         _, units_bias, _ = _requantization(found, 0)
         _, group, kh, kw = found.weight.shape
@@ -458,8 +474,10 @@ def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target
                            _name("tvm_ext_pack_quantized", _shape(other), plan.oc_bn, f"z{other_zero}"), [other],
                            plan.out_shape(), "uint8")
     float_own = add is not None and add[0].float_own
-    epilogue = _conv.Epilogue(bias=True, activation=None if float_own else found.activation, out_dtype="uint8",
-                              zero_point=out_zero, units=units_border is not None,
+    float_out = found.out_dtype == "float32"  # (the float output itself: s_x * s_w times the sums)
+    epilogue = _conv.Epilogue(bias=True, activation=None if float_own else found.activation,
+                              out_dtype="float32" if float_out else "uint8",
+                              zero_point=0 if float_out else out_zero, units=units_border is not None,
                               out_pad=units_border or (0, 0, 0, 0), add=add[0] if add is not None else None)
     kernel = conv2d_kernel(plan, epilogue, isa, target, database)
     tag = _name((wl.N, wl.C, wl.H, wl.W, wl.K, wl.KH, wl.KW), f"s{wl.stride[0]}{wl.stride[1]}")
@@ -471,6 +489,10 @@ def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target
                 epilogue.out_shape(plan), epilogue.buffer_dtype)
     if add is not None:
         return _quantized_view(bb, out, k, add[0].out.dtype), out
+    if float_out:
+        unpack = _layout.unpack_nchwc_func(plan.out_shape(), k)
+        return relax.call_tir(_add(bb, unpack, _name("tvm_ext_unpack", plan.out_shape())), [out],
+                              relax.TensorType((wl.N, k, wl.OH, wl.OW), "float32")), out
     if units_border is None:
         return _quantized_view(bb, out, k, found.out_dtype), out
     unpack = _layout.unpack_units_func(epilogue.out_shape(plan), units_border, k, found.out_zero, found.out_dtype)
@@ -574,14 +596,27 @@ def quantized_conv2d_decisions(func: relax.Function, target: tvm.target.Target) 
 
 
 def _decisions(values: dict, readers: dict, target: tvm.target.Target) -> dict:
-    """:func:`quantized_conv2d_decisions` of a function's :func:`_bindings` and their readers."""
-    decisions = {}
+    """:func:`quantized_conv2d_decisions` of a function's :func:`_bindings` and their readers:
+    those a quantize ends, then the float outputs of the quantized convolutions left (the
+    longest chain of conv2d, bias and relu the kernel takes, from the last binding up)."""
+    decisions, claimed = {}, set()
     for var, value in values.items():
         if _is(value, "relax.quantize"):
             found = match_quantized_conv2d(value, values.get)
             if isinstance(found, QuantizedConv2d):
                 decisions[var] = (found, quantized_conv2d_reason(found, target, readers))
-    return decisions
+                claimed.update(found.inside)
+    floats = {}
+    for var, value in reversed(values.items()):
+        if var in claimed or not (_is(value, "relax.nn.conv2d") or _is(value, "relax.add") or
+                                  _is(value, "relax.nn.relu")):
+            continue
+        found = match_float_output_conv2d(var, values.get)
+        if isinstance(found, QuantizedConv2d) and quantized_conv2d_reason(found, target, readers) is None:
+            floats[var] = (found, None)
+            claimed.update(found.inside)
+    order = {var: i for i, var in enumerate(values)}  # (program order: dispatch_report reads them so)
+    return dict(sorted({**decisions, **floats}.items(), key=lambda item: order[item[0]]))
 
 
 def lower_quantized_conv2d(target: tvm.target.Target, database=None) -> tvm.transform.Pass:
@@ -668,8 +703,9 @@ def lower_quantized_conv2d(target: tvm.target.Target, database=None) -> tvm.tran
                 return None
             if self._fused_conv2d(binding, found):
                 return None
-            self._bind(binding, *emit_quantized_conv2d(self.builder_, found, target, self.blocked.get(found.data),
-                                                       self.units_borders.get(binding.var), database=database))
+            view, blocked = emit_quantized_conv2d(self.builder_, found, target, self.blocked.get(found.data),
+                                                  self.units_borders.get(binding.var), database=database)
+            self._bind(binding, view, None if found.out_dtype == "float32" else blocked)
             return None
 
         def _fused_conv2d(self, binding: relax.VarBinding, found: QuantizedConv2d) -> bool:
@@ -711,12 +747,14 @@ def lower_quantized_conv2d(target: tvm.target.Target, database=None) -> tvm.tran
             return emit_quantized_conv2d(self.builder_, found, target, self.blocked.get(found.data), None,
                                          (terms, other), database=database)
 
-        def _bind(self, binding: relax.VarBinding, view: relax.Expr, blocked: relax.Var) -> None:
+        def _bind(self, binding: relax.VarBinding, view: relax.Expr, blocked: relax.Var | None) -> None:
             """`binding`'s variable bound to the NCHW `view` of a kernel's `blocked` output, which
-            the kernels after it read instead (its channels past the view's hold the zero point)."""
+            the kernels after it read instead (its channels past the view's hold the zero point;
+            None: a float output, which no int8 kernel reads)."""
             var = self.builder_.emit(self.builder_.normalize(view), binding.var.name)
             self.set_var_remap(binding.var, var)
-            self.blocked[var] = blocked
+            if blocked is not None:
+                self.blocked[var] = blocked
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.LowerQuantizedConv2d")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
