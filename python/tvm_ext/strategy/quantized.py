@@ -45,7 +45,8 @@ from .base import add_kernel, readers_of
 logger = logging.getLogger("tvm_ext")
 
 __all__ = ["QuantizedAdd", "QuantizedConv2d", "int8_engine", "int8_kernel", "lower_quantized_conv2d",
-           "match_quantized_add", "match_quantized_conv2d", "quantized_conv2d_decisions", "quantized_conv2d_reason"]
+           "match_float_output_conv2d", "match_quantized_add", "match_quantized_conv2d", "quantized_conv2d_decisions",
+           "quantized_conv2d_reason"]
 
 _UNPACK = "tvm_ext_unpack_quantized"
 FUSED_ADD = "_qadd"  # the name suffix of an int8 convolution that adds a quantized residual (dispatch_report)
@@ -111,8 +112,8 @@ def match_quantized_conv2d(quantize: relax.Call, value_of) -> QuantizedConv2d | 
 
 def match_float_output_conv2d(var: relax.Var, value_of) -> QuantizedConv2d | str:
     """The quantized convolution (int8 data and weights) whose float output [+ bias] [-> relu] is
-    `var`, read as it is: no quantize after it (PT2E quantizes after a concatenation, a SiLU or a
-    hardswish, not the convolution's output), or why it is not one."""
+    `var`, read as it is: no quantize after it (PT2E quantizes after a concatenation or an
+    activation, not the convolution's output), or why it is not one."""
     return _match_conv2d(var, value_of, None)
 
 
@@ -595,10 +596,20 @@ def quantized_conv2d_decisions(func: relax.Function, target: tvm.target.Target) 
     return _decisions(_bindings(func), readers_of(func), target)
 
 
+# What a float output may not be read by to run on an int8 kernel writing float32: the start of
+# an activation the fp32 kernels fuse into their epilogue (SiLU as x * sigmoid(x), hardswish as
+# x * clip(x + 3, 0, 6) / 6, ...), which would become a pass of its own over the unpacked output
+# (PT2E EfficientNet-B0 with its expansion convolutions so: 0.95x, within this host's noise; they
+# stay on the fp32 kernels). Before a concatenation they pay: GoogLeNet 1.25-1.51x.
+_FUSED_BY_FLOAT_KERNELS = frozenset(f"relax.{op}" for op in (
+    "sigmoid", "multiply", "divide", "clip", "tanh", "add", "nn.silu", "nn.gelu", "nn.gelu_tanh", "nn.softplus"))
+
+
 def _decisions(values: dict, readers: dict, target: tvm.target.Target) -> dict:
     """:func:`quantized_conv2d_decisions` of a function's :func:`_bindings` and their readers:
     those a quantize ends, then the float outputs of the quantized convolutions left (the
-    longest chain of conv2d, bias and relu the kernel takes, from the last binding up)."""
+    longest chain of conv2d, bias and relu the kernel takes, from the last binding up) that
+    start no activation the fp32 kernels would fuse (:data:`_FUSED_BY_FLOAT_KERNELS`)."""
     decisions, claimed = {}, set()
     for var, value in values.items():
         if _is(value, "relax.quantize"):
@@ -612,8 +623,14 @@ def _decisions(values: dict, readers: dict, target: tvm.target.Target) -> dict:
                                   _is(value, "relax.nn.relu")):
             continue
         found = match_float_output_conv2d(var, values.get)
-        if isinstance(found, QuantizedConv2d) and quantized_conv2d_reason(found, target, readers) is None:
-            floats[var] = (found, None)
+        if not isinstance(found, QuantizedConv2d):
+            continue
+        # (read by such an activation: the fp32 kernel runs the whole chain, no shorter one is tried)
+        fused_reader = any(isinstance(reader, relax.Call) and isinstance(reader.op, tvm.ir.Op) and
+                           reader.op.name in _FUSED_BY_FLOAT_KERNELS for reader in readers.get(var, []))
+        if fused_reader or quantized_conv2d_reason(found, target, readers) is None:
+            if not fused_reader:
+                floats[var] = (found, None)
             claimed.update(found.inside)
     order = {var: i for i, var in enumerate(values)}  # (program order: dispatch_report reads them so)
     return dict(sorted({**decisions, **floats}.items(), key=lambda item: order[item[0]]))
