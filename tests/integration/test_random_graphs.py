@@ -125,13 +125,13 @@ def test_random_graphs_in_bf16(engine):
 
 
 def test_random_graphs_in_int8():
-    """Twelve graphs in QDQ form (tvm_ext.quantize; uint8 and int8 activations), their
+    """Six graphs in QDQ form (tvm_ext.quantize; uint8 and int8 activations), their
     convolutions, adds and max pooling on the int8 kernels where the CPU has VNNI or AMX: as stock
     TVM's float arithmetic of the same module, but for a value rounded the other way at a tie.
-    (bench/fuzz.py --precision int8: 364 graphs in 0.5.33, 331 with int8 convolutions, all right;
-    one with 10 of its 1260 values a step apart.)"""
+    (bench/fuzz.py --precision int8 runs more: 739 in 0.5.33, none wrong; at most 5.6% of a
+    graph's values a step apart.)"""
     failures = []
-    for seed in range(6000, 6012):
+    for seed in range(6000, 6006):
         graph = random_graph(seed)
         problem = check_int8_graph(graph, _build, TARGET)
         if problem:

@@ -164,6 +164,14 @@ def test_int8_zoo_bench_smoke():
     assert "within 1 step" in out and "resnet18" in out
 
 
+@pytest.mark.long
+def test_pt2e_bench_smoke():
+    pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
+    out = _run("bench/pt2e.py", "--models", "resnet18", "--size", "32", "--inputs", "1", "--rounds", "1",
+               "--repeat", "2")
+    assert "fused adds" in out and "resnet18" in out
+
+
 def test_tutorial_07_int8():
     from tvm_ext.strategy.quantized import int8_engine
 
