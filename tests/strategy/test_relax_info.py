@@ -26,3 +26,28 @@ def test_decision_accessors_say_why_there_is_nothing_to_emit():
     with pytest.raises(UnsupportedError, match="no convolution plan"):
         _ = fallback.conv_plan
     assert Decision("nn.relu", (), "relu", "fused").chosen_kernel == "relu"
+
+
+def test_field_of_reads_through_tuple_get_items():
+    """PyTorch's max_pool2d_with_indices imports as (the pooling, zeros) and a TupleGetItem of it:
+    the pooling is found through it, a tuple field of a tuple too; anything else is itself (a
+    TupleGetItem of a TupleGetItem's value included: only bound tuples are read)."""
+    from tvm_ext.strategy.base import field_of
+
+    x = relax.Var("x", relax.TensorType((1, 4, 8, 8), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            pool = bb.emit(relax.op.nn.max_pool2d(x, 2, 2))
+            zeros = bb.emit(relax.op.zeros_like(pool))
+            pair = bb.emit(relax.Tuple([pool, zeros]))
+            nested = bb.emit(relax.Tuple([zeros, pair]))
+            first = bb.emit(relax.TupleGetItem(pair, 0))
+            inner = bb.emit(relax.TupleGetItem(nested, 1))
+            deep = bb.emit(relax.TupleGetItem(inner, 1))
+            out = bb.emit_output(relax.Tuple([first, deep]))
+        bb.emit_func_output(out)
+    values = {b.var: b.value for block in bb.get()["main"].body.blocks for b in block.bindings}
+    assert field_of(first, values.get).same_as(pool) and field_of(inner, values.get).same_as(pair)
+    assert field_of(deep, values.get).same_as(deep)
+    assert field_of(pool, values.get).same_as(pool) and field_of(x, values.get).same_as(x)

@@ -223,15 +223,22 @@ def tuple_field(bb: relax.BlockBuilder, expr: relax.Expr) -> relax.Expr:
     """`expr`, or the tuple field it names (Gradient passes a tuple-valued op's adjoint as a
     tuple, of which dY is a field; a batch norm's y is its tuple's first), so that an emitter
     finds the field's own layout."""
-    value = bound_value(bb, expr)
+    return field_of(expr, lambda e: bound_value(bb, e))
+
+
+def field_of(expr: relax.Expr, value_of) -> relax.Expr:
+    """`expr`, or the field of a tuple bound in the function that it names, through TupleGetItems
+    (`value_of`: a variable's bound value, or None). PyTorch's max_pool2d_with_indices imports as
+    a tuple (the pooling, zeros) and a TupleGetItem of it."""
+    value = value_of(expr) if isinstance(expr, relax.Var) else None
     while value is not None and isinstance(value, relax.TupleGetItem):
         tuple_value = value.tuple_value
         if isinstance(tuple_value, relax.Var):
-            tuple_value = bound_value(bb, tuple_value)
+            tuple_value = value_of(tuple_value)
         if tuple_value is None or not isinstance(tuple_value, relax.Tuple):
             break
         expr = tuple_value.fields[value.index]
-        value = bound_value(bb, expr)
+        value = value_of(expr) if isinstance(expr, relax.Var) else None
     return expr
 
 

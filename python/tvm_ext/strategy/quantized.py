@@ -40,7 +40,7 @@ from ..kernels.quantized import Quantization, QuantizedSum, quantized_add_func
 from ..relax_info import is_channel_bias, known_shape, prim_value, static_shape
 from ..target import AVX2, AVX512, VectorISA, amx_permitted, has_amx_int8, has_vnni
 from ..tuning.records import conv2d_kernel
-from .base import add_kernel, readers_of
+from .base import add_kernel, field_of, readers_of
 
 logger = logging.getLogger("tvm_ext")
 
@@ -199,6 +199,7 @@ def _residual(add: relax.Call, value_of) -> tuple[relax.Expr, tuple[relax.Expr, 
     def value(arg):
         return value_of(arg) if isinstance(arg, relax.Var) and value_of(arg) is not None else arg
 
+    shape = static_shape(add)
     for i in (0, 1):
         dq, side = value(add.args[i]), add.args[1 - i]
         computed = value(side)
@@ -207,7 +208,6 @@ def _residual(add: relax.Call, value_of) -> tuple[relax.Expr, tuple[relax.Expr, 
         if not (_is(dq, "relax.dequantize") and convolution) or _const(dq.args[0]) is not None:
             continue
         quantization = _quantization(dq)
-        shape = static_shape(add)
         if quantization is not None and shape is not None and static_shape(dq.args[0]) == shape == static_shape(side):
             return side, (dq.args[0], quantization)
     return None
@@ -572,19 +572,6 @@ def fusable_adds(decisions: dict, values: dict, readers: dict) -> dict:
     return fusable
 
 
-def _field_value(var: relax.Expr, values: dict) -> relax.Expr | None:
-    """The value bound to `var`, or where `var` is a field of a tuple bound in the function, that
-    field's value: PyTorch's max_pool2d_with_indices imports as (the pooling, zeros) and a
-    TupleGetItem of it."""
-    value = values.get(var)
-    if value is not None and isinstance(value, relax.TupleGetItem):
-        tuple_value = values.get(value.tuple_value)
-        if tuple_value is not None and isinstance(tuple_value, relax.Tuple):
-            field = tuple_value.fields[value.index]
-            return values.get(field) if isinstance(field, relax.Var) else field
-    return value
-
-
 def _bindings(func: relax.Function) -> dict:
     """Each variable `func` binds -> its value."""
     return {b.var: b.value for block in func.body.blocks for b in block.bindings if isinstance(b, relax.VarBinding)}
@@ -680,7 +667,7 @@ def lower_quantized_conv2d(target: tvm.target.Target, database=None) -> tvm.tran
             quantize = binding.value
             if not _is(quantize, "relax.quantize"):
                 return False
-            pool = _field_value(quantize.args[0], self.values)
+            pool = self.values.get(field_of(quantize.args[0], self.values.get))
             if not _is(pool, "relax.nn.max_pool2d"):
                 return False
             dq = self.values.get(pool.args[0])

@@ -446,8 +446,13 @@ def check_graph(graph: RandomGraph, build: Callable[[tvm.IRModule, bool], relax.
     try:
         got = _outputs(build(graph.module, graph.winograd), graph.inputs, device)
     except Exception as err:  # noqa: BLE001 - the property is "never raises" as much as "right"
-        return f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:300] if str(err).strip() else ''}"
+        return _failure(err)
     return compare_outputs(graph, got, tolerance)
+
+
+def _failure(err: Exception) -> str:
+    """What a build or run that raised reports: the exception's type and the last line of its message."""
+    return f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:300] if str(err).strip() else ''}"
 
 
 def _outputs(ex: relax.VMExecutable, inputs: list[np.ndarray],
@@ -530,7 +535,7 @@ def check_int8_graph(graph: RandomGraph, build: Callable[[tvm.IRModule, bool], r
     try:
         got = _outputs(build(module, graph.winograd), graph.inputs)
     except Exception as err:  # noqa: BLE001 - the property is "never raises" as much as "right"
-        return f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:300] if str(err).strip() else ''}"
+        return _failure(err)
     quantization_error = max(rel_err(e, r) for e, r in zip(expected, graph.expected, strict=True))
     for i, (g, e) in enumerate(zip(got, expected, strict=True)):
         if g.shape != e.shape:
