@@ -276,6 +276,45 @@ def test_a_bf16_output_is_the_fp32_output_rounded(dtype, shape, padding, epilogu
     assert np.array_equal(outputs[1].view(np.uint16), expected.view(np.uint16))
 
 
+@pytest.mark.parametrize("dtype, shape, padding", [
+    ("float32", ((1, 64, 14, 14), (64, 64, 1, 1)), 0), ("float32", ((2, 32, 9, 11), (40, 32, 3, 3)), 1),
+    pytest.param("bfloat16", ((1, 64, 14, 14), (64, 64, 1, 1)), 0,
+                 marks=pytest.mark.skipif(not has_avx512_bf16(TARGET), reason="no AVX512-BF16")),
+    ("winograd", ((1, 32, 10, 9), (64, 32, 3, 3)), 1)])
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
+def test_a_bf16_residual_is_read_as_its_fp32_value(dtype, shape, padding, out_dtype):
+    """A shortcut that a convolution wrote in bf16 for its bf16 readers (Epilogue.residual_dtype)
+    is read widened: the kernel's output equals, bit for bit, the fp32-residual kernel's given the
+    same values as float32 (the BRGEMM kernel, fp32 or bf16 output; Winograd's output transform)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvm_ext.kernels.winograd import winograd_plan
+    from tvm_ext.tuning.space import default_kernel
+
+    isa = vector_isa(TARGET)
+    wl = Conv2dWorkload.make(*shape, 1, padding, dtype="float32" if dtype == "winograd" else dtype)
+    plan = winograd_plan(wl, isa) if dtype == "winograd" else plan_conv2d(wl, AVX512 if dtype == "bfloat16" else isa)
+    epilogue = Epilogue(bias=True, residual=True, activation="relu", out_dtype=out_dtype)
+    kernels = [default_kernel(plan, dataclasses.replace(epilogue, residual_dtype=r), isa)
+               for r in ("float32", "bfloat16")]
+    rng = np.random.default_rng(5)
+    arrays = []
+    for info in ms.arg_info.ArgInfo.from_prim_func(kernels[1])[:-1]:
+        value = rng.standard_normal(tuple(int(e) for e in info.shape)).astype(np.float32)
+        arrays.append(value.astype(ml_dtypes.bfloat16) if str(info.dtype) == "bfloat16" else value)
+    residual = arrays[-1]
+    assert residual.dtype == ml_dtypes.bfloat16 and residual.shape == plan.out_shape()
+    out_shape, out_type = plan.out_shape(), ml_dtypes.bfloat16 if out_dtype == "bfloat16" else np.float32
+    outputs = []
+    for kernel, shortcut in zip(kernels, (residual.astype(np.float32), residual), strict=True):
+        out = tvm.runtime.tensor(np.full(out_shape, 7, np.float32).astype(out_type))
+        compile_kernel(kernel, TARGET)(*(tvm.runtime.tensor(a) for a in (*arrays[:-1], shortcut)), out)
+        outputs.append(out.numpy())
+    assert np.array_equal(outputs[0].view(np.uint8), outputs[1].view(np.uint8))
+    with pytest.raises(ValueError, match="a bfloat16 residual is a blocked residual"):
+        Epilogue(residual_dtype="bfloat16")
+
+
 def test_a_bf16_output_takes_no_gradient_mask_and_no_int8():
     from tvm_ext.kernels.winograd import output_transform_func, winograd_plan
 

@@ -107,6 +107,12 @@ def bf16_bits(value: tirx.Var) -> tirx.PrimExpr:
     return tirx.Cast("uint16", tirx.Select((bits & u32(0x7FFFFFFF)) > u32(0x7F800000), nan, rounded))
 
 
+def bf16_value(bits: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The float32 value of a bfloat16 held as its bits (uint16): the top half of the float32,
+    exact. Integer arithmetic, as :func:`bf16_bits`, for the same reason."""
+    return tirx.reinterpret("float32", tirx.Cast("uint32", bits) << tirx.const(16, "uint32"))
+
+
 def param_buffer(name: str, shape, align: int = -1, dtype: str = "float32") -> tirx.Buffer:
     """A parameter `name` of the PrimFunc being built and its buffer (named in capitals)."""
     return IRBuilder.name(name.upper(), T.match_buffer(T.arg(name, T.handle()), shape, dtype, align=align))

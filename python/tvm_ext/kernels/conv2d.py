@@ -41,6 +41,7 @@ from .common import (
     accept_user_alignment,
     activation_expr,
     bf16_bits,
+    bf16_value,
     normalize_padding,
     pair,
     param_buffer,
@@ -550,6 +551,9 @@ class Epilogue:
     # other (a parameter after the scale); the sum, ONNX Runtime's QLinearAdd, is written instead.
     # With `add.float_own` the unrounded output is the operand (PT2E's conv + add).
     add: QuantizedSum | None = None
+    # The residual's element type: "float32", or "bfloat16" where a convolution writes it in bf16
+    # for its bf16 readers (`precision="bf16"`): read widened, no fp32 copy of the tensor.
+    residual_dtype: str = "float32"
 
     def __post_init__(self):
         if self.activation is not None and self.activation not in ACTIVATIONS:
@@ -569,6 +573,10 @@ class Epilogue:
             raise ValueError(f"epilogue: out_dtype {self.out_dtype!r} is not float32, bfloat16, uint8 or int8")
         if self.out_dtype == "bfloat16" and (self.mask or self.nchw_out or self.units or self.add):
             raise ValueError("epilogue: a bfloat16 output is a blocked forward activation (no mask, no NCHW)")
+        if self.residual_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"epilogue: residual_dtype {self.residual_dtype!r} is not float32 or bfloat16")
+        if self.residual_dtype == "bfloat16" and (not self.residual or self.nchw_out):
+            raise ValueError("epilogue: a bfloat16 residual is a blocked residual")
         low, high = QUANTIZED_RANGES.get(self.out_dtype, (0, 0))
         if not low <= self.zero_point <= high:
             raise ValueError(f"epilogue: zero_point {self.zero_point} is outside {self.out_dtype}'s range")
@@ -658,7 +666,10 @@ def _segment(plan: Conv2dPlan, name: str, width: int, start: int, row: tuple, ou
 
 
 def _load(buffer: tirx.Buffer | None, index: list) -> tirx.PrimExpr | None:
-    return None if buffer is None else buffer[tuple(index)]
+    """buffer[index]; a bf16 tensor read through its uint16 alias is widened to float32."""
+    if buffer is None:
+        return None
+    return bf16_value(buffer[tuple(index)]) if buffer.dtype == "uint16" else buffer[tuple(index)]
 
 
 def _epilogue_value(epilogue: Epilogue, src: tirx.PrimExpr, bias: tirx.PrimExpr | None,
@@ -800,7 +811,7 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
         bias = param_buffer("b", (plan.OCB, plan.oc_bn), dtype=wl.sum_dtype) if epilogue.bias else None
         scale = param_buffer("scale", (plan.OCB, plan.oc_bn)) if quantizing else None
         residual_shape = wl.out_shape if epilogue.nchw_out else plan.out_shape()
-        residual = param_buffer("r", residual_shape) if epilogue.residual else None
+        residual = param_buffer("r", residual_shape, dtype=epilogue.residual_dtype) if epilogue.residual else None
         if epilogue.add is not None:  # the quantized add's other operand
             residual = param_buffer("r", plan.out_shape(), dtype="uint8")
         mask_shape = residual_shape if epilogue.nchw_out else with_border(plan.out_shape(), epilogue.mask_pad)
@@ -823,6 +834,8 @@ def conv2d_blocked_func(plan: Conv2dPlan, epilogue: Epilogue = Epilogue()) -> ti
         if epilogue.buffer_dtype == "bfloat16":  # written as bits (:func:`~.common.bf16_bits`)
             y_bits = y_border = _alias("Y_bits", y, "uint16")
             border = tirx.const(0, "uint16")
+        if residual is not None and residual.dtype == "bfloat16":  # read as bits, widened (:func:`_load`)
+            residual = _alias("R_bits", residual, "uint16")
         with contextlib.ExitStack() as loops:
             if plan.oihw_weight:
                 # One task per output block: its weights laid out in a scratch of the task (the

@@ -36,7 +36,7 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from .common import ACTIVATIONS, KERNEL_ATTR, activation_expr, bf16_bits, param_buffer
+from .common import ACTIVATIONS, KERNEL_ATTR, activation_expr, bf16_bits, bf16_value, param_buffer
 from .conv2d import IMAGES_INSIDE_BLOCKS, Conv2dPlan, Conv2dWorkload, Epilogue, plan_conv2d
 
 # Interpolation points of F(m, r) by the tile size a = m + r - 1 (the point at infinity is
@@ -291,10 +291,13 @@ def output_transform_func(plan: Conv2dPlan, epilogue: Epilogue | None = None) ->
         T.func_attr({"tirx.noalias": True})
         products = param_buffer("mm", (wl.N, a * a * ocb, *grid(plan), plan.oc_bn))
         bias = param_buffer("b", (ocb, plan.oc_bn)) if epilogue.bias else None
-        residual = param_buffer("r", plan.out_shape()) if epilogue.residual else None
+        residual = param_buffer("r", plan.out_shape(), dtype=epilogue.residual_dtype) if epilogue.residual else None
         y = param_buffer("y", y_shape, dtype=epilogue.buffer_dtype)  # fp32, or bf16 (rounded) for bf16 readers
-        # a bf16 output is written as bits (:func:`~.common.bf16_bits`), its zero border too
+        # a bf16 output is written as bits (:func:`~.common.bf16_bits`), its zero border too;
+        # a bf16 residual is read as bits and widened
         bits = y if epilogue.buffer_dtype == "float32" else T.decl_buffer(y_shape, "uint16", data=y.data)
+        if residual is not None and residual.dtype == "bfloat16":
+            residual = T.decl_buffer(residual.shape, "uint16", data=residual.data)
         with T.sblock("root"):
             vectorized = epilogue.activation not in _UNVECTORIZED_ACTIVATIONS
             with _tile_loops(plan, ocb, plan.oc_bn, vectorized) as (n, ob, ty, tx, c):
@@ -308,7 +311,8 @@ def output_transform_func(plan: Conv2dPlan, epilogue: Epilogue | None = None) ->
                         if bias is not None:  # (epilogue.bias)
                             value = value + bias[ob, c]
                         if residual is not None:  # (epilogue.residual)
-                            value = value + residual[n, ob, ty * m + i, tx * m + j, c]
+                            shortcut = residual[n, ob, ty * m + i, tx * m + j, c]
+                            value = value + (bf16_value(shortcut) if residual.dtype == "uint16" else shortcut)
                         if epilogue.activation:
                             value = activation_expr(epilogue.activation, T.Bind(value), epilogue.alpha,
                                                     scalar_erf=not vectorized)

@@ -57,7 +57,7 @@ def _padded_producers(mod: tvm.IRModule, func: relax.Function) -> dict[relax.Var
         plan, epilogue, _, _ = described
         if epilogue.nchw_out or any(epilogue.out_pad) or plan.wl.dtype == "int8":
             continue  # (an int8 kernel's border is its reader's zero point: strategy.quantized's own)
-        found[source] = Rebuilt(pad_var, plan, dataclasses.replace(epilogue, out_pad=border),
+        found[source] = Rebuilt((pad_var,), plan, dataclasses.replace(epilogue, out_pad=border),
                                 "_border" + "x".join(map(str, border)))
     return found
 
@@ -148,10 +148,11 @@ def write_borders(mod: tvm.IRModule, make_kernel: KernelMaker) -> tvm.IRModule:
 
 @dataclasses.dataclass(frozen=True)
 class Rebuilt:
-    """A convolution rebuilt with another epilogue: the binding its new output replaces (dropped),
-    its plan and new epilogue, and the suffix of the new kernel's name."""
+    """A convolution rebuilt with another epilogue: the bindings its new output replaces (dropped;
+    none where only what it reads changed), its plan and new epilogue, and the suffix of the new
+    kernel's name."""
 
-    replaced: relax.Var
+    replaced: tuple[relax.Var, ...]
     plan: _conv.Conv2dPlan
     epilogue: _conv.Epilogue
     suffix: str
@@ -173,13 +174,13 @@ def rebuild_producers(mod: tvm.IRModule, find: Callable[[tvm.IRModule, relax.Fun
 def _rebuild(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Function,
              producers: dict[relax.Var, Rebuilt], make_kernel: KernelMaker) -> tvm.IRModule:
     """`func` with each convolution bound to a key of `producers` rebuilt (over a symbolic batch
-    as the old kernel was) to write what its `replaced` binding computed from its output, and
-    that binding dropped."""
+    as the old kernel was) to write what its `replaced` bindings computed from its output, and
+    those bindings dropped."""
     @relax.expr_functor.mutator
     class _Mutator(relax.PyExprMutator):
         def __init__(self, mod: tvm.IRModule):
             super().__init__(mod)
-            self.dropped = {rebuilt.replaced for rebuilt in producers.values()}
+            self.dropped = {var for rebuilt in producers.values() for var in rebuilt.replaced}
 
         def visit_var_binding_(self, binding: relax.VarBinding) -> None:
             if binding.var in self.dropped:
@@ -199,8 +200,9 @@ def _rebuild(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Function,
             args = [self.visit_expr(arg) for arg in call.args[1].fields]
             out = self.builder_.emit(relax.call_tir(self.builder_.add_func(kernel, name), args,
                                                     relax.TensorType(shape, rebuilt.epilogue.buffer_dtype)))
-            self.set_var_remap(rebuilt.replaced, out)
-            logger.debug("tvm_ext: %s writes what a pass over its output wrote; the pass is gone", name)
+            for replaced in (binding.var, *rebuilt.replaced):
+                self.set_var_remap(replaced, out)
+            logger.debug("tvm_ext: %s rebuilt (%s)", name, rebuilt.suffix)
 
     mutator = _Mutator(mod)
     mutator.builder_.update_func(gvar, mutator.visit_expr(func))

@@ -106,6 +106,9 @@ class CpuEmitter:
         # padded blocked copies made (pad_nchwc), by (blocked tensor, border): a training graph's
         # forward convolution and its weight gradient read one
         self._padded: dict[tuple[relax.Var, tuple[int, ...]], relax.Var] = {}
+        # blocked tensors rounded to bf16 (a bf16 convolution's input): one rounding for all the
+        # convolutions that read a tensor (a stage's input: its first 1x1 and the strided shortcut)
+        self._rounded: dict[relax.Var, relax.Var] = {}
         # interleaved stride phases (blocked output -> the phases' operands), for a mask after them
         self._interleaved: dict[relax.Var, tuple] = {}
         # a training-mode batch norm's statistics (blocked x -> mean, var), for its gradient
@@ -135,6 +138,7 @@ class CpuEmitter:
     def new_block(self) -> None:
         """Forget the copies made so far (their variables are out of scope in a new block)."""
         self._padded.clear()
+        self._rounded.clear()
         self._batch_statistics.clear()
 
     def _call_tir(self, func: tvm.tirx.PrimFunc, name: str, args: list, shape: tuple) -> relax.Call:
@@ -336,12 +340,14 @@ class CpuEmitter:
             weight = np.concatenate([weight, np.zeros((wl.K, wl.C - weight.shape[1], wl.KH, wl.KW), weight.dtype)], 1)
         blocked_out = plan.K_pad == wl.K or padded_out
         packed = self.pack(data, plan.in_bn, wl.padding, padded=True)
-        if plan.engine == "emulated":  # bf16 values in fp32
+        rounded = self._rounded.get(packed)
+        if rounded is None and plan.engine == "emulated":  # bf16 values in fp32
             shape = known_shape(image_shape(packed), "conv2d: the blocked data")
             rounded = self._call(_elementwise.bf16_round_func(shape, self.isa.lanes),
                                  f"tvm_ext_bf16_round_{'x'.join(map(str, shape))}", [packed], shape)
-        else:
+        elif rounded is None:
             rounded = self.bb.emit(relax.op.astype(packed, "bfloat16"))
+        self._rounded[packed] = rounded
         args = [rounded, relax.const(_conv.pack_weight_array(plan, weight))]
         operands, epilogue = self._epilogue(plan, bias, residual, activation, blocked_out, None)
         name = f"tvm_ext_{plan.kind}_conv2d_{_tag(plan)}_bf16_{plan.engine}{suffix}"

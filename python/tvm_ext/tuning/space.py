@@ -43,7 +43,8 @@ PLAN_ATTR = "tvm_ext.conv2d_plan"
 # Fields added after records were tuned: unnamed while they hold their default, so that those
 # records keep their text (a workload's description is part of what a record matches).
 _LATER_PLAN_FIELDS = ("nchw_in", "oihw_weight", "data_bn", "engine", "n_r")
-_LATER_EPILOGUE_FIELDS = ("mask", "mask_pad", "out_dtype", "zero_point", "out_scale", "units", "add")
+_LATER_EPILOGUE_FIELDS = ("mask", "mask_pad", "out_dtype", "zero_point", "out_scale", "units", "add",
+                         "residual_dtype")
 
 
 def _fields(obj, later: tuple[str, ...]) -> dict:
