@@ -89,9 +89,11 @@ def scalar_constant(expr: relax.Expr) -> float | None:
 
 def activation_at(expr: relax.Expr, value_of) -> tuple[Activation, relax.Expr] | None:
     """The activation `expr` computes and its input, if it is one: an activation op, or the
-    decompositions importers write for hardsigmoid (clip(x + 3, 0, 6) / 6) and hardswish
+    decompositions importers write for hardsigmoid (clip(x + 3, 0, 6) / 6), hardswish
     (x * hardsigmoid(x), or torch.export's (x * clip(x + 3, 0, 6)) / 6, operands in either
-    order, the clip also as clip(clip(., 0, inf), -inf, 6)). `value_of` looks through bindings."""
+    order, the clip also as clip(clip(., 0, inf), -inf, 6)) and SiLU (x * sigmoid(x): a PT2E
+    graph's, which the quantized lowering reads before `recognise_silu` runs). `value_of` looks
+    through bindings."""
     def is_op(e: relax.Expr, name: str) -> bool:
         return isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op) and e.op.name == name
 
@@ -135,6 +137,9 @@ def activation_at(expr: relax.Expr, value_of) -> tuple[Activation, relax.Expr] |
         for this, other in (expr.args, expr.args[::-1]):
             if same(this, hardsigmoid_input(other)):
                 return Activation("hardswish"), this
+            sigmoid = value_of(other)
+            if is_op(sigmoid, "relax.sigmoid") and same(this, sigmoid.args[0]):
+                return Activation("silu"), this
     if is_op(expr, "relax.divide") and scalar_constant(expr.args[1]) == 6.0:
         product = value_of(expr.args[0])
         if is_op(product, "relax.multiply"):

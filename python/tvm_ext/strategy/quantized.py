@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import TypeGuard
 
 import numpy as np
@@ -37,10 +38,10 @@ from ..kernels import conv2d as _conv
 from ..kernels import layout as _layout
 from ..kernels import pool2d as _pool
 from ..kernels.quantized import Quantization, QuantizedSum, quantized_add_func
-from ..relax_info import is_channel_bias, known_shape, prim_value, static_shape
+from ..relax_info import is_channel_bias, known_shape, static_shape
 from ..target import AVX2, AVX512, VectorISA, amx_permitted, has_amx_int8, has_vnni
 from ..tuning.records import conv2d_kernel
-from .base import add_kernel, field_of, readers_of
+from .base import activation_at, add_kernel, field_of, readers_of
 
 logger = logging.getLogger("tvm_ext")
 
@@ -63,11 +64,12 @@ class QuantizedConv2d:
     weight_scale: np.ndarray  # s_w, (K,)
     bias: np.ndarray | None  # the bias in float (B_q - z_b) * s_b, (K,)
     conv: relax.Call  # the float conv2d (strides, padding, dilation)
-    activation: str | None
+    activation: str | None  # a name of tvm_ext.kernels.conv2d.ACTIVATIONS (no slope)
     out_dtype: str  # uint8 or int8; float32: the float output as it is (match_float_output_conv2d)
     out_zero: int
     out_scale: float
     inside: tuple[relax.Var, ...]  # the float values the kernel computes: read by nothing else
+    computing: tuple[relax.Expr, ...]  # the calls that compute them (and the quantize): their reads are its own
     # PT2E's conv + add [+ relu]: the quantized tensor (NCHW, the output's shape) whose
     # dequantized values the convolution's float output is added to, before `activation`
     residual: tuple[relax.Expr, Quantization] | None = None
@@ -107,41 +109,83 @@ def match_quantized_conv2d(quantize: relax.Call, value_of) -> QuantizedConv2d | 
     out = _quantization(quantize)
     if out is None:
         return "not a per-tensor uint8/int8 quantize"
-    return _match_conv2d(quantize.args[0], value_of, out)
+    return _match_conv2d(quantize.args[0], value_of, out, quantize)
 
 
 def match_float_output_conv2d(var: relax.Var, value_of) -> QuantizedConv2d | str:
-    """The quantized convolution (int8 data and weights) whose float output [+ bias] [-> relu] is
-    `var`, read as it is: no quantize after it (PT2E quantizes after a concatenation or an
-    activation, not the convolution's output), or why it is not one."""
+    """The quantized convolution (int8 data and weights) whose float output [+ bias] [-> an
+    activation] is `var`, read as it is: no quantize after it (PT2E quantizes after a
+    concatenation, not the convolution's output), or why it is not one."""
     return _match_conv2d(var, value_of, None)
 
 
-def _match_conv2d(output: relax.Expr, value_of, out: Quantization | None) -> QuantizedConv2d | str:
+# The activations an int8 kernel's epilogue applies before the requantization (ACTIVATIONS'
+# without a parameter): PT2E's EfficientNets and MobileNet-v3 quantize after SiLU and hardswish.
+QUANTIZED_ACTIVATIONS = ("relu", "relu6", "sigmoid", "silu", "hardsigmoid", "hardswish")
+
+
+def _looking_through(value_of) -> Callable[[relax.Expr], relax.Expr]:
+    """`value_of` (a variable's bound value, or None) as :func:`~.base.activation_at` reads: the
+    bound value, or the expression itself."""
+    def look(expr: relax.Expr) -> relax.Expr:
+        bound = value_of(expr) if isinstance(expr, relax.Var) else None
+        return expr if bound is None else bound
+    return look
+
+
+def _computed_between(top: relax.Expr, bottom: relax.Expr, value_of) -> tuple[list[relax.Var], list[relax.Expr]]:
+    """The bound variables and calls of the expression `top` computes from `bottom` (an
+    activation's decomposition: x * sigmoid(x), x * clip(x + 3, 0, 6) / 6), `bottom` excluded."""
+    variables, calls = [], []
+
+    def walk(expr: relax.Expr) -> None:
+        if isinstance(expr, relax.Var):
+            if expr.same_as(bottom) or value_of(expr) is None or expr in variables:
+                return
+            variables.append(expr)
+            expr = value_of(expr)
+        if isinstance(expr, relax.Call):
+            calls.append(expr)
+            for arg in expr.args:
+                walk(arg)
+
+    walk(top)
+    return variables, calls
+
+
+def _match_conv2d(output: relax.Expr, value_of, out: Quantization | None,
+                  quantize: relax.Call | None = None) -> QuantizedConv2d | str:
     """:func:`match_quantized_conv2d` of the value `output` that `out` quantizes (None: a float output)."""
-    inside = []
+    inside, computing = [], [] if quantize is None else [quantize]
 
     def through(expr, computed: bool = False):
         """The value bound to `expr` (`computed`: one the kernel computes in place of the float ops)."""
         if isinstance(expr, relax.Var) and value_of(expr) is not None:
             if computed:
                 inside.append(expr)
+            computing.append(value_of(expr))
             return value_of(expr)
         return expr
 
     value = through(output, out is not None)  # (a float output is read by whatever reads it)
     activation = None
-    if _is(value, "relax.nn.relu"):
-        activation, value = "relu", through(value.args[0], True)
-    elif out is not None and _is(value, "relax.clip") and (
-            prim_value(value.args[1]), prim_value(value.args[2])) == (0.0, 6.0):
-        # relu6 (PT2E's MobileNets): a relu where the quantization saturates at or below 6 anyway
-        _, high = _conv.QUANTIZED_RANGES[out.dtype]
-        if (high - out.zero_point) * out.scale > 6.0:
-            return "a relu6 whose quantization reaches past 6"
-        activation, value = "relu", through(value.args[0], True)
+    found = activation_at(value, _looking_through(value_of))
+    if found is not None:
+        activation, x = found[0].name, found[1]
+        if activation not in QUANTIZED_ACTIVATIONS:
+            return f"{activation} before the quantize (the int8 epilogue applies {', '.join(QUANTIZED_ACTIVATIONS)})"
+        # relu6 where the quantization saturates at or below 6 anyway: a relu (which a residual add takes)
+        if activation == "relu6" and out is not None and \
+                (_conv.QUANTIZED_RANGES[out.dtype][1] - out.zero_point) * out.scale <= 6.0:
+            activation = "relu"
+        variables, calls = _computed_between(value, x, value_of)
+        inside.extend(variables)
+        computing.extend(calls)
+        value = through(x, True)
     residual = _residual(value, value_of) if out is not None and _is(value, "relax.add") else None
     if residual is not None:
+        if activation not in (None, "relu"):
+            return f"a residual add before {activation} (the int8 epilogue adds before a relu only)"
         side, residual = residual
         value = through(side, True)
     bias = None
@@ -189,7 +233,7 @@ def _match_conv2d(output: relax.Expr, value_of, out: Quantization | None) -> Qua
         weight_scale=np.broadcast_to(w_scale.astype(np.float64).reshape(-1), (k,)).copy(),
         bias=None if bias is None else np.broadcast_to(bias, (k,)).copy(), conv=conv, activation=activation,
         out_dtype=out.dtype if out else "float32", out_zero=out.zero_point if out else 0,
-        out_scale=out.scale if out else 1.0, inside=tuple(inside), residual=residual)
+        out_scale=out.scale if out else 1.0, inside=tuple(inside), computing=tuple(computing), residual=residual)
 
 
 def _residual(add: relax.Call, value_of) -> tuple[relax.Expr, tuple[relax.Expr, Quantization]] | None:
@@ -285,7 +329,7 @@ def quantized_conv2d_reason(found: QuantizedConv2d, target: tvm.target.Target, r
         if 255 * 128 * group * kh * kw + np.abs(units_bias).max(initial=0) >= 2**24:
             return f"{int(attrs.groups)} groups whose sums may pass 2**24 (float32 sums would round)"
     for var in found.inside:
-        if len(readers.get(var, [])) > 1:
+        if any(not any(reader.same_as(call) for call in found.computing) for reader in readers.get(var, [])):
             return f"{var.name} is read outside the quantized convolution"
     return None
 
@@ -326,10 +370,19 @@ def _workload(found: QuantizedConv2d, channels: int) -> _conv.Conv2dWorkload:
     return _conv.Conv2dWorkload.make((n, channels, h, w), (k, channels, kh, kw), *options, dtype="int8")
 
 
+def _scale_free(found: QuantizedConv2d) -> bool:
+    """Whether `found`'s activation commutes with a positive scale (none, relu): the epilogue may
+    then apply it to the sums in units of the output's scale. Any other (SiLU, hardswish, relu6)
+    is applied to the real value, s_x * s_w times the sums, which is then divided by s_y."""
+    return found.activation in (None, "relu")
+
+
 def _requantization(found: QuantizedConv2d, data_zero: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(the weights, the bias in units of the sums minus `data_zero`'s share, the float32 scale)."""
-    # float32 as ONNX Runtime's requantization: s_x * s_w / s_y per output channel
-    scale = np.float32(found.data_scale) * found.weight_scale.astype(np.float32) / np.float32(found.out_scale)
+    # float32 as ONNX Runtime's requantization: s_x * s_w / s_y per output channel (the real
+    # value's s_x * s_w before an activation that is not scale-free: :func:`_scale_free`)
+    out_scale = found.out_scale if _scale_free(found) else 1.0
+    scale = np.float32(found.data_scale) * found.weight_scale.astype(np.float32) / np.float32(out_scale)
     sums_unit = np.float64(found.data_scale) * found.weight_scale  # the bias's unit: one step of the sums
     k = found.weight.shape[0]
     bias = np.zeros(k, np.int64) if found.bias is None else np.rint(found.bias / sums_unit).astype(np.int64)
@@ -476,8 +529,10 @@ def emit_quantized_conv2d(bb: relax.BlockBuilder, found: QuantizedConv2d, target
                            plan.out_shape(), "uint8")
     float_own = add is not None and add[0].float_own
     float_out = found.out_dtype == "float32"  # (the float output itself: s_x * s_w times the sums)
+    divided = not (float_out or _scale_free(found))  # by s_y after the activation (_requantization)
     epilogue = _conv.Epilogue(bias=True, activation=None if float_own else found.activation,
                               out_dtype="float32" if float_out else "uint8",
+                              out_scale=float(np.float32(1) / np.float32(found.out_scale)) if divided else 1.0,
                               zero_point=0 if float_out else out_zero, units=units_border is not None,
                               out_pad=units_border or (0, 0, 0, 0), add=add[0] if add is not None else None)
     kernel = conv2d_kernel(plan, epilogue, isa, target, database)
@@ -607,7 +662,7 @@ def _decisions(values: dict, readers: dict, target: tvm.target.Target) -> dict:
     floats = {}
     for var, value in reversed(values.items()):
         if var in claimed or not (_is(value, "relax.nn.conv2d") or _is(value, "relax.add") or
-                                  _is(value, "relax.nn.relu")):
+                                  activation_at(value, _looking_through(values.get)) is not None):
             continue
         found = match_float_output_conv2d(var, values.get)
         if not isinstance(found, QuantizedConv2d):

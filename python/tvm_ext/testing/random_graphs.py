@@ -25,15 +25,20 @@ import tvm
 from tvm import relax
 
 __all__ = ["RandomGraph", "random_graph", "check_graph", "compare_outputs", "bf16_sensitivity", "check_bf16_graph",
-           "BF16_TOLERANCE", "quantized_graph", "check_int8_graph", "INT8_DIFFERING"]
+           "BF16_TOLERANCE", "quantized_graph", "check_int8_graph", "INT8_DIFFERING",
+           "INT8_SHARED_VALUES"]
 
 # The share of an int8 build's outputs that may differ from stock TVM's float arithmetic of the
 # same QDQ module: where the float sums land within their rounding of a tie, the exact integer
 # ones round the value the other way, and each later layer spreads those steps (seed 7111: 0.01%
 # of the first convolution's values, 3% after a SiLU whose float32 differs in its last bit, 5.6%
 # of the 198 outputs, a step each); a wrong scale or zero point moves every value, a lost add
-# most, by more than a step.
+# most, by more than a step. Judged on outputs of at least INT8_SHARED_VALUES values: a dense
+# layer after a global pooling mixes every value of its input, so one step before it moves all of
+# a small output (seed 17640: all 8 logits, by 0.009 of the largest, within the quantization's
+# own error of 0.024); those are held to the error bound alone.
 INT8_DIFFERING = 0.1
+INT8_SHARED_VALUES = 100
 
 # A bf16 build's error bound: a few roundings of 2^-9 along a graph's convolutions (a 6-layer
 # network stays within 2e-2: tests/integration/test_precision.py); a wrong answer is off by the
@@ -543,7 +548,8 @@ def check_int8_graph(graph: RandomGraph, build: Callable[[tvm.IRModule, bool], r
         scale = max(float(np.abs(e).max()), 1e-30)
         difference = np.abs(g.astype(np.float64) - e) / scale
         differing = float((difference > 1e-5).mean()) if difference.size else 0.0
-        if differing > INT8_DIFFERING or difference.max(initial=0) > max(quantization_error, 1e-5):
+        if (differing > INT8_DIFFERING and difference.size >= INT8_SHARED_VALUES) or \
+                difference.max(initial=0) > max(quantization_error, 1e-5):
             return (f"output {i}: {differing:.1%} of the values differ from stock TVM's, by up to "
                     f"{difference.max(initial=0):.3g} of the largest (the quantization's own error: "
                     f"{quantization_error:.3g})")
