@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 
+import numpy as np
 from tvm import s_tir, te, tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
@@ -224,10 +225,13 @@ def unpack_quantized_func(blocked_shape: Sequence[int], channels: int, dtype: st
     return sch.mod["main"].with_attr(KERNEL_ATTR, "unpack_quantized")
 
 
-def dequantized_units_func(blocked_shape: Sequence[int], padding: Sequence[int], zero_point: int) -> tirx.PrimFunc:
+def dequantized_units_func(blocked_shape: Sequence[int], padding: Sequence[int], zero_point: int,
+                           scale: float = 1.0) -> tirx.PrimFunc:
     """Blocked uint8 (N, CB, H, W, c) -> blocked float32 (N, CB, H+top+bottom, W+left+right, c) of
     q - `zero_point` (the quantized values in units of their scale, exact), zeros in the border:
-    the input of an int8 depthwise convolution computed in float32 (its sums are integers)."""
+    the input of an int8 depthwise convolution computed in float32 (its sums are integers). With
+    a `scale`, times it (float32, after the subtraction: relax.dequantize's arithmetic): the
+    dequantized values, for the fp32 kernels that read them."""
     n, cb, h, w, block = (int(v) for v in blocked_shape)
     top, left, bottom, right = (int(p) for p in padding)
     x = te.placeholder((n, cb, h, w, block), "uint8", name="data")
@@ -236,7 +240,10 @@ def dequantized_units_func(blocked_shape: Sequence[int], padding: Sequence[int],
         ih, iw = i - top, j - left
         inside = tirx.all(ih >= 0, ih < h, iw >= 0, iw < w)
         value = x[b, c, tirx.max(tirx.min(ih, h - 1), 0), tirx.max(tirx.min(iw, w - 1), 0), k]
-        return tirx.if_then_else(inside, (value.astype("int32") - zero_point).astype("float32"), tirx.const(0.0))
+        units = (value.astype("int32") - zero_point).astype("float32")
+        if scale != 1.0:
+            units = units * tirx.const(float(np.float32(scale)), "float32")
+        return tirx.if_then_else(inside, units, tirx.const(0.0))
 
     y = te.compute((n, cb, h + top + bottom, w + left + right, block), body, name="units")
     sch = s_tir.Schedule(te.create_prim_func([x, y]))

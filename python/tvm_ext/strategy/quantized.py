@@ -50,6 +50,9 @@ __all__ = ["QuantizedAdd", "QuantizedConv2d", "int8_engine", "int8_kernel", "low
            "quantized_conv2d_reason"]
 
 _UNPACK = "tvm_ext_unpack_quantized"
+# the NCHW view of float32 blocks, named as the fp32 emitter's own (strategy.cpu), which reads
+# the blocks behind a view so named
+_FLOAT_UNPACK = "tvm_ext_unpack_nchwc"
 FUSED_ADD = "_qadd"  # the name suffix of an int8 convolution that adds a quantized residual (dispatch_report)
 
 
@@ -745,10 +748,33 @@ def lower_quantized_conv2d(target: tvm.target.Target, database=None) -> tvm.tran
             self._bind(binding, _quantized_view(self.builder_, out, _shape(data)[1], quantization.dtype), out)
             return True
 
+        def _dequantize(self, binding: relax.VarBinding) -> bool:
+            """Emit the dequantize `binding` ends on the blocks of its operand where an int8 kernel
+            wrote them: float32 blocks and their NCHW view, which the fp32 kernels after it read
+            as blocks (the NCHW uint8 view, the dequantize and the fp32 kernel's pack were three
+            passes: PT2E EfficientNet-B0's depthwise layers)."""
+            dq = binding.value
+            quantization = _quantization(dq) if _is(dq, "relax.dequantize") else None
+            if quantization is None or str(dq.attrs.out_dtype) != "float32":
+                return False
+            data = self.visit_expr(dq.args[0])
+            blocked = self.blocked.get(data)
+            if not _uint8(blocked):
+                return False
+            shape, (n, channels, h, w) = _shape(blocked), _shape(data)
+            zero = quantization.zero_point + quantization.offset  # (int8 is held as uint8 + 128)
+            out = _call(self.builder_, _layout.dequantized_units_func(shape, (0, 0, 0, 0), zero, quantization.scale),
+                        _name("tvm_ext_dequantize_blocked", shape, f"z{zero}"), [blocked], shape, "float32")
+            unpack = _layout.unpack_nchwc_func(shape, channels)
+            view = relax.call_tir(_add(self.builder_, unpack, _name(_FLOAT_UNPACK, shape, channels)), [out],
+                                  relax.TensorType((n, channels, h, w), "float32"))
+            self.set_var_remap(binding.var, self.builder_.emit(self.builder_.normalize(view), binding.var.name))
+            return True
+
         def visit_var_binding_(self, binding: relax.VarBinding) -> None:
             decision = self.decisions.get(binding.var)
             if decision is None:
-                if not (self._add(binding) or self._max_pool(binding)):
+                if not (self._add(binding) or self._max_pool(binding) or self._dequantize(binding)):
                     super().visit_var_binding_(binding)
                 return None
             found, reason = decision
