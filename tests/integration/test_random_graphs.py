@@ -148,6 +148,15 @@ def test_a_small_int8_output_that_mixes_every_value_is_held_to_the_error_bound()
     assert check_int8_graph(graph, _build, TARGET) is None
 
 
+def test_a_quantized_add_of_three_channel_blocks_builds():
+    """Seed 17723 (found by bench/fuzz.py --precision int8): a grouped convolution's 6 outputs in
+    blocks of 3 added to themselves; the blocked quantized add's vectors of 1 lane crashed TVM
+    ("Check failed: lanes > 1") since the add came in (0.5.25). An odd block is added a value at
+    a time now, as stock TVM's float arithmetic adds it."""
+    graph = random_graph(17723)
+    assert check_int8_graph(graph, _build, TARGET) is None
+
+
 def test_an_int8_graph_that_is_not_its_quantized_form_is_reported():
     """(The check can fail: the float graph's build is not its QDQ form's.)"""
     graph = next(g for g in map(random_graph, range(6000, 6100)) if "conv2d" in " ".join(g.steps))

@@ -109,11 +109,14 @@ def quantized_add_func(blocked_shape: Sequence[int], a: Quantization, b: Quantiz
     n, cb, h, w, block = (int(v) for v in blocked_shape)
     lanes = next(v for v in (16, 8, 4, 2, 1) if block % v == 0)
     terms = QuantizedSum(a, b, out, relu)
-    vec, words = f"float32x{lanes}", f"int32x{lanes}"
+
+    def typed(dtype: str) -> str:  # (an odd block, a grouped convolution's 3 channels: scalars)
+        return dtype if lanes == 1 else f"{dtype}x{lanes}"
 
     def raw(buffer, row, at, quantization: Quantization) -> tirx.PrimExpr:
-        held = T.Cast(words, buffer.vload([row, at], f"uint8x{lanes}"))
-        return T.Cast(vec, held - T.Broadcast(T.int32(quantization.offset), lanes))
+        held = T.Cast(typed("int32"), buffer.vload([row, at], typed("uint8")))
+        offset = T.int32(quantization.offset)
+        return T.Cast(typed("float32"), held - (offset if lanes == 1 else T.Broadcast(offset, lanes)))
 
     with IRBuilder() as builder, T.prim_func(s_tir=True):
         T.func_name("quantized_add")
@@ -124,5 +127,6 @@ def quantized_add_func(blocked_shape: Sequence[int], a: Quantization, b: Quantiz
         with T.parallel(0, n * cb * h) as row, T.serial(0, w * block // lanes) as v:
             at = v * lanes
             held = quantized_sum(raw(flat[0], row, at, a), raw(flat[1], row, at, b), terms, lanes)
-            T.buffer_store(flat[2], T.Cast(f"uint8x{lanes}", T.Cast(words, held)), [row, T.Ramp(at, 1, lanes)])
+            T.buffer_store(flat[2], T.Cast(typed("uint8"), T.Cast(typed("int32"), held)),
+                           [row, at if lanes == 1 else T.Ramp(at, 1, lanes)])
     return builder.get()
