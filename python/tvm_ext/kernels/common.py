@@ -113,6 +113,13 @@ def bf16_value(bits: tirx.PrimExpr) -> tirx.PrimExpr:
     return tirx.reinterpret("float32", tirx.Cast("uint32", bits) << tirx.const(16, "uint32"))
 
 
+def load_value(buffer: tirx.Buffer, index) -> tirx.PrimExpr:
+    """buffer[index]; from a bf16 tensor read through its uint16 alias, widened to float32
+    (:func:`bf16_value`)."""
+    value = buffer[tuple(index)]
+    return bf16_value(value) if buffer.dtype == "uint16" else value
+
+
 def param_buffer(name: str, shape, align: int = -1, dtype: str = "float32") -> tirx.Buffer:
     """A parameter `name` of the PrimFunc being built and its buffer (named in capitals)."""
     return IRBuilder.name(name.upper(), T.match_buffer(T.arg(name, T.handle()), shape, dtype, align=align))

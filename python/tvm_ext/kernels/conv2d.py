@@ -41,7 +41,7 @@ from .common import (
     accept_user_alignment,
     activation_expr,
     bf16_bits,
-    bf16_value,
+    load_value,
     normalize_padding,
     pair,
     param_buffer,
@@ -666,10 +666,7 @@ def _segment(plan: Conv2dPlan, name: str, width: int, start: int, row: tuple, ou
 
 
 def _load(buffer: tirx.Buffer | None, index: list) -> tirx.PrimExpr | None:
-    """buffer[index]; a bf16 tensor read through its uint16 alias is widened to float32."""
-    if buffer is None:
-        return None
-    return bf16_value(buffer[tuple(index)]) if buffer.dtype == "uint16" else buffer[tuple(index)]
+    return None if buffer is None else load_value(buffer, index)
 
 
 def _epilogue_value(epilogue: Epilogue, src: tirx.PrimExpr, bias: tirx.PrimExpr | None,

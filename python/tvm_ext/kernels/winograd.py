@@ -36,7 +36,7 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
-from .common import ACTIVATIONS, KERNEL_ATTR, activation_expr, bf16_bits, bf16_value, param_buffer
+from .common import ACTIVATIONS, KERNEL_ATTR, activation_expr, bf16_bits, load_value, param_buffer
 from .conv2d import IMAGES_INSIDE_BLOCKS, Conv2dPlan, Conv2dWorkload, Epilogue, plan_conv2d
 
 # Interpolation points of F(m, r) by the tile size a = m + r - 1 (the point at infinity is
@@ -311,8 +311,7 @@ def output_transform_func(plan: Conv2dPlan, epilogue: Epilogue | None = None) ->
                         if bias is not None:  # (epilogue.bias)
                             value = value + bias[ob, c]
                         if residual is not None:  # (epilogue.residual)
-                            shortcut = residual[n, ob, ty * m + i, tx * m + j, c]
-                            value = value + (bf16_value(shortcut) if residual.dtype == "uint16" else shortcut)
+                            value = value + load_value(residual, [n, ob, ty * m + i, tx * m + j, c])
                         if epilogue.activation:
                             value = activation_expr(epilogue.activation, T.Bind(value), epilogue.alpha,
                                                     scalar_erf=not vectorized)

@@ -47,14 +47,14 @@ def _described(mod: tvm.IRModule, value) -> tuple[tvm.tirx.PrimFunc, _conv.Conv2
     return kernel, described[0], described[1]
 
 
-def _reads_as_residual(mod: tvm.IRModule, value, source: relax.Var) -> bool:
-    """Whether the convolution `value` calls reads `source` once, as its fp32 blocked residual."""
-    described = _described(mod, value)
+def _reads_as_residual(described: tuple | None, call: relax.Call, source: relax.Var) -> bool:
+    """Whether `call`, of the convolution `described` (:func:`_described`), reads `source` once, as
+    its fp32 blocked residual."""
     if described is None or not described[2].residual or described[2].residual_dtype != "float32":
         return False
     # the parameter named R (:func:`~tvm_ext.kernels.common.param_buffer`; R_batch over a symbolic batch)
     names = [param.name.removesuffix("_batch") for param in described[0].params]
-    args = list(value.args[1].fields)
+    args = list(call.args[1].fields)
     return (names.count("R") == 1 and sum(arg.same_as(source) for arg in args) == 1
             and args[names.index("R")].same_as(source))
 
@@ -66,14 +66,11 @@ def _bf16_tensors(mod: tvm.IRModule, func: relax.Function) -> dict[relax.Var, Re
     readers = readers_of(func)
     bindings = relax.analysis.get_var2val(func)
     var_of = {value: var for var, value in bindings.items()}
+    kernels = {var: found for var, value in bindings.items() if (found := _described(mod, value)) is not None}
     astype = tvm.ir.Op.get("relax.astype")
     changes: dict[relax.Var, dict[str, str]] = {}
     roundings: dict[relax.Var, list[relax.Var]] = {}
-    for source, value in bindings.items():
-        described = _described(mod, value)
-        if described is None:
-            continue
-        _, plan, epilogue = described
+    for source, (_, plan, epilogue) in kernels.items():
         if (epilogue.out_dtype != "float32" or epilogue.nchw_out or epilogue.mask
                 or (plan.kind == "winograd" and _winograd.bf16_output_reason(epilogue) is not None)):
             continue
@@ -82,7 +79,8 @@ def _bf16_tensors(mod: tvm.IRModule, func: relax.Function) -> dict[relax.Var, Re
             if (isinstance(reader, relax.Call) and reader.op.same_as(astype)
                     and str(reader.attrs.dtype) == "bfloat16"):
                 rounded.append(var_of[reader])
-            elif reader is not None and not any(epilogue.out_pad) and _reads_as_residual(mod, reader, source):
+            elif (reader is not None and not any(epilogue.out_pad)
+                  and _reads_as_residual(kernels.get(var_of[reader]), reader, source)):
                 shortcuts.append(var_of[reader])
             else:
                 break  # an fp32 reader: the tensor stays fp32
@@ -96,9 +94,7 @@ def _bf16_tensors(mod: tvm.IRModule, func: relax.Function) -> dict[relax.Var, Re
                     changes.setdefault(reader, {})["residual_dtype"] = "bfloat16"
     found = {}
     for var, change in changes.items():
-        described = _described(mod, bindings[var])
-        assert described is not None  # (found above: a writer, or a reader of a residual)
-        _, plan, epilogue = described
+        _, plan, epilogue = kernels[var]  # (a writer, or a reader of a residual)
         suffix = ("_bf16" if "out_dtype" in change else "") + ("_bf16r" if "residual_dtype" in change else "")
         found[var] = Rebuilt(tuple(roundings.get(var, ())), plan, dataclasses.replace(epilogue, **change), suffix)
     return found
