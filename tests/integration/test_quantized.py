@@ -641,3 +641,47 @@ def test_a_dequantize_of_int8_blocks_feeds_the_fp32_kernels_blocked(dtype):
     expected = relax.VirtualMachine(tvm.compile(graph(False, from_q=True), "llvm"), tvm.cpu())["main"](q).numpy()
     assert len(np.unique(q.numpy())) > 50
     assert np.abs(got - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+@needs_int8
+@pytest.mark.parametrize("dtype,padding", [("uint8", 0), ("int8", 1)])
+def test_an_int8_conv_reads_its_fp32_producers_blocks_quantized_in_one_pass(dtype, padding):
+    """fp32 conv + SiLU -> quantize -> int8 conv, the fp32 output read by another fp32 kernel too
+    (blocked: PT2E's EfficientNets, the projection after a squeeze-excitation). The int8
+    kernel's input is quantized from the fp32 kernel's blocks by one kernel
+    (tvm_ext_quantized_blocks: its padding and zero point included), not unpacked to NCHW,
+    quantized by stock TVM and packed (three passes). Within one step of stock TVM's build
+    (float sums in another order; relax's quantize rounds exact ties away from zero)."""
+    from reference import built_kernels
+
+    rng = np.random.default_rng(17)
+    op = relax.op
+    f32 = lambda v: relax.const(np.asarray(v, np.float32))  # noqa: E731
+    zero = relax.const(np.asarray(9 if dtype == "uint8" else -4, dtype))
+    w1 = relax.const((rng.standard_normal((40, 24, 3, 3)) * 0.1).astype(np.float32))
+    w2 = rng.integers(-127, 128, (56, 40, 3, 3)).astype(np.int8)
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 24, 14, 12), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            z = bb.emit(op.nn.conv2d(x, w1, padding=1))
+            q = bb.emit(op.quantize(op.multiply(z, op.sigmoid(z)), f32(0.01), zero, axis=1, out_dtype=dtype))
+            wd = op.dequantize(relax.const(w2), f32(0.003), relax.const(np.asarray(0, np.int8)), axis=0)
+            y = op.nn.conv2d(op.dequantize(q, f32(0.01), zero, axis=1), wd, padding=padding)
+            out = bb.emit_output(relax.Tuple([
+                op.quantize(op.nn.relu(y), f32(0.2), relax.const(np.asarray(0, np.uint8)), axis=1, out_dtype="uint8"),
+                op.nn.max_pool2d(z, 3, padding=1)]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+
+    kernels = built_kernels(mod, TARGET)
+    assert any(name.startswith("tvm_ext_quantized_blocks") for name in kernels), kernels
+    assert any(name.startswith("tvm_ext_int8_conv2d") for name in kernels), kernels
+    assert not [name for name in kernels if name.startswith(("tvm_ext_pack_quantized", "quantize"))]
+    assert len([name for name in kernels if name.startswith("tvm_ext_unpack_nchwc")]) == 1  # (max pooling's output)
+    data = tvm.runtime.tensor(rng.standard_normal((1, 24, 14, 12)).astype(np.float32))
+    got = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main"](data)[0].numpy().astype(int)
+    stock = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())["main"](data)[0].numpy().astype(int)
+    assert len(np.unique(stock)) > 30
+    assert np.abs(got - stock).max() <= 1 and (got != stock).mean() < 0.01

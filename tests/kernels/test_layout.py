@@ -71,3 +71,40 @@ def test_blocked_global_average_pool():
     x = np.random.default_rng(3).standard_normal((2, 48, 7, 5)).astype("float32")
     got = _run(global_avg_pool2d_func((2, 3, 7, 5, 16)), _blocked(x, 16), out_shape=(2, 3, 1, 1, 16))
     assert rel_err(got, _blocked(x.astype(np.float64).mean((2, 3), keepdims=True), 16)) <= 1e-6
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8"])
+@pytest.mark.parametrize("channels,h,w,block_in,block,pads", [
+    (40, 6, 5, 16, 64, (0, 0, 0, 0)),  # blocks of 64 from blocks of 16, 24 channels past C
+    (112, 4, 7, 16, 16, (1, 1, 1, 1)),  # the same blocks, a border
+    (40, 3, 9, 48, 8, (1, 2, 0, 1)),  # blocks of 8 from blocks of 48
+    (72, 5, 3, 48, 64, (2, 0, 1, 1)),  # neither divides the other: a channel at a time
+    (3, 8, 9, 3, 4, (0, 0, 0, 0)),  # an RGB image's 3 channels into a block of 4
+])
+def test_quantized_blocks_write_the_quantized_pack_of_fp32_blocks(dtype, channels, h, w, block_in, block, pads):
+    """quantized_blocks_func(fp32 blocks) == pack_quantized(quantize(unpack(blocks))), bit for bit,
+    with round to nearest even (exact ties included) and saturation; the fp32 blocks' channels
+    past C (NaN here) are never read into the output."""
+    from tvm_ext.kernels.layout import pack_quantized_func, quantized_blocks_func
+
+    rng = np.random.default_rng(channels + block)
+    scale, zero = 0.05, (7 if dtype == "uint8" else -3)
+    offset = 128 if dtype == "int8" else 0
+    blocks = -(-channels // block_in)
+    x = (rng.standard_normal((1, blocks * block_in, h, w)) * 5).astype(np.float32)
+    ties = rng.random(x.shape) < 0.2
+    x[ties] = ((rng.integers(-300, 300, ties.sum()) + 0.5) * scale).astype(np.float32)  # k + 0.5 steps
+    x[:, channels:] = np.nan
+    top, left, bottom, right = pads
+    out_shape = (1, -(-channels // block), h + top + bottom, w + left + right, block)
+    got = tvm.runtime.tensor(np.zeros(out_shape, np.uint8))
+    tvm.compile(quantized_blocks_func((1, blocks, h, w, block_in), channels, block, pads, scale, zero, dtype),
+                TARGET)(tvm.runtime.tensor(_blocked(x, block_in)), got)
+    low, high = (-128, 127) if dtype == "int8" else (0, 255)
+    q = np.clip(np.rint(x[:, :channels] / np.float32(scale)) + zero, low, high).astype(dtype)
+    assert np.rint(np.float32(0.5)) == 0 and (np.abs(x[:, :channels] / np.float32(scale) % 1 - 0.5) < 1e-6).any()
+    expected = tvm.runtime.tensor(np.zeros(out_shape, np.uint8))
+    tvm.compile(pack_quantized_func(q.shape, block, pads, zero + offset, dtype), TARGET)(tvm.runtime.tensor(q),
+                                                                                        expected)
+    np.testing.assert_array_equal(got.numpy(), expected.numpy())
+    assert (got.numpy() == zero + offset).mean() < 0.9 and len(np.unique(got.numpy())) > 50

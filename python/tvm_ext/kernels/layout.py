@@ -9,7 +9,8 @@ activations stay blocked. These kernels are those edges:
   convolution whose producer is blocked already: contiguous row copies);
 - :func:`unpack_nchwc_func`: blocked -> NCHW, dropping the channels that fill the last block;
 - :func:`pack_quantized_func`: NCHW uint8 or int8 -> blocked uint8 (an int8 convolution's input),
-  its border and the channels that fill the last block holding the zero point.
+  its border and the channels that fill the last block holding the zero point;
+  :func:`quantized_blocks_func` writes the same from an fp32 kernel's blocks, quantizing them.
 
 The NCHW side is a (channel, pixel) transpose: with blocks of 8 channels or more (float32) it
 is done in 8x8 register tiles (:mod:`.transpose`), 2.5x faster than element by element; other
@@ -29,6 +30,11 @@ from tvm.tirx.script import builder as T
 from .common import KERNEL_ATTR, USER_ALIGNMENT, accept_user_alignment, param_buffer
 from .conv2d import Conv2dPlan
 from .transpose import TILE, transpose8x8
+
+# pack_quantized's border (top, left, bottom, right) and the uint8 it holds there, as attributes
+# of its PrimFunc: a rewrite after lowering rebuilds the same input (:func:`quantized_blocks_func`)
+PACK_PADDING_ATTR = "tvm_ext.pack_padding"
+PACK_ZERO_ATTR = "tvm_ext.pack_zero_point"
 
 
 def _vector_tiles(block: int, dtype: str) -> bool:
@@ -201,7 +207,58 @@ def pack_quantized_func(shape: Sequence[int], block: int, padding: Sequence[int]
     n, cb, h, w_, c = sch.get_loops(sch.get_sblock("data_blocked"))
     sch.reorder(c, w_)  # read rows of the source, scatter into an L1-sized destination row
     sch.parallel(sch.fuse(n, cb, h))
-    return sch.mod["main"].with_attr(KERNEL_ATTR, "pack_quantized")
+    return sch.mod["main"].with_attrs({KERNEL_ATTR: "pack_quantized", PACK_PADDING_ATTR: [top, left, bottom, right],
+                                       PACK_ZERO_ATTR: zero_point})
+
+
+def quantized_blocks_func(blocked_shape: Sequence[int], channels: int, block: int, padding: Sequence[int],
+                          scale: float, zero_point: int, dtype: str = "uint8") -> tirx.PrimFunc:
+    """Blocked float32 (N, CB, H, W, c) -> what :func:`pack_quantized_func` writes (blocks of
+    `block`, the border and the channels past `channels` holding the zero point) of the NCHW
+    view's quantize, in one pass: relax.quantize's arithmetic, clip(round(x / `scale`) +
+    `zero_point`) to `dtype`'s range, but rounded to nearest even (ONNX's QuantizeLinear and
+    PyTorch's quantize; relax's legalization rounds ties away from zero). The input of an int8
+    convolution whose producer is an fp32 kernel (the unpack, quantize and pack were three passes:
+    PT2E EfficientNet-B0's projection convolutions after the squeeze-excitation)."""
+    n, cb, h, w, c = (int(v) for v in blocked_shape)
+    if not 0 < channels <= cb * c:
+        raise ValueError(f"quantized_blocks: {channels} channels do not fit {cb} blocks of {c}")
+    if dtype not in ("uint8", "int8"):
+        raise ValueError(f"quantized_blocks: {dtype} is not uint8 or int8")
+    top, left, bottom, right = (int(p) for p in padding)
+    low, high = (-128, 127) if dtype == "int8" else (0, 255)
+    offset = 128 if dtype == "int8" else 0  # (int8 is held as uint8 + 128)
+    x = te.placeholder((n, cb, h, w, c), "float32", name="data")
+
+    def source(ob, o) -> tuple[tirx.PrimExpr, tirx.PrimExpr]:
+        """(the input block, the channel in it) of output channel ob * block + o: contiguous in o
+        where one block size divides the other (vector loads), else a channel at a time."""
+        if block % c == 0:
+            return tirx.min(ob * (block // c) + o // c, cb - 1), o % c
+        if c % block == 0:
+            return ob // (c // block), ob % (c // block) * block + o
+        k = tirx.min(ob * block + o, cb * c - 1)
+        return k // c, k % c
+
+    def body(b, ob, i, j, o):
+        ih, iw = i - top, j - left
+        inside = tirx.all(ih >= 0, ih < h, iw >= 0, iw < w, ob * block + o < channels)
+        at, channel = source(ob, o)
+        value = x[b, at, tirx.max(tirx.min(ih, h - 1), 0), tirx.max(tirx.min(iw, w - 1), 0), channel]
+        rounded = tirx.call_llvm_pure_intrin("float32", "llvm.nearbyint", value / tirx.const(scale, "float32"))
+        held = tirx.max(tirx.min(rounded + float(zero_point), float(high)), float(low)) + float(offset)
+        return tirx.if_then_else(inside, held.astype("int32").astype("uint8"),
+                                 tirx.const(zero_point + offset, "uint8"))
+
+    out_shape = (n, -(-channels // block), h + top + bottom, w + left + right, block)
+    y = te.compute(out_shape, body, name="quantized")
+    sch = s_tir.Schedule(te.create_prim_func([x, y]))
+    b, ob, i, j, o = sch.get_loops(sch.get_sblock("quantized"))
+    sch.parallel(sch.fuse(b, ob, i))
+    if block % c == 0 and block > c:
+        o = sch.split(o, [None, c])[1]
+    sch.vectorize(o)
+    return sch.mod["main"].with_attr(KERNEL_ATTR, "quantized_blocks")
 
 
 def unpack_quantized_func(blocked_shape: Sequence[int], channels: int, dtype: str = "uint8") -> tirx.PrimFunc:

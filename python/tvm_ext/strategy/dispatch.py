@@ -23,6 +23,7 @@ from .cuda import CudaEmitter
 from .cuda_engine import engine_for
 from .decide import decide, is_weight_gradient
 from .fusion import affine_of, batch_norm_epilogue_of, epilogue_of, pool_gradient_of
+from .quantized_blocks import quantize_fp32_blocks
 
 logger = logging.getLogger("tvm_ext")
 
@@ -213,6 +214,7 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
             make_kernel = lowering.emitter.conv_kernel
             lowered = write_bf16_activations(write_borders(read_masks_padded(lowered, make_kernel), make_kernel),
                                              make_kernel)
+            lowered = quantize_fp32_blocks(lowered)  # (int8 inputs from fp32 blocks: one pass, not three)
         return _drop_unused_kernels(lowered)
 
     return _pass

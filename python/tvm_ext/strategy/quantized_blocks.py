@@ -1,0 +1,109 @@
+"""An int8 convolution reads its fp32 producer's blocks, quantized in one pass.
+
+The int8 lowering (:func:`~.quantized.lower_quantized_conv2d`) runs before the fp32 kernels
+exist: an int8 convolution whose input is quantized from a float tensor packs that NCHW uint8
+tensor into its blocks (`pack_quantized`). When the float tensor is an fp32 kernel's output,
+lowering leaves three passes between the two kernels: the fp32 blocks unpacked to NCHW, stock
+TVM's quantize, the pack. :func:`quantize_fp32_blocks` runs on lowered Relax and replaces them
+with one kernel that reads the fp32 blocks and writes the int8 kernel's input, border and
+padded channels included (:func:`~tvm_ext.kernels.layout.quantized_blocks_func`). PT2E's
+EfficientNets and MobileNet-v3 quantize every squeeze-excitation's output this way.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TypeGuard
+
+import tvm
+from tvm import relax
+
+from ..kernels import layout as _layout
+from ..kernels.common import KERNEL_ATTR
+from ..relax_info import static_shape
+from .base import add_kernel, called_kernel, scalar_constant
+
+__all__ = ["quantize_fp32_blocks"]
+
+logger = logging.getLogger("tvm_ext")
+
+
+def _kernel_call(mod: tvm.IRModule, value, kind: str) -> tuple[relax.Call, tvm.tirx.PrimFunc] | None:
+    """(`value`, the kernel it calls) if it calls a tvm_ext kernel of `kind`."""
+    kernel = called_kernel(mod, value)
+    if kernel is None or kernel.attrs is None or str(kernel.attrs.get(KERNEL_ATTR, "")) != kind:
+        return None
+    return value, kernel
+
+
+def _is_quantize(expr) -> TypeGuard[relax.Call]:
+    return isinstance(expr, relax.Call) and expr.op == tvm.ir.Op.get("relax.quantize")
+
+
+def _replacements(mod: tvm.IRModule, func: relax.Function) -> dict[relax.Var, tuple[relax.Var, tvm.tirx.PrimFunc]]:
+    """Each pack_quantized binding of `func` whose input is a per-tensor quantize of an fp32
+    kernel's NCHW view -> (the blocked fp32 tensor, the kernel that writes the pack's output
+    from it)."""
+    values = {b.var: b.value for block in func.body.blocks for b in block.bindings
+              if isinstance(b, relax.VarBinding)}
+
+    def value_of(expr: relax.Expr) -> relax.Expr | None:
+        while isinstance(expr, relax.Var) and expr in values:
+            expr = values[expr]
+        return None if isinstance(expr, relax.Var) else expr
+
+    found = {}
+    for var, value in values.items():
+        pack = _kernel_call(mod, value, "pack_quantized")
+        if pack is None or _layout.PACK_PADDING_ATTR not in pack[1].attrs:
+            continue
+        quantize = value_of(pack[0].args[1].fields[0])
+        if not _is_quantize(quantize):
+            continue
+        scale, zero = scalar_constant(quantize.args[1]), scalar_constant(quantize.args[2])
+        unpack = _kernel_call(mod, value_of(quantize.args[0]), "unpack_nchwc")
+        if scale is None or zero is None or unpack is None:
+            continue
+        blocked = unpack[0].args[1].fields[0]
+        shape, view, out = static_shape(blocked), static_shape(unpack[0]), static_shape(var)
+        if shape is None or view is None or out is None or str(blocked.ty.dtype.dtype) != "float32":
+            continue  # (a symbolic batch: the pack stays)
+        padding = [int(p) for p in pack[1].attrs[_layout.PACK_PADDING_ATTR]]
+        kernel = _layout.quantized_blocks_func(shape, view[1], out[4], padding, scale, int(zero),
+                                               str(quantize.attrs.out_dtype))
+        found[var] = blocked, kernel
+    return found
+
+
+def _rewrite(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Function,
+             found: dict[relax.Var, tuple[relax.Var, tvm.tirx.PrimFunc]]) -> tvm.IRModule:
+    """`func` with each pack of `found` replaced by its kernel's call on the fp32 blocks."""
+    @relax.expr_functor.mutator
+    class _Mutator(relax.PyExprMutator):
+        def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+            if binding.var not in found:
+                super().visit_var_binding_(binding)
+                return
+            blocked, kernel = found[binding.var]
+            name = f"tvm_ext_quantized_blocks_{'x'.join(str(v) for v in static_shape(binding.var) or ())}"
+            call = relax.call_tir(add_kernel(self.builder_, kernel, name), [self.visit_expr(blocked)],
+                                  binding.var.ty)
+            self.set_var_remap(binding.var, self.builder_.emit(call, binding.var.name))
+
+    mutator = _Mutator(mod)
+    mutator.builder_.update_func(gvar, mutator.visit_expr(func))
+    return mutator.builder_.get()
+
+
+def quantize_fp32_blocks(mod: tvm.IRModule) -> tvm.IRModule:
+    """`mod` (lowered to tvm_ext kernels) with each int8 convolution's input that is quantized
+    from an fp32 kernel's output written from that kernel's blocks (see the module's docstring);
+    the unpack and quantize are dropped where nothing else reads them."""
+    changed = False
+    for gvar, func in list(mod.functions_items()):
+        if isinstance(func, relax.Function) and "Composite" not in (func.attrs or {}):
+            found = _replacements(mod, func)
+            if found:
+                mod, changed = _rewrite(mod, gvar, func, found), True
+                logger.debug("tvm_ext: %d int8 inputs quantized from fp32 blocks", len(found))
+    return relax.transform.DeadCodeElimination()(mod) if changed else mod
