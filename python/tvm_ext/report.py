@@ -199,6 +199,12 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
                     for call in rest:
                         row(call, "channel_affine")
                     return
+                if str(fused[expr.op].attrs["Composite"]).startswith("tvm_ext.fake_quantize"):
+                    for call in calls:  # (post order: the quantize, then the dequantize)
+                        report.append(DispatchRow(call.op.name.removeprefix("relax."), (static_shape(call),),
+                                                  "fake_quantize", "a float tensor's quantize -> dequantize in one "
+                                                  "pass, on its producer's blocks where it wrote them", runs))
+                    return
                 heads = ("relax.nn.conv2d", "relax.grad.max_pool2d_backward", "relax.nn.batch_norm")  # the kernel
                 conv = next(c for c in calls if isinstance(c.op, tvm.ir.Op) and c.op.name in heads)
                 kernel = decide(conv, resolved, engine, winograd, precision, maxdnn).kernel

@@ -144,3 +144,26 @@ def test_vector_exp_is_accurate_and_vectorizes():
     got, ref = out.numpy()[:4093], np.exp(values[:4093].astype(np.float64))
     assert np.max(np.abs(got - ref) / ref) < 3e-7
     assert np.isnan(out.numpy()[4093]) and out.numpy()[4095] == 1.0
+
+
+@pytest.mark.parametrize("shape,dtype", [((1, 2, 9, 7, 16), "uint8"), ((1, 3, 5, 7), "int8"), ((2, 37), "uint8")])
+def test_fake_quantize_is_relax_quantize_then_dequantize_rounding_ties_to_even(shape, dtype):
+    """One pass of dequantize(quantize(x)) (PT2E's fake quantization of a float tensor), bit for
+    bit NumPy's (q - z2) * s2 of q = clip(rint(x / s) + z): exact ties, saturation, a tail past
+    the vector loop."""
+    import tvm
+
+    from tvm_ext.kernels.elementwise import fake_quantize_func
+
+    rng = np.random.default_rng(len(shape))
+    scale, zero, out_scale, out_zero = 0.05, (7 if dtype == "uint8" else -3), 0.04, 5
+    x = (rng.standard_normal(shape) * 5).astype(np.float32)
+    ties = rng.random(shape) < 0.2
+    x[ties] = ((rng.integers(-300, 300, ties.sum()) + 0.5) * scale).astype(np.float32)
+    y = tvm.runtime.empty(shape, "float32", tvm.cpu())
+    tvm.compile(fake_quantize_func(shape, 16, scale, zero, dtype, out_scale, out_zero), "llvm")(
+        tvm.runtime.tensor(x), y)
+    low, high = (-128, 127) if dtype == "int8" else (0, 255)
+    q = np.clip(np.rint(x / np.float32(scale)) + zero, low, high).astype(np.int32)
+    assert (q == low).any() and (q == high).any() and (np.abs(x / np.float32(scale) % 1 - 0.5) < 1e-6).any()
+    np.testing.assert_array_equal(y.numpy(), (q - out_zero).astype(np.float32) * np.float32(out_scale))

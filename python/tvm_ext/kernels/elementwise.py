@@ -21,7 +21,7 @@ from . import script
 from .common import ACTIVATIONS, KERNEL_ATTR, activation_text, bf16_bits, param_buffer
 
 __all__ = ["ACTIVATIONS", "activation_func", "bf16_round_func", "check_slope", "dynamic_activation_func",
-           "flat_activation_func"]
+           "fake_quantize_func", "flat_activation_func"]
 
 _TEMPLATE = """
 @T.prim_func(s_tir=True)
@@ -128,6 +128,34 @@ def bf16_round_func(shape, lanes: int) -> tirx.PrimFunc:
                 bits = tirx.Cast("uint32", bf16_bits(T.Bind(x_flat[v]))) << tirx.const(16, "uint32")
                 T.buffer_store(y_flat, tirx.reinterpret("float32", bits), [v])
     return builder.get().with_attr(KERNEL_ATTR, "bf16_round")
+
+
+def fake_quantize_func(shape, lanes: int, scale: float, zero_point: int, dtype: str, out_scale: float,
+                       out_zero_point: int) -> tirx.PrimFunc:
+    """dequantize(quantize(x, `scale`, `zero_point`, `dtype`), `out_scale`, `out_zero_point`) of a
+    float32 tensor of `shape`, in one pass and in any layout (element by element): a float
+    tensor's fake quantization, as PT2E's graphs hold it before the float ops that read a
+    quantized value (a squeeze-excitation's pooling and gate). relax's arithmetic, x / scale
+    rounded to nearest even (ONNX's and PyTorch's rounding; relax's legalization rounds ties away
+    from zero), + zero point, saturated to `dtype`; then (q - out zero point) * out scale."""
+    if dtype not in ("uint8", "int8"):
+        raise ValueError(f"fake_quantize: {dtype} is not uint8 or int8")
+    low, high = (-128, 127) if dtype == "int8" else (0, 255)
+    shape = tuple(int(v) for v in shape)
+    size = math.prod(shape)
+    inner = 4 * lanes if size >= 4 * lanes else 1
+    with IRBuilder() as builder, T.prim_func(s_tir=True):
+        T.func_name("fake_quantize")
+        x, y = (param_buffer(name, shape) for name in ("x", "y"))
+        x_flat, y_flat = (T.decl_buffer((size,), "float32", data=b.data) for b in (x, y))
+        with T.sblock("root"), T.parallel(0, -(-size // inner)) as i, T.vectorized(0, inner) as j:
+            with T.sblock("output"):
+                v = T.axis.spatial(size, i * inner + j)
+                T.where(i * inner + j < size)
+                rounded = T.call_llvm_pure_intrin("float32", "llvm.nearbyint", x_flat[v] / T.float32(scale))
+                q = T.max(T.min(rounded + T.float32(zero_point), T.float32(high)), T.float32(low))
+                T.buffer_store(y_flat, (q - T.float32(out_zero_point)) * T.float32(out_scale), [v])
+    return builder.get().with_attr(KERNEL_ATTR, "fake_quantize")
 
 
 def channel_scale_func(shape, lanes: int, channels: int | None = None) -> tirx.PrimFunc:

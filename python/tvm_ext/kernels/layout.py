@@ -31,11 +31,6 @@ from .common import KERNEL_ATTR, USER_ALIGNMENT, accept_user_alignment, param_bu
 from .conv2d import Conv2dPlan
 from .transpose import TILE, transpose8x8
 
-# pack_quantized's border (top, left, bottom, right) and the uint8 it holds there, as attributes
-# of its PrimFunc: a rewrite after lowering rebuilds the same input (:func:`quantized_blocks_func`)
-PACK_PADDING_ATTR = "tvm_ext.pack_padding"
-PACK_ZERO_ATTR = "tvm_ext.pack_zero_point"
-
 
 def _vector_tiles(block: int, dtype: str) -> bool:
     """Whether the (channel, pixel) transpose can use 8x8 float32 register tiles."""
@@ -139,6 +134,11 @@ def pack_nchwc_func(shape: Sequence[int], block: int, padding: Sequence[int] = (
 
 
 PADDING_ATTR = "tvm_ext.padding"  # on pad_nchwc kernels: (top, left, bottom, right)
+# on pack_quantized kernels, its border: a rewrite after lowering writes the same input from fp32
+# blocks (:func:`quantized_blocks_func`); not PADDING_ATTR, which marks a copy of blocks
+PACK_PADDING_ATTR = "tvm_ext.pack_padding"
+# on dequantized_units kernels: (zero point, scale), for a rewrite that adds a border
+DEQUANTIZE_ATTR = "tvm_ext.dequantize"
 
 
 def pad_nchwc_func(blocked_shape: Sequence[int], padding: Sequence[int], dtype: str = "float32",
@@ -207,8 +207,7 @@ def pack_quantized_func(shape: Sequence[int], block: int, padding: Sequence[int]
     n, cb, h, w_, c = sch.get_loops(sch.get_sblock("data_blocked"))
     sch.reorder(c, w_)  # read rows of the source, scatter into an L1-sized destination row
     sch.parallel(sch.fuse(n, cb, h))
-    return sch.mod["main"].with_attrs({KERNEL_ATTR: "pack_quantized", PACK_PADDING_ATTR: [top, left, bottom, right],
-                                       PACK_ZERO_ATTR: zero_point})
+    return sch.mod["main"].with_attrs({KERNEL_ATTR: "pack_quantized", PACK_PADDING_ATTR: [top, left, bottom, right]})
 
 
 def quantized_blocks_func(blocked_shape: Sequence[int], channels: int, block: int, padding: Sequence[int],
@@ -307,7 +306,8 @@ def dequantized_units_func(blocked_shape: Sequence[int], padding: Sequence[int],
     b, c, i, j, k = sch.get_loops(sch.get_sblock("units"))
     sch.parallel(sch.fuse(b, c, i))
     sch.vectorize(k)
-    return sch.mod["main"].with_attr(KERNEL_ATTR, "dequantized_units")
+    return sch.mod["main"].with_attrs({KERNEL_ATTR: "dequantized_units",
+                                       DEQUANTIZE_ATTR: [zero_point, float(np.float32(scale))]})
 
 
 def unpack_units_func(blocked_shape: Sequence[int], border: Sequence[int], channels: int, zero_point: int,

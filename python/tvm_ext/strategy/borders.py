@@ -32,11 +32,13 @@ from tvm import relax
 
 from ..kernels import conv2d as _conv
 from ..kernels import conv2d_backward_data as _data_grad
+from ..kernels import layout as _layout
 from ..kernels.batch_loop import BATCHED_ATTR, batch_loop
-from ..kernels.common import with_border
+from ..kernels.common import KERNEL_ATTR, with_border
 from ..kernels.layout import PADDING_ATTR
+from ..relax_info import static_shape
 from ..tuning import space as _space
-from .base import called_kernel, readers_of
+from .base import add_kernel, called_kernel, readers_of
 
 logger = logging.getLogger("tvm_ext")
 
@@ -144,6 +146,50 @@ def write_borders(mod: tvm.IRModule, make_kernel: KernelMaker) -> tvm.IRModule:
     """Rebuild each convolution whose output only a `pad_nchwc` reads so that it writes the border
     itself (`make_kernel(plan, epilogue)` gives the kernel: tuned or analytic), and drop the pad."""
     return rebuild_producers(mod, _padded_producers, make_kernel)
+
+
+def write_dequantized_borders(mod: tvm.IRModule) -> tvm.IRModule:
+    """Each dequantize of an int8 kernel's blocks (`dequantized_units`, strategy.quantized) whose
+    output only a `pad_nchwc` reads rebuilt to write the padded tensor itself, and the pad dropped
+    (PT2E's EfficientNets: the fp32 depthwise convolution after each int8 expansion)."""
+    for gvar, func in list(mod.functions_items()):
+        if not isinstance(func, relax.Function) or "Composite" in (func.attrs or {}):
+            continue
+        readers, bindings = readers_of(func), relax.analysis.get_var2val(func)
+        found = {}
+        for source, (pad_var, border) in _padded_copies(mod, func).items():
+            dequantize = bindings.get(source)
+            kernel = called_kernel(mod, dequantize)
+            if (kernel is None or str((kernel.attrs or {}).get(KERNEL_ATTR, "")) != "dequantized_units"
+                    or _layout.DEQUANTIZE_ATTR not in kernel.attrs or len(readers.get(source, [])) != 1):
+                continue
+            data = dequantize.args[1].fields[0]
+            shape = static_shape(data)
+            if shape is None or static_shape(source) != shape:  # (no border yet, a static batch)
+                continue
+            zero, scale = kernel.attrs[_layout.DEQUANTIZE_ATTR]
+            found[pad_var] = data, _layout.dequantized_units_func(shape, border, int(zero), float(scale))
+        if found:
+            mod = _rewrite_pads(mod, gvar, func, found)
+    return mod
+
+
+def _rewrite_pads(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Function, found: dict) -> tvm.IRModule:
+    """`func` with each pad of `found` computed by its kernel from its data instead."""
+    @relax.expr_functor.mutator
+    class _Mutator(relax.PyExprMutator):
+        def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+            if binding.var not in found:
+                super().visit_var_binding_(binding)
+                return
+            data, kernel = found[binding.var]
+            name = f"tvm_ext_dequantize_blocked_{'x'.join(str(v) for v in static_shape(binding.var) or ())}"
+            call = relax.call_tir(add_kernel(self.builder_, kernel, name), [self.visit_expr(data)], binding.var.ty)
+            self.set_var_remap(binding.var, self.builder_.emit(call, binding.var.name))
+
+    mutator = _Mutator(mod)
+    mutator.builder_.update_func(gvar, mutator.visit_expr(func))
+    return relax.transform.DeadCodeElimination()(mutator.builder_.get())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -516,6 +516,18 @@ class CpuEmitter:
         out = self._call(func, f"tvm_ext_channel_scale_{'x'.join(map(str, shape))}_{channels}", [source, scale], shape)
         return out if known is None else self.unpack(out, channels)
 
+    def fake_quantize(self, data: relax.Expr, scale: float, zero_point: int, dtype: str, out_scale: float,
+                      out_zero_point: int) -> relax.Expr:
+        """dequantize(quantize(data)) in one pass (:func:`~tvm_ext.kernels.elementwise.fake_quantize_func`),
+        on data's blocks where it has them (element by element: padded channels stay finite)."""
+        known = self.blocked(data, padded=True)
+        source = data if known is None else known[0]
+        shape = known_shape(static_shape(source), "fake_quantize: the data")
+        func = _elementwise.fake_quantize_func(shape, self.isa.lanes, scale, zero_point, dtype, out_scale,
+                                               out_zero_point)
+        out = self._call(func, f"tvm_ext_fake_quantize_{'x'.join(map(str, shape))}", [source], shape)
+        return out if known is None else self.unpack(out, known_shape(image_shape(data), "fake_quantize: the data")[1])
+
     def channel_affine(self, inputs: list[relax.Expr], scale: np.ndarray | None = None,
                        shift: np.ndarray | None = None, activation: Activation | None = None) -> relax.Expr:
         """act(concat(inputs) * scale + shift) over channels (scale, shift: one value per channel

@@ -17,12 +17,12 @@ from ..relax_info import known_shape, static_shape
 from ..transform.gradients import BatchNormGradient, read_batch_norm_gradient
 from .base import ACTIVATION_OPS, POOLS, Activation, Emitter, readers_of
 from .bf16_activations import write_bf16_activations
-from .borders import read_masks_padded, write_borders
+from .borders import read_masks_padded, write_borders, write_dequantized_borders
 from .cpu import CpuEmitter
 from .cuda import CudaEmitter
 from .cuda_engine import engine_for
 from .decide import decide, is_weight_gradient
-from .fusion import affine_of, batch_norm_epilogue_of, epilogue_of, pool_gradient_of
+from .fusion import affine_of, batch_norm_epilogue_of, epilogue_of, fake_quantize_of, pool_gradient_of
 from .quantized_blocks import quantize_fp32_blocks
 
 logger = logging.getLogger("tvm_ext")
@@ -176,6 +176,8 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
                 return self.emitter.channel_affine([call.args[i] for i in inputs],
                                                    None if scale is None else scale.value.numpy(),
                                                    None if shift is None else shift.value.numpy(), activation)
+            if composite.startswith("tvm_ext.fake_quantize") and isinstance(self.emitter, CpuEmitter):
+                return self.emitter.fake_quantize(call.args[0], *fake_quantize_of(func))
             if composite.startswith("tvm_ext.max_pool2d_backward"):
                 return self.emitter.pool2d_backward(_outside(pool_gradient_of(func), func, call), relu_mask=True)
             if composite.startswith("tvm_ext.batch_norm_training"):
@@ -214,7 +216,9 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
             make_kernel = lowering.emitter.conv_kernel
             lowered = write_bf16_activations(write_borders(read_masks_padded(lowered, make_kernel), make_kernel),
                                              make_kernel)
-            lowered = quantize_fp32_blocks(lowered)  # (int8 inputs from fp32 blocks: one pass, not three)
+            # between int8 and fp32 kernels: an int8 input quantized from fp32 blocks, a dequantize
+            # that writes its fp32 reader's border (one pass each, not three and two)
+            lowered = write_dequantized_borders(quantize_fp32_blocks(lowered))
         return _drop_unused_kernels(lowered)
 
     return _pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TypeGuard
 
 import tvm
 from tvm import relax
@@ -21,7 +22,8 @@ from ..transform import (
 from .base import ACTIVATION_OPS, Activation, activation_at, scalar_constant
 from .decide import channel_affine_reason, decide, epilogue_activation
 
-__all__ = ["Mask", "affine_of", "epilogue_of", "fusion_passes", "fusion_patterns", "mask_of", "pool_gradient_of"]
+__all__ = ["Mask", "affine_of", "epilogue_of", "fake_quantize_of", "fusion_passes", "fusion_patterns", "mask_of",
+           "pool_gradient_of"]
 
 
 def reads_inside_or_leaks(ctx) -> bool:
@@ -184,7 +186,51 @@ def fusion_patterns(target: tvm.target.Target) -> list:
             annotations["mask_out"] = out
             patterns.append(relax.transform.FusionPattern(f"{name}_{mask}_mask", out, annotations, check))
     patterns.sort(key=lambda p: -p.name.count("_"))
-    return patterns + _affine_patterns(target) + _pool_gradient_patterns(target) + _batch_norm_patterns(target)
+    return (patterns + _affine_patterns(target) + _pool_gradient_patterns(target) + _batch_norm_patterns(target)
+            + _fake_quantize_patterns(target))
+
+
+def _fake_quantization(dequantize: relax.Call, quantize: relax.Call) -> tuple[float, int, str, float, int] | None:
+    """(scale, zero point, dtype, the dequantize's scale and zero point) of dequantize(quantize(x))
+    on a float32 x of static shape, per tensor (scalar constants), else None."""
+    scale, zero = scalar_constant(quantize.args[1]), scalar_constant(quantize.args[2])
+    out_scale, out_zero = scalar_constant(dequantize.args[1]), scalar_constant(dequantize.args[2])
+    quantized = str(quantize.attrs.out_dtype)
+    if (None in (scale, zero, out_scale, out_zero) or quantized not in ("uint8", "int8")
+            or str(dequantize.attrs.out_dtype) != "float32" or dtype(quantize.args[0]) != "float32"
+            or static_shape(quantize.args[0]) is None):
+        return None
+    return float(scale), int(zero), quantized, float(out_scale), int(out_zero)  # type: ignore[arg-type]
+
+
+def _fake_quantize_patterns(target: tvm.target.Target) -> list:
+    """dequantize(quantize(x)) of a float tensor, the quantized tensor read by nothing else (PT2E's
+    fake quantization before the float ops that read a quantized value): one
+    :func:`~tvm_ext.kernels.elementwise.fake_quantize_func` call, on x's blocks where a kernel
+    wrote them. CPUs only (what the int8 lowering left: it runs first)."""
+    from tvm.relax.dpl import is_const, is_op, wildcard
+
+    def check(ctx) -> bool:
+        if target.kind.name != "llvm" or reads_inside_or_leaks(ctx):
+            return False
+        return _fake_quantization(ctx.annotated_expr["dequantize"], ctx.annotated_expr["quantize"]) is not None
+
+    quantize = is_op("relax.quantize")(wildcard(), is_const(), is_const())
+    dequantize = is_op("relax.dequantize")(quantize, is_const(), is_const())
+    return [relax.transform.FusionPattern("tvm_ext.fake_quantize", dequantize,
+                                          {"quantize": quantize, "dequantize": dequantize}, check)]
+
+
+def fake_quantize_of(func: relax.Function) -> tuple[float, int, str, float, int]:
+    """Read a fake-quantize composite: (scale, zero point, dtype, out scale, out zero point)."""
+    params, value_of, expr, _ = _read_from_output(func)
+    if _is_op(expr, "relax.dequantize"):
+        quantize = value_of(expr.args[0])
+        if _is_op(quantize, "relax.quantize") and quantize.args[0] in params:
+            found = _fake_quantization(expr, quantize)
+            if found is not None:
+                return found
+    raise ValueError(f"tvm_ext: not a fake-quantize composite: {func}")
 
 
 def _pool_gradient_patterns(target: tvm.target.Target) -> list:
@@ -354,7 +400,7 @@ def affine_of(func: relax.Function) -> tuple[list[int], tvm.ir.expr.GenericConst
     return inputs, scale, shift, activation
 
 
-def _is_op(expr: relax.Expr, *names: str) -> bool:
+def _is_op(expr: relax.Expr, *names: str) -> TypeGuard[relax.Call]:
     return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name in names
 
 
