@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 
 import numpy as np
 from tvm import tirx
@@ -109,25 +110,33 @@ def flat_activation_func(name: str, shape, alpha: float, inner: int, outer_loop:
     return script.from_source(text).with_attr(KERNEL_ATTR, name)
 
 
-def bf16_round_func(shape, lanes: int) -> tirx.PrimFunc:
-    """Every element of a float32 tensor of `shape` rounded to bfloat16 (to nearest, ties to
-    even, as `astype`), written as float32: the data of an emulated bf16 convolution
-    (:data:`~tvm_ext.intrin.cpu.EMULATED_BF16`). The bits of :func:`~.common.bf16_bits` in the
-    top half: integer arithmetic, because TVM folds a cast to bfloat16 and back into nothing."""
+def _flat_map_func(name: str, shape, lanes: int, value: Callable[[tirx.PrimExpr], tirx.PrimExpr]) -> tirx.PrimFunc:
+    """y = value(x) element by element over a float32 tensor of `shape` viewed as one flat
+    vector: parallel, vectorized, any layout."""
     shape = tuple(int(v) for v in shape)
     size = math.prod(shape)
     inner = 4 * lanes if size >= 4 * lanes else 1
     with IRBuilder() as builder, T.prim_func(s_tir=True):
-        T.func_name("bf16_round")
-        x, y = (param_buffer(name, shape) for name in ("x", "y"))
+        T.func_name(name)
+        x, y = (param_buffer(buffer, shape) for buffer in ("x", "y"))
         x_flat, y_flat = (T.decl_buffer((size,), "float32", data=b.data) for b in (x, y))
         with T.sblock("root"), T.parallel(0, -(-size // inner)) as i, T.vectorized(0, inner) as j:
             with T.sblock("output"):
                 v = T.axis.spatial(size, i * inner + j)
                 T.where(i * inner + j < size)
-                bits = tirx.Cast("uint32", bf16_bits(T.Bind(x_flat[v]))) << tirx.const(16, "uint32")
-                T.buffer_store(y_flat, tirx.reinterpret("float32", bits), [v])
-    return builder.get().with_attr(KERNEL_ATTR, "bf16_round")
+                T.buffer_store(y_flat, value(x_flat[v]), [v])
+    return builder.get().with_attr(KERNEL_ATTR, name)
+
+
+def bf16_round_func(shape, lanes: int) -> tirx.PrimFunc:
+    """Every element of a float32 tensor of `shape` rounded to bfloat16 (to nearest, ties to
+    even, as `astype`), written as float32: the data of an emulated bf16 convolution
+    (:data:`~tvm_ext.intrin.cpu.EMULATED_BF16`). The bits of :func:`~.common.bf16_bits` in the
+    top half: integer arithmetic, because TVM folds a cast to bfloat16 and back into nothing."""
+    def rounded(x: tirx.PrimExpr) -> tirx.PrimExpr:
+        return tirx.reinterpret("float32", tirx.Cast("uint32", bf16_bits(T.Bind(x))) << tirx.const(16, "uint32"))
+
+    return _flat_map_func("bf16_round", shape, lanes, rounded)
 
 
 def fake_quantize_func(shape, lanes: int, scale: float, zero_point: int, dtype: str, out_scale: float,
@@ -141,21 +150,13 @@ def fake_quantize_func(shape, lanes: int, scale: float, zero_point: int, dtype: 
     if dtype not in ("uint8", "int8"):
         raise ValueError(f"fake_quantize: {dtype} is not uint8 or int8")
     low, high = (-128, 127) if dtype == "int8" else (0, 255)
-    shape = tuple(int(v) for v in shape)
-    size = math.prod(shape)
-    inner = 4 * lanes if size >= 4 * lanes else 1
-    with IRBuilder() as builder, T.prim_func(s_tir=True):
-        T.func_name("fake_quantize")
-        x, y = (param_buffer(name, shape) for name in ("x", "y"))
-        x_flat, y_flat = (T.decl_buffer((size,), "float32", data=b.data) for b in (x, y))
-        with T.sblock("root"), T.parallel(0, -(-size // inner)) as i, T.vectorized(0, inner) as j:
-            with T.sblock("output"):
-                v = T.axis.spatial(size, i * inner + j)
-                T.where(i * inner + j < size)
-                rounded = T.call_llvm_pure_intrin("float32", "llvm.nearbyint", x_flat[v] / T.float32(scale))
-                q = T.max(T.min(rounded + T.float32(zero_point), T.float32(high)), T.float32(low))
-                T.buffer_store(y_flat, (q - T.float32(out_zero_point)) * T.float32(out_scale), [v])
-    return builder.get().with_attr(KERNEL_ATTR, "fake_quantize")
+
+    def fake_quantized(x: tirx.PrimExpr) -> tirx.PrimExpr:
+        rounded = T.call_llvm_pure_intrin("float32", "llvm.nearbyint", x / T.float32(scale))
+        q = T.max(T.min(rounded + T.float32(zero_point), T.float32(high)), T.float32(low))
+        return (q - T.float32(out_zero_point)) * T.float32(out_scale)
+
+    return _flat_map_func("fake_quantize", shape, lanes, fake_quantized)
 
 
 def channel_scale_func(shape, lanes: int, channels: int | None = None) -> tirx.PrimFunc:

@@ -252,6 +252,26 @@ def add_kernel(bb: relax.BlockBuilder, func: tvm.tirx.PrimFunc, name: str) -> tv
     return bb.add_func(func.with_attr("op_pattern", OPAQUE), name)
 
 
+def rebind_to_kernels(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Function,
+                      calls: dict[relax.Var, tuple[relax.Expr, tvm.tirx.PrimFunc, str]]) -> tvm.IRModule:
+    """`mod` with `func` (bound to `gvar`) computing each variable of `calls` by one call of a
+    kernel on one tensor, (that tensor, the kernel, its name), and what nothing reads any more
+    dropped: a rewrite of lowered Relax that replaces a few passes by one."""
+    @relax.expr_functor.mutator
+    class _Mutator(relax.PyExprMutator):
+        def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+            if binding.var not in calls:
+                super().visit_var_binding_(binding)
+                return
+            data, kernel, name = calls[binding.var]
+            call = relax.call_tir(add_kernel(self.builder_, kernel, name), [self.visit_expr(data)], binding.var.ty)
+            self.set_var_remap(binding.var, self.builder_.emit(call, binding.var.name))
+
+    mutator = _Mutator(mod)
+    mutator.builder_.update_func(gvar, mutator.visit_expr(func))
+    return relax.transform.DeadCodeElimination()(mutator.builder_.get())
+
+
 def emit_kernel_outputs(bb: relax.BlockBuilder, func: tvm.tirx.PrimFunc, name: str, args: list,
                         shapes: list[tuple]) -> list[relax.Var]:
     """The float32 outputs of kernel `func`, which writes several tensors of `shapes`."""

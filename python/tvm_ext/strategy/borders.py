@@ -38,7 +38,7 @@ from ..kernels.common import KERNEL_ATTR, with_border
 from ..kernels.layout import PADDING_ATTR
 from ..relax_info import static_shape
 from ..tuning import space as _space
-from .base import add_kernel, called_kernel, readers_of
+from .base import called_kernel, readers_of, rebind_to_kernels
 
 logger = logging.getLogger("tvm_ext")
 
@@ -168,28 +168,12 @@ def write_dequantized_borders(mod: tvm.IRModule) -> tvm.IRModule:
             if shape is None or static_shape(source) != shape:  # (no border yet, a static batch)
                 continue
             zero, scale = kernel.attrs[_layout.DEQUANTIZE_ATTR]
-            found[pad_var] = data, _layout.dequantized_units_func(shape, border, int(zero), float(scale))
+            padded = static_shape(pad_var) or ()
+            found[pad_var] = (data, _layout.dequantized_units_func(shape, border, int(zero), float(scale)),
+                              f"tvm_ext_dequantize_blocked_{'x'.join(map(str, padded))}")
         if found:
-            mod = _rewrite_pads(mod, gvar, func, found)
+            mod = rebind_to_kernels(mod, gvar, func, found)
     return mod
-
-
-def _rewrite_pads(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Function, found: dict) -> tvm.IRModule:
-    """`func` with each pad of `found` computed by its kernel from its data instead."""
-    @relax.expr_functor.mutator
-    class _Mutator(relax.PyExprMutator):
-        def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-            if binding.var not in found:
-                super().visit_var_binding_(binding)
-                return
-            data, kernel = found[binding.var]
-            name = f"tvm_ext_dequantize_blocked_{'x'.join(str(v) for v in static_shape(binding.var) or ())}"
-            call = relax.call_tir(add_kernel(self.builder_, kernel, name), [self.visit_expr(data)], binding.var.ty)
-            self.set_var_remap(binding.var, self.builder_.emit(call, binding.var.name))
-
-    mutator = _Mutator(mod)
-    mutator.builder_.update_func(gvar, mutator.visit_expr(func))
-    return relax.transform.DeadCodeElimination()(mutator.builder_.get())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ from tvm import relax
 from ..kernels import layout as _layout
 from ..kernels.common import KERNEL_ATTR
 from ..relax_info import static_shape
-from .base import add_kernel, called_kernel, scalar_constant
+from .base import called_kernel, rebind_to_kernels, scalar_constant
 
 __all__ = ["quantize_fp32_blocks"]
 
@@ -40,10 +40,11 @@ def _is_quantize(expr) -> TypeGuard[relax.Call]:
     return isinstance(expr, relax.Call) and expr.op == tvm.ir.Op.get("relax.quantize")
 
 
-def _replacements(mod: tvm.IRModule, func: relax.Function) -> dict[relax.Var, tuple[relax.Var, tvm.tirx.PrimFunc]]:
+def _replacements(mod: tvm.IRModule,
+                  func: relax.Function) -> dict[relax.Var, tuple[relax.Expr, tvm.tirx.PrimFunc, str]]:
     """Each pack_quantized binding of `func` whose input is a per-tensor quantize of an fp32
     kernel's NCHW view -> (the blocked fp32 tensor, the kernel that writes the pack's output
-    from it)."""
+    from it, its name)."""
     values = {b.var: b.value for block in func.body.blocks for b in block.bindings
               if isinstance(b, relax.VarBinding)}
 
@@ -71,39 +72,18 @@ def _replacements(mod: tvm.IRModule, func: relax.Function) -> dict[relax.Var, tu
         padding = [int(p) for p in pack[1].attrs[_layout.PACK_PADDING_ATTR]]
         kernel = _layout.quantized_blocks_func(shape, view[1], out[4], padding, scale, int(zero),
                                                str(quantize.attrs.out_dtype))
-        found[var] = blocked, kernel
+        found[var] = blocked, kernel, f"tvm_ext_quantized_blocks_{'x'.join(map(str, out))}"
     return found
-
-
-def _rewrite(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Function,
-             found: dict[relax.Var, tuple[relax.Var, tvm.tirx.PrimFunc]]) -> tvm.IRModule:
-    """`func` with each pack of `found` replaced by its kernel's call on the fp32 blocks."""
-    @relax.expr_functor.mutator
-    class _Mutator(relax.PyExprMutator):
-        def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-            if binding.var not in found:
-                super().visit_var_binding_(binding)
-                return
-            blocked, kernel = found[binding.var]
-            name = f"tvm_ext_quantized_blocks_{'x'.join(str(v) for v in static_shape(binding.var) or ())}"
-            call = relax.call_tir(add_kernel(self.builder_, kernel, name), [self.visit_expr(blocked)],
-                                  binding.var.ty)
-            self.set_var_remap(binding.var, self.builder_.emit(call, binding.var.name))
-
-    mutator = _Mutator(mod)
-    mutator.builder_.update_func(gvar, mutator.visit_expr(func))
-    return mutator.builder_.get()
 
 
 def quantize_fp32_blocks(mod: tvm.IRModule) -> tvm.IRModule:
     """`mod` (lowered to tvm_ext kernels) with each int8 convolution's input that is quantized
     from an fp32 kernel's output written from that kernel's blocks (see the module's docstring);
     the unpack and quantize are dropped where nothing else reads them."""
-    changed = False
     for gvar, func in list(mod.functions_items()):
         if isinstance(func, relax.Function) and "Composite" not in (func.attrs or {}):
             found = _replacements(mod, func)
             if found:
-                mod, changed = _rewrite(mod, gvar, func, found), True
+                mod = rebind_to_kernels(mod, gvar, func, found)
                 logger.debug("tvm_ext: %d int8 inputs quantized from fp32 blocks", len(found))
-    return relax.transform.DeadCodeElimination()(mod) if changed else mod
+    return mod
