@@ -6,7 +6,8 @@ When that input is another tvm_ext convolution's blocked output, the emitter fir
 on this machine, before the depthwise layers). :func:`write_borders` removes those copies after
 lowering: a convolution whose output only feeds a `pad_nchwc` is rebuilt with that border
 (:attr:`tvm_ext.kernels.conv2d.Epilogue.out_pad`) and writes the padded tensor itself, so the
-activations take no more memory than the padded input always did.
+activations take no more memory than the padded input always did. :func:`write_dequantized_borders`
+does the same for a dequantize of an int8 kernel's blocks read by a padded fp32 convolution.
 
 It runs on lowered Relax (call_tir of our kernels), after dead code elimination: a conv output
 that something else still reads (a shortcut, the graph's output, an NCHW view) keeps its copy.
