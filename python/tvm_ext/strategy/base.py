@@ -13,6 +13,7 @@ from tvm import relax
 
 from ..errors import UnsupportedError
 from ..kernels import pool2d as _pool
+from ..kernels.common import KERNEL_ATTR
 from ..relax_info import prim_value, same_extent
 
 if TYPE_CHECKING:
@@ -187,12 +188,15 @@ def pool_workload(call: relax.Call, shape: tuple) -> _pool.Pool2dWorkload:
                                      bool(attrs.ceil_mode), bool(attrs.count_include_pad))
 
 
-def called_kernel(mod: tvm.IRModule, value) -> tvm.tirx.PrimFunc | None:
-    """The PrimFunc `value` calls if it is a call_tir, else None."""
+def called_kernel(mod: tvm.IRModule, value, kind: str | None = None) -> tvm.tirx.PrimFunc | None:
+    """The PrimFunc `value` calls if it is a call_tir (and, given `kind`, a tvm_ext kernel of
+    that kind: its KERNEL_ATTR), else None."""
     if not (isinstance(value, relax.Call) and value.op == tvm.ir.Op.get("relax.call_tir")):
         return None
     func = mod[value.args[0]]
-    return func if isinstance(func, tvm.tirx.PrimFunc) else None
+    if not isinstance(func, tvm.tirx.PrimFunc):
+        return None
+    return func if kind is None or str((func.attrs or {}).get(KERNEL_ATTR, "")) == kind else None
 
 
 def readers_of(func: relax.Function) -> dict[relax.Var, list]:
@@ -253,18 +257,19 @@ def add_kernel(bb: relax.BlockBuilder, func: tvm.tirx.PrimFunc, name: str) -> tv
 
 
 def rebind_to_kernels(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Function,
-                      calls: dict[relax.Var, tuple[relax.Expr, tvm.tirx.PrimFunc, str]]) -> tvm.IRModule:
-    """`mod` with `func` (bound to `gvar`) computing each variable of `calls` by one call of a
-    kernel on one tensor, (that tensor, the kernel, its name), and what nothing reads any more
-    dropped: a rewrite of lowered Relax that replaces a few passes by one."""
+                      calls: dict[relax.Var, tuple[list[relax.Expr], tvm.tirx.PrimFunc, str]]) -> tvm.IRModule:
+    """`mod` with `func` (bound to `gvar`) computing each variable of `calls` by one kernel call,
+    (its arguments, the kernel, its name), and what nothing reads any more dropped: a rewrite of
+    lowered Relax (a few passes replaced by one, a kernel reading another tensor)."""
     @relax.expr_functor.mutator
     class _Mutator(relax.PyExprMutator):
         def visit_var_binding_(self, binding: relax.VarBinding) -> None:
             if binding.var not in calls:
                 super().visit_var_binding_(binding)
                 return
-            data, kernel, name = calls[binding.var]
-            call = relax.call_tir(add_kernel(self.builder_, kernel, name), [self.visit_expr(data)], binding.var.ty)
+            args, kernel, name = calls[binding.var]
+            call = relax.call_tir(add_kernel(self.builder_, kernel, name), [self.visit_expr(arg) for arg in args],
+                                  binding.var.ty)
             self.set_var_remap(binding.var, self.builder_.emit(call, binding.var.name))
 
     mutator = _Mutator(mod)

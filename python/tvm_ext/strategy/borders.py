@@ -35,7 +35,7 @@ from ..kernels import conv2d as _conv
 from ..kernels import conv2d_backward_data as _data_grad
 from ..kernels import layout as _layout
 from ..kernels.batch_loop import BATCHED_ATTR, batch_loop
-from ..kernels.common import KERNEL_ATTR, with_border
+from ..kernels.common import with_border
 from ..kernels.layout import PADDING_ATTR
 from ..relax_info import static_shape
 from ..tuning import space as _space
@@ -116,31 +116,11 @@ def read_masks_padded(mod: tvm.IRModule, make_kernel: KernelMaker) -> tvm.IRModu
             padded, border = copies[mask]
             new_kernel = _with_mask_pad(kernel, mask, padded, border, make_kernel)
             if new_kernel is not None:
-                if "op_pattern" in (kernel.attrs or {}):
-                    new_kernel = new_kernel.with_attr("op_pattern", kernel.attrs["op_pattern"])
-                rebuilt[var] = (padded, new_kernel, border)
+                rebuilt[var] = ([*value.args[1].fields[:-1], padded], new_kernel,
+                                value.args[0].name_hint + "_maskpad" + "x".join(map(str, border)))
         if rebuilt:
-            mod = _rewrite_masks(mod, gvar, func, rebuilt)
+            mod = rebind_to_kernels(mod, gvar, func, rebuilt)
     return mod
-
-
-def _rewrite_masks(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Function, rebuilt: dict) -> tvm.IRModule:
-    @relax.expr_functor.mutator
-    class _Mutator(relax.PyExprMutator):
-        def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-            if binding.var not in rebuilt:
-                super().visit_var_binding_(binding)
-                return
-            padded, kernel, border = rebuilt[binding.var]
-            call = binding.value
-            name = call.args[0].name_hint + "_maskpad" + "x".join(map(str, border))
-            args = [self.visit_expr(arg) for arg in call.args[1].fields[:-1]] + [self.visit_expr(padded)]
-            out = self.builder_.emit(relax.call_tir(self.builder_.add_func(kernel, name), args, binding.var.ty))
-            self.set_var_remap(binding.var, out)
-
-    mutator = _Mutator(mod)
-    mutator.builder_.update_func(gvar, mutator.visit_expr(func))
-    return relax.transform.DeadCodeElimination()(mutator.builder_.get())
 
 
 def write_borders(mod: tvm.IRModule, make_kernel: KernelMaker) -> tvm.IRModule:
@@ -160,9 +140,8 @@ def write_dequantized_borders(mod: tvm.IRModule) -> tvm.IRModule:
         found = {}
         for source, (pad_var, border) in _padded_copies(mod, func).items():
             dequantize = bindings.get(source)
-            kernel = called_kernel(mod, dequantize)
-            if (kernel is None or str((kernel.attrs or {}).get(KERNEL_ATTR, "")) != "dequantized_units"
-                    or _layout.DEQUANTIZE_ATTR not in kernel.attrs or len(readers.get(source, [])) != 1):
+            kernel = called_kernel(mod, dequantize, "dequantized_units")
+            if kernel is None or _layout.DEQUANTIZE_ATTR not in kernel.attrs or len(readers.get(source, [])) != 1:
                 continue
             data = dequantize.args[1].fields[0]
             shape = static_shape(data)
@@ -170,7 +149,7 @@ def write_dequantized_borders(mod: tvm.IRModule) -> tvm.IRModule:
                 continue
             zero, scale = kernel.attrs[_layout.DEQUANTIZE_ATTR]
             padded = static_shape(pad_var) or ()
-            found[pad_var] = (data, _layout.dequantized_units_func(shape, border, int(zero), float(scale)),
+            found[pad_var] = ([data], _layout.dequantized_units_func(shape, border, int(zero), float(scale)),
                               f"tvm_ext_dequantize_blocked_{'x'.join(map(str, padded))}")
         if found:
             mod = rebind_to_kernels(mod, gvar, func, found)

@@ -19,7 +19,6 @@ import tvm
 from tvm import relax
 
 from ..kernels import layout as _layout
-from ..kernels.common import KERNEL_ATTR
 from ..relax_info import static_shape
 from .base import called_kernel, rebind_to_kernels, scalar_constant
 
@@ -28,23 +27,15 @@ __all__ = ["quantize_fp32_blocks"]
 logger = logging.getLogger("tvm_ext")
 
 
-def _kernel_call(mod: tvm.IRModule, value, kind: str) -> tuple[relax.Call, tvm.tirx.PrimFunc] | None:
-    """(`value`, the kernel it calls) if it calls a tvm_ext kernel of `kind`."""
-    kernel = called_kernel(mod, value)
-    if kernel is None or kernel.attrs is None or str(kernel.attrs.get(KERNEL_ATTR, "")) != kind:
-        return None
-    return value, kernel
-
-
-def _is_quantize(expr) -> TypeGuard[relax.Call]:
-    return isinstance(expr, relax.Call) and expr.op == tvm.ir.Op.get("relax.quantize")
+def _is_call(expr, op: str = "relax.call_tir") -> TypeGuard[relax.Call]:
+    return isinstance(expr, relax.Call) and expr.op == tvm.ir.Op.get(op)
 
 
 def _replacements(mod: tvm.IRModule,
-                  func: relax.Function) -> dict[relax.Var, tuple[relax.Expr, tvm.tirx.PrimFunc, str]]:
+                  func: relax.Function) -> dict[relax.Var, tuple[list[relax.Expr], tvm.tirx.PrimFunc, str]]:
     """Each pack_quantized binding of `func` whose input is a per-tensor quantize of an fp32
-    kernel's NCHW view -> (the blocked fp32 tensor, the kernel that writes the pack's output
-    from it, its name)."""
+    kernel's NCHW view -> ([the blocked fp32 tensor], the kernel that writes the pack's output
+    from it, its name): :func:`~.base.rebind_to_kernels`' calls."""
     values = {b.var: b.value for block in func.body.blocks for b in block.bindings
               if isinstance(b, relax.VarBinding)}
 
@@ -53,26 +44,26 @@ def _replacements(mod: tvm.IRModule,
             expr = values[expr]
         return None if isinstance(expr, relax.Var) else expr
 
-    found = {}
+    found: dict[relax.Var, tuple[list[relax.Expr], tvm.tirx.PrimFunc, str]] = {}
     for var, value in values.items():
-        pack = _kernel_call(mod, value, "pack_quantized")
-        if pack is None or _layout.PACK_PADDING_ATTR not in pack[1].attrs:
+        pack = called_kernel(mod, value, "pack_quantized")
+        if pack is None or _layout.PACK_PADDING_ATTR not in pack.attrs:
             continue
-        quantize = value_of(pack[0].args[1].fields[0])
-        if not _is_quantize(quantize):
+        quantize = value_of(value.args[1].fields[0])
+        if not _is_call(quantize, "relax.quantize"):
             continue
         scale, zero = scalar_constant(quantize.args[1]), scalar_constant(quantize.args[2])
-        unpack = _kernel_call(mod, value_of(quantize.args[0]), "unpack_nchwc")
-        if scale is None or zero is None or unpack is None:
+        unpack = value_of(quantize.args[0])
+        if scale is None or zero is None or not _is_call(unpack) or called_kernel(mod, unpack, "unpack_nchwc") is None:
             continue
-        blocked = unpack[0].args[1].fields[0]
-        shape, view, out = static_shape(blocked), static_shape(unpack[0]), static_shape(var)
+        blocked = unpack.args[1].fields[0]
+        shape, view, out = static_shape(blocked), static_shape(unpack), static_shape(var)
         if shape is None or view is None or out is None or str(blocked.ty.dtype.dtype) != "float32":
             continue  # (a symbolic batch: the pack stays)
-        padding = [int(p) for p in pack[1].attrs[_layout.PACK_PADDING_ATTR]]
+        padding = [int(p) for p in pack.attrs[_layout.PACK_PADDING_ATTR]]
         kernel = _layout.quantized_blocks_func(shape, view[1], out[4], padding, scale, int(zero),
                                                str(quantize.attrs.out_dtype))
-        found[var] = blocked, kernel, f"tvm_ext_quantized_blocks_{'x'.join(map(str, out))}"
+        found[var] = [blocked], kernel, f"tvm_ext_quantized_blocks_{'x'.join(map(str, out))}"
     return found
 
 
