@@ -6,12 +6,13 @@ runs the network on the calibration inputs, takes each activation's range (min/m
 percentiles), and writes the QDQ form ONNX Runtime writes (ONNX Runtime's arithmetic for the
 scales, zero points, weights and biases):
 
-- every convolution with constant weights (after batch norms are folded into it): int8 weights
-  symmetric per output channel, the bias in int32 units of s_x * s_w, its input and its output
-  (after a fused relu or relu6) quantized per tensor;
+- every convolution with constant weights (after batch norms are folded into it) and every
+  dense layer (a matmul of a matrix and constant (K, N) weights: ONNX's Gemm, the classifier):
+  int8 weights symmetric per output channel, the bias in int32 units of s_x * s_w, its input and
+  its output (after a fused relu or relu6) quantized per tensor;
 - residual adds of two activations (+ relu) and max pooling: inputs and output quantized (max
   pooling's output with its input's parameters, as max commutes with the quantization);
-- everything else (the classifier, SiLU, concat, ...) stays float32, reading dequantized values.
+- everything else (SiLU, concat, ...) stays float32, reading dequantized values.
 
 `tvm_ext.build` then lowers that form onto the int8 kernels (:mod:`tvm_ext.strategy.quantized`),
 and stock TVM would run the same module in float: the module means one thing either way.
@@ -56,8 +57,8 @@ def _const(expr) -> np.ndarray | None:
 class _Plan:
     """What :func:`quantize` quantizes in a function."""
 
-    convs: dict[relax.Var, np.ndarray]  # a conv2d's variable -> its float32 weights
-    biases: dict[relax.Var, tuple[relax.Var, np.ndarray]]  # a bias add -> its conv2d, the bias (K,)
+    convs: dict[relax.Var, np.ndarray]  # a conv2d's (or dense matmul's) variable -> its float32 weights
+    biases: dict[relax.Var, tuple[relax.Var, np.ndarray]]  # a bias add -> its conv2d or matmul, the bias (K,)
     inputs: dict[relax.Var, set]  # a quantized tensor -> the bindings that read it dequantized
     outputs: set  # tensors a quantized op writes: every reader reads them dequantized
     shares: dict[relax.Var, relax.Var]  # max pooling's output -> its input (same parameters)
@@ -80,10 +81,15 @@ def _single_block(func: relax.Function) -> relax.DataflowBlock:
     return body.blocks[0]
 
 
-def _float4d(expr) -> bool:
+def _float4d(expr, rank: int = 4) -> bool:
     shape = static_shape(expr)
-    return isinstance(expr, relax.Var) and shape is not None and len(shape) == 4 and \
+    return isinstance(expr, relax.Var) and shape is not None and len(shape) == rank and \
         dtype(expr) == "float32"
+
+
+def _output_axis(weights: np.ndarray) -> int:
+    """The output channels' axis of a convolution's weights (OIHW) or a dense layer's ((K, N))."""
+    return 1 if weights.ndim == 2 else 0
 
 
 def _relu6_bound(value) -> float | None:
@@ -116,21 +122,26 @@ def _plan(func: relax.Function) -> _Plan:
 
     for binding in block.bindings:
         value = binding.value
-        if _is(value, "relax.nn.conv2d"):
+        if _is(value, "relax.nn.conv2d") or _is(value, "relax.matmul"):
             data, weight = value.args
             w = _const(weight)
-            attrs = value.attrs
-            layouts = (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout))
-            if w is None or w.dtype != np.float32 or not _float4d(data) or layouts != ("NCHW", "OIHW", "NCHW"):
+            if _is(value, "relax.nn.conv2d"):
+                attrs = value.attrs
+                layouts = (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout))
+                if w is None or w.dtype != np.float32 or not _float4d(data) or layouts != ("NCHW", "OIHW", "NCHW"):
+                    continue
+            elif w is None or w.dtype != np.float32 or w.ndim != 2 or not _float4d(data, rank=2):
                 continue
-            end = binding.var
+            end, k = binding.var, w.shape[_output_axis(w)]
             reader = only_reader(end)
             if reader is not None and _is(reader.value, "relax.add"):
                 a, b = reader.value.args
                 constant = b if a.same_as(end) else a
                 bias = _const(constant)
-                if bias is not None and is_channel_bias(constant, w.shape[0]):
-                    plan.biases[reader.var] = (end, np.broadcast_to(bias.reshape(-1), (w.shape[0],)))
+                per_channel = is_channel_bias(constant, k) if w.ndim == 4 else \
+                    static_shape(constant) in ((k,), (1, k)) and dtype(constant) == "float32"
+                if bias is not None and per_channel:
+                    plan.biases[reader.var] = (end, np.broadcast_to(bias.reshape(-1), (k,)))
                     end = reader.var
             activation = activation_after(end)
             out = end if activation is None else activation
@@ -169,12 +180,15 @@ def _parameters(lo: float, hi: float, dtype: str) -> _Parameters:
 
 
 def _quantized_weights(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """int8 weights symmetric per output channel in [-127, 127] and their float32 scales (ONNX
-    Runtime's quantize_data with symmetric int8)."""
-    absmax = np.abs(w.reshape(w.shape[0], -1).astype(np.float64)).max(axis=1)
+    """int8 weights symmetric per output channel (:func:`_output_axis`) in [-127, 127] and their
+    float32 scales (ONNX Runtime's quantize_data with symmetric int8)."""
+    outputs = np.moveaxis(w, _output_axis(w), 0)
+    absmax = np.abs(outputs.reshape(outputs.shape[0], -1).astype(np.float64)).max(axis=1)
     scale = (2 * absmax / 254).astype(np.float32)
     scale = np.where(scale < np.finfo(np.float32).tiny, np.float32(1.0), scale)
-    q = np.clip(np.round(w / scale.reshape(-1, 1, 1, 1)), -127, 127).astype(np.int8)
+    shape = [1] * w.ndim
+    shape[_output_axis(w)] = -1
+    q = np.clip(np.round(w / scale.reshape(shape)), -127, 127).astype(np.int8)
     return q, scale
 
 
@@ -272,10 +286,9 @@ def _rewrite(func: relax.Function, plan: _Plan, parameters: dict) -> relax.Funct
                 var, value = binding.var, binding.value
                 if var in plan.convs:
                     w_q, w_scale = _quantized_weights(plan.convs[var])
-                    k = w_q.shape[0]
                     weight = bb.emit(relax.op.dequantize(relax.const(w_q), relax.const(w_scale),
-                                                         relax.const(np.zeros(k, np.int8)), axis=0),
-                                     f"{var.name}_w")
+                                                         relax.const(np.zeros(w_scale.size, np.int8)),
+                                                         axis=_output_axis(w_q)), f"{var.name}_w")
                     call = substitute(value, binding)
                     value = relax.Call(call.op, [call.args[0], weight], call.attrs)
                 elif var in plan.biases:
@@ -289,7 +302,8 @@ def _rewrite(func: relax.Function, plan: _Plan, parameters: dict) -> relax.Funct
                     bias = bb.emit(relax.op.dequantize(relax.const(b_q), relax.const(bias_scale),
                                                        relax.const(np.zeros(k, np.int32)), axis=0),
                                    f"{var.name}_b")
-                    bias = bb.emit(relax.op.reshape(bias, (1, k, 1, 1)))
+                    if plan.convs[conv].ndim == 4:
+                        bias = bb.emit(relax.op.reshape(bias, (1, k, 1, 1)))
                     value = relax.op.add(new(conv), bias)
                 elif _relu6_bound(value) is not None and var in plan.outputs:
                     value = relax.op.nn.relu(new(value.args[0]))  # exact: see the module docstring
@@ -328,7 +342,7 @@ def quantize(mod: tvm.IRModule, calibration: Iterable[np.ndarray | Sequence[np.n
     "percentile" its `percentile` and 100 - `percentile` percentiles (of up to 65536 values an
     input), which ignores outliers. `activations`: "uint8" (asymmetric, the int8 kernels' native
     input) or "int8". `target`: the CPU the float32 calibration runs on (the host by default).
-    Convolutions of a static shape are quantized (a symbolic batch's stay float32).
+    Convolutions and dense layers of a static shape are quantized (a symbolic batch's stay float32).
     Build the result with :func:`tvm_ext.build`; :func:`tvm_ext.dispatch_report` says which
     convolutions run in int8.
     """
@@ -340,7 +354,7 @@ def quantize(mod: tvm.IRModule, calibration: Iterable[np.ndarray | Sequence[np.n
     plan = _plan(func)
     tensors = plan.tensors()
     if not plan.convs:
-        logger.info("tvm_ext.quantize: no convolution with constant weights; the module stays float32")
+        logger.info("tvm_ext.quantize: no convolution or dense layer with constant weights; the module stays float32")
         return given
     ranges = _calibrate(mod, tensors, samples, method, percentile, target)
     parameters = {t: _parameters(lo, hi, activations) for t, (lo, hi) in ranges.items()}

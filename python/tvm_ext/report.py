@@ -26,6 +26,7 @@ from .strategy.fusion import fusion_passes, mask_of
 from .strategy.quantized import FUSED_ADD, int8_kernel, lower_quantized_conv2d, quantized_conv2d_decisions
 from .target import TargetLike, resolve_target
 from .transform.gradients import read_phase_interleave
+from .transform.matmul_as_conv2d import quantized_matmul_as_conv2d
 from .transform.split_batch import runs_per_inference, split_batch
 
 logger = logging.getLogger("tvm_ext")
@@ -62,6 +63,22 @@ def _is_call_to(expr, op: str) -> TypeGuard[relax.Call]:
     return _is_call(expr) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == op
 
 
+def _quantized_matmul_shapes(found, values: dict) -> tuple | None:
+    """((M, K), (K, N)) of a quantized convolution that quantized_matmul_as_conv2d made of a
+    dense layer (its image a 2-D matrix, transposed or not, reshaped to (1, K, 1, M)), else None."""
+    value = values.get(found.data) if isinstance(found.data, relax.Var) else None
+    if not _is_call_to(value, "relax.reshape"):
+        return None
+    source = value.args[0]
+    inner = values.get(source) if isinstance(source, relax.Var) else None
+    source = inner.args[0] if _is_call_to(inner, "relax.permute_dims") else source
+    image, matrix = static_shape(found.data), static_shape(source)
+    if image is None or matrix is None or len(matrix) != 2 or image[0] != 1 or image[2] != 1:
+        return None
+    _, k, _, m = image
+    return (m, k), (k, found.weight.shape[0])
+
+
 def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_call: int | None = None,
                     tensor_cores: bool | str = False, winograd: bool = True,
                     function: str = "main", precision: str = "fp32", maxdnn: str = "auto") -> DispatchReport:
@@ -84,11 +101,16 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
         raise UnsupportedError("dispatch_report: tensor_cores applies to CUDA targets")
     int8_rows = []  # the quantized convolutions the int8 kernels run, in program order
     if resolved.kind.name == "llvm" and function in [gvar.name_hint for gvar in mod.get_global_vars()]:
+        mod = quantized_matmul_as_conv2d()(mod)
+        values = relax.analysis.get_var2val(mod[function])
         for found, reason in quantized_conv2d_decisions(mod[function], resolved).values():
             if reason is None:
-                int8_rows.append((DispatchRow("nn.conv2d", (static_shape(found.data), found.weight.shape),
+                matmul = _quantized_matmul_shapes(found, values)
+                int8_rows.append((DispatchRow("matmul" if matmul else "nn.conv2d",
+                                              matmul or (static_shape(found.data), found.weight.shape),
                                               int8_kernel(found, resolved),
-                                              f"quantized (QDQ): uint8 data, int8 weights, {found.out_dtype} out"),
+                                              f"quantized (QDQ): uint8 data, int8 weights, {found.out_dtype} out"
+                                              + (" (a dense layer as a 1x1 convolution)" if matmul else "")),
                                   found.residual is not None))
             else:
                 logger.info("tvm_ext: a quantized conv2d stays in float: %s", reason)

@@ -51,7 +51,7 @@ def _quantized(model: torch.nn.Module, shape: tuple[int, ...]) -> tuple[torch.nn
 def test_a_pt2e_network_runs_on_the_int8_kernels():
     """Every convolution runs on the int8 kernels, the one whose float output feeds the residual
     add with the add and relu in its epilogue (the quantizer quantizes the sum only: float
-    kernels before 0.5.33); the outputs follow PyTorch's quantized module (within its
+    kernels before 0.5.33), the classifier as a 1x1 one (float before 0.5.36); the outputs follow PyTorch's quantized module (within its
     quantization's rounding: the kernels round the float bias to the sums' unit) and stock TVM's
     float arithmetic of the same module."""
     shape = (2, 3, 20, 20)
@@ -59,8 +59,9 @@ def test_a_pt2e_network_runs_on_the_int8_kernels():
     mod = from_pt2e(program)
     report = tvm_ext.dispatch_report(mod, TARGET)
     int8_rows = [row for row in report if row.kernel.startswith("int8_conv2d")]
-    assert [row.op for row in int8_rows] == ["nn.conv2d"] * 4 + ["add"], str(report)
-    assert "PT2E" in int8_rows[-1].reason
+    assert [row.op for row in int8_rows] == ["nn.conv2d"] * 4 + ["add", "matmul"], str(report)
+    assert "PT2E" in int8_rows[-2].reason
+    assert int8_rows[-1].shapes == ((2, 32), (32, 10)) and "float32 out" in int8_rows[-1].reason
     x = torch.randn(*shape)
     expected = converted(x).detach().numpy()
 

@@ -12,6 +12,8 @@ from tvm import relax
 import tvm_ext
 from tvm_ext.models import torchvision_zoo as zoo
 from tvm_ext.quantization import _parameters, _quantized_weights
+from tvm_ext.strategy.quantized import int8_engine
+from tvm_ext.target import resolve_target
 
 SIZE = 64
 
@@ -65,7 +67,7 @@ def resnet18():
 def test_a_network_agrees_with_onnx_runtimes_quantize_static(resnet18, tmp_path):
     """torchvision ResNet-18, the same calibration inputs for both: every activation scale within
     float32 rounding of ONNX Runtime's (its float32 run and ours differ in the last bits), every
-    convolution on an int8 kernel, and outputs as close to the float32 network as ORT's are."""
+    convolution and the classifier on an int8 kernel, and outputs as close to the float32 network as ORT's are."""
     import onnx
     import onnxruntime as ort
     from onnx import numpy_helper
@@ -75,6 +77,8 @@ def test_a_network_agrees_with_onnx_runtimes_quantize_static(resnet18, tmp_path)
     model, mod, calibration, inputs = resnet18
     quantized = tvm_ext.quantize(mod, calibration)
     assert _conv_kernels(quantized) and all(k.startswith("int8_conv2d") for k in _conv_kernels(quantized))
+    assert [r.kernel.split(" ")[0] for r in tvm_ext.dispatch_report(quantized, "llvm") if r.op == "matmul"] == \
+        ["int8_conv2d" if int8_engine(resolve_target("llvm")) else "brgemm_conv2d"]
     with torch.no_grad():
         torch.onnx.export(model, (torch.from_numpy(inputs[0]),), str(tmp_path / "fp32.onnx"), opset_version=17,
                           dynamo=False, input_names=["x"], output_names=["y"])
@@ -89,7 +93,7 @@ def test_a_network_agrees_with_onnx_runtimes_quantize_static(resnet18, tmp_path)
 
     quantize_static(str(tmp_path / "prepared.onnx"), str(tmp_path / "int8.onnx"), Feeds(), quant_format=QuantFormat.QDQ,
                     per_channel=True, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                    op_types_to_quantize=["Conv", "Add", "MaxPool", "Relu"])  # its classifier stays float, as ours
+                    op_types_to_quantize=["Conv", "Add", "MaxPool", "Relu", "Gemm"])  # (the classifier: since 0.5.36)
     initializers = onnx.load(str(tmp_path / "int8.onnx")).graph.initializer
     theirs = sorted({float(numpy_helper.to_array(i)) for i in initializers
                      if i.name.endswith("_scale") and numpy_helper.to_array(i).size == 1})
