@@ -51,9 +51,9 @@ def _quantized(model: torch.nn.Module, shape: tuple[int, ...]) -> tuple[torch.nn
 def test_a_pt2e_network_runs_on_the_int8_kernels():
     """Every convolution runs on the int8 kernels, the one whose float output feeds the residual
     add with the add and relu in its epilogue (the quantizer quantizes the sum only: float
-    kernels before 0.5.33), the classifier as a 1x1 one (float before 0.5.36); the outputs follow PyTorch's quantized module (within its
-    quantization's rounding: the kernels round the float bias to the sums' unit) and stock TVM's
-    float arithmetic of the same module."""
+    kernels before 0.5.33), the classifier as a 1x1 one (float before 0.5.36); the outputs
+    follow PyTorch's quantized module (within its quantization's rounding: the kernels round the
+    float bias to the sums' unit) and stock TVM's float arithmetic of the same module."""
     shape = (2, 3, 20, 20)
     converted, program = _quantized(_Net(), shape)
     mod = from_pt2e(program)
