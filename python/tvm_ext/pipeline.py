@@ -32,6 +32,7 @@ from .strategy.decide import PRECISIONS
 from .strategy.dispatch import legalize_map, lower_to_kernels
 from .strategy.fusion import fusion_passes
 from .strategy.quantized import lower_quantized_conv2d
+from .strategy.quantized_tables import quantized_lookup_tables
 from .target import TargetLike, resolve_target
 from .transform.arena import plan_arena
 from .transform.matmul_as_conv2d import quantized_matmul_as_conv2d
@@ -173,7 +174,8 @@ def cpu_kernel_passes(target: tvm.target.Target, database=None, images_per_call:
     convolutions, the batch split, fusion, then every kernel the strategy gives. What
     :func:`tvm_ext.tuning.extract_tasks` runs too, so that tasks are the kernels a build runs.
     `database`: a MetaSchedule Database or None; the rest as :func:`pipeline` takes them."""
-    return ([quantized_matmul_as_conv2d(), lower_quantized_conv2d(target, database), split_batch(images_per_call)]
+    return ([quantized_lookup_tables(), quantized_matmul_as_conv2d(), lower_quantized_conv2d(target, database),
+             split_batch(images_per_call)]
             + cpu_pipeline.library_dispatch_passes(target)
             + fusion_passes(target)
             + [lower_to_kernels(target, database, winograd=winograd, precision=precision, maxdnn=maxdnn)])

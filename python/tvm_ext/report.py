@@ -24,6 +24,7 @@ from .strategy.decide import decide
 from .strategy.dispatch import batch_norm_gradients, weight_and_bias_gradients
 from .strategy.fusion import fusion_passes, mask_of
 from .strategy.quantized import FUSED_ADD, int8_kernel, lower_quantized_conv2d, quantized_conv2d_decisions
+from .strategy.quantized_tables import LOOKUP_KERNEL, quantized_lookup_tables
 from .target import TargetLike, resolve_target
 from .transform.gradients import read_phase_interleave
 from .transform.matmul_as_conv2d import quantized_matmul_as_conv2d
@@ -101,7 +102,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
         raise UnsupportedError("dispatch_report: tensor_cores applies to CUDA targets")
     int8_rows = []  # the quantized convolutions the int8 kernels run, in program order
     if resolved.kind.name == "llvm" and function in [gvar.name_hint for gvar in mod.get_global_vars()]:
-        mod = quantized_matmul_as_conv2d()(mod)
+        mod = quantized_matmul_as_conv2d()(quantized_lookup_tables()(mod))
         values = relax.analysis.get_var2val(mod[function])
         for found, reason in quantized_conv2d_decisions(mod[function], resolved).values():
             if reason is None:
@@ -188,6 +189,10 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
                             "fused: the add of this convolution's float output and a dequantized tensor, then "
                             "quantized (PT2E)" if float_add else "fused: the quantized (QDQ) add of this output "
                             "and the other operand, ONNX Runtime's QLinearAdd"), runs))
+                if callee.startswith(LOOKUP_KERNEL):
+                    report.append(DispatchRow("elementwise", (static_shape(expr.args[1].fields[0]),),
+                                              "quantized_lookup", "an element-wise chain between quantized tensors: "
+                                              "one lookup a value in a 256-entry table", runs))
                 for prefix, op in (("tvm_ext_quantized_add", "add"), ("tvm_ext_quantized_max_pool", "nn.max_pool2d")):
                     blocked = static_shape(expr.args[1].fields[0])
                     if callee.startswith(prefix) and blocked is not None:

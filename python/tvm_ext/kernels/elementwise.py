@@ -22,7 +22,7 @@ from . import script
 from .common import ACTIVATIONS, KERNEL_ATTR, activation_text, bf16_bits, param_buffer
 
 __all__ = ["ACTIVATIONS", "activation_func", "bf16_round_func", "check_slope", "dynamic_activation_func",
-           "fake_quantize_func", "flat_activation_func"]
+           "fake_quantize_func", "flat_activation_func", "lookup_table_func"]
 
 _TEMPLATE = """
 @T.prim_func(s_tir=True)
@@ -194,3 +194,28 @@ def channel_scale_func(shape, lanes: int, channels: int | None = None) -> tirx.P
         _, vector = sch.split(inner, [None, lanes] if extent % lanes == 0 else [None, 1])
         sch.vectorize(vector)
     return sch.mod["main"].with_attr(KERNEL_ATTR, "channel_scale")
+
+
+def lookup_table_func(shape, in_dtype: str, out_dtype: str) -> tirx.PrimFunc:
+    """y = table[x] element by element, x uint8 or int8 (its 256 values, int8 from -128, index
+    the table in order) over a tensor of `shape` in any layout: an element-wise function of a
+    quantized tensor, tabulated (:mod:`tvm_ext.strategy.quantized_tables`)."""
+    if in_dtype not in ("uint8", "int8"):
+        raise ValueError(f"lookup_table: {in_dtype} is not uint8 or int8")
+    shape = tuple(int(v) for v in shape)
+    size = math.prod(shape)
+    inner = 256 if size >= 256 else 1
+    offset = 128 if in_dtype == "int8" else 0
+    with IRBuilder() as builder, T.prim_func(s_tir=True):
+        T.func_name("lookup_table")
+        x = param_buffer("x", shape, dtype=in_dtype)
+        table = param_buffer("table", (256,), dtype=out_dtype)
+        y = param_buffer("y", shape, dtype=out_dtype)
+        x_flat = T.decl_buffer((size,), in_dtype, data=x.data)
+        y_flat = T.decl_buffer((size,), out_dtype, data=y.data)
+        with T.sblock("root"), T.parallel(0, -(-size // inner)) as i, T.serial(0, inner) as j:
+            with T.sblock("output"):
+                v = T.axis.spatial(size, i * inner + j)
+                T.where(i * inner + j < size)
+                T.buffer_store(y_flat, table[tirx.Cast("int32", x_flat[v]) + offset], [v])
+    return builder.get().with_attr(KERNEL_ATTR, "lookup_table")

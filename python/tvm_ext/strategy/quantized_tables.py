@@ -1,0 +1,219 @@
+"""Element-wise chains between quantized tensors as 256-entry lookup tables.
+
+ONNX Runtime's QDQ form quantizes every op it can: ConvNeXt's GELU, x * (erf(x / sqrt 2) + 1)
+* 0.5, is five float ops, each between a quantize and a dequantize, that stock TVM runs as float
+passes over the tensor (erf unvectorized: 21 of int8 ConvNeXt-T's 70 ms at 224x224). Every value
+of such a chain is a function of one uint8 or int8 tensor, element by element: its 256 possible
+values give a table, and the chain is one lookup a value (ONNX Runtime's QLinearLookup idea).
+
+:func:`quantized_lookup_tables` finds each chain (from a per-tensor dequantize, the element-wise
+float ops and quantize / dequantize pairs whose every non-constant operand is in the chain), and
+replaces the quantized values the rest of the graph reads with one
+:func:`~tvm_ext.kernels.elementwise.lookup_table_func` call each. The tables are computed at build
+time in NumPy with the graph's float32 arithmetic (relax's ops; the transcendental functions in
+float64 rounded to float32, within an ulp of TVM's) and quantizes rounding to nearest even, as
+ONNX and PyTorch round and as tvm_ext's fake quantization does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from ..kernels.elementwise import lookup_table_func
+from ..relax_info import prim_value, static_shape
+from .base import readers_of, rebind_to_kernels
+
+__all__ = ["LOOKUP_KERNEL", "quantized_lookup_tables"]
+
+logger = logging.getLogger("tvm_ext")
+
+LOOKUP_KERNEL = "tvm_ext_quantized_lookup"  # the kernels' name prefix (dispatch_report)
+_RANGES = {"uint8": (0, 255), "int8": (-128, 127)}
+
+
+def _float64_map(f: Callable[[float], float]) -> Callable[[np.ndarray], np.ndarray]:
+    return lambda x: np.array([f(float(v)) for v in x], np.float64).astype(np.float32)
+
+
+def _sigmoid(v: float) -> float:
+    return 1.0 / (1.0 + math.exp(-v)) if v >= 0 else math.exp(v) / (1.0 + math.exp(v))
+
+
+# relax's element-wise float32 ops: (operands: arrays or float32 scalars) -> float32
+_UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "relax.erf": _float64_map(math.erf),
+    "relax.tanh": _float64_map(math.tanh),
+    "relax.exp": _float64_map(lambda v: math.exp(min(v, 709.0))),
+    "relax.sigmoid": _float64_map(_sigmoid),
+    "relax.sqrt": _float64_map(lambda v: math.sqrt(v) if v >= 0 else math.nan),
+    "relax.nn.gelu": _float64_map(lambda v: 0.5 * v * (1.0 + math.erf(v / math.sqrt(2.0)))),
+    "relax.nn.gelu_tanh": _float64_map(
+        lambda v: 0.5 * v * (1.0 + math.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v ** 3)))),
+    "relax.nn.silu": _float64_map(lambda v: v * _sigmoid(v)),
+    "relax.nn.relu": lambda x: np.maximum(x, np.float32(0)),
+    "relax.negative": np.negative,
+    "relax.abs": np.abs,
+    "relax.square": np.square,
+}
+_BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    "relax.add": np.add, "relax.subtract": np.subtract, "relax.multiply": np.multiply,
+    "relax.divide": np.divide, "relax.maximum": np.maximum, "relax.minimum": np.minimum,
+}
+_QDQ = ("relax.quantize", "relax.dequantize")
+
+
+def _op_name(value) -> str | None:
+    if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
+        return value.op.name
+    return None
+
+
+def _scalar(expr) -> np.float32 | None:
+    """A float32 constant holding one number, as a NumPy scalar."""
+    value = getattr(expr, "value", None) if isinstance(expr, tvm.ir.Constant) else None
+    array = value.numpy() if hasattr(value, "numpy") else None  # (not a PrimValue)
+    return np.float32(array.reshape(-1)[0]) if array is not None and array.dtype == np.float32 and \
+        array.size == 1 else None
+
+
+def _quantization(call: relax.Call) -> tuple[np.float32, int, str] | None:
+    """(scale, zero point, the quantized dtype) of a per-tensor quantize or dequantize, else None."""
+    scale, zero = call.args[1], call.args[2]
+    if not (isinstance(zero, tvm.ir.Constant) and zero.value.numpy().size == 1):
+        return None
+    dtype = str(call.attrs.out_dtype) if _op_name(call) == "relax.quantize" else str(call.args[0].ty.dtype.dtype)
+    s = _scalar(scale)
+    return None if s is None or dtype not in _RANGES else (s, int(zero.value.numpy().reshape(-1)[0]), dtype)
+
+
+def _evaluate(value: relax.Call, operands: list) -> np.ndarray:
+    """`value`'s result for its `operands` (arrays where a variable, scalars where a float32
+    constant; quantize and dequantize read their parameters from the call)."""
+    name = _op_name(value)
+    if name == "relax.quantize":
+        scale, zero, dtype = _quantization(value)
+        low, high = _RANGES[dtype]
+        return np.clip(np.rint(operands[0] / scale) + np.float32(zero), low, high).astype(dtype)
+    if name == "relax.dequantize":
+        scale, zero, _ = _quantization(value)
+        return (operands[0].astype(np.float32) - np.float32(zero)) * scale
+    if name == "relax.clip":
+        low, high = (prim_value(arg) for arg in value.args[1:])
+        return np.clip(operands[0], np.float32(low), np.float32(high))
+    if name in _UNARY:
+        return _UNARY[name](operands[0]).astype(np.float32)
+    with np.errstate(all="ignore"):
+        return _BINARY[name](*operands).astype(np.float32)
+
+
+class _Chain:
+    """One chain: its root dequantize's operand (the quantized tensor), its bindings in program
+    order, and the quantized values read outside it."""
+
+    def __init__(self, source: relax.Expr, dtype: str):
+        self.source, self.dtype = source, dtype
+        self.bindings: dict[relax.Var, relax.Call] = {}
+        self.outputs: list[relax.Var] = []
+
+    def tables(self) -> dict[relax.Var, np.ndarray]:
+        """Each output's value for each of the source's 256 values, in order."""
+        low, high = _RANGES[self.dtype]
+        values: dict = {self.source: np.arange(low, high + 1).astype(self.dtype)}
+        for var, value in self.bindings.items():
+            values[var] = _evaluate(value, [values[arg] if isinstance(arg, relax.Var) else _scalar(arg)
+                                            for arg in value.args])
+        return {var: values[var] for var in self.outputs}
+
+
+def _joins(value, chain: _Chain, shape: tuple) -> bool:
+    """Whether `value` is an element-wise op of chain values (and scalar constants) of the chain's shape."""
+    name = _op_name(value)
+    if name is None or static_shape(value) != shape:
+        return False
+    variables = [arg for arg in value.args if isinstance(arg, relax.Var)]
+    if not variables or any(v not in chain.bindings for v in variables):
+        return False
+    if name in _QDQ:
+        if _quantization(value) is None:
+            return False
+        return name == "relax.dequantize" or str(value.args[0].ty.dtype.dtype) == "float32"
+    if any(str(v.ty.dtype.dtype) != "float32" for v in variables):
+        return False
+    constants = [arg for arg in value.args if not isinstance(arg, relax.Var)]
+    if name == "relax.clip":
+        return all(prim_value(arg) is not None for arg in constants)
+    return (name in _UNARY and len(value.args) == 1) or (
+        name in _BINARY and len(value.args) == 2 and all(_scalar(arg) is not None for arg in constants))
+
+
+def _chains(func: relax.Function) -> list[_Chain]:
+    """The chains of `func` (see the module's docstring), each with a float op at least and read
+    outside only through quantized values."""
+    bindings = [(b.var, b.value) for block in func.body.blocks for b in block.bindings
+                if isinstance(b, relax.VarBinding)]
+    readers = readers_of(func)
+    claimed: set = set()
+    chains = []
+    for i, (root, value) in enumerate(bindings):
+        if root in claimed or _op_name(value) != "relax.dequantize" or _quantization(value) is None:
+            continue
+        shape = static_shape(value)
+        if shape is None:
+            continue
+        chain = _Chain(value.args[0], _quantization(value)[2])
+        chain.bindings[root] = value
+        for var, later in bindings[i + 1:]:
+            if _joins(later, chain, shape):
+                chain.bindings[var] = later
+        # a float value read outside would be computed anyway: it leaves, and so does what reads it
+        changed = True
+        while changed:
+            changed = False
+            for var, later in list(chain.bindings.items()):
+                escapes = any(reader is None or not any(reader.same_as(v) for v in chain.bindings.values())
+                              for reader in readers.get(var, []))
+                inputs_left = any(isinstance(arg, relax.Var) and arg not in chain.bindings and
+                                  not arg.same_as(chain.source) for arg in later.args)
+                # (the root may stay for readers outside: the tables start from its operand)
+                if var is not root and ((escapes and str(var.ty.dtype.dtype) == "float32") or inputs_left):
+                    del chain.bindings[var]
+                    changed = True
+        chain.outputs = [var for var, later in chain.bindings.items() if _op_name(later) == "relax.quantize" and any(
+            reader is None or not any(reader.same_as(v) for v in chain.bindings.values())
+            for reader in readers.get(var, []))]
+        if chain.outputs and any(_op_name(v) not in _QDQ for v in chain.bindings.values()):
+            claimed.update(chain.bindings)
+            chains.append(chain)
+    return chains
+
+
+def quantized_lookup_tables() -> tvm.transform.Pass:
+    """Replace each element-wise chain between quantized tensors with table lookups (see the
+    module's docstring); what nothing reads any more is dropped."""
+
+    @tvm.transform.module_pass(opt_level=0, name="tvm_ext.QuantizedLookupTables")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        for gvar, func in list(mod.functions_items()):
+            if not isinstance(func, relax.Function) or "Composite" in (func.attrs or {}):
+                continue
+            calls = {}
+            for chain in _chains(func):
+                shape = static_shape(chain.source)
+                for var, table in chain.tables().items():
+                    out_dtype = str(var.ty.dtype.dtype)
+                    # (private: this runs before TVM's library dispatch, which finds public symbols twice)
+                    kernel = lookup_table_func(shape, chain.dtype, out_dtype).without_attr("global_symbol")
+                    calls[var] = ([chain.source, relax.const(table)], kernel,
+                                  f"{LOOKUP_KERNEL}_{'x'.join(map(str, shape))}")
+            if calls:
+                mod = rebind_to_kernels(mod, gvar, func, calls)
+                logger.debug("tvm_ext: %d quantized values as table lookups", len(calls))
+        return mod
+
+    return _pass
