@@ -76,8 +76,8 @@ def _op_name(value) -> str | None:
 
 def _scalar(expr) -> np.float32 | None:
     """A float32 constant holding one number, as a NumPy scalar."""
-    value = getattr(expr, "value", None) if isinstance(expr, tvm.ir.Constant) else None
-    array = value.numpy() if hasattr(value, "numpy") else None  # (not a PrimValue)
+    to_numpy = getattr(getattr(expr, "value", None), "numpy", None) if isinstance(expr, tvm.ir.Constant) else None
+    array = to_numpy() if to_numpy is not None else None  # (a PrimValue has none)
     return np.float32(array.reshape(-1)[0]) if array is not None and array.dtype == np.float32 and \
         array.size == 1 else None
 
@@ -95,16 +95,16 @@ def _quantization(call: relax.Call) -> tuple[np.float32, int, str] | None:
 def _evaluate(value: relax.Call, operands: list) -> np.ndarray:
     """`value`'s result for its `operands` (arrays where a variable, scalars where a float32
     constant; quantize and dequantize read their parameters from the call)."""
-    name = _op_name(value)
-    if name == "relax.quantize":
-        scale, zero, dtype = _quantization(value)
+    name, quantization = _op_name(value) or "", _quantization(value) if _op_name(value) in _QDQ else None
+    if quantization is not None and name == "relax.quantize":
+        scale, zero, dtype = quantization
         low, high = _RANGES[dtype]
         return np.clip(np.rint(operands[0] / scale) + np.float32(zero), low, high).astype(dtype)
-    if name == "relax.dequantize":
-        scale, zero, _ = _quantization(value)
+    if quantization is not None:
+        scale, zero, _ = quantization
         return (operands[0].astype(np.float32) - np.float32(zero)) * scale
     if name == "relax.clip":
-        low, high = (prim_value(arg) for arg in value.args[1:])
+        low, high = (prim_value(arg) or 0.0 for arg in value.args[1:])  # (numbers: _joins checked)
         return np.clip(operands[0], np.float32(low), np.float32(high))
     if name in _UNARY:
         return _UNARY[name](operands[0]).astype(np.float32)
@@ -116,8 +116,8 @@ class _Chain:
     """One chain: its root dequantize's operand (the quantized tensor), its bindings in program
     order, and the quantized values read outside it."""
 
-    def __init__(self, source: relax.Expr, dtype: str):
-        self.source, self.dtype = source, dtype
+    def __init__(self, source: relax.Expr, dtype: str, shape: tuple[int, ...]):
+        self.source, self.dtype, self.shape = source, dtype, shape
         self.bindings: dict[relax.Var, relax.Call] = {}
         self.outputs: list[relax.Var] = []
 
@@ -161,12 +161,11 @@ def _chains(func: relax.Function) -> list[_Chain]:
     claimed: set = set()
     chains = []
     for i, (root, value) in enumerate(bindings):
-        if root in claimed or _op_name(value) != "relax.dequantize" or _quantization(value) is None:
-            continue
+        quantization = _quantization(value) if _op_name(value) == "relax.dequantize" else None
         shape = static_shape(value)
-        if shape is None:
+        if root in claimed or quantization is None or shape is None:
             continue
-        chain = _Chain(value.args[0], _quantization(value)[2])
+        chain = _Chain(value.args[0], quantization[2], shape)
         chain.bindings[root] = value
         for var, later in bindings[i + 1:]:
             if _joins(later, chain, shape):
@@ -204,7 +203,7 @@ def quantized_lookup_tables() -> tvm.transform.Pass:
                 continue
             calls = {}
             for chain in _chains(func):
-                shape = static_shape(chain.source)
+                shape = chain.shape
                 for var, table in chain.tables().items():
                     out_dtype = str(var.ty.dtype.dtype)
                     # (private: this runs before TVM's library dispatch, which finds public symbols twice)
