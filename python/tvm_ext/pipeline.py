@@ -36,6 +36,7 @@ from .strategy.quantized_tables import quantized_lookup_tables
 from .target import TargetLike, resolve_target
 from .transform.arena import plan_arena
 from .transform.matmul_as_conv2d import quantized_matmul_as_conv2d
+from .transform.quantized_movement import quantized_data_movement
 from .transform.split_batch import split_batch
 
 
@@ -170,15 +171,21 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
 
 def cpu_kernel_passes(target: tvm.target.Target, database=None, images_per_call: int | None = None, *,
                       winograd: bool = True, precision: str = "fp32", maxdnn: str = "auto") -> list:
-    """The CPU pipeline's passes up to tvm_ext's kernel calls: the int8 kernels of quantized
-    convolutions, the batch split, fusion, then every kernel the strategy gives. What
+    """The CPU pipeline's passes up to tvm_ext's kernel calls: a quantized graph's rewrites
+    (:func:`quantized_rewrites`) and int8 kernels, the batch split, fusion, then every kernel the strategy gives. What
     :func:`tvm_ext.tuning.extract_tasks` runs too, so that tasks are the kernels a build runs.
     `database`: a MetaSchedule Database or None; the rest as :func:`pipeline` takes them."""
-    return ([quantized_lookup_tables(), quantized_matmul_as_conv2d(), lower_quantized_conv2d(target, database),
-             split_batch(images_per_call)]
+    return (quantized_rewrites() + [lower_quantized_conv2d(target, database), split_batch(images_per_call)]
             + cpu_pipeline.library_dispatch_passes(target)
             + fusion_passes(target)
             + [lower_to_kernels(target, database, winograd=winograd, precision=precision, maxdnn=maxdnn)])
+
+
+def quantized_rewrites() -> list[tvm.transform.Pass]:
+    """The rewrites of a quantized graph before its int8 lowering (the pipeline's and
+    dispatch_report's): quantized tensors moved in their dtype, element-wise chains between
+    them as table lookups, dense layers as 1x1 convolutions."""
+    return [quantized_data_movement(), quantized_lookup_tables(), quantized_matmul_as_conv2d()]
 
 
 def _with_arena(passes: list) -> list:

@@ -15,7 +15,7 @@ import tvm
 from tvm import relax
 
 from .errors import UnsupportedError
-from .pipeline import check_images_per_call, check_precision
+from .pipeline import check_images_per_call, check_precision, quantized_rewrites
 from .relax_info import static_shape
 from .strategy.base import Decision
 from .strategy.cpu_engine import check_maxdnn
@@ -24,10 +24,9 @@ from .strategy.decide import decide
 from .strategy.dispatch import batch_norm_gradients, weight_and_bias_gradients
 from .strategy.fusion import fusion_passes, mask_of
 from .strategy.quantized import FUSED_ADD, int8_kernel, lower_quantized_conv2d, quantized_conv2d_decisions
-from .strategy.quantized_tables import LOOKUP_KERNEL, quantized_lookup_tables
+from .strategy.quantized_tables import LOOKUP_KERNEL
 from .target import TargetLike, resolve_target
 from .transform.gradients import read_phase_interleave
-from .transform.matmul_as_conv2d import quantized_matmul_as_conv2d
 from .transform.split_batch import runs_per_inference, split_batch
 
 logger = logging.getLogger("tvm_ext")
@@ -102,7 +101,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
         raise UnsupportedError("dispatch_report: tensor_cores applies to CUDA targets")
     int8_rows = []  # the quantized convolutions the int8 kernels run, in program order
     if resolved.kind.name == "llvm" and function in [gvar.name_hint for gvar in mod.get_global_vars()]:
-        mod = quantized_matmul_as_conv2d()(quantized_lookup_tables()(mod))
+        mod = tvm.transform.Sequential(quantized_rewrites())(mod)
         values = relax.analysis.get_var2val(mod[function])
         for found, reason in quantized_conv2d_decisions(mod[function], resolved).values():
             if reason is None:

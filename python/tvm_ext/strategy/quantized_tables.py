@@ -134,10 +134,8 @@ class _Chain:
 def _joins(value, chain: _Chain, shape: tuple) -> bool:
     """Whether `value` is an element-wise op of chain values (and scalar constants) of the chain's shape."""
     name = _op_name(value)
-    if name is None or static_shape(value) != shape:
-        return False
-    variables = [arg for arg in value.args if isinstance(arg, relax.Var)]
-    if not variables or any(v not in chain.bindings for v in variables):
+    variables = [arg for arg in value.args if isinstance(arg, relax.Var)] if name is not None else []
+    if not variables or any(v not in chain.bindings for v in variables) or static_shape(value) != shape:
         return False
     if name in _QDQ:
         if _quantization(value) is None:
@@ -163,7 +161,7 @@ def _chains(func: relax.Function) -> list[_Chain]:
     for i, (root, value) in enumerate(bindings):
         quantization = _quantization(value) if _op_name(value) == "relax.dequantize" else None
         shape = static_shape(value)
-        if root in claimed or quantization is None or shape is None:
+        if root in claimed or quantization is None or shape is None or not isinstance(value.args[0], relax.Var):
             continue
         chain = _Chain(value.args[0], quantization[2], shape)
         chain.bindings[root] = value

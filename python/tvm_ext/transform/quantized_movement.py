@@ -1,0 +1,100 @@
+"""Quantized tensors moved in their own dtype: quantize(move(dequantize(q))) is move(q).
+
+ONNX Runtime's QDQ form wraps every op in a quantize and a dequantize, data movement included:
+ConvNeXt's channels-last blocks reshape and transpose a dequantized tensor, then quantize it again
+with the same scale and zero point, four float passes where one uint8 transpose does. With one
+per-tensor scale s and zero point z on both sides the quantize gives back the moved values
+exactly: rint(((q - z) * s) / s) + z = q for every |q - z| <= 255 (float32's relative error is
+far below half a step), whatever the rounding of ties. :func:`quantized_data_movement` rewrites
+each such quantize to the moves of the quantized tensor; the float ops are dropped where nothing
+else reads them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax
+
+__all__ = ["quantized_data_movement"]
+
+_MOVES = frozenset(f"relax.{op}" for op in ("reshape", "permute_dims", "expand_dims", "squeeze", "flatten"))
+
+
+def _op_name(value) -> str | None:
+    if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
+        return value.op.name
+    return None
+
+
+def _per_tensor(call: relax.Call) -> tuple[float, int] | None:
+    """(scale, zero point) of a quantize or dequantize with one constant each, else None."""
+    values = []
+    for arg in call.args[1:3]:
+        to_numpy = getattr(getattr(arg, "value", None), "numpy", None) if isinstance(arg, tvm.ir.Constant) else None
+        array = to_numpy() if to_numpy is not None else None
+        if array is None or array.size != 1:
+            return None
+        values.append(array.reshape(-1)[0])
+    scale, zero = values
+    return (float(np.float32(scale)), int(zero)) if np.asarray(scale).dtype == np.float32 else None
+
+
+def _moved_source(quantize: relax.Call, values: dict) -> tuple[relax.Expr, list[relax.Call]] | None:
+    """(q, the moves from q's dequantize to `quantize`, in order) where `quantize` re-quantizes
+    moved dequantized values of q with q's own scale, zero point and dtype, else None."""
+    quantization = _per_tensor(quantize)
+    if quantization is None:
+        return None
+    moves: list[relax.Call] = []
+    value = quantize.args[0]
+    while isinstance(value, relax.Var) and _op_name(values.get(value)) in _MOVES:
+        moves.append(values[value])
+        value = values[value].args[0]
+    dequantize = values.get(value) if isinstance(value, relax.Var) else None
+    if _op_name(dequantize) != "relax.dequantize" or _per_tensor(dequantize) != quantization:
+        return None
+    source = dequantize.args[0]
+    if str(source.ty.dtype.dtype) != str(quantize.attrs.out_dtype):
+        return None
+    return source, moves[::-1]
+
+
+def quantized_data_movement() -> tvm.transform.Pass:
+    """Rewrite each quantize of moved dequantized values with their own quantization to the moves
+    of the quantized tensor (see the module's docstring)."""
+
+    @relax.expr_functor.mutator
+    class _Rewrite(relax.PyExprMutator):
+        def __init__(self, mod: tvm.IRModule, values: dict):
+            super().__init__(mod)
+            self.values = values
+
+        def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+            found = _moved_source(binding.value, self.values) if _op_name(binding.value) == "relax.quantize" and \
+                isinstance(binding.var, relax.DataflowVar) else None  # (an output stays: it is bound once)
+            if found is None:
+                super().visit_var_binding_(binding)
+                return
+            source, moves = found
+            moved = self.visit_expr(source)
+            for move in moves:
+                moved = self.builder_.emit(relax.Call(move.op, [moved, *move.args[1:]], move.attrs, move.ty_args))
+            self.set_var_remap(binding.var, moved)
+
+    @tvm.transform.module_pass(opt_level=0, name="tvm_ext.QuantizedDataMovement")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        changed = False
+        for gvar, func in list(mod.functions_items()):
+            if not isinstance(func, relax.Function) or "Composite" in (func.attrs or {}):
+                continue
+            values = {b.var: b.value for block in func.body.blocks for b in block.bindings
+                      if isinstance(b, relax.VarBinding)}
+            if not any(_op_name(v) == "relax.quantize" and _moved_source(v, values) for v in values.values()):
+                continue
+            rewrite = _Rewrite(mod, values)
+            rewrite.builder_.update_func(gvar, rewrite.visit_expr(func))
+            mod, changed = rewrite.builder_.get(), True
+        return relax.transform.DeadCodeElimination()(mod) if changed else mod
+
+    return _pass
