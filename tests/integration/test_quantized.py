@@ -813,7 +813,8 @@ def test_a_quantized_dense_layer_runs_on_an_int8_kernel(form, rows, bias, relu, 
     (PT2E's classifier) runs as a 1x1 int8 convolution over a 1 x rows image, its bias, relu and
     requantization in the epilogue: bit for bit NumPy's integer arithmetic where quantized, stock
     TVM's float arithmetic within float32 rounding where not. (Before 0.5.36 it ran in float32 on
-    weights dequantized at build time: ResNet-50's classifier 0.28 ms, now 0.05.)"""
+    weights dequantized at build time: ResNet-50's classifier 0.28 ms, now 0.05.) Rows are packed
+    into the kernel's blocks and written back as rows in one pass each."""
     mod, x_q, expected = _quantized_dense(form, rows, bias, relu, out_dtype)
     report = tvm_ext.dispatch_report(mod, TARGET)
     dense = [r for r in report if r.op == "matmul"]
@@ -822,6 +823,14 @@ def test_a_quantized_dense_layer_runs_on_an_int8_kernel(form, rows, bias, relu, 
     with TARGET:
         lowered = lower_quantized_conv2d(TARGET)(quantized_matmul_as_conv2d()(mod)).script()
     assert "R.matmul" not in lowered and "R.nn.conv2d" not in lowered and "tvm_ext_int8_conv2d" in lowered
+    if rows > 1:  # its rows packed and unpacked in one pass each (0.5.36: transposes and a pack / unpack)
+        from reference import built_kernels
+
+        kernels = built_kernels(mod, TARGET)
+        assert any(name.startswith("tvm_ext_pack_quantized_rows") for name in kernels), kernels
+        if out_dtype is not None:  # (a float output: the fp32 blocks' unpack and a transpose)
+            assert any(name.startswith("tvm_ext_unpack_quantized_rows") for name in kernels), kernels
+            assert not [name for name in kernels if "transpose" in name], kernels
     got = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main"](tvm.runtime.tensor(x_q)).numpy()
     if expected is not None:
         assert len(np.unique(expected)) > 20

@@ -108,3 +108,25 @@ def test_quantized_blocks_write_the_quantized_pack_of_fp32_blocks(dtype, channel
                                                                                         expected)
     np.testing.assert_array_equal(got.numpy(), expected.numpy())
     assert (got.numpy() == zero + offset).mean() < 0.9 and len(np.unique(got.numpy())) > 50
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8"])
+@pytest.mark.parametrize("rows, channels, block", [(49, 384, 16), (5, 40, 16), (3, 1000, 64), (1, 7, 16)])
+def test_a_dense_layers_rows_pack_and_unpack_in_one_pass(dtype, rows, channels, block):
+    """pack_quantized_rows of a (rows, channels) matrix is pack_quantized of the 1 x rows image
+    of its transpose (channels past the matrix's hold the zero point), and unpack_quantized_rows
+    gives the matrix back: a quantized dense layer's input and output (strategy.quantized_rows)."""
+    from tvm_ext.kernels.layout import pack_quantized_func, pack_quantized_rows_func, unpack_quantized_rows_func
+
+    rng = np.random.default_rng(rows + channels)
+    low, high = (-128, 127) if dtype == "int8" else (0, 255)
+    x = rng.integers(low, high + 1, (rows, channels)).astype(dtype)
+    blocked_shape = (1, -(-channels // block), 1, rows, block)
+    got, expected = (tvm.runtime.tensor(np.zeros(blocked_shape, np.uint8)) for _ in range(2))
+    tvm.compile(pack_quantized_rows_func(rows, channels, block, 42, dtype), target="llvm")(tvm.runtime.tensor(x), got)
+    tvm.compile(pack_quantized_func((1, channels, 1, rows), block, (0, 0, 0, 0), 42, dtype), target="llvm")(
+        tvm.runtime.tensor(np.ascontiguousarray(x.T).reshape(1, channels, 1, rows)), expected)
+    np.testing.assert_array_equal(got.numpy(), expected.numpy())
+    back = tvm.runtime.tensor(np.zeros((rows, channels), dtype))
+    tvm.compile(unpack_quantized_rows_func(blocked_shape, channels, dtype), target="llvm")(got, back)
+    np.testing.assert_array_equal(back.numpy(), x)

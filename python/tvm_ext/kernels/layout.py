@@ -137,6 +137,9 @@ PADDING_ATTR = "tvm_ext.padding"  # on pad_nchwc kernels: (top, left, bottom, ri
 # on pack_quantized kernels, its border: a rewrite after lowering writes the same input from fp32
 # blocks (:func:`quantized_blocks_func`); not PADDING_ATTR, which marks a copy of blocks
 PACK_PADDING_ATTR = "tvm_ext.pack_padding"
+# on pack_quantized kernels, the zero point their padding holds: a rewrite after lowering packs a
+# dense layer's rows instead (:func:`pack_quantized_rows_func`)
+PACK_ZERO_ATTR = "tvm_ext.pack_zero_point"
 # on dequantized_units kernels: (zero point, scale), for a rewrite that adds a border
 DEQUANTIZE_ATTR = "tvm_ext.dequantize"
 
@@ -207,7 +210,37 @@ def pack_quantized_func(shape: Sequence[int], block: int, padding: Sequence[int]
     n, cb, h, w_, c = sch.get_loops(sch.get_sblock("data_blocked"))
     sch.reorder(c, w_)  # read rows of the source, scatter into an L1-sized destination row
     sch.parallel(sch.fuse(n, cb, h))
-    return sch.mod["main"].with_attrs({KERNEL_ATTR: "pack_quantized", PACK_PADDING_ATTR: [top, left, bottom, right]})
+    return sch.mod["main"].with_attrs({KERNEL_ATTR: "pack_quantized", PACK_PADDING_ATTR: [top, left, bottom, right],
+                                      PACK_ZERO_ATTR: int(zero_point)})
+
+
+def _as_uint8(value: tirx.PrimExpr, dtype: str) -> tirx.PrimExpr:
+    """A uint8 or int8 value as the int8 kernels hold it: uint8 as it is, int8 + 128."""
+    return value.astype("uint8") if dtype == "uint8" else (value.astype("int32") + 128).astype("uint8")
+
+
+def pack_quantized_rows_func(rows: int, channels: int, block: int, zero_point: int,
+                             dtype: str = "uint8") -> tirx.PrimFunc:
+    """A (rows, channels) matrix of `dtype` -> what :func:`pack_quantized_func` writes for the
+    1 x rows image of its transpose, (1, ceil(channels / block), 1, rows, block) uint8, channels
+    past `channels` holding `zero_point`: a quantized dense layer's input (its 1x1 convolution's,
+    :func:`~tvm_ext.transform.quantized_matmul_as_conv2d`) in one pass of `block`-byte runs,
+    not a byte transpose and a pack."""
+    if dtype not in ("uint8", "int8"):
+        raise ValueError(f"pack_quantized_rows: {dtype} data is not uint8 or int8")
+    x = te.placeholder((rows, channels), dtype, name="data")
+
+    def body(n, cb, h, m, c):
+        k = cb * block + c
+        return tirx.if_then_else(k < channels, _as_uint8(x[m, tirx.min(k, channels - 1)], dtype),
+                                 tirx.const(zero_point, "uint8"))
+
+    xb = te.compute((1, -(-channels // block), 1, rows, block), body, name="data_blocked")
+    sch = s_tir.Schedule(te.create_prim_func([x, xb]))
+    n, cb, h, m, c = sch.get_loops(sch.get_sblock("data_blocked"))
+    sch.parallel(sch.fuse(n, cb, h, m))
+    sch.vectorize(c)
+    return sch.mod["main"].with_attr(KERNEL_ATTR, "pack_quantized_rows")
 
 
 def quantized_blocks_func(blocked_shape: Sequence[int], channels: int, block: int, padding: Sequence[int],
@@ -279,6 +312,32 @@ def unpack_quantized_func(blocked_shape: Sequence[int], channels: int, dtype: st
     n, k, h, w_ = sch.get_loops(sch.get_sblock("data"))
     sch.parallel(sch.fuse(n, k))
     return sch.mod["main"].with_attr(KERNEL_ATTR, "unpack_quantized")
+
+
+def unpack_quantized_rows_func(blocked_shape: Sequence[int], channels: int, dtype: str = "uint8") -> tirx.PrimFunc:
+    """Blocked uint8 (1, CB, 1, rows, c) -> a (rows, `channels`) matrix of `dtype`: the transpose
+    of what :func:`unpack_quantized_func` writes, a quantized dense layer's output as rows (its
+    1x1 convolution's output image is 1 x rows) in one pass of block-byte runs."""
+    N, CB, H, rows, block = (int(v) for v in blocked_shape)
+    if N != 1 or H != 1 or not 0 < channels <= CB * block:
+        raise ValueError(f"unpack_quantized_rows: {tuple(blocked_shape)} is not a 1 x rows image of "
+                         f"{channels} channels")
+    if dtype not in ("uint8", "int8"):
+        raise ValueError(f"unpack_quantized_rows: {dtype} is not uint8 or int8")
+    xb = te.placeholder((N, CB, H, rows, block), "uint8", name="data_blocked")
+
+    def body(m, k):
+        value = xb[0, k // block, 0, m, k % block]
+        return value if dtype == "uint8" else (value.astype("int32") - 128).astype("int8")
+
+    y = te.compute((rows, channels), body, name="data")
+    sch = s_tir.Schedule(te.create_prim_func([xb, y]))
+    m, k = sch.get_loops(sch.get_sblock("data"))
+    if channels % block == 0:
+        _, c = sch.split(k, [None, block])
+        sch.vectorize(c)
+    sch.parallel(m)
+    return sch.mod["main"].with_attr(KERNEL_ATTR, "unpack_quantized_rows")
 
 
 def dequantized_units_func(blocked_shape: Sequence[int], padding: Sequence[int], zero_point: int,

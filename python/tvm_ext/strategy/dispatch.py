@@ -24,6 +24,7 @@ from .cuda_engine import engine_for
 from .decide import decide, is_weight_gradient
 from .fusion import affine_of, batch_norm_epilogue_of, epilogue_of, fake_quantize_of, pool_gradient_of
 from .quantized_blocks import quantize_fp32_blocks
+from .quantized_rows import quantized_dense_rows
 
 logger = logging.getLogger("tvm_ext")
 
@@ -217,8 +218,9 @@ def lower_to_kernels(target: tvm.target.Target, database=None, tensor_cores: boo
             lowered = write_bf16_activations(write_borders(read_masks_padded(lowered, make_kernel), make_kernel),
                                              make_kernel)
             # between int8 and fp32 kernels: an int8 input quantized from fp32 blocks, a dequantize
-            # that writes its fp32 reader's border (one pass each, not three and two)
-            lowered = write_dequantized_borders(quantize_fp32_blocks(lowered))
+            # that writes its fp32 reader's border (one pass each, not three and two); a quantized
+            # dense layer's rows packed and unpacked in one pass each (not two)
+            lowered = quantized_dense_rows(write_dequantized_borders(quantize_fp32_blocks(lowered)))
         return _drop_unused_kernels(lowered)
 
     return _pass
