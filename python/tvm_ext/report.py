@@ -189,9 +189,12 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
                             "quantized (PT2E)" if float_add else "fused: the quantized (QDQ) add of this output "
                             "and the other operand, ONNX Runtime's QLinearAdd"), runs))
                 if callee.startswith(LOOKUP_KERNEL):
-                    report.append(DispatchRow("elementwise", (static_shape(expr.args[1].fields[0]),),
-                                              "quantized_lookup", "an element-wise chain between quantized tensors: "
-                                              "one lookup a value in a 256-entry table", runs))
+                    shape = static_shape(expr.args[1].fields[0])
+                    report.append(DispatchRow("elementwise", (shape,), "quantized_lookup",
+                                              "an element-wise chain between quantized tensors: one lookup a value "
+                                              "in a 256-entry table" + (" (on an int8 kernel's blocks)"
+                                                                        if shape is not None and len(shape) == 5
+                                                                        else ""), runs))
                 for prefix, op in (("tvm_ext_quantized_add", "add"), ("tvm_ext_quantized_max_pool", "nn.max_pool2d")):
                     blocked = static_shape(expr.args[1].fields[0])
                     if callee.startswith(prefix) and blocked is not None:

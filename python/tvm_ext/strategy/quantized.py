@@ -37,11 +37,13 @@ from tvm import relax
 from ..kernels import conv2d as _conv
 from ..kernels import layout as _layout
 from ..kernels import pool2d as _pool
+from ..kernels.elementwise import lookup_table_func
 from ..kernels.quantized import Quantization, QuantizedSum, quantized_add_func
 from ..relax_info import is_channel_bias, known_shape, static_shape
 from ..target import AVX2, AVX512, VectorISA, amx_permitted, has_amx_int8, has_vnni
 from ..tuning.records import conv2d_kernel
-from .base import activation_at, add_kernel, field_of, readers_of
+from .base import activation_at, add_kernel, called_kernel, field_of, readers_of
+from .quantized_tables import LOOKUP_KERNEL, LOOKUP_ZEROS_ATTR
 
 logger = logging.getLogger("tvm_ext")
 
@@ -771,10 +773,36 @@ def lower_quantized_conv2d(target: tvm.target.Target, database=None) -> tvm.tran
             self.set_var_remap(binding.var, self.builder_.emit(self.builder_.normalize(view), binding.var.name))
             return True
 
+        def _lookup(self, binding: relax.VarBinding) -> bool:
+            """Emit a quantized chain's table lookup (strategy.quantized_tables) on the blocks an int8
+            kernel wrote, where the table maps the source's zero point to the output's: the blocks'
+            padded channels then hold the output's zero point as an int8 kernel's would (ORT's QDQ
+            EfficientNet-B0: a SiLU after each convolution, each an unpack and a pack before)."""
+            kernel = called_kernel(self.builder_.get(), binding.value)
+            if kernel is None or LOOKUP_ZEROS_ATTR not in kernel.attrs:
+                return False
+            source, table = binding.value.args[1].fields
+            data = self.visit_expr(source)
+            blocked = self.blocked.get(data)
+            if not _uint8(blocked) or _shape(blocked)[2:4] != _shape(data)[2:4]:
+                return False
+            in_dtype, out_dtype = str(data.ty.dtype.dtype), str(binding.var.ty.dtype.dtype)
+            zero_in, zero_out = (int(z) for z in kernel.attrs[LOOKUP_ZEROS_ATTR])
+            values = table.value.numpy().astype(np.int64)  # (indexed from the dtype's lowest value: as held)
+            if values[zero_in - _conv.QUANTIZED_RANGES[in_dtype][0]] != zero_out:
+                return False
+            held = values + (128 if out_dtype == "int8" else 0)  # (int8 held as uint8 + 128)
+            shape = _shape(blocked)
+            out = _call(self.builder_, lookup_table_func(shape, "uint8", "uint8"), _name(LOOKUP_KERNEL, shape),
+                        [blocked, relax.const(held.astype(np.uint8))], shape, "uint8")
+            self._bind(binding, _quantized_view(self.builder_, out, _shape(data)[1], out_dtype), out)
+            return True
+
         def visit_var_binding_(self, binding: relax.VarBinding) -> None:
             decision = self.decisions.get(binding.var)
             if decision is None:
-                if not (self._add(binding) or self._max_pool(binding) or self._dequantize(binding)):
+                if not (self._add(binding) or self._max_pool(binding) or self._dequantize(binding)
+                        or self._lookup(binding)):
                     super().visit_var_binding_(binding)
                 return None
             found, reason = decision

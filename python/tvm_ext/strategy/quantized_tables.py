@@ -29,11 +29,14 @@ from ..kernels.elementwise import lookup_table_func
 from ..relax_info import prim_value, static_shape
 from .base import readers_of, rebind_to_kernels
 
-__all__ = ["LOOKUP_KERNEL", "quantized_lookup_tables"]
+__all__ = ["LOOKUP_KERNEL", "LOOKUP_ZEROS_ATTR", "quantized_lookup_tables"]
 
 logger = logging.getLogger("tvm_ext")
 
 LOOKUP_KERNEL = "tvm_ext_quantized_lookup"  # the kernels' name prefix (dispatch_report)
+# on the lookup kernels: [the source's zero point, the output's], which the int8 lowering needs
+# to run a lookup on an int8 kernel's blocks (their padding holds the source's zero point)
+LOOKUP_ZEROS_ATTR = "tvm_ext.lookup_zero_points"
 _RANGES = {"uint8": (0, 255), "int8": (-128, 127)}
 
 
@@ -116,8 +119,8 @@ class _Chain:
     """One chain: its root dequantize's operand (the quantized tensor), its bindings in program
     order, and the quantized values read outside it."""
 
-    def __init__(self, source: relax.Expr, dtype: str, shape: tuple[int, ...]):
-        self.source, self.dtype, self.shape = source, dtype, shape
+    def __init__(self, source: relax.Expr, dtype: str, zero_point: int, shape: tuple[int, ...]):
+        self.source, self.dtype, self.zero_point, self.shape = source, dtype, zero_point, shape
         self.bindings: dict[relax.Var, relax.Call] = {}
         self.outputs: list[relax.Var] = []
 
@@ -163,7 +166,7 @@ def _chains(func: relax.Function) -> list[_Chain]:
         shape = static_shape(value)
         if root in claimed or quantization is None or shape is None or not isinstance(value.args[0], relax.Var):
             continue
-        chain = _Chain(value.args[0], quantization[2], shape)
+        chain = _Chain(value.args[0], quantization[2], quantization[1], shape)
         chain.bindings[root] = value
         for var, later in bindings[i + 1:]:
             if _joins(later, chain, shape):
@@ -205,7 +208,10 @@ def quantized_lookup_tables() -> tvm.transform.Pass:
                 for var, table in chain.tables().items():
                     out_dtype = str(var.ty.dtype.dtype)
                     # (private: this runs before TVM's library dispatch, which finds public symbols twice)
-                    kernel = lookup_table_func(shape, chain.dtype, out_dtype).without_attr("global_symbol")
+                    quantization = _quantization(chain.bindings[var])  # (an output is a quantize: _joins)
+                    out_zero = quantization[1] if quantization is not None else 0
+                    kernel = lookup_table_func(shape, chain.dtype, out_dtype).without_attr("global_symbol").with_attr(
+                        LOOKUP_ZEROS_ATTR, [chain.zero_point, out_zero])
                     calls[var] = ([chain.source, relax.const(table)], kernel,
                                   f"{LOOKUP_KERNEL}_{'x'.join(map(str, shape))}")
             if calls:
