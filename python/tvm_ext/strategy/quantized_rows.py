@@ -13,6 +13,7 @@ kernel that copies those runs (:func:`~tvm_ext.kernels.layout.pack_quantized_row
 from __future__ import annotations
 
 import logging
+from typing import TypeGuard
 
 import tvm
 from tvm import relax
@@ -26,11 +27,11 @@ __all__ = ["quantized_dense_rows"]
 logger = logging.getLogger("tvm_ext")
 
 
-def _is_op(value, op: str) -> bool:
+def _is_op(value, op: str) -> TypeGuard[relax.Call]:
     return isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name == op
 
 
-def _transposed(value) -> bool:
+def _transposed(value) -> TypeGuard[relax.Call]:
     """Whether `value` is permute_dims(., [1, 0])."""
     return _is_op(value, "relax.permute_dims") and [int(a) for a in value.attrs.axes] == [1, 0]
 

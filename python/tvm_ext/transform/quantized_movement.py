@@ -49,10 +49,12 @@ def _moved_source(quantize: relax.Call, values: dict) -> tuple[relax.Expr, list[
     moves: list[relax.Call] = []
     value = quantize.args[0]
     while isinstance(value, relax.Var) and _op_name(values.get(value)) in _MOVES:
-        moves.append(values[value])
-        value = values[value].args[0]
+        move: relax.Call = values[value]
+        moves.append(move)
+        value = move.args[0]
     dequantize = values.get(value) if isinstance(value, relax.Var) else None
-    if _op_name(dequantize) != "relax.dequantize" or _per_tensor(dequantize) != quantization:
+    if not isinstance(dequantize, relax.Call) or _op_name(dequantize) != "relax.dequantize" or \
+            _per_tensor(dequantize) != quantization:
         return None
     source = dequantize.args[0]
     if str(source.ty.dtype.dtype) != str(quantize.attrs.out_dtype):
