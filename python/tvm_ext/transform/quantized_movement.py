@@ -27,6 +27,11 @@ def _op_name(value) -> str | None:
     return None
 
 
+def _args(call) -> list[relax.Expr]:
+    """A call's arguments (for a value the type checker cannot narrow)."""
+    return list(call.args)
+
+
 def _per_tensor(call: relax.Call) -> tuple[float, int] | None:
     """(scale, zero point) of a quantize or dequantize with one constant each, else None."""
     values = []
@@ -53,10 +58,9 @@ def _moved_source(quantize: relax.Call, values: dict) -> tuple[relax.Expr, list[
         moves.append(move)
         value = move.args[0]
     dequantize = values.get(value) if isinstance(value, relax.Var) else None
-    if not isinstance(dequantize, relax.Call) or _op_name(dequantize) != "relax.dequantize" or \
-            _per_tensor(dequantize) != quantization:
+    if _op_name(dequantize) != "relax.dequantize" or _per_tensor(dequantize) != quantization:
         return None
-    source = dequantize.args[0]
+    source = _args(dequantize)[0]
     if str(source.ty.dtype.dtype) != str(quantize.attrs.out_dtype):
         return None
     return source, moves[::-1]
