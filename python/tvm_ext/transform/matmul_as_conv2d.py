@@ -13,6 +13,22 @@ from ..relax_info import dtype, static_shape
 __all__ = ["matmul_as_conv2d", "quantized_matmul_as_conv2d"]
 
 
+def _rewriting_pass(name: str, pattern, rewriter) -> tvm.transform.Pass:
+    """A module pass that rewrites each Relax function's calls matching `pattern` with `rewriter`
+    (relax.dpl.rewrite_call), on a copy of the module."""
+    from tvm.relax.dpl import rewrite_call
+
+    @tvm.transform.module_pass(opt_level=0, name=name)
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        mod = mod.clone()  # the caller's module stays as it was
+        for gvar, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                mod[gvar] = rewrite_call(pattern, rewriter, func)
+        return mod
+
+    return _pass
+
+
 def matmul_as_conv2d() -> tvm.transform.Pass:
     """x (M, K) @ W (K, N) [+ b (N,) [-> relu]]  ==>  conv2d over a 1 x M image of K channels
     (x of more axes, (..., K): its leading axes flattened into the M rows, as a Linear on NHWC).
@@ -27,7 +43,7 @@ def matmul_as_conv2d() -> tvm.transform.Pass:
     W (K channels, N pixels) with the filter bank x (M filters of K taps), whose output
     (M channels, N pixels) is x @ W in memory. Its bias (along N, the pixels) stays an add.
     """
-    from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
+    from tvm.relax.dpl import is_const, is_op, wildcard
 
     weight, bias = wildcard(), is_const()
     matmul = is_op("relax.matmul")(wildcard(), weight)
@@ -75,15 +91,7 @@ def matmul_as_conv2d() -> tvm.transform.Pass:
         rows = relax.op.permute_dims(relax.op.reshape(y, (n, m)), [1, 0])
         return rows if len(x_shape) == 2 else relax.op.reshape(rows, (*x_shape[:-1], n))
 
-    @tvm.transform.module_pass(opt_level=0, name="tvm_ext.MatmulAsConv2d")
-    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        mod = mod.clone()  # the caller's module stays as it was
-        for gvar, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                mod[gvar] = rewrite_call(pattern, rewriter, func)
-        return mod
-
-    return _pass
+    return _rewriting_pass("tvm_ext.MatmulAsConv2d", pattern, rewriter)
 
 
 def quantized_matmul_as_conv2d() -> tvm.transform.Pass:
@@ -101,7 +109,7 @@ def quantized_matmul_as_conv2d() -> tvm.transform.Pass:
     value each step computes is the one it computed. Without this the layer ran in float32 on
     weights dequantized at build time (ResNet-50's classifier: 8 MB read a call, not 2).
     """
-    from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
+    from tvm.relax.dpl import is_const, is_op, wildcard
 
     data = is_op("relax.dequantize")(wildcard(), is_const(), is_const())
     weight = is_op("relax.dequantize")(is_const(), is_const(), is_const())
@@ -168,12 +176,4 @@ def quantized_matmul_as_conv2d() -> tvm.transform.Pass:
             y = relax.op.quantize(y, q.args[1], q.args[2], axis=1, out_dtype=str(q.attrs.out_dtype))
         return relax.op.reshape(y, (1, n)) if m == 1 else relax.op.permute_dims(relax.op.reshape(y, (n, m)), [1, 0])
 
-    @tvm.transform.module_pass(opt_level=0, name="tvm_ext.QuantizedMatmulAsConv2d")
-    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        mod = mod.clone()  # the caller's module stays as it was
-        for gvar, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                mod[gvar] = rewrite_call(pattern, rewriter, func)
-        return mod
-
-    return _pass
+    return _rewriting_pass("tvm_ext.QuantizedMatmulAsConv2d", pattern, rewriter)
