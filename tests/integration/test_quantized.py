@@ -771,9 +771,10 @@ def _quantized_dense(form: str, rows: int, bias: str | None, relu: bool, out_dty
             if form == "qdq":
                 wd = bb.emit(op.dequantize(relax.const(np.ascontiguousarray(w.T)), f32(s_w), zeros,
                                            axis=1 if per_output else 0))
-            else:
+            else:  # ("pt2e_reversed": permute_dims with no axes, all reversed)
                 wd = bb.emit(op.permute_dims(op.dequantize(relax.const(w), f32(s_w), zeros,
-                                                           axis=0 if per_output else 1), [1, 0]))
+                                                           axis=0 if per_output else 1),
+                                             None if form == "pt2e_reversed" else [1, 0]))
             y = bb.emit(op.matmul(xd, wd))
             if bias == "quantized":
                 bd = bb.emit(op.dequantize(relax.const(b_q), f32(s_x * s_w), relax.const(np.zeros(n, np.int32)),
@@ -807,7 +808,8 @@ def _quantized_dense(form: str, rows: int, bias: str | None, relu: bool, out_dty
 @needs_int8
 @pytest.mark.parametrize("form, rows, bias, relu, out_dtype", [
     ("qdq", 1, "quantized", False, "uint8"), ("qdq", 3, "quantized", True, "int8"), ("qdq", 5, None, False, "uint8"),
-    ("pt2e", 1, "float", False, None), ("pt2e", 4, "float", True, None), ("pt2e", 2, None, False, "uint8")])
+    ("pt2e", 1, "float", False, None), ("pt2e", 4, "float", True, None), ("pt2e", 2, None, False, "uint8"),
+    ("pt2e_reversed", 3, "float", False, "int8")])
 def test_a_quantized_dense_layer_runs_on_an_int8_kernel(form, rows, bias, relu, out_dtype):
     """A dense layer between a dequantize and a quantize (ONNX's QDQ Gemm) or with a float output
     (PT2E's classifier) runs as a 1x1 int8 convolution over a 1 x rows image, its bias, relu and
@@ -1017,3 +1019,27 @@ def test_a_table_lookup_after_an_int8_convolution_runs_on_its_blocks(activation)
     assert len(np.unique(got)) > 20
     assert np.abs(got - stock).max() <= 1 and (got == stock).mean() >= 0.98, (np.abs(got - stock).max(),
                                                                               (got != stock).mean())
+
+
+def test_a_transpose_with_no_axes_builds():
+    """permute_dims with no axes (all reversed: a training graph's transposes) of a matrix, and of
+    a tensor of more axes, beside a dense layer: the rewrites that look for a dense layer's
+    transposes read them (0.5.36's first version raised on the missing axes), and the result is
+    stock TVM's."""
+    rng = np.random.default_rng(8)
+    op = relax.op
+    bb = relax.BlockBuilder()
+    xv = relax.Var("x", relax.TensorType((6, 5), "float32"))
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            w = relax.const(rng.standard_normal((6, 7), np.float32))
+            y = bb.emit(op.nn.relu(op.matmul(op.permute_dims(xv), w)))
+            z = bb.emit(op.permute_dims(op.reshape(y, (5, 7, 1))))
+            out = bb.emit_output(relax.Tuple([op.permute_dims(y), z]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    x = tvm.runtime.tensor(rng.standard_normal((6, 5)).astype(np.float32))
+    got = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main"](x)
+    stock = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())["main"](x)
+    for ours, theirs in zip(got, stock, strict=True):
+        np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-5, atol=1e-5)

@@ -32,8 +32,12 @@ def _is_op(value, op: str) -> TypeGuard[relax.Call]:
 
 
 def _transposed(value) -> TypeGuard[relax.Call]:
-    """Whether `value` is permute_dims(., [1, 0])."""
-    return _is_op(value, "relax.permute_dims") and [int(a) for a in value.attrs.axes] == [1, 0]
+    """Whether `value` is the transpose of a matrix: permute_dims(., [1, 0]), or with no axes (all
+    reversed: a training graph's transposes are so)."""
+    if not _is_op(value, "relax.permute_dims"):
+        return False
+    axes = value.attrs.axes
+    return getattr(value.args[0].ty, "ndim", -1) == 2 if axes is None else [int(a) for a in axes] == [1, 0]
 
 
 def _replacements(mod: tvm.IRModule, func: relax.Function) -> dict:

@@ -143,7 +143,8 @@ def quantized_matmul_as_conv2d() -> tvm.transform.Pass:
             return orig
         m, k = x_shape
         is_transposed = transposed in matched
-        if is_transposed and [int(a) for a in matched[transposed].attrs.axes] != [1, 0]:
+        axes = matched[transposed].attrs.axes if is_transposed else None  # (None: reversed, for a matrix [1, 0])
+        if axes is not None and [int(a) for a in axes] != [1, 0]:
             return orig
         n = w_shape[0] if is_transposed else w_shape[1]
         if (w_shape[1] if is_transposed else w_shape[0]) != k:
