@@ -185,6 +185,11 @@ def unpack_nchwc_func(blocked_shape: Sequence[int], channels: int, dtype: str = 
     return sch.mod["main"].with_attr(KERNEL_ATTR, "unpack_nchwc")
 
 
+def _as_uint8(value: tirx.PrimExpr, dtype: str) -> tirx.PrimExpr:
+    """A uint8 or int8 value as the int8 kernels hold it: uint8 as it is, int8 + 128."""
+    return value.astype("uint8") if dtype == "uint8" else (value.astype("int32") + 128).astype("uint8")
+
+
 def pack_quantized_func(shape: Sequence[int], block: int, padding: Sequence[int], zero_point: int,
                         dtype: str = "uint8") -> tirx.PrimFunc:
     """NCHW `shape` of `dtype` (uint8, or int8: + 128, its bits' top one flipped) -> blocked uint8
@@ -201,8 +206,7 @@ def pack_quantized_func(shape: Sequence[int], block: int, padding: Sequence[int]
         ih, iw = h - top, w - left
         inside = tirx.all(ih >= 0, ih < H, iw >= 0, iw < W, cb * block + c < C)
         value = x[n, tirx.min(cb * block + c, C - 1), ih, iw]
-        value = value.astype("uint8") if dtype == "uint8" else (value.astype("int32") + 128).astype("uint8")
-        return tirx.if_then_else(inside, value, tirx.const(zero_point, "uint8"))
+        return tirx.if_then_else(inside, _as_uint8(value, dtype), tirx.const(zero_point, "uint8"))
 
     out_shape = (N, -(-C // block), H + top + bottom, W + left + right, block)
     xb = te.compute(out_shape, body, name="data_blocked")
@@ -212,11 +216,6 @@ def pack_quantized_func(shape: Sequence[int], block: int, padding: Sequence[int]
     sch.parallel(sch.fuse(n, cb, h))
     return sch.mod["main"].with_attrs({KERNEL_ATTR: "pack_quantized", PACK_PADDING_ATTR: [top, left, bottom, right],
                                       PACK_ZERO_ATTR: int(zero_point)})
-
-
-def _as_uint8(value: tirx.PrimExpr, dtype: str) -> tirx.PrimExpr:
-    """A uint8 or int8 value as the int8 kernels hold it: uint8 as it is, int8 + 128."""
-    return value.astype("uint8") if dtype == "uint8" else (value.astype("int32") + 128).astype("uint8")
 
 
 def pack_quantized_rows_func(rows: int, channels: int, block: int, zero_point: int,

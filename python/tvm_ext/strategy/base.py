@@ -4,6 +4,7 @@ serves, and the small readers of their attributes."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import TYPE_CHECKING, Protocol
 
@@ -15,6 +16,8 @@ from ..errors import UnsupportedError
 from ..kernels import pool2d as _pool
 from ..kernels.common import KERNEL_ATTR
 from ..relax_info import prim_value, same_extent
+
+logger = logging.getLogger("tvm_ext")
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -275,6 +278,19 @@ def rebind_to_kernels(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Fun
     mutator = _Mutator(mod)
     mutator.builder_.update_func(gvar, mutator.visit_expr(func))
     return relax.transform.DeadCodeElimination()(mutator.builder_.get())
+
+
+def rebind_each_function(mod: tvm.IRModule, replacements: Callable[[tvm.IRModule, relax.Function], dict],
+                         what: str) -> tvm.IRModule:
+    """:func:`rebind_to_kernels` of each Relax function of lowered `mod` (composites aside) with
+    the calls `replacements(mod, func)` finds; `what` names them in the debug log."""
+    for gvar, func in list(mod.functions_items()):
+        if isinstance(func, relax.Function) and "Composite" not in (func.attrs or {}):
+            found = replacements(mod, func)
+            if found:
+                mod = rebind_to_kernels(mod, gvar, func, found)
+                logger.debug("tvm_ext: %d %s", len(found), what)
+    return mod
 
 
 def emit_kernel_outputs(bb: relax.BlockBuilder, func: tvm.tirx.PrimFunc, name: str, args: list,

@@ -778,7 +778,7 @@ def lower_quantized_conv2d(target: tvm.target.Target, database=None) -> tvm.tran
             kernel wrote, where the table maps the source's zero point to the output's: the blocks'
             padded channels then hold the output's zero point as an int8 kernel's would (ORT's QDQ
             EfficientNet-B0: a SiLU after each convolution, each an unpack and a pack before)."""
-            kernel = called_kernel(self.builder_.get(), binding.value)
+            kernel = called_kernel(self.builder_.get(), binding.value) if _is(binding.value, "relax.call_tir") else None
             if kernel is None or LOOKUP_ZEROS_ATTR not in kernel.attrs:
                 return False
             source, table = binding.value.args[1].fields

@@ -12,7 +12,6 @@ EfficientNets and MobileNet-v3 quantize every squeeze-excitation's output this w
 
 from __future__ import annotations
 
-import logging
 from typing import TypeGuard
 
 import tvm
@@ -20,11 +19,9 @@ from tvm import relax
 
 from ..kernels import layout as _layout
 from ..relax_info import static_shape
-from .base import called_kernel, rebind_to_kernels, scalar_constant
+from .base import called_kernel, rebind_each_function, scalar_constant
 
 __all__ = ["quantize_fp32_blocks"]
-
-logger = logging.getLogger("tvm_ext")
 
 
 def _is_call(expr, op: str = "relax.call_tir") -> TypeGuard[relax.Call]:
@@ -71,10 +68,4 @@ def quantize_fp32_blocks(mod: tvm.IRModule) -> tvm.IRModule:
     """`mod` (lowered to tvm_ext kernels) with each int8 convolution's input that is quantized
     from an fp32 kernel's output written from that kernel's blocks (see the module's docstring);
     the unpack and quantize are dropped where nothing else reads them."""
-    for gvar, func in list(mod.functions_items()):
-        if isinstance(func, relax.Function) and "Composite" not in (func.attrs or {}):
-            found = _replacements(mod, func)
-            if found:
-                mod = rebind_to_kernels(mod, gvar, func, found)
-                logger.debug("tvm_ext: %d int8 inputs quantized from fp32 blocks", len(found))
-    return mod
+    return rebind_each_function(mod, _replacements, "int8 inputs quantized from fp32 blocks")

@@ -12,7 +12,6 @@ kernel that copies those runs (:func:`~tvm_ext.kernels.layout.pack_quantized_row
 
 from __future__ import annotations
 
-import logging
 from typing import TypeGuard
 
 import tvm
@@ -20,11 +19,9 @@ from tvm import relax
 
 from ..kernels import layout as _layout
 from ..relax_info import static_shape
-from .base import called_kernel, rebind_to_kernels
+from .base import called_kernel, rebind_each_function
 
 __all__ = ["quantized_dense_rows"]
-
-logger = logging.getLogger("tvm_ext")
 
 
 def _is_op(value, op: str) -> TypeGuard[relax.Call]:
@@ -83,10 +80,4 @@ def quantized_dense_rows(mod: tvm.IRModule) -> tvm.IRModule:
     """`mod` (lowered to tvm_ext kernels) with each quantized dense layer's input packed from its
     rows and its output written as rows (see the module's docstring); the transposes, the pack
     and the unpack are dropped where nothing else reads them."""
-    for gvar, func in list(mod.functions_items()):
-        if isinstance(func, relax.Function) and "Composite" not in (func.attrs or {}):
-            found = _replacements(mod, func)
-            if found:
-                mod = rebind_to_kernels(mod, gvar, func, found)
-                logger.debug("tvm_ext: %d quantized dense inputs and outputs as rows", len(found))
-    return mod
+    return rebind_each_function(mod, _replacements, "quantized dense inputs and outputs as rows")
