@@ -175,17 +175,17 @@ def cpu_kernel_passes(target: tvm.target.Target, database=None, images_per_call:
     (:func:`quantized_rewrites`) and int8 kernels, the batch split, fusion, then every kernel the strategy gives. What
     :func:`tvm_ext.tuning.extract_tasks` runs too, so that tasks are the kernels a build runs.
     `database`: a MetaSchedule Database or None; the rest as :func:`pipeline` takes them."""
-    return (quantized_rewrites() + [lower_quantized_conv2d(target, database), split_batch(images_per_call)]
+    return (quantized_rewrites(target) + [lower_quantized_conv2d(target, database), split_batch(images_per_call)]
             + cpu_pipeline.library_dispatch_passes(target)
             + fusion_passes(target)
             + [lower_to_kernels(target, database, winograd=winograd, precision=precision, maxdnn=maxdnn)])
 
 
-def quantized_rewrites() -> list[tvm.transform.Pass]:
-    """The rewrites of a quantized graph before its int8 lowering (the pipeline's and
-    dispatch_report's): quantized tensors moved in their dtype, element-wise chains between
+def quantized_rewrites(target: tvm.target.Target) -> list[tvm.transform.Pass]:
+    """The rewrites of a quantized graph before its int8 lowering for `target` (the pipeline's
+    and dispatch_report's): quantized tensors moved in their dtype, element-wise chains between
     them as table lookups, dense layers as 1x1 convolutions."""
-    return [quantized_data_movement(), quantized_lookup_tables(), quantized_matmul_as_conv2d()]
+    return [quantized_data_movement(), quantized_lookup_tables(target), quantized_matmul_as_conv2d()]
 
 
 def _with_arena(passes: list) -> list:

@@ -1,15 +1,18 @@
 """What a Relax expression's type says, for the rewrites and the strategy: its static shape, its
-dtype, the number in a scalar argument, whether a constant is one value per channel."""
+dtype, the number in a scalar argument, whether a constant is one value per channel, the operator a
+call applies and the per-tensor quantization a quantize or dequantize applies."""
 
 from __future__ import annotations
 
+import numpy as np
 import tvm
 from tvm import relax
 
 from .errors import UnsupportedError
+from .kernels.quantized import Quantization
 
 __all__ = ["static_shape", "image_shape", "known_shape", "symbolic_batch", "same_extent", "shape_text", "dtype",
-           "prim_value", "is_channel_bias"]
+           "prim_value", "is_channel_bias", "op_name", "scalar_array", "per_tensor_quantization"]
 
 
 def static_shape(expr: relax.Expr) -> tuple[int, ...] | None:
@@ -88,3 +91,32 @@ def is_channel_bias(bias: relax.Expr, channels: int) -> bool:
         return False
     aligned = (1,) * (4 - len(shape)) + shape
     return aligned[0] == aligned[2] == aligned[3] == 1 and aligned[1] in (1, channels)
+
+
+def op_name(expr) -> str | None:
+    """The name of the operator `expr` calls (\"relax.add\"), or None if it is no operator call."""
+    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
+        return expr.op.name
+    return None
+
+
+def scalar_array(expr) -> np.ndarray | None:
+    """A constant holding one number, as a one-element array of its dtype, else None (a PrimValue
+    or a variable is none)."""
+    to_numpy = getattr(getattr(expr, "value", None), "numpy", None) if isinstance(expr, tvm.ir.Constant) else None
+    array = to_numpy() if to_numpy is not None else None
+    return array.reshape(1) if array is not None and array.size == 1 else None
+
+
+def per_tensor_quantization(call: relax.Call) -> Quantization | None:
+    """The per-tensor uint8/int8 quantization a quantize (of its output) or a dequantize (of its
+    input) applies, else None: per-channel, another dtype, parameters that are not constants, or
+    a float16 scale (whose arithmetic the kernels, in float32, would not reproduce)."""
+    name = op_name(call)
+    if name not in ("relax.quantize", "relax.dequantize"):
+        return None
+    scale, zero = scalar_array(call.args[1]), scalar_array(call.args[2])
+    dtype = str(call.attrs.out_dtype) if name == "relax.quantize" else str(call.args[0].ty.dtype.dtype)
+    if scale is None or zero is None or scale.dtype != np.float32 or dtype not in ("uint8", "int8"):
+        return None
+    return Quantization(float(scale[0]), int(zero[0]), dtype)

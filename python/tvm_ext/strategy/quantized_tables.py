@@ -17,6 +17,7 @@ ONNX and PyTorch round and as tvm_ext's fake quantization does.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 from collections.abc import Callable
@@ -26,7 +27,8 @@ import tvm
 from tvm import relax
 
 from ..kernels.elementwise import lookup_table_func
-from ..relax_info import prim_value, static_shape
+from ..relax_info import op_name, per_tensor_quantization, prim_value, scalar_array, static_shape
+from ..target import TargetLike
 from .base import readers_of, rebind_to_kernels
 
 __all__ = ["LOOKUP_KERNEL", "LOOKUP_ZEROS_ATTR", "quantized_lookup_tables"]
@@ -71,41 +73,22 @@ _BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
 _QDQ = ("relax.quantize", "relax.dequantize")
 
 
-def _op_name(value) -> str | None:
-    if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
-        return value.op.name
-    return None
-
-
 def _scalar(expr) -> np.float32 | None:
     """A float32 constant holding one number, as a NumPy scalar."""
-    to_numpy = getattr(getattr(expr, "value", None), "numpy", None) if isinstance(expr, tvm.ir.Constant) else None
-    array = to_numpy() if to_numpy is not None else None  # (a PrimValue has none)
-    return np.float32(array.reshape(-1)[0]) if array is not None and array.dtype == np.float32 and \
-        array.size == 1 else None
-
-
-def _quantization(call: relax.Call) -> tuple[np.float32, int, str] | None:
-    """(scale, zero point, the quantized dtype) of a per-tensor quantize or dequantize, else None."""
-    scale, zero = call.args[1], call.args[2]
-    if not (isinstance(zero, tvm.ir.Constant) and zero.value.numpy().size == 1):
-        return None
-    dtype = str(call.attrs.out_dtype) if _op_name(call) == "relax.quantize" else str(call.args[0].ty.dtype.dtype)
-    s = _scalar(scale)
-    return None if s is None or dtype not in _RANGES else (s, int(zero.value.numpy().reshape(-1)[0]), dtype)
+    array = scalar_array(expr)
+    return np.float32(array[0]) if array is not None and array.dtype == np.float32 else None
 
 
 def _evaluate(value: relax.Call, operands: list) -> np.ndarray:
     """`value`'s result for its `operands` (arrays where a variable, scalars where a float32
     constant; quantize and dequantize read their parameters from the call)."""
-    name, quantization = _op_name(value) or "", _quantization(value) if _op_name(value) in _QDQ else None
-    if quantization is not None and name == "relax.quantize":
-        scale, zero, dtype = quantization
-        low, high = _RANGES[dtype]
-        return np.clip(np.rint(operands[0] / scale) + np.float32(zero), low, high).astype(dtype)
+    name, quantization = op_name(value) or "", per_tensor_quantization(value)
     if quantization is not None:
-        scale, zero, _ = quantization
-        return (operands[0].astype(np.float32) - np.float32(zero)) * scale
+        scale, zero = np.float32(quantization.scale), np.float32(quantization.zero_point)
+        if name == "relax.dequantize":
+            return (operands[0].astype(np.float32) - zero) * scale
+        low, high = _RANGES[quantization.dtype]
+        return np.clip(np.rint(operands[0] / scale) + zero, low, high).astype(quantization.dtype)
     if name == "relax.clip":
         low, high = (prim_value(arg) or 0.0 for arg in value.args[1:])  # (numbers: _joins checked)
         return np.clip(operands[0], np.float32(low), np.float32(high))
@@ -136,12 +119,12 @@ class _Chain:
 
 def _joins(value, chain: _Chain, shape: tuple) -> bool:
     """Whether `value` is an element-wise op of chain values (and scalar constants) of the chain's shape."""
-    name = _op_name(value)
+    name = op_name(value)
     variables = [arg for arg in value.args if isinstance(arg, relax.Var)] if name is not None else []
     if not variables or any(v not in chain.bindings for v in variables) or static_shape(value) != shape:
         return False
     if name in _QDQ:
-        if _quantization(value) is None:
+        if per_tensor_quantization(value) is None:
             return False
         return name == "relax.dequantize" or str(value.args[0].ty.dtype.dtype) == "float32"
     if any(str(v.ty.dtype.dtype) != "float32" for v in variables):
@@ -159,18 +142,32 @@ def _chains(func: relax.Function) -> list[_Chain]:
     bindings = [(b.var, b.value) for block in func.body.blocks for b in block.bindings
                 if isinstance(b, relax.VarBinding)]
     readers = readers_of(func)
+    read_at: dict[relax.Var, list[int]] = {}  # each variable's readers by their bindings' index
+    for i, (_, value) in enumerate(bindings):
+        for arg in value.args if isinstance(value, relax.Call) else []:
+            if isinstance(arg, relax.Var):
+                read_at.setdefault(arg, []).append(i)
     claimed: set = set()
     chains = []
-    for i, (root, value) in enumerate(bindings):
-        quantization = _quantization(value) if _op_name(value) == "relax.dequantize" else None
+    for root, value in bindings:
+        quantization = per_tensor_quantization(value) if op_name(value) == "relax.dequantize" else None
         shape = static_shape(value)
         if root in claimed or quantization is None or shape is None or not isinstance(value.args[0], relax.Var):
             continue
-        chain = _Chain(value.args[0], quantization[2], quantization[1], shape)
+        chain = _Chain(value.args[0], quantization.dtype, quantization.zero_point, shape)
         chain.bindings[root] = value
-        for var, later in bindings[i + 1:]:
-            if _joins(later, chain, shape):
+        # grown through readers in program order (a heap: each index is pushed by a binding before
+        # it, so when one is taken every binding before it has been decided)
+        pending, seen = list(read_at.get(root, [])), set()
+        heapq.heapify(pending)
+        while pending:
+            at = heapq.heappop(pending)
+            var, later = bindings[at]
+            if at not in seen and _joins(later, chain, shape):
                 chain.bindings[var] = later
+                for reader_at in read_at.get(var, []):
+                    heapq.heappush(pending, reader_at)
+            seen.add(at)
         # a float value read outside would be computed anyway: it leaves, and so does what reads it
         changed = True
         while changed:
@@ -184,18 +181,19 @@ def _chains(func: relax.Function) -> list[_Chain]:
                 if var is not root and ((escapes and str(var.ty.dtype.dtype) == "float32") or inputs_left):
                     del chain.bindings[var]
                     changed = True
-        chain.outputs = [var for var, later in chain.bindings.items() if _op_name(later) == "relax.quantize" and any(
+        chain.outputs = [var for var, later in chain.bindings.items() if op_name(later) == "relax.quantize" and any(
             reader is None or not any(reader.same_as(v) for v in chain.bindings.values())
             for reader in readers.get(var, []))]
-        if chain.outputs and any(_op_name(v) not in _QDQ for v in chain.bindings.values()):
+        if chain.outputs and any(op_name(v) not in _QDQ for v in chain.bindings.values()):
             claimed.update(chain.bindings)
             chains.append(chain)
     return chains
 
 
-def quantized_lookup_tables() -> tvm.transform.Pass:
+def quantized_lookup_tables(target: TargetLike = None) -> tvm.transform.Pass:
     """Replace each element-wise chain between quantized tensors with table lookups (see the
-    module's docstring); what nothing reads any more is dropped."""
+    module's docstring) for `target` (None: the lookup any CPU runs); what nothing reads any more
+    is dropped."""
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.QuantizedLookupTables")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -208,10 +206,11 @@ def quantized_lookup_tables() -> tvm.transform.Pass:
                 for var, table in chain.tables().items():
                     out_dtype = str(var.ty.dtype.dtype)
                     # (private: this runs before TVM's library dispatch, which finds public symbols twice)
-                    quantization = _quantization(chain.bindings[var])  # (an output is a quantize: _joins)
-                    out_zero = quantization[1] if quantization is not None else 0
-                    kernel = lookup_table_func(shape, chain.dtype, out_dtype).without_attr("global_symbol").with_attr(
-                        LOOKUP_ZEROS_ATTR, [chain.zero_point, out_zero])
+                    quantization = per_tensor_quantization(chain.bindings[var])  # (an output is a quantize: _joins)
+                    out_zero = quantization.zero_point if quantization is not None else 0
+                    kernel = lookup_table_func(shape, chain.dtype, out_dtype, target)
+                    kernel = kernel.without_attr("global_symbol").with_attr(LOOKUP_ZEROS_ATTR,
+                                                                           [chain.zero_point, out_zero])
                     calls[var] = ([chain.source, relax.const(table)], kernel,
                                   f"{LOOKUP_KERNEL}_{'x'.join(map(str, shape))}")
             if calls:

@@ -12,19 +12,14 @@ else reads them.
 
 from __future__ import annotations
 
-import numpy as np
 import tvm
 from tvm import relax
+
+from ..relax_info import op_name, per_tensor_quantization
 
 __all__ = ["quantized_data_movement"]
 
 _MOVES = frozenset(f"relax.{op}" for op in ("reshape", "permute_dims", "expand_dims", "squeeze", "flatten"))
-
-
-def _op_name(value) -> str | None:
-    if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
-        return value.op.name
-    return None
 
 
 def _args(call) -> list[relax.Expr]:
@@ -32,38 +27,22 @@ def _args(call) -> list[relax.Expr]:
     return list(call.args)
 
 
-def _per_tensor(call: relax.Call) -> tuple[float, int] | None:
-    """(scale, zero point) of a quantize or dequantize with one constant each, else None."""
-    values = []
-    for arg in call.args[1:3]:
-        to_numpy = getattr(getattr(arg, "value", None), "numpy", None) if isinstance(arg, tvm.ir.Constant) else None
-        array = to_numpy() if to_numpy is not None else None
-        if array is None or array.size != 1:
-            return None
-        values.append(array.reshape(-1)[0])
-    scale, zero = values
-    return (float(np.float32(scale)), int(zero)) if np.asarray(scale).dtype == np.float32 else None
-
-
 def _moved_source(quantize: relax.Call, values: dict) -> tuple[relax.Expr, list[relax.Call]] | None:
     """(q, the moves from q's dequantize to `quantize`, in order) where `quantize` re-quantizes
     moved dequantized values of q with q's own scale, zero point and dtype, else None."""
-    quantization = _per_tensor(quantize)
+    quantization = per_tensor_quantization(quantize)
     if quantization is None:
         return None
     moves: list[relax.Call] = []
     value = quantize.args[0]
-    while isinstance(value, relax.Var) and _op_name(values.get(value)) in _MOVES:
+    while isinstance(value, relax.Var) and op_name(values.get(value)) in _MOVES:
         move: relax.Call = values[value]
         moves.append(move)
         value = move.args[0]
     dequantize = values.get(value) if isinstance(value, relax.Var) else None
-    if _op_name(dequantize) != "relax.dequantize" or _per_tensor(dequantize) != quantization:
-        return None
-    source = _args(dequantize)[0]
-    if str(source.ty.dtype.dtype) != str(quantize.attrs.out_dtype):
-        return None
-    return source, moves[::-1]
+    if op_name(dequantize) != "relax.dequantize" or per_tensor_quantization(dequantize) != quantization:
+        return None  # (equal quantizations: the same scale, zero point and dtype)
+    return _args(dequantize)[0], moves[::-1]
 
 
 def quantized_data_movement() -> tvm.transform.Pass:
@@ -77,7 +56,7 @@ def quantized_data_movement() -> tvm.transform.Pass:
             self.values = values
 
         def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-            found = _moved_source(binding.value, self.values) if _op_name(binding.value) == "relax.quantize" and \
+            found = _moved_source(binding.value, self.values) if op_name(binding.value) == "relax.quantize" and \
                 isinstance(binding.var, relax.DataflowVar) else None  # (an output stays: it is bound once)
             if found is None:
                 super().visit_var_binding_(binding)
@@ -96,7 +75,7 @@ def quantized_data_movement() -> tvm.transform.Pass:
                 continue
             values = {b.var: b.value for block in func.body.blocks for b in block.bindings
                       if isinstance(b, relax.VarBinding)}
-            if not any(_op_name(v) == "relax.quantize" and _moved_source(v, values) for v in values.values()):
+            if not any(op_name(v) == "relax.quantize" and _moved_source(v, values) for v in values.values()):
                 continue
             rewrite = _Rewrite(mod, values)
             rewrite.builder_.update_func(gvar, rewrite.visit_expr(func))
