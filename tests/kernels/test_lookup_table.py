@@ -61,3 +61,9 @@ def test_lookup_table_into_floats_is_looked_up_one_element_at_a_time():
 def test_lookup_table_refuses_a_float_input():
     with pytest.raises(ValueError, match="float32 is not uint8 or int8"):
         lookup_table_func((4,), "float32", "uint8")
+
+
+def test_has_avx512_vbmi_names_the_cpus_with_byte_permutes():
+    assert has_avx512_vbmi({"kind": "llvm", "mcpu": "znver4"})
+    assert has_avx512_vbmi({"kind": "llvm", "mcpu": "icelake-server"})
+    assert not has_avx512_vbmi({"kind": "llvm", "mcpu": "skylake-avx512"}) and not has_avx512_vbmi("cuda")

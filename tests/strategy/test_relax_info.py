@@ -1,12 +1,14 @@
 """relax_info's shape helpers and the Decision's narrowing accessors: what the strategy relies on
 where a decision has already checked a shape or chosen a kernel."""
 
+import numpy as np
 import pytest
 import tvm
 from tvm import relax
 
 from tvm_ext.errors import UnsupportedError
-from tvm_ext.relax_info import image_shape, known_shape, static_shape
+from tvm_ext.kernels.quantized import Quantization
+from tvm_ext.relax_info import image_shape, known_shape, op_name, per_tensor_quantization, scalar_array, static_shape
 from tvm_ext.strategy.base import Decision
 
 
@@ -51,3 +53,24 @@ def test_field_of_reads_through_tuple_get_items():
     assert field_of(first, values.get).same_as(pool) and field_of(inner, values.get).same_as(pair)
     assert field_of(deep, values.get).same_as(deep)
     assert field_of(pool, values.get).same_as(pool) and field_of(x, values.get).same_as(x)
+
+
+def test_per_tensor_quantization_reads_constant_parameters_of_a_quantize_or_dequantize():
+    """One scale and zero point, float32 scale, uint8 or int8: a Quantization; a per-channel
+    scale, a float16 scale (whose arithmetic the float32 kernels would not reproduce), another
+    dtype or another op: None."""
+    x = relax.Var("x", relax.TensorType((2, 3), "float32"))
+    q = relax.Var("q", relax.TensorType((2, 3), "int8"))
+    scale, zero = relax.const(np.float32(0.25)), relax.const(np.int8(-3))
+    op = relax.op
+    assert per_tensor_quantization(op.quantize(x, scale, zero, axis=1, out_dtype="int8")) == \
+        Quantization(0.25, -3, "int8")
+    assert per_tensor_quantization(op.dequantize(q, scale, zero, axis=1)) == Quantization(0.25, -3, "int8")
+    per_channel = relax.const(np.full(3, 0.25, np.float32))
+    assert per_tensor_quantization(op.dequantize(q, per_channel, zero, axis=1)) is None
+    assert per_tensor_quantization(op.quantize(x, relax.const(np.float16(0.25)), zero, axis=1, out_dtype="int8")) \
+        is None
+    assert per_tensor_quantization(op.add(x, x)) is None
+    assert op_name(op.add(x, x)) == "relax.add" and op_name(x) is None
+    assert scalar_array(scale).dtype == np.float32 and scalar_array(per_channel) is None
+    assert scalar_array(x) is None
