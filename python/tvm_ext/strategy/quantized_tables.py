@@ -7,7 +7,9 @@ of such a chain is a function of one uint8 or int8 tensor, element by element: i
 values give a table, and the chain is one lookup a value (ONNX Runtime's QLinearLookup idea).
 
 :func:`quantized_lookup_tables` finds each chain (from a per-tensor dequantize, the element-wise
-float ops and quantize / dequantize pairs whose every non-constant operand is in the chain), and
+float ops and quantize / dequantize pairs whose every non-constant operand is in the chain; a
+constant is a scalar, or a variable bound to the dequantize of one: ORT quantizes GELU's 1.0 and
+0.5 too), and
 replaces the quantized values the rest of the graph reads with one
 :func:`~tvm_ext.kernels.elementwise.lookup_table_func` call each. The tables are computed at build
 time in NumPy with the graph's float32 arithmetic (relax's ops; the transcendental functions in
@@ -102,15 +104,17 @@ class _Chain:
     """One chain: its root dequantize's operand (the quantized tensor), its bindings in program
     order, and the quantized values read outside it."""
 
-    def __init__(self, source: relax.Expr, dtype: str, zero_point: int, shape: tuple[int, ...]):
+    def __init__(self, source: relax.Expr, dtype: str, zero_point: int, shape: tuple[int, ...],
+                 constants: dict[relax.Var, np.float32]):
         self.source, self.dtype, self.zero_point, self.shape = source, dtype, zero_point, shape
+        self.constants = constants  # the function's variables that hold one float32 number
         self.bindings: dict[relax.Var, relax.Call] = {}
         self.outputs: list[relax.Var] = []
 
     def tables(self) -> dict[relax.Var, np.ndarray]:
         """Each output's value for each of the source's 256 values, in order."""
         low, high = _RANGES[self.dtype]
-        values: dict = {self.source: np.arange(low, high + 1).astype(self.dtype)}
+        values: dict = {self.source: np.arange(low, high + 1).astype(self.dtype), **self.constants}
         for var, value in self.bindings.items():
             values[var] = _evaluate(value, [values[arg] if isinstance(arg, relax.Var) else _scalar(arg)
                                             for arg in value.args])
@@ -120,7 +124,8 @@ class _Chain:
 def _joins(value, chain: _Chain, shape: tuple) -> bool:
     """Whether `value` is an element-wise op of chain values (and scalar constants) of the chain's shape."""
     name = op_name(value)
-    variables = [arg for arg in value.args if isinstance(arg, relax.Var)] if name is not None else []
+    variables = [arg for arg in value.args if isinstance(arg, relax.Var) and arg not in chain.constants] \
+        if name is not None else []
     if not variables or any(v not in chain.bindings for v in variables) or static_shape(value) != shape:
         return False
     if name in _QDQ:
@@ -132,8 +137,20 @@ def _joins(value, chain: _Chain, shape: tuple) -> bool:
     constants = [arg for arg in value.args if not isinstance(arg, relax.Var)]
     if name == "relax.clip":
         return all(prim_value(arg) is not None for arg in constants)
-    return (name in _UNARY and len(value.args) == 1) or (
-        name in _BINARY and len(value.args) == 2 and all(_scalar(arg) is not None for arg in constants))
+    return (name in _UNARY and len(value.args) == 1) or (name in _BINARY and len(value.args) == 2 and all(
+        arg in chain.constants if isinstance(arg, relax.Var) else _scalar(arg) is not None for arg in value.args
+        if not (isinstance(arg, relax.Var) and arg in chain.bindings)))
+
+
+def _scalar_variables(bindings: list) -> dict[relax.Var, np.float32]:
+    """The variables bound to one float32 number: the per-tensor dequantize of a one-element
+    constant (ONNX Runtime's QDQ form quantizes an op's scalar operands as well), by value."""
+    numbers = {}
+    for var, value in bindings:
+        array = scalar_array(value.args[0]) if op_name(value) == "relax.dequantize" else None
+        if array is not None and per_tensor_quantization(value) is not None:
+            numbers[var] = np.float32(_evaluate(value, [array])[0])
+    return numbers
 
 
 def _chains(func: relax.Function) -> list[_Chain]:
@@ -147,6 +164,7 @@ def _chains(func: relax.Function) -> list[_Chain]:
         for arg in value.args if isinstance(value, relax.Call) else []:
             if isinstance(arg, relax.Var):
                 read_at.setdefault(arg, []).append(i)
+    constants = _scalar_variables(bindings)
     claimed: set = set()
     chains = []
     for root, value in bindings:
@@ -154,7 +172,7 @@ def _chains(func: relax.Function) -> list[_Chain]:
         shape = static_shape(value)
         if root in claimed or quantization is None or shape is None or not isinstance(value.args[0], relax.Var):
             continue
-        chain = _Chain(value.args[0], quantization.dtype, quantization.zero_point, shape)
+        chain = _Chain(value.args[0], quantization.dtype, quantization.zero_point, shape, constants)
         chain.bindings[root] = value
         # grown through readers in program order (a heap: each index is pushed by a binding before
         # it, so when one is taken every binding before it has been decided)
@@ -175,8 +193,8 @@ def _chains(func: relax.Function) -> list[_Chain]:
             for var, later in list(chain.bindings.items()):
                 escapes = any(reader is None or not any(reader.same_as(v) for v in chain.bindings.values())
                               for reader in readers.get(var, []))
-                inputs_left = any(isinstance(arg, relax.Var) and arg not in chain.bindings and
-                                  not arg.same_as(chain.source) for arg in later.args)
+                inputs_left = any(isinstance(arg, relax.Var) and arg not in chain.bindings and arg not in constants
+                                  and not arg.same_as(chain.source) for arg in later.args)
                 # (the root may stay for readers outside: the tables start from its operand)
                 if var is not root and ((escapes and str(var.ty.dtype.dtype) == "float32") or inputs_left):
                     del chain.bindings[var]
