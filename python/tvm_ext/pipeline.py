@@ -36,7 +36,7 @@ from .strategy.quantized_tables import quantized_lookup_tables
 from .target import TargetLike, resolve_target
 from .transform.arena import plan_arena
 from .transform.matmul_as_conv2d import quantized_matmul_as_conv2d
-from .transform.quantized_movement import quantized_data_movement
+from .transform.quantized_movement import quantized_data_movement, undone_moves
 from .transform.split_batch import split_batch
 
 
@@ -183,9 +183,10 @@ def cpu_kernel_passes(target: tvm.target.Target, database=None, images_per_call:
 
 def quantized_rewrites(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     """The rewrites of a quantized graph before its int8 lowering for `target` (the pipeline's
-    and dispatch_report's): quantized tensors moved in their dtype, element-wise chains between
-    them as table lookups, dense layers as 1x1 convolutions."""
-    return [quantized_data_movement(), quantized_lookup_tables(target), quantized_matmul_as_conv2d()]
+    and dispatch_report's): quantized tensors moved in their dtype, dense layers as 1x1
+    convolutions, element-wise chains between quantized tensors as table lookups before their
+    moves (after the dense layers: their rows' transposes then meet), moves that undo each other."""
+    return [quantized_data_movement(), quantized_matmul_as_conv2d(), quantized_lookup_tables(target), undone_moves()]
 
 
 def _with_arena(passes: list) -> list:

@@ -12,7 +12,11 @@ from .errors import UnsupportedError
 from .kernels.quantized import Quantization
 
 __all__ = ["static_shape", "image_shape", "known_shape", "symbolic_batch", "same_extent", "shape_text", "dtype",
-           "prim_value", "is_channel_bias", "op_name", "scalar_array", "per_tensor_quantization"]
+           "prim_value", "is_channel_bias", "op_name", "scalar_array", "per_tensor_quantization", "DATA_MOVEMENT_OPS"]
+
+# the ops that only move a tensor's elements (a reshape: a view)
+DATA_MOVEMENT_OPS = frozenset({"relax.reshape", "relax.flatten", "relax.permute_dims", "relax.squeeze",
+                               "relax.expand_dims"})
 
 
 def static_shape(expr: relax.Expr) -> tuple[int, ...] | None:

@@ -1069,3 +1069,57 @@ def test_a_transpose_with_no_axes_builds():
     stock = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())["main"](x)
     for ours, theirs in zip(got, stock, strict=True):
         np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@needs_int8
+def test_a_lookup_between_two_quantized_dense_layers_runs_on_the_first_ones_blocks():
+    """ConvNeXt's pointwise layers in ORT's QDQ form: dense (NHWC rows) -> GELU as a QDQ chain
+    -> dense. The dense layers run as 1x1 convolutions over their rows transposed; the lookup
+    runs before the moves back to rows, the moves then undo each other, and the lookup runs on
+    the first layer's blocks, which the second reads: no transpose, unpack or pack between them
+    (0.5.36: unpack and transpose, lookup, transpose and pack). Within a step of stock TVM."""
+    from reference import built_kernels
+
+    rng = np.random.default_rng(8)
+    op = relax.op
+    f32 = lambda v: relax.const(np.asarray(v, np.float32))  # noqa: E731
+    u8 = lambda v: relax.const(np.asarray(v, np.uint8))  # noqa: E731
+
+    def dense(x_q, k, n, scale_in, zero_in, scale_out, zero_out):
+        w = rng.integers(-127, 128, (k, n)).astype(np.int8)
+        xd = bb.emit(op.dequantize(x_q, f32(scale_in), u8(zero_in), axis=1))
+        wd = bb.emit(op.dequantize(relax.const(w), f32(np.full(n, 0.004, np.float32)),
+                                   relax.const(np.zeros(n, np.int8)), axis=1))
+        return bb.emit(op.quantize(op.matmul(xd, wd), f32(scale_out), u8(zero_out), axis=1, out_dtype="uint8"))
+
+    def qdq(value, scale, zero):
+        q = bb.emit(op.quantize(value, f32(scale), u8(zero), axis=1, out_dtype="uint8"))
+        return bb.emit(op.dequantize(q, f32(scale), u8(zero), axis=1))
+
+    bb = relax.BlockBuilder()
+    xv = relax.Var("x", relax.TensorType((1, 5, 7, 32), "uint8"))
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            rows = bb.emit(op.reshape(xv, (35, 32)))
+            h = bb.emit(op.reshape(dense(rows, 32, 64, 0.03, 120, 0.05, 128), (1, 5, 7, 64)))
+            x = bb.emit(op.dequantize(h, f32(0.05), u8(128), axis=1))
+            erf = qdq(op.erf(qdq(op.divide(x, f32(1.4142135)), 0.02, 128)), 0.008, 128)
+            gelu = bb.emit(op.quantize(op.multiply(x, qdq(op.add(erf, f32(1.0)), 0.008, 0)), f32(0.03), u8(10),
+                                       axis=1, out_dtype="uint8"))
+            y = dense(bb.emit(op.reshape(gelu, (35, 64))), 64, 32, 0.03, 10, 0.1, 128)
+            out = bb.emit_output(bb.emit(op.reshape(y, (1, 5, 7, 32))))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    kernels = built_kernels(mod, TARGET)
+    lookups = [name for name in kernels if name.startswith("tvm_ext_quantized_lookup")]
+    assert len(lookups) == 1 and len(lookups[0].removeprefix("tvm_ext_quantized_lookup_").split("_")[0].split("x")) \
+        == 5, kernels  # (on blocks)
+    assert not [name for name in kernels if "transpose" in name], kernels
+    # (the input's rows packed, the output's unpacked: nothing between the layers)
+    assert len([name for name in kernels if name.startswith(("tvm_ext_unpack", "tvm_ext_pack"))]) == 2, kernels
+    x = tvm.runtime.tensor(rng.integers(0, 256, (1, 5, 7, 32)).astype(np.uint8))
+    got = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main"](x).numpy().astype(np.int64)
+    stock = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())["main"](x).numpy().astype(np.int64)
+    assert len(np.unique(got)) > 20
+    assert np.abs(got - stock).max() <= 1 and (got == stock).mean() >= 0.98, (np.abs(got - stock).max(),
+                                                                              (got == stock).mean())

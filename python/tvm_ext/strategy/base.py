@@ -69,7 +69,6 @@ class Decision:
 ACTIVATION_OPS = {"relax.nn.relu": "relu", "relax.sigmoid": "sigmoid", "relax.clip": "relu6", "relax.nn.silu": "silu",
                    "relax.nn.gelu": "gelu", "relax.nn.leakyrelu": "leaky_relu"}
 
-DATA_MOVEMENT_OPS = {"relax.reshape", "relax.flatten", "relax.permute_dims", "relax.squeeze", "relax.expand_dims"}
 
 POOLS = {"relax.nn.max_pool2d": "max", "relax.nn.avg_pool2d": "avg", "relax.nn.adaptive_avg_pool2d": "global"}
 

@@ -13,9 +13,9 @@ from ..kernels import conv2d_backward_weight as _weight_grad
 from ..kernels import pool2d as _pool
 from ..kernels import winograd as _winograd
 from ..kernels.common import ACTIVATIONS
-from ..relax_info import dtype, image_shape, known_shape, shape_text, static_shape, symbolic_batch
+from ..relax_info import DATA_MOVEMENT_OPS, dtype, image_shape, known_shape, shape_text, static_shape, symbolic_batch
 from ..target import amx_permitted, bf16_dot_doubles_fma, has_amx_bf16, has_avx512_bf16, vector_isa
-from .base import ACTIVATION_OPS, DATA_MOVEMENT_OPS, POOLS, Decision, channel_scale_operands, is_relu6, pool_workload
+from .base import ACTIVATION_OPS, POOLS, Decision, channel_scale_operands, is_relu6, pool_workload
 from .cpu_engine import maxdnn_decision
 from .cuda_engine import FUSED_ACTIVATIONS, conv2d_decision
 

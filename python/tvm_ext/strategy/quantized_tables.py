@@ -29,9 +29,9 @@ import tvm
 from tvm import relax
 
 from ..kernels.elementwise import lookup_table_func
-from ..relax_info import op_name, per_tensor_quantization, prim_value, scalar_array, static_shape
+from ..relax_info import DATA_MOVEMENT_OPS, op_name, per_tensor_quantization, prim_value, scalar_array, static_shape
 from ..target import TargetLike
-from .base import readers_of, rebind_to_kernels
+from .base import add_kernel, readers_of
 
 __all__ = ["LOOKUP_KERNEL", "LOOKUP_ZEROS_ATTR", "quantized_lookup_tables"]
 
@@ -208,19 +208,58 @@ def _chains(func: relax.Function) -> list[_Chain]:
     return chains
 
 
+def _unmoved(expr: relax.Expr, values: dict) -> tuple[relax.Expr, list[relax.Call]]:
+    """(t, the data moves from t to `expr`, in order): `expr` followed back through moves."""
+    moves: list[relax.Call] = []
+    while isinstance(expr, relax.Var) and op_name(values.get(expr)) in DATA_MOVEMENT_OPS:
+        moves.append(values[expr])
+        expr = values[expr].args[0]
+    return expr, moves[::-1]
+
+
+def _rebind_to_lookups(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Function, lookups: dict) -> tvm.IRModule:
+    """`mod` with each variable of `lookups` -> (the unmoved source, its moves, the table, the
+    kernel, its name) computed by the lookup of the unmoved source, then its moves: an element-wise
+    function commutes with data movement, and the moves then meet their inverses
+    (:func:`~tvm_ext.transform.undone_moves`: a dense layer's rows transposed for a GELU and back)
+    and the lookup its source's blocks (the int8 lowering)."""
+    @relax.expr_functor.mutator
+    class _Mutator(relax.PyExprMutator):
+        def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+            if binding.var not in lookups:
+                super().visit_var_binding_(binding)
+                return
+            source, moves, table, kernel, name = lookups[binding.var]
+            source = self.visit_expr(source)
+            out = self.builder_.emit(relax.call_tir(add_kernel(self.builder_, kernel, name), [source, table],
+                                                    relax.TensorType(static_shape(source), binding.var.ty.dtype)))
+            for move in moves:
+                out = self.builder_.emit(relax.Call(move.op, [out, *move.args[1:]], move.attrs, move.ty_args))
+            self.set_var_remap(binding.var, out)
+
+    mutator = _Mutator(mod)
+    mutator.builder_.update_func(gvar, mutator.visit_expr(func))
+    return relax.transform.DeadCodeElimination()(mutator.builder_.get())
+
+
 def quantized_lookup_tables(target: TargetLike = None) -> tvm.transform.Pass:
     """Replace each element-wise chain between quantized tensors with table lookups (see the
-    module's docstring) for `target` (None: the lookup any CPU runs); what nothing reads any more
-    is dropped."""
+    module's docstring) for `target` (None: the lookup any CPU runs), each on the quantized
+    tensor its source is moved from (:func:`_rebind_to_lookups`); what nothing reads any more is
+    dropped."""
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.QuantizedLookupTables")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         for gvar, func in list(mod.functions_items()):
             if not isinstance(func, relax.Function) or "Composite" in (func.attrs or {}):
                 continue
-            calls = {}
+            values = relax.analysis.get_var2val(func)
+            lookups = {}
             for chain in _chains(func):
-                shape = chain.shape
+                source, moves = _unmoved(chain.source, values)
+                shape = static_shape(source)
+                if shape is None:
+                    source, moves, shape = chain.source, [], chain.shape
                 for var, table in chain.tables().items():
                     out_dtype = str(var.ty.dtype.dtype)
                     # (private: this runs before TVM's library dispatch, which finds public symbols twice)
@@ -229,11 +268,11 @@ def quantized_lookup_tables(target: TargetLike = None) -> tvm.transform.Pass:
                     kernel = lookup_table_func(shape, chain.dtype, out_dtype, target)
                     kernel = kernel.without_attr("global_symbol").with_attr(LOOKUP_ZEROS_ATTR,
                                                                            [chain.zero_point, out_zero])
-                    calls[var] = ([chain.source, relax.const(table)], kernel,
-                                  f"{LOOKUP_KERNEL}_{'x'.join(map(str, shape))}")
-            if calls:
-                mod = rebind_to_kernels(mod, gvar, func, calls)
-                logger.debug("tvm_ext: %d quantized values as table lookups", len(calls))
+                    lookups[var] = (source, moves, relax.const(table), kernel,
+                                    f"{LOOKUP_KERNEL}_{'x'.join(map(str, shape))}")
+            if lookups:
+                mod = _rebind_to_lookups(mod, gvar, func, lookups)
+                logger.debug("tvm_ext: %d quantized values as table lookups", len(lookups))
         return mod
 
     return _pass

@@ -1,7 +1,7 @@
 """Target-neutral graph rewrites the pipeline runs before the strategy decides: the batch split
 (:mod:`.split_batch`), batch-norm folding (:mod:`.fold_batch_norm`, for inference and for
 training), dense layers as 1x1 convolutions, float or quantized (:mod:`.matmul_as_conv2d`), quantized
-tensors moved in their own dtype (:mod:`.quantized_movement`), channels-last blocks as
+tensors moved in their own dtype and moves that undo each other (:mod:`.quantized_movement`), channels-last blocks as
 NCHW (:mod:`.channels_last`), recognised activation decompositions (:mod:`.recognise_activations`),
 one constant per use (:mod:`.unique_constants`), running statistics read apart from y
 (:mod:`.running_statistics`); and the gradients tvm_ext registers (:mod:`.gradients`). Each
@@ -10,7 +10,7 @@ returns a new module and leaves the one it was given as it was."""
 from .channels_last import channels_last_as_nchw
 from .fold_batch_norm import fold_batch_norm, fold_trained_batch_norm
 from .matmul_as_conv2d import matmul_as_conv2d, quantized_matmul_as_conv2d
-from .quantized_movement import quantized_data_movement
+from .quantized_movement import quantized_data_movement, undone_moves
 from .recognise_activations import recognise_silu
 from .running_statistics import split_running_statistics
 from .split_batch import runs_per_inference, split_batch
@@ -18,4 +18,4 @@ from .unique_constants import unique_constants
 
 __all__ = ["channels_last_as_nchw", "fold_batch_norm", "fold_trained_batch_norm", "matmul_as_conv2d",
            "quantized_data_movement", "quantized_matmul_as_conv2d", "recognise_silu",
-           "runs_per_inference", "split_batch", "split_running_statistics", "unique_constants"]
+           "runs_per_inference", "split_batch", "split_running_statistics", "undone_moves", "unique_constants"]

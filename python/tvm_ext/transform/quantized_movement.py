@@ -8,19 +8,23 @@ exactly: rint(((q - z) * s) / s) + z = q for every |q - z| <= 255 (float32's rel
 far below half a step), whatever the rounding of ties. :func:`quantized_data_movement` rewrites
 each such quantize to the moves of the quantized tensor; the float ops are dropped where nothing
 else reads them.
+
+Moves that undo each other: a dense layer's rows, transposed for the 1x1 convolution that runs it
+(:func:`~tvm_ext.transform.quantized_matmul_as_conv2d`), back to rows for an element-wise lookup
+and again for the next layer, leave the elements in their order once the lookup runs before them
+(:mod:`tvm_ext.strategy.quantized_tables`). :func:`undone_moves` replaces such a chain of moves
+with a reshape of its start (a view), found by moving the elements' indices in NumPy.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import tvm
 from tvm import relax
 
-from ..relax_info import op_name, per_tensor_quantization
+from ..relax_info import DATA_MOVEMENT_OPS, op_name, per_tensor_quantization, static_shape
 
-__all__ = ["quantized_data_movement"]
-
-_MOVES = frozenset(f"relax.{op}" for op in ("reshape", "permute_dims", "expand_dims", "squeeze", "flatten"))
-
+__all__ = ["quantized_data_movement", "undone_moves"]
 
 def _args(call) -> list[relax.Expr]:
     """A call's arguments (for a value the type checker cannot narrow)."""
@@ -35,7 +39,7 @@ def _moved_source(quantize: relax.Call, values: dict) -> tuple[relax.Expr, list[
         return None
     moves: list[relax.Call] = []
     value = quantize.args[0]
-    while isinstance(value, relax.Var) and op_name(values.get(value)) in _MOVES:
+    while isinstance(value, relax.Var) and op_name(values.get(value)) in DATA_MOVEMENT_OPS:
         move: relax.Call = values[value]
         moves.append(move)
         value = move.args[0]
@@ -78,6 +82,66 @@ def quantized_data_movement() -> tvm.transform.Pass:
             if not any(op_name(v) == "relax.quantize" and _moved_source(v, values) for v in values.values()):
                 continue
             rewrite = _Rewrite(mod, values)
+            rewrite.builder_.update_func(gvar, rewrite.visit_expr(func))
+            mod, changed = rewrite.builder_.get(), True
+        return relax.transform.DeadCodeElimination()(mod) if changed else mod
+
+    return _pass
+
+
+def _undone(value: relax.Call, values: dict) -> relax.Expr | None:
+    """The tensor t where `value` ends a chain of data moves from t that leaves t's elements in
+    their order (two transposes at least: a reshape alone is a view already), else None."""
+    moves = [value]
+    while isinstance(moves[-1].args[0], relax.Var) and op_name(values.get(moves[-1].args[0])) in DATA_MOVEMENT_OPS:
+        moves.append(values[moves[-1].args[0]])
+    start = moves[-1].args[0]
+    shapes = [static_shape(start)] + [static_shape(move) for move in reversed(moves)]
+    if sum(op_name(move) == "relax.permute_dims" for move in moves) < 2 or any(s is None for s in shapes):
+        return None
+    index = np.arange(int(np.prod(shapes[0]))).reshape(shapes[0])
+    for move, shape in zip(reversed(moves), shapes[1:], strict=True):
+        if op_name(move) == "relax.permute_dims":
+            axes = move.attrs.axes
+            index = index.transpose(None if axes is None else [int(a) for a in axes])
+        else:
+            index = index.reshape(shape)
+    return start if np.array_equal(index.reshape(-1), np.arange(index.size)) else None
+
+
+def undone_moves() -> tvm.transform.Pass:
+    """Replace each chain of data moves that leaves its start's elements in their order with a
+    reshape of its start, or the start itself (see the module's docstring)."""
+
+    @relax.expr_functor.mutator
+    class _Rewrite(relax.PyExprMutator):
+        def __init__(self, mod: tvm.IRModule, starts: dict):
+            super().__init__(mod)
+            self.starts = starts
+
+        def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+            start = self.starts.get(binding.var)
+            if start is None:
+                super().visit_var_binding_(binding)
+                return
+            start = self.visit_expr(start)
+            same = static_shape(start) == static_shape(binding.var)
+            self.set_var_remap(binding.var, start if same else
+                               self.builder_.emit(relax.op.reshape(start, binding.var.ty.shape), binding.var.name))
+
+    @tvm.transform.module_pass(opt_level=0, name="tvm_ext.UndoneMoves")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        changed = False
+        for gvar, func in list(mod.functions_items()):
+            if not isinstance(func, relax.Function) or "Composite" in (func.attrs or {}):
+                continue
+            values = {b.var: b.value for block in func.body.blocks for b in block.bindings
+                      if isinstance(b, relax.VarBinding)}
+            starts = {var: start for var, value in values.items() if op_name(value) in DATA_MOVEMENT_OPS
+                      and (start := _undone(value, values)) is not None}
+            if not starts:
+                continue
+            rewrite = _Rewrite(mod, starts)
             rewrite.builder_.update_func(gvar, rewrite.visit_expr(func))
             mod, changed = rewrite.builder_.get(), True
         return relax.transform.DeadCodeElimination()(mod) if changed else mod
