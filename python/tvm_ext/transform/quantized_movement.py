@@ -18,6 +18,8 @@ with a reshape of its start (a view), found by moving the elements' indices in N
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import tvm
 from tvm import relax
@@ -96,10 +98,11 @@ def _undone(value: relax.Call, values: dict) -> relax.Expr | None:
     while isinstance(moves[-1].args[0], relax.Var) and op_name(values.get(moves[-1].args[0])) in DATA_MOVEMENT_OPS:
         moves.append(values[moves[-1].args[0]])
     start = moves[-1].args[0]
-    shapes = [static_shape(start)] + [static_shape(move) for move in reversed(moves)]
-    if sum(op_name(move) == "relax.permute_dims" for move in moves) < 2 or any(s is None for s in shapes):
+    shapes = [shape for shape in [static_shape(start)] + [static_shape(move) for move in reversed(moves)]
+              if shape is not None]
+    if sum(op_name(move) == "relax.permute_dims" for move in moves) < 2 or len(shapes) != len(moves) + 1:
         return None
-    index = np.arange(int(np.prod(shapes[0]))).reshape(shapes[0])
+    index = np.arange(math.prod(shapes[0])).reshape(shapes[0])
     for move, shape in zip(reversed(moves), shapes[1:], strict=True):
         if op_name(move) == "relax.permute_dims":
             axes = move.attrs.axes
