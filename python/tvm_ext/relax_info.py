@@ -4,15 +4,33 @@ call applies and the per-tensor quantization a quantize or dequantize applies.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import tvm
 from tvm import relax
 
 from .errors import UnsupportedError
-from .kernels.quantized import Quantization
 
 __all__ = ["static_shape", "image_shape", "known_shape", "symbolic_batch", "same_extent", "shape_text", "dtype",
-           "prim_value", "is_channel_bias", "op_name", "scalar_array", "per_tensor_quantization", "DATA_MOVEMENT_OPS"]
+           "prim_value", "is_channel_bias", "op_name", "scalar_array", "per_tensor_quantization", "DATA_MOVEMENT_OPS",
+           "Quantization"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+    """A per-tensor quantization: scale, zero point, dtype ("uint8", or "int8": held as uint8 + 128
+    by the int8 kernels)."""
+
+    scale: float
+    zero_point: int
+    dtype: str = "uint8"
+
+    @property
+    def offset(self) -> int:
+        """What the uint8 a tensor is held in adds to its values."""
+        return 128 if self.dtype == "int8" else 0
+
 
 # the ops that only move a tensor's elements (a reshape: a view)
 DATA_MOVEMENT_OPS = frozenset({"relax.reshape", "relax.flatten", "relax.permute_dims", "relax.squeeze",

@@ -16,23 +16,10 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.tirx.script import builder as T
 
+from ..relax_info import Quantization
 from .common import KERNEL_ATTR, param_buffer
 
 __all__ = ["Quantization", "QuantizedSum", "quantized_add_func", "quantized_add_terms", "quantized_sum"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Quantization:
-    """A per-tensor quantization: scale, zero point, dtype ("uint8", or "int8": held as uint8 + 128)."""
-
-    scale: float
-    zero_point: int
-    dtype: str = "uint8"
-
-    @property
-    def offset(self) -> int:
-        """What the uint8 a tensor is held in adds to its values."""
-        return 128 if self.dtype == "int8" else 0
 
 
 def quantized_add_terms(a: Quantization, b: Quantization, out: Quantization) -> tuple[float, float, float]:
