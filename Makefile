@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # pytest-xdist workers: one per core of the CI machine (each gets one TVM thread, tests/conftest.py).
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25
 
 .PHONY: demo test test-long test-all test-fast check lint typecheck bench clean aarch64
 
