@@ -32,6 +32,7 @@ from .strategy.decide import PRECISIONS
 from .strategy.dispatch import legalize_map, lower_to_kernels
 from .strategy.fusion import fusion_passes
 from .strategy.quantized import lower_quantized_conv2d
+from .strategy.quantized_norms import quantized_layer_norms
 from .strategy.quantized_tables import quantized_lookup_tables
 from .target import TargetLike, resolve_target
 from .transform.arena import plan_arena
@@ -185,8 +186,10 @@ def quantized_rewrites(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     """The rewrites of a quantized graph before its int8 lowering for `target` (the pipeline's
     and dispatch_report's): quantized tensors moved in their dtype, dense layers as 1x1
     convolutions, element-wise chains between quantized tensors as table lookups before their
-    moves (after the dense layers: their rows' transposes then meet), moves that undo each other."""
-    return [quantized_data_movement(), quantized_matmul_as_conv2d(), quantized_lookup_tables(target), undone_moves()]
+    moves (after the dense layers: their rows' transposes then meet), moves that undo each other,
+    layer norms on quantized values."""
+    return [quantized_data_movement(), quantized_matmul_as_conv2d(), quantized_lookup_tables(target), undone_moves(),
+            quantized_layer_norms()]
 
 
 def _with_arena(passes: list) -> list:

@@ -5,6 +5,7 @@ call applies and the per-tensor quantization a quantize or dequantize applies.""
 from __future__ import annotations
 
 import dataclasses
+from typing import TypeGuard
 
 import numpy as np
 import tvm
@@ -13,8 +14,8 @@ from tvm import relax
 from .errors import UnsupportedError
 
 __all__ = ["static_shape", "image_shape", "known_shape", "symbolic_batch", "same_extent", "shape_text", "dtype",
-           "prim_value", "is_channel_bias", "op_name", "scalar_array", "per_tensor_quantization", "DATA_MOVEMENT_OPS",
-           "Quantization"]
+           "prim_value", "is_channel_bias", "is_call", "op_name", "scalar_array", "per_tensor_quantization",
+           "DATA_MOVEMENT_OPS", "Quantization"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +114,11 @@ def is_channel_bias(bias: relax.Expr, channels: int) -> bool:
         return False
     aligned = (1,) * (4 - len(shape)) + shape
     return aligned[0] == aligned[2] == aligned[3] == 1 and aligned[1] in (1, channels)
+
+
+def is_call(expr, op: str) -> TypeGuard[relax.Call]:
+    """Whether `expr` calls operator `op` (\"relax.add\")."""
+    return op_name(expr) == op
 
 
 def op_name(expr) -> str | None:

@@ -24,6 +24,7 @@ from .strategy.decide import decide
 from .strategy.dispatch import batch_norm_gradients, weight_and_bias_gradients
 from .strategy.fusion import fusion_passes, mask_of
 from .strategy.quantized import FUSED_ADD, int8_kernel, lower_quantized_conv2d, quantized_conv2d_decisions
+from .strategy.quantized_norms import QUANTIZED_LAYER_NORM_KERNEL
 from .strategy.quantized_tables import LOOKUP_KERNEL
 from .target import TargetLike, resolve_target
 from .transform.gradients import read_phase_interleave
@@ -195,6 +196,10 @@ def dispatch_report(mod: tvm.IRModule, target: TargetLike = None, *, images_per_
                                               "in a 256-entry table" + (" (on an int8 kernel's blocks)"
                                                                         if shape is not None and len(shape) == 5
                                                                         else ""), runs))
+                if callee.startswith(QUANTIZED_LAYER_NORM_KERNEL):
+                    report.append(DispatchRow("nn.layer_norm", (static_shape(expr.args[1].fields[0]),),
+                                              "quantized_layer_norm", "between a dequantize and a quantize: on the "
+                                              "quantized values, integer statistics", runs))
                 for prefix, op in (("tvm_ext_quantized_add", "add"), ("tvm_ext_quantized_max_pool", "nn.max_pool2d")):
                     blocked = static_shape(expr.args[1].fields[0])
                     if callee.startswith(prefix) and blocked is not None:

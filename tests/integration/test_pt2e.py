@@ -76,7 +76,11 @@ def test_a_pt2e_network_runs_on_the_int8_kernels():
     # wrong scale or zero point moves it by 10x that and more.
     for name, out in (("stock TVM", stock), ("tvm_ext", got)):
         assert np.abs(out - expected).max() <= 1e-2 * scale, (name, np.abs(out - expected).max() / scale)
-    assert (got.argmax(1) == expected.argmax(1)).all()
+    # the same top-1 where it is not a near tie (random input: two logits within the rounding
+    # above of each other picked either way, 1 run in ~50)
+    top2 = np.sort(expected, axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 2e-2 * scale
+    assert (got.argmax(1) == expected.argmax(1))[clear].all()
 
 
 @pytest.mark.skipif(int8_engine(TARGET) is None, reason="the CPU has neither AMX-INT8 nor VNNI")

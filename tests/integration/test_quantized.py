@@ -1123,3 +1123,47 @@ def test_a_lookup_between_two_quantized_dense_layers_runs_on_the_first_ones_bloc
     assert len(np.unique(got)) > 20
     assert np.abs(got - stock).max() <= 1 and (got == stock).mean() >= 0.98, (np.abs(got - stock).max(),
                                                                               (got == stock).mean())
+
+
+@pytest.mark.parametrize("dtype, dequantized_parameters, float_read_outside", [
+    ("uint8", True, False), ("int8", False, False), ("uint8", False, True)])
+def test_a_layer_norm_between_a_dequantize_and_a_quantize_runs_on_the_quantized_values(
+        dtype, dequantized_parameters, float_read_outside):
+    """ORT's QDQ ConvNeXt: quantize(layer_norm(dequantize(x_q), gamma, beta, axes=[-1])) over
+    channels-last rows, gamma and beta dequantized int8 / int32 constants (ORT quantizes them:
+    per tensor, per channel) or float ones. One kernel on x_q (integer statistics), within a step
+    of stock TVM's float norm on nearly every value. A float norm read elsewhere stays as it was."""
+    rng = np.random.default_rng(12)
+    op = relax.op
+    f32 = lambda v: relax.const(np.asarray(v, np.float32))  # noqa: E731
+    q = lambda v: relax.const(np.asarray(v, dtype))  # noqa: E731
+    c = 40
+    gamma_q = rng.integers(-127, 128, c).astype(np.int8)
+    beta_q = rng.integers(-3000, 3000, c).astype(np.int32)
+    beta_scale = (rng.random(c) * 1e-4 + 1e-5).astype(np.float32)
+    bb = relax.BlockBuilder()
+    xv = relax.Var("x", relax.TensorType((1, 5, 7, c), dtype))
+    with bb.function("main", [xv]):
+        with bb.dataflow():
+            x = bb.emit(op.dequantize(xv, f32(0.04), q(-3 if dtype == "int8" else 125), axis=1))
+            if dequantized_parameters:
+                gamma = bb.emit(op.dequantize(relax.const(gamma_q), f32(0.0079), relax.const(np.int8(0)), axis=0))
+                beta = bb.emit(op.dequantize(relax.const(beta_q), relax.const(beta_scale),
+                                             relax.const(np.zeros(c, np.int32)), axis=0))
+            else:
+                gamma, beta = relax.const(gamma_q * np.float32(0.0079)), relax.const(beta_q * beta_scale)
+            norm = bb.emit(op.nn.layer_norm(x, gamma, beta, axes=[-1], epsilon=1e-6))
+            y = bb.emit(op.quantize(norm, f32(0.03), q(4 if dtype == "int8" else 130), axis=1, out_dtype=dtype))
+            out = bb.emit_output(relax.Tuple([y, norm]) if float_read_outside else y)
+        bb.emit_func_output(out)
+    mod = bb.get()
+    kernels = [r.kernel for r in tvm_ext.dispatch_report(mod, TARGET) if r.op == "nn.layer_norm"]
+    assert kernels == (["fallback"] if float_read_outside else ["quantized_layer_norm"]), kernels
+    x_q = tvm.runtime.tensor(rng.integers(-128 if dtype == "int8" else 0, 128 if dtype == "int8" else 256,
+                                          (1, 5, 7, c)).astype(dtype))
+    got = relax.VirtualMachine(tvm_ext.build(mod, TARGET), tvm.cpu())["main"](x_q)
+    stock = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())["main"](x_q)
+    got, stock = ((v[0] if float_read_outside else v).numpy().astype(np.int64) for v in (got, stock))
+    assert len(np.unique(got)) > 30
+    assert np.abs(got - stock).max() <= 1 and (got == stock).mean() >= 0.99, (np.abs(got - stock).max(),
+                                                                              (got == stock).mean())

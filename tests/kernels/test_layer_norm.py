@@ -9,7 +9,8 @@ from reference import rel_err
 from tvm import relax
 
 import tvm_ext
-from tvm_ext.kernels.layer_norm import LayerNorm, layer_norm_func
+from tvm_ext.kernels.layer_norm import LayerNorm, layer_norm_func, quantized_layer_norm_func
+from tvm_ext.relax_info import Quantization
 
 TARGET = tvm_ext.resolve_target("llvm")
 
@@ -39,6 +40,38 @@ def test_description_refuses_bad_shapes():
         LayerNorm((1, 4, 4, 4), 1e-5)
     with pytest.raises(ValueError, match="epsilon"):
         LayerNorm((1, 1, 4, 4, 8), -1.0)
+
+
+_RANGE = {"uint8": (0, 255), "int8": (-128, 127)}
+
+
+@pytest.mark.parametrize("shape, data_dtype, out_dtype", [
+    ((1, 9, 11, 96), "uint8", "uint8"), ((3, 5, 37), "int8", "int8"), ((196, 384), "uint8", "int8"),
+    ((4, 1), "int8", "uint8"), ((2, 3, 16), "uint8", "uint8")])
+def test_quantized_kernel_matches_float64(shape, data_dtype, out_dtype):
+    """quantize(layer_norm(dequantize(x)) * gamma + beta) against float64 NumPy, rounded to nearest
+    even: every value equal (the statistics are exact integer sums; a float32 output within an ulp
+    could flip a tie: none here). Channels a multiple of the 16 lanes and not (37, 1: a tail)."""
+    rng = np.random.default_rng(sum(shape))
+    data = Quantization(0.031, 117 if data_dtype == "uint8" else -5, data_dtype)
+    out = Quantization(0.045, 128 if out_dtype == "uint8" else 3, out_dtype)
+    x = rng.integers(*_RANGE[data_dtype], size=shape, endpoint=True).astype(data_dtype)
+    gamma = (rng.standard_normal(shape[-1]) * 0.5 + 1).astype(np.float32)
+    beta = (rng.standard_normal(shape[-1]) * 0.2).astype(np.float32)
+    y = tvm.runtime.tensor(np.zeros(shape, out_dtype))
+    tvm.compile(quantized_layer_norm_func(shape, data, out, 1e-6), TARGET)(
+        tvm.runtime.tensor(x), tvm.runtime.tensor(gamma), tvm.runtime.tensor(beta), y)
+    v = (x.astype(np.float64) - data.zero_point) * data.scale
+    normed = (v - v.mean(-1, keepdims=True)) / np.sqrt(v.var(-1, keepdims=True) + 1e-6) * gamma + beta
+    expected = np.clip(np.rint(normed / out.scale) + out.zero_point, *_RANGE[out_dtype])
+    np.testing.assert_array_equal(y.numpy(), expected)
+
+
+def test_quantized_kernel_refuses_what_it_does_not_compute():
+    with pytest.raises(ValueError, match="float32 -> uint8 are not uint8 / int8"):
+        quantized_layer_norm_func((2, 8), Quantization(0.1, 0, "float32"), Quantization(0.1, 0), 1e-5)
+    with pytest.raises(ValueError, match="out of range"):
+        quantized_layer_norm_func((2, 8), Quantization(0.1, 0), Quantization(0.1, 0), -1.0)
 
 
 def _convnext_block(rng, x_shape, flatten: bool, batch=None):

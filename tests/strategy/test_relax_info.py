@@ -7,8 +7,16 @@ import tvm
 from tvm import relax
 
 from tvm_ext.errors import UnsupportedError
-from tvm_ext.kernels.quantized import Quantization
-from tvm_ext.relax_info import image_shape, known_shape, op_name, per_tensor_quantization, scalar_array, static_shape
+from tvm_ext.relax_info import (
+    Quantization,
+    image_shape,
+    is_call,
+    known_shape,
+    op_name,
+    per_tensor_quantization,
+    scalar_array,
+    static_shape,
+)
 from tvm_ext.strategy.base import Decision
 
 
@@ -72,5 +80,6 @@ def test_per_tensor_quantization_reads_constant_parameters_of_a_quantize_or_dequ
         is None
     assert per_tensor_quantization(op.add(x, x)) is None
     assert op_name(op.add(x, x)) == "relax.add" and op_name(x) is None
+    assert is_call(op.add(x, x), "relax.add") and not is_call(op.add(x, x), "relax.multiply") and not is_call(x, "x")
     assert scalar_array(scale).dtype == np.float32 and scalar_array(per_channel) is None
     assert scalar_array(x) is None

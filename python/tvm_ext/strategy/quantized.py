@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import TypeGuard
 
 import numpy as np
 import tvm
@@ -39,7 +38,7 @@ from ..kernels import layout as _layout
 from ..kernels import pool2d as _pool
 from ..kernels.elementwise import lookup_table_func
 from ..kernels.quantized import Quantization, QuantizedSum, quantized_add_func
-from ..relax_info import is_channel_bias, known_shape, op_name, per_tensor_quantization, static_shape
+from ..relax_info import is_call, is_channel_bias, known_shape, per_tensor_quantization, static_shape
 from ..target import AVX2, AVX512, VectorISA, amx_permitted, has_amx_int8, has_vnni
 from ..tuning.records import conv2d_kernel
 from .base import activation_at, add_kernel, called_kernel, field_of, readers_of, scalar_constant
@@ -82,10 +81,6 @@ class QuantizedConv2d:
 
 def _const(expr: relax.Expr) -> np.ndarray | None:
     return expr.value.numpy() if isinstance(expr, tvm.ir.Constant) else None
-
-
-def _is(expr, op: str) -> TypeGuard[relax.Call]:
-    return op_name(expr) == op
 
 
 def _shape(expr: relax.Expr) -> tuple[int, ...]:
@@ -172,7 +167,7 @@ def _match_conv2d(output: relax.Expr, value_of, out: Quantization | None,
         inside.extend(variables)
         computing.extend(calls)
         value = through(x, True)
-    residual = _residual(value, value_of) if out is not None and _is(value, "relax.add") else None
+    residual = _residual(value, value_of) if out is not None and is_call(value, "relax.add") else None
     if residual is not None:
         if activation not in (None, "relu"):
             return f"a residual add before {activation} (the int8 epilogue adds before a relu only)"
@@ -180,15 +175,15 @@ def _match_conv2d(output: relax.Expr, value_of, out: Quantization | None,
         value = through(side, True)
     bias = None
     bias_operand = None
-    if _is(value, "relax.add"):
+    if is_call(value, "relax.add"):
         a, b = (through(arg, True) for arg in value.args)
-        conv, other = (a, b) if _is(a, "relax.nn.conv2d") else (b, a)
-        bias_operand = value.args[1] if _is(a, "relax.nn.conv2d") else value.args[0]
-        if _is(other, "relax.reshape"):
+        conv, other = (a, b) if is_call(a, "relax.nn.conv2d") else (b, a)
+        bias_operand = value.args[1] if is_call(a, "relax.nn.conv2d") else value.args[0]
+        if is_call(other, "relax.reshape"):
             other = through(other.args[0])
-        if not _is(conv, "relax.nn.conv2d"):
+        if not is_call(conv, "relax.nn.conv2d"):
             return "the add is not a convolution + a constant bias"
-        if _is(other, "relax.dequantize"):  # ONNX QDQ: int32 values times s_x * s_w
+        if is_call(other, "relax.dequantize"):  # ONNX QDQ: int32 values times s_x * s_w
             values, scale, zero = (_const(arg) for arg in other.args)
             if values is None or scale is None or zero is None:
                 return "the bias is not a dequantized constant"
@@ -199,11 +194,11 @@ def _match_conv2d(output: relax.Expr, value_of, out: Quantization | None,
                 return "the bias is not a float32 or dequantized constant"
             bias = values.astype(np.float64).reshape(-1)
         value = conv
-    if not _is(value, "relax.nn.conv2d"):
+    if not is_call(value, "relax.nn.conv2d"):
         return "no convolution before the quantize"
     conv = value
     data, weight = (through(arg) for arg in conv.args)
-    if not (_is(data, "relax.dequantize") and _is(weight, "relax.dequantize")):
+    if not (is_call(data, "relax.dequantize") and is_call(weight, "relax.dequantize")):
         return "the convolution's operands are not dequantized"
     data_quantization = per_tensor_quantization(data)
     w, w_scale, w_zero = (_const(arg) for arg in weight.args)
@@ -237,9 +232,9 @@ def _residual(add: relax.Call, value_of) -> tuple[relax.Expr, tuple[relax.Expr, 
     for i in (0, 1):
         dq, side = value(add.args[i]), add.args[1 - i]
         computed = value(side)
-        convolution = _is(computed, "relax.nn.conv2d") or (
-            _is(computed, "relax.add") and any(_is(value(arg), "relax.nn.conv2d") for arg in computed.args))
-        if not (_is(dq, "relax.dequantize") and convolution) or _const(dq.args[0]) is not None:
+        convolution = is_call(computed, "relax.nn.conv2d") or (
+            is_call(computed, "relax.add") and any(is_call(value(arg), "relax.nn.conv2d") for arg in computed.args))
+        if not (is_call(dq, "relax.dequantize") and convolution) or _const(dq.args[0]) is not None:
             continue
         quantization = per_tensor_quantization(dq)
         if quantization is not None and shape is not None and static_shape(dq.args[0]) == shape == static_shape(side):
@@ -269,16 +264,16 @@ def match_quantized_add(quantize: relax.Call, value_of) -> QuantizedAdd | None:
         return None
     inside = [quantize.args[0]]
     value = value_of(quantize.args[0])
-    relu = _is(value, "relax.nn.relu")
+    relu = is_call(value, "relax.nn.relu")
     if relu:
         inside.append(value.args[0])
         value = value_of(value.args[0])
-    if not _is(value, "relax.add"):
+    if not is_call(value, "relax.add"):
         return None
     operands = []
     for arg in value.args:
         dq = value_of(arg) if isinstance(arg, relax.Var) else None
-        if not _is(dq, "relax.dequantize"):
+        if not is_call(dq, "relax.dequantize"):
             return None
         quantization = per_tensor_quantization(dq)
         if quantization is None:
@@ -580,7 +575,7 @@ def units_borders(decisions: dict, values: dict, readers: dict) -> dict:
         paddings = set()
         for reader in readers.get(var, []):
             # (units are q - the output's zero point: a reader's dequantize must subtract that one)
-            same_zero = _is(reader, "relax.dequantize") and scalar_constant(reader.args[2]) == found.out_zero
+            same_zero = is_call(reader, "relax.dequantize") and scalar_constant(reader.args[2]) == found.out_zero
             dq = var_of.get(reader) if same_zero else None
             convs = readers.get(dq, []) if dq is not None else [None]
             for conv in convs:
@@ -600,7 +595,7 @@ def fusable_adds(decisions: dict, values: dict, readers: dict) -> dict:
     order = {var: i for i, var in enumerate(values)}
     fusable = {}
     for var, value in values.items():
-        found = match_quantized_add(value, values.get) if _is(value, "relax.quantize") else None
+        found = match_quantized_add(value, values.get) if is_call(value, "relax.quantize") else None
         if found is None or any(len(readers.get(v, [])) > 1 for v in found.inside):
             continue
         dequantized = values[found.inside[-1]].args  # the add's operands: dequantize(a), dequantize(b)
@@ -644,14 +639,14 @@ def _decisions(values: dict, readers: dict, target: tvm.target.Target) -> dict:
     start no activation the fp32 kernels would fuse (:data:`_FUSED_BY_FLOAT_KERNELS`)."""
     decisions, claimed = {}, set()
     for var, value in values.items():
-        if _is(value, "relax.quantize"):
+        if is_call(value, "relax.quantize"):
             found = match_quantized_conv2d(value, values.get)
             if isinstance(found, QuantizedConv2d):
                 decisions[var] = (found, quantized_conv2d_reason(found, target, readers))
                 claimed.update(found.inside)
     floats = {}
     for var, value in reversed(values.items()):
-        if var in claimed or not (_is(value, "relax.nn.conv2d") or _is(value, "relax.add") or
+        if var in claimed or not (is_call(value, "relax.nn.conv2d") or is_call(value, "relax.add") or
                                   activation_at(value, _looking_through(values.get)) is not None):
             continue
         found = match_float_output_conv2d(var, values.get)
@@ -695,7 +690,7 @@ def lower_quantized_conv2d(target: tvm.target.Target, database=None) -> tvm.tran
                 self._bind(binding, *self.fused.pop(binding.var))
                 return True
             value = binding.value
-            found = match_quantized_add(value, self.values.get) if _is(value, "relax.quantize") else None
+            found = match_quantized_add(value, self.values.get) if is_call(value, "relax.quantize") else None
             if found is None or any(len(self.readers.get(v, [])) > 1 for v in found.inside):
                 return False
             a, b = (self.visit_expr(v) for v in (found.a, found.b))
@@ -710,14 +705,15 @@ def lower_quantized_conv2d(target: tvm.target.Target, database=None) -> tvm.tran
             pools its dequantized values and quantizes them alike (quantize(max_pool2d(
             dequantize(x, s, z)), s, z) is max_pool2d(x): the quantization is monotonic)."""
             quantize = binding.value
-            if not _is(quantize, "relax.quantize"):
+            if not is_call(quantize, "relax.quantize"):
                 return False
             pool = self.values.get(field_of(quantize.args[0], self.values.get))
-            if not _is(pool, "relax.nn.max_pool2d"):
+            if not is_call(pool, "relax.nn.max_pool2d"):
                 return False
             dq = self.values.get(pool.args[0])
             quantization = per_tensor_quantization(quantize)
-            if not _is(dq, "relax.dequantize") or quantization is None or per_tensor_quantization(dq) != quantization:
+            if not is_call(dq, "relax.dequantize") or quantization is None or \
+                    per_tensor_quantization(dq) != quantization:
                 return False
             attrs = pool.attrs
             if str(attrs.layout) != "NCHW" or len(self.readers.get(quantize.args[0], [])) > 1:
@@ -741,7 +737,7 @@ def lower_quantized_conv2d(target: tvm.target.Target, database=None) -> tvm.tran
             as blocks (the NCHW uint8 view, the dequantize and the fp32 kernel's pack were three
             passes: PT2E EfficientNet-B0's depthwise layers)."""
             dq = binding.value
-            quantization = per_tensor_quantization(dq) if _is(dq, "relax.dequantize") else None
+            quantization = per_tensor_quantization(dq) if is_call(dq, "relax.dequantize") else None
             if quantization is None or str(dq.attrs.out_dtype) != "float32":
                 return False
             data = self.visit_expr(dq.args[0])
@@ -763,7 +759,8 @@ def lower_quantized_conv2d(target: tvm.target.Target, database=None) -> tvm.tran
             kernel wrote, where the table maps the source's zero point to the output's: the blocks'
             padded channels then hold the output's zero point as an int8 kernel's would (ORT's QDQ
             EfficientNet-B0: a SiLU after each convolution, each an unpack and a pack before)."""
-            kernel = called_kernel(self.builder_.get(), binding.value) if _is(binding.value, "relax.call_tir") else None
+            value = binding.value
+            kernel = called_kernel(self.builder_.get(), value) if is_call(value, "relax.call_tir") else None
             if kernel is None or LOOKUP_ZEROS_ATTR not in kernel.attrs:
                 return False
             source, table = binding.value.args[1].fields

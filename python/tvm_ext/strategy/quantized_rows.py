@@ -18,20 +18,16 @@ import tvm
 from tvm import relax
 
 from ..kernels import layout as _layout
-from ..relax_info import static_shape
+from ..relax_info import is_call, static_shape
 from .base import called_kernel, rebind_each_function
 
 __all__ = ["quantized_dense_rows"]
 
 
-def _is_op(value, op: str) -> TypeGuard[relax.Call]:
-    return isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and value.op.name == op
-
-
 def _transposed(value) -> TypeGuard[relax.Call]:
     """Whether `value` is the transpose of a matrix: permute_dims(., [1, 0]), or with no axes (all
     reversed: a training graph's transposes are so)."""
-    if not _is_op(value, "relax.permute_dims"):
+    if not is_call(value, "relax.permute_dims"):
         return False
     axes = value.attrs.axes
     return getattr(value.args[0].ty, "ndim", -1) == 2 if axes is None else [int(a) for a in axes] == [1, 0]
@@ -50,7 +46,7 @@ def _replacements(mod: tvm.IRModule, func: relax.Function) -> dict:
         pack = called_kernel(mod, value, "pack_quantized")
         if pack is not None and _layout.PACK_ZERO_ATTR in pack.attrs:
             image = bound(value.args[1].fields[0])
-            transposed = bound(image.args[0]) if _is_op(image, "relax.reshape") else None
+            transposed = bound(image.args[0]) if is_call(image, "relax.reshape") else None
             blocked = static_shape(var)
             if _transposed(transposed) and not any(int(p) for p in pack.attrs[_layout.PACK_PADDING_ATTR]) \
                     and blocked is not None and blocked[0] == blocked[2] == 1:
@@ -63,7 +59,7 @@ def _replacements(mod: tvm.IRModule, func: relax.Function) -> dict:
                                   f"tvm_ext_pack_quantized_rows_{'x'.join(map(str, shape))}_{blocked[4]}_z{zero}")
         if _transposed(value):  # (M, N) = permute_dims(reshape(unpack_quantized(blocks), (N, M)))
             reshaped = bound(value.args[0])
-            unpack = bound(reshaped.args[0]) if _is_op(reshaped, "relax.reshape") else None
+            unpack = bound(reshaped.args[0]) if is_call(reshaped, "relax.reshape") else None
             if unpack is None or called_kernel(mod, unpack, "unpack_quantized") is None:
                 continue
             blocks = unpack.args[1].fields[0]
