@@ -19,6 +19,7 @@ with a reshape of its start (a view), found by moving the elements' indices in N
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import tvm
@@ -51,44 +52,58 @@ def _moved_source(quantize: relax.Call, values: dict) -> tuple[relax.Expr, list[
     return _args(dequantize)[0], moves[::-1]
 
 
-def quantized_data_movement() -> tvm.transform.Pass:
-    """Rewrite each quantize of moved dequantized values with their own quantization to the moves
-    of the quantized tensor (see the module's docstring)."""
+def _rebinding_pass(name: str, find: Callable[[dict], dict], emit: Callable) -> tvm.transform.Pass:
+    """A module pass: in each Relax function, each variable `find(its bindings)` maps to what it
+    found is bound to `emit(mutator, binding, found)` instead; what nothing reads any more is
+    dropped. The module given is left as it was."""
 
     @relax.expr_functor.mutator
     class _Rewrite(relax.PyExprMutator):
-        def __init__(self, mod: tvm.IRModule, values: dict):
+        def __init__(self, mod: tvm.IRModule, found: dict):
             super().__init__(mod)
-            self.values = values
+            self.found = found
 
         def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-            found = _moved_source(binding.value, self.values) if op_name(binding.value) == "relax.quantize" and \
-                isinstance(binding.var, relax.DataflowVar) else None  # (an output stays: it is bound once)
-            if found is None:
+            if binding.var not in self.found:
                 super().visit_var_binding_(binding)
                 return
-            source, moves = found
-            moved = self.visit_expr(source)
-            for move in moves:
-                moved = self.builder_.emit(relax.Call(move.op, [moved, *move.args[1:]], move.attrs, move.ty_args))
-            self.set_var_remap(binding.var, moved)
+            self.set_var_remap(binding.var, emit(self, binding, self.found[binding.var]))
 
-    @tvm.transform.module_pass(opt_level=0, name="tvm_ext.QuantizedDataMovement")
+    @tvm.transform.module_pass(opt_level=0, name=name)
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         changed = False
         for gvar, func in list(mod.functions_items()):
             if not isinstance(func, relax.Function) or "Composite" in (func.attrs or {}):
                 continue
-            values = {b.var: b.value for block in func.body.blocks for b in block.bindings
-                      if isinstance(b, relax.VarBinding)}
-            if not any(op_name(v) == "relax.quantize" and _moved_source(v, values) for v in values.values()):
+            found = find({b.var: b.value for block in func.body.blocks for b in block.bindings
+                          if isinstance(b, relax.VarBinding)})
+            if not found:
                 continue
-            rewrite = _Rewrite(mod, values)
+            rewrite = _Rewrite(mod, found)
             rewrite.builder_.update_func(gvar, rewrite.visit_expr(func))
             mod, changed = rewrite.builder_.get(), True
         return relax.transform.DeadCodeElimination()(mod) if changed else mod
 
     return _pass
+
+
+def quantized_data_movement() -> tvm.transform.Pass:
+    """Rewrite each quantize of moved dequantized values with their own quantization to the moves
+    of the quantized tensor (see the module's docstring)."""
+
+    def find(values: dict) -> dict:
+        # (an output stays: it is bound once)
+        return {var: found for var, value in values.items() if isinstance(var, relax.DataflowVar)
+                and op_name(value) == "relax.quantize" and (found := _moved_source(value, values)) is not None}
+
+    def emit(mutator: relax.PyExprMutator, _binding: relax.VarBinding, found: tuple) -> relax.Expr:
+        source, moves = found
+        moved = mutator.visit_expr(source)
+        for move in moves:
+            moved = mutator.builder_.emit(relax.Call(move.op, [moved, *move.args[1:]], move.attrs, move.ty_args))
+        return moved
+
+    return _rebinding_pass("tvm_ext.QuantizedDataMovement", find, emit)
 
 
 def _undone(value: relax.Call, values: dict) -> relax.Expr | None:
@@ -116,37 +131,14 @@ def undone_moves() -> tvm.transform.Pass:
     """Replace each chain of data moves that leaves its start's elements in their order with a
     reshape of its start, or the start itself (see the module's docstring)."""
 
-    @relax.expr_functor.mutator
-    class _Rewrite(relax.PyExprMutator):
-        def __init__(self, mod: tvm.IRModule, starts: dict):
-            super().__init__(mod)
-            self.starts = starts
+    def find(values: dict) -> dict:
+        return {var: start for var, value in values.items() if op_name(value) in DATA_MOVEMENT_OPS
+                and (start := _undone(value, values)) is not None}
 
-        def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-            start = self.starts.get(binding.var)
-            if start is None:
-                super().visit_var_binding_(binding)
-                return
-            start = self.visit_expr(start)
-            same = static_shape(start) == static_shape(binding.var)
-            self.set_var_remap(binding.var, start if same else
-                               self.builder_.emit(relax.op.reshape(start, binding.var.ty.shape), binding.var.name))
+    def emit(mutator: relax.PyExprMutator, binding: relax.VarBinding, start: relax.Expr) -> relax.Expr:
+        start = mutator.visit_expr(start)
+        if static_shape(start) == static_shape(binding.var):
+            return start
+        return mutator.builder_.emit(relax.op.reshape(start, binding.var.ty.shape), binding.var.name)
 
-    @tvm.transform.module_pass(opt_level=0, name="tvm_ext.UndoneMoves")
-    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        changed = False
-        for gvar, func in list(mod.functions_items()):
-            if not isinstance(func, relax.Function) or "Composite" in (func.attrs or {}):
-                continue
-            values = {b.var: b.value for block in func.body.blocks for b in block.bindings
-                      if isinstance(b, relax.VarBinding)}
-            starts = {var: start for var, value in values.items() if op_name(value) in DATA_MOVEMENT_OPS
-                      and (start := _undone(value, values)) is not None}
-            if not starts:
-                continue
-            rewrite = _Rewrite(mod, starts)
-            rewrite.builder_.update_func(gvar, rewrite.visit_expr(func))
-            mod, changed = rewrite.builder_.get(), True
-        return relax.transform.DeadCodeElimination()(mod) if changed else mod
-
-    return _pass
+    return _rebinding_pass("tvm_ext.UndoneMoves", find, emit)
