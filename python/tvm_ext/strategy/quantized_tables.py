@@ -9,9 +9,9 @@ values give a table, and the chain is one lookup a value (ONNX Runtime's QLinear
 :func:`quantized_lookup_tables` finds each chain (from a per-tensor dequantize, the element-wise
 float ops and quantize / dequantize pairs whose every non-constant operand is in the chain; a
 constant is a scalar, or a variable bound to the dequantize of one: ORT quantizes GELU's 1.0 and
-0.5 too), and
-replaces the quantized values the rest of the graph reads with one
-:func:`~tvm_ext.kernels.elementwise.lookup_table_func` call each. The tables are computed at build
+0.5 too), and replaces the quantized values the rest of the graph reads with one
+:func:`~tvm_ext.kernels.elementwise.lookup_table_func` call each, on the tensor the chain's source
+is moved from (the moves after it). The tables are computed at build
 time in NumPy with the graph's float32 arithmetic (relax's ops; the transcendental functions in
 float64 rounded to float32, within an ulp of TVM's) and quantizes rounding to nearest even, as
 ONNX and PyTorch round and as tvm_ext's fake quantization does.
