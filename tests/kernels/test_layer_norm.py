@@ -9,7 +9,12 @@ from reference import rel_err
 from tvm import relax
 
 import tvm_ext
-from tvm_ext.kernels.layer_norm import LayerNorm, layer_norm_func, quantized_layer_norm_func
+from tvm_ext.kernels.layer_norm import (
+    QUANTIZED_NORM_MAX_CHANNELS,
+    LayerNorm,
+    layer_norm_func,
+    quantized_layer_norm_func,
+)
 from tvm_ext.relax_info import Quantization
 
 TARGET = tvm_ext.resolve_target("llvm")
@@ -72,6 +77,9 @@ def test_quantized_kernel_refuses_what_it_does_not_compute():
         quantized_layer_norm_func((2, 8), Quantization(0.1, 0, "float32"), Quantization(0.1, 0), 1e-5)
     with pytest.raises(ValueError, match="out of range"):
         quantized_layer_norm_func((2, 8), Quantization(0.1, 0), Quantization(0.1, 0), -1.0)
+    with pytest.raises(ValueError, match="out of range"):  # (its int32 lanes would overflow)
+        quantized_layer_norm_func((1, QUANTIZED_NORM_MAX_CHANNELS + 1), Quantization(0.1, 0), Quantization(0.1, 0),
+                                  1e-5)
 
 
 def _convnext_block(rng, x_shape, flatten: bool, batch=None):

@@ -26,7 +26,7 @@ from tvm.tirx.script import builder as T
 from ..relax_info import Quantization
 from .common import KERNEL_ATTR, param_buffer
 
-__all__ = ["LayerNorm", "layer_norm_func", "quantized_layer_norm_func"]
+__all__ = ["QUANTIZED_NORM_MAX_CHANNELS", "LayerNorm", "layer_norm_func", "quantized_layer_norm_func"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +107,8 @@ def layer_norm_func(norm: LayerNorm) -> tirx.PrimFunc:
 
 _QUANTIZED_RANGES = {"uint8": (0, 255), "int8": (-128, 127)}
 _LANES = 16  # int32 / float32 lanes of a zmm: the channel loops' vector width
+# each int32 lane sums the squares of C / 16 values of at most 255^2: the widest row it takes
+QUANTIZED_NORM_MAX_CHANNELS = (2**31 - 1) // (255 * 255) * _LANES
 
 
 def quantized_layer_norm_func(shape: tuple[int, ...], data: Quantization, out: Quantization,
@@ -114,12 +116,13 @@ def quantized_layer_norm_func(shape: tuple[int, ...], data: Quantization, out: Q
     """quantize(layer_norm(dequantize(x)) * gamma + beta) over the last axis of `shape` (rows of
     channels), x quantized by `data`, the result by `out` (rounding to nearest even, as ONNX's
     QuantizeLinear). Parameters x, gamma (C,), beta (C,), y. With t = x - z: mean = s * sum(t) /
-    C and variance = s^2 * (C * sum(t^2) - sum(t)^2) / C^2, from int32 sums (exact: 255^2 x C
-    fits for C < 33000), then y = (t - sum(t) / C) * s * rstd * gamma + beta in float32."""
+    C and variance = s^2 * (C * sum(t^2) - sum(t)^2) / C^2, from exact integer sums (int32
+    lanes: C up to :data:`QUANTIZED_NORM_MAX_CHANNELS`), then y = (t - sum(t) / C) * s * rstd *
+    gamma + beta in float32."""
     if data.dtype not in _QUANTIZED_RANGES or out.dtype not in _QUANTIZED_RANGES:
         raise ValueError(f"quantized_layer_norm: dtypes {data.dtype} -> {out.dtype} are not uint8 / int8")
     *leading, channels = (int(v) for v in shape)
-    if channels < 1 or channels >= 33000 or min(leading, default=1) < 1 or not epsilon >= 0:
+    if not 1 <= channels <= QUANTIZED_NORM_MAX_CHANNELS or min(leading, default=1) < 1 or not epsilon >= 0:
         raise ValueError(f"quantized_layer_norm: shape {tuple(shape)} or epsilon {epsilon} out of range")
     rows = math.prod(leading)
     whole = channels - channels % _LANES

@@ -17,7 +17,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..kernels.layer_norm import quantized_layer_norm_func
+from ..kernels.layer_norm import QUANTIZED_NORM_MAX_CHANNELS, quantized_layer_norm_func
 from ..relax_info import is_call, op_name, per_tensor_quantization, static_shape
 from .base import readers_of, rebind_each_function
 
@@ -65,7 +65,7 @@ def _replacements(mod: tvm.IRModule, func: relax.Function) -> dict:
         gamma = _constant_values(norm.args[1], values) if norm.attrs.scale else np.ones(channels, np.float32)
         beta = _constant_values(norm.args[2], values) if norm.attrs.center else np.zeros(channels, np.float32)
         if data is None or out is None or gamma is None or beta is None or gamma.size != channels or \
-                beta.size != channels:
+                beta.size != channels or channels > QUANTIZED_NORM_MAX_CHANNELS:
             continue
         # (private: this runs before TVM's library dispatch, which finds public symbols twice)
         kernel = quantized_layer_norm_func(shape, data, out, float(norm.attrs.epsilon)).without_attr("global_symbol")
