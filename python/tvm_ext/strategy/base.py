@@ -16,6 +16,7 @@ from ..errors import UnsupportedError
 from ..kernels import pool2d as _pool
 from ..kernels.common import KERNEL_ATTR
 from ..relax_info import prim_value, same_extent
+from ..transform.quantized_movement import replay_moves
 
 logger = logging.getLogger("tvm_ext")
 
@@ -259,10 +260,15 @@ def add_kernel(bb: relax.BlockBuilder, func: tvm.tirx.PrimFunc, name: str) -> tv
 
 
 def rebind_to_kernels(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Function,
-                      calls: dict[relax.Var, tuple[list[relax.Expr], tvm.tirx.PrimFunc, str]]) -> tvm.IRModule:
+                      calls: dict[relax.Var, tuple[list[relax.Expr], tvm.tirx.PrimFunc, str]],
+                      moved: dict[relax.Var, tuple[relax.TensorType, list[relax.Call]]] | None = None) -> tvm.IRModule:
     """`mod` with `func` (bound to `gvar`) computing each variable of `calls` by one kernel call,
     (its arguments, the kernel, its name), and what nothing reads any more dropped: a rewrite of
-    lowered Relax (a few passes replaced by one, a kernel reading another tensor)."""
+    lowered Relax (a few passes replaced by one, a kernel reading another tensor). A variable of
+    `moved` -> (the type its kernel writes, data moves) is the kernel's output moved so (an
+    element-wise kernel run before the moves its input had: quantized_tables)."""
+    moves_of = moved or {}
+
     @relax.expr_functor.mutator
     class _Mutator(relax.PyExprMutator):
         def visit_var_binding_(self, binding: relax.VarBinding) -> None:
@@ -270,9 +276,13 @@ def rebind_to_kernels(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Fun
                 super().visit_var_binding_(binding)
                 return
             args, kernel, name = calls[binding.var]
+            written, moves = moves_of.get(binding.var, (binding.var.ty, []))
             call = relax.call_tir(add_kernel(self.builder_, kernel, name), [self.visit_expr(arg) for arg in args],
-                                  binding.var.ty)
-            self.set_var_remap(binding.var, self.builder_.emit(call, binding.var.name))
+                                  written)
+            if moves:
+                self.set_var_remap(binding.var, replay_moves(self.builder_, self.builder_.emit(call), moves))
+            else:
+                self.set_var_remap(binding.var, self.builder_.emit(call, binding.var.name))
 
     mutator = _Mutator(mod)
     mutator.builder_.update_func(gvar, mutator.visit_expr(func))

@@ -31,7 +31,7 @@ from tvm import relax
 from ..kernels.elementwise import lookup_table_func
 from ..relax_info import DATA_MOVEMENT_OPS, op_name, per_tensor_quantization, prim_value, scalar_array, static_shape
 from ..target import TargetLike
-from .base import add_kernel, readers_of
+from .base import readers_of, rebind_to_kernels
 
 __all__ = ["LOOKUP_KERNEL", "LOOKUP_ZEROS_ATTR", "quantized_lookup_tables"]
 
@@ -217,36 +217,13 @@ def _unmoved(expr: relax.Expr, values: dict) -> tuple[relax.Expr, list[relax.Cal
     return expr, moves[::-1]
 
 
-def _rebind_to_lookups(mod: tvm.IRModule, gvar: tvm.ir.GlobalVar, func: relax.Function, lookups: dict) -> tvm.IRModule:
-    """`mod` with each variable of `lookups` -> (the unmoved source, its moves, the table, the
-    kernel, its name) computed by the lookup of the unmoved source, then its moves: an element-wise
-    function commutes with data movement, and the moves then meet their inverses
-    (:func:`~tvm_ext.transform.undone_moves`: a dense layer's rows transposed for a GELU and back)
-    and the lookup its source's blocks (the int8 lowering)."""
-    @relax.expr_functor.mutator
-    class _Mutator(relax.PyExprMutator):
-        def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-            if binding.var not in lookups:
-                super().visit_var_binding_(binding)
-                return
-            source, moves, table, kernel, name = lookups[binding.var]
-            source = self.visit_expr(source)
-            out = self.builder_.emit(relax.call_tir(add_kernel(self.builder_, kernel, name), [source, table],
-                                                    relax.TensorType(static_shape(source), binding.var.ty.dtype)))
-            for move in moves:
-                out = self.builder_.emit(relax.Call(move.op, [out, *move.args[1:]], move.attrs, move.ty_args))
-            self.set_var_remap(binding.var, out)
-
-    mutator = _Mutator(mod)
-    mutator.builder_.update_func(gvar, mutator.visit_expr(func))
-    return relax.transform.DeadCodeElimination()(mutator.builder_.get())
-
-
 def quantized_lookup_tables(target: TargetLike = None) -> tvm.transform.Pass:
     """Replace each element-wise chain between quantized tensors with table lookups (see the
     module's docstring) for `target` (None: the lookup any CPU runs), each on the quantized
-    tensor its source is moved from (:func:`_rebind_to_lookups`); what nothing reads any more is
-    dropped."""
+    tensor its source is moved from, then those moves: an element-wise function commutes with
+    data movement, and the moves then meet their inverses (:func:`~tvm_ext.transform.undone_moves`:
+    a dense layer's rows transposed for a GELU and back) and the lookup its source's blocks (the
+    int8 lowering). What nothing reads any more is dropped."""
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.QuantizedLookupTables")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -254,7 +231,7 @@ def quantized_lookup_tables(target: TargetLike = None) -> tvm.transform.Pass:
             if not isinstance(func, relax.Function) or "Composite" in (func.attrs or {}):
                 continue
             values = relax.analysis.get_var2val(func)
-            lookups = {}
+            lookups, moved = {}, {}
             for chain in _chains(func):
                 source, moves = _unmoved(chain.source, values)
                 shape = static_shape(source)
@@ -268,10 +245,11 @@ def quantized_lookup_tables(target: TargetLike = None) -> tvm.transform.Pass:
                     kernel = lookup_table_func(shape, chain.dtype, out_dtype, target)
                     kernel = kernel.without_attr("global_symbol").with_attr(LOOKUP_ZEROS_ATTR,
                                                                            [chain.zero_point, out_zero])
-                    lookups[var] = (source, moves, relax.const(table), kernel,
-                                    f"{LOOKUP_KERNEL}_{'x'.join(map(str, shape))}")
+                    name = f"{LOOKUP_KERNEL}_{'x'.join(map(str, shape))}"
+                    lookups[var] = ([source, relax.const(table)], kernel, name)
+                    moved[var] = (relax.TensorType(shape, out_dtype), moves)
             if lookups:
-                mod = _rebind_to_lookups(mod, gvar, func, lookups)
+                mod = rebind_to_kernels(mod, gvar, func, lookups, moved)
                 logger.debug("tvm_ext: %d quantized values as table lookups", len(lookups))
         return mod
 

@@ -10,12 +10,12 @@ returns a new module and leaves the one it was given as it was."""
 from .channels_last import channels_last_as_nchw
 from .fold_batch_norm import fold_batch_norm, fold_trained_batch_norm
 from .matmul_as_conv2d import matmul_as_conv2d, quantized_matmul_as_conv2d
-from .quantized_movement import quantized_data_movement, undone_moves
+from .quantized_movement import quantized_data_movement, replay_moves, undone_moves
 from .recognise_activations import recognise_silu
 from .running_statistics import split_running_statistics
 from .split_batch import runs_per_inference, split_batch
 from .unique_constants import unique_constants
 
 __all__ = ["channels_last_as_nchw", "fold_batch_norm", "fold_trained_batch_norm", "matmul_as_conv2d",
-           "quantized_data_movement", "quantized_matmul_as_conv2d", "recognise_silu",
+           "quantized_data_movement", "quantized_matmul_as_conv2d", "recognise_silu", "replay_moves",
            "runs_per_inference", "split_batch", "split_running_statistics", "undone_moves", "unique_constants"]

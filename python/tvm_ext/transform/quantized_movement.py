@@ -27,11 +27,19 @@ from tvm import relax
 
 from ..relax_info import DATA_MOVEMENT_OPS, op_name, per_tensor_quantization, static_shape
 
-__all__ = ["quantized_data_movement", "undone_moves"]
+__all__ = ["quantized_data_movement", "replay_moves", "undone_moves"]
 
 def _args(call) -> list[relax.Expr]:
     """A call's arguments (for a value the type checker cannot narrow)."""
     return list(call.args)
+
+
+def replay_moves(bb: relax.BlockBuilder, value: relax.Expr, moves: list[relax.Call]) -> relax.Expr:
+    """`moves` (data-movement calls, in order) emitted again on `value` in place of their first
+    operand: the same movement of another tensor of the same shape."""
+    for move in moves:
+        value = bb.emit(relax.Call(move.op, [value, *move.args[1:]], move.attrs, move.ty_args))
+    return value
 
 
 def _moved_source(quantize: relax.Call, values: dict) -> tuple[relax.Expr, list[relax.Call]] | None:
@@ -98,10 +106,7 @@ def quantized_data_movement() -> tvm.transform.Pass:
 
     def emit(mutator: relax.PyExprMutator, _binding: relax.VarBinding, found: tuple) -> relax.Expr:
         source, moves = found
-        moved = mutator.visit_expr(source)
-        for move in moves:
-            moved = mutator.builder_.emit(relax.Call(move.op, [moved, *move.args[1:]], move.attrs, move.ty_args))
-        return moved
+        return replay_moves(mutator.builder_, mutator.visit_expr(source), moves)
 
     return _rebinding_pass("tvm_ext.QuantizedDataMovement", find, emit)
 
