@@ -60,3 +60,23 @@ def test_moves_that_undo_each_other_become_a_view_of_their_start(steps, undone):
         tvm.runtime.tensor(x))]
     for got, want in zip(run(rewritten), run(mod), strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def test_replay_moves_moves_another_tensor_alike():
+    """The moves of x -> reshape -> transpose emitted again on y: y's elements moved as x's."""
+    from tvm_ext.transform import replay_moves
+
+    op = relax.op
+    x = relax.Var("x", relax.TensorType((2, 3, 4), "float32"))
+    y = relax.Var("y", relax.TensorType((2, 3, 4), "float32"))
+    moves = [op.reshape(x, (6, 4))]
+    moves.append(op.permute_dims(moves[0], [1, 0]))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, y]):
+        with bb.dataflow():
+            out = bb.emit_output(replay_moves(bb, y, moves))
+        bb.emit_func_output(out)
+    values = np.random.default_rng(1).standard_normal((2, 3, 4)).astype(np.float32)
+    got = relax.VirtualMachine(tvm.compile(bb.get(), "llvm"), tvm.cpu())["main"](
+        tvm.runtime.tensor(np.zeros_like(values)), tvm.runtime.tensor(values)).numpy()
+    np.testing.assert_array_equal(got, values.reshape(6, 4).T)
