@@ -22,7 +22,7 @@ from tvm.relax.backend.cuda import pipeline as cuda_pipeline
 from tvm.s_tir import dlight
 
 from .dlight import Guarded, OnAlignedAccesses
-from .dlight.cpu import ParallelVectorize
+from .dlight.cpu import ParallelVectorize, RowDotProducts
 from .errors import UnsupportedError
 from .kernels.common import KERNEL_ATTR
 from .link import compile_relax
@@ -160,7 +160,7 @@ def pipeline(target: TargetLike = None, database=None, images_per_call: int | No
             passes = (
                 _lowering_passes(resolved, cpu_kernel_passes(resolved, database, images_per_call, winograd=winograd,
                                                              precision=precision, maxdnn=maxdnn),
-                                 [Guarded(dlight.cpu.GEMV()), Guarded(OnAlignedAccesses(dlight.cpu.Reduction())),
+                                 [Guarded(RowDotProducts()), Guarded(OnAlignedAccesses(dlight.cpu.Reduction())),
                                   ParallelVectorize()])
                 + cpu_pipeline.dataflow_lower_passes(resolved)
                 + _with_arena(cpu_pipeline.finalize_passes(resolved))
