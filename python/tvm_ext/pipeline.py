@@ -7,7 +7,8 @@ of legalization. A batch's convolutional trunk first becomes one call per image
 :mod:`tvm_ext.transform` and :mod:`tvm_ext.strategy` fold batch norms into convolution weights, fuses conv + bias +
 shortcut + activation into one kernel call, and lowers convolutions, dense layers, pooling and
 activations to our kernels (stock TVM, with a reason, for the rest). Every PrimFunc left
-unscheduled gets a default schedule (dlight's CPU rules, then
+unscheduled gets a default schedule (:class:`tvm_ext.dlight.cpu.RowDotProducts` for
+matrix-vector products, dlight's CPU Reduction rule, then
 :class:`tvm_ext.dlight.cpu.ParallelVectorize`) instead of stock TVM's naive loops.
 """
 
