@@ -19,7 +19,7 @@ def _graph() -> tvm.IRModule:
     x = relax.Var("x", relax.TensorType((1, 8, 4, 4), "float32"))
     with bb.function("main", [x]):
         with bb.dataflow():
-            y = bb.emit(op.nn.conv2d(x, const(8, 8, 3, 3), padding=1))
+            y = bb.emit(op.nn.conv2d(x, op.multiply(const(8, 8, 3, 3), relax.const(0.5, "float32")), padding=1))
             norm = bb.emit(op.nn.batch_norm(y, const(8), const(8), const(8), relax.const(np.ones(8, np.float32)),
                                             axis=1, training=False))
             y = bb.emit(relax.TupleGetItem(norm, 0))
@@ -36,7 +36,7 @@ def _graph() -> tvm.IRModule:
     return bb.get()
 
 
-PASSES = ["channels_last_as_nchw", "fold_batch_norm", "matmul_as_conv2d", "recognise_silu",
+PASSES = ["channels_last_as_nchw", "fold_batch_norm", "fold_constants_in_numpy", "matmul_as_conv2d", "recognise_silu",
           "split_running_statistics", "unique_constants"]
 
 
