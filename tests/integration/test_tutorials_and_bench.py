@@ -241,6 +241,20 @@ def test_zoo_bench_rejects_an_unknown_model():
     assert out.returncode == 2 and "lenet not in the zoo" in out.stderr
 
 
+def test_timm_zoo_bench_smoke():
+    """bench/timm_zoo.py: one small timm network's row where timm is installed (it is no
+    dependency); without it, exit status 2 and what to install."""
+    out = subprocess.run([sys.executable, "bench/timm_zoo.py", "--models", "lcnet_050", "--size", "64"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    if "needs timm" in out.stderr:
+        assert out.returncode == 2 and "pip install timm" in out.stderr
+        return
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    (row,) = [line for line in out.stdout.splitlines() if line.startswith("| lcnet_050 |")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[1]) <= 1e-4 and cells[2] == "yes" and cells[3] == "0", row
+
+
 @pytest.mark.long
 def test_dynamic_batch_bench_smoke():
     out = _run("bench/dynamic_batch.py", "--model", "resnet18", "--size", "64", "--batches", "1,2", "--repeat", "1",
