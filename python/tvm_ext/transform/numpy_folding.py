@@ -24,10 +24,12 @@ _BINARY = {"relax.add": np.add, "relax.subtract": np.subtract, "relax.multiply":
 
 def _instance_norm(call: relax.Call, data: np.ndarray, gamma: np.ndarray, beta: np.ndarray) -> np.ndarray | None:
     """topi's instance norm: (x - mean) / sqrt(var + eps) * gamma + beta over `axes`, gamma and
-    beta along the channel axis. None where center or scale is off (the legalization ignores
-    them: leave that to FoldConstant, which computes what TVM would)."""
+    beta (C,) along the channel axis. None where center or scale is off (the legalization ignores
+    them: leave that to FoldConstant, which computes what TVM would) or gamma / beta are shaped
+    otherwise."""
     attrs = call.attrs
-    if not (attrs.center and attrs.scale):
+    channels = data.shape[int(attrs.channel_axis) % data.ndim]
+    if not (attrs.center and attrs.scale) or gamma.shape != (channels,) or beta.shape != (channels,):
         return None
     x = data.astype(np.float64)
     axes = tuple(int(a) % x.ndim for a in attrs.axes)
