@@ -14,8 +14,8 @@ from tvm import relax
 from .errors import UnsupportedError
 
 __all__ = ["static_shape", "image_shape", "known_shape", "symbolic_batch", "same_extent", "shape_text", "dtype",
-           "prim_value", "is_channel_bias", "is_call", "op_name", "scalar_array", "per_tensor_quantization",
-           "DATA_MOVEMENT_OPS", "Quantization"]
+           "prim_value", "is_channel_bias", "is_call", "op_name", "constant_array", "scalar_array",
+           "per_tensor_quantization", "DATA_MOVEMENT_OPS", "Quantization"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,11 +128,17 @@ def op_name(expr) -> str | None:
     return None
 
 
+def constant_array(expr) -> np.ndarray | None:
+    """A tensor constant's data, else None (a constant holding a Python number, a PrimValue or a
+    variable is none)."""
+    to_numpy = getattr(getattr(expr, "value", None), "numpy", None) if isinstance(expr, tvm.ir.Constant) else None
+    return to_numpy() if to_numpy is not None else None
+
+
 def scalar_array(expr) -> np.ndarray | None:
     """A constant holding one number, as a one-element array of its dtype, else None (a PrimValue
     or a variable is none)."""
-    to_numpy = getattr(getattr(expr, "value", None), "numpy", None) if isinstance(expr, tvm.ir.Constant) else None
-    array = to_numpy() if to_numpy is not None else None
+    array = constant_array(expr)
     return array.reshape(1) if array is not None and array.size == 1 else None
 
 

@@ -9,6 +9,7 @@ from tvm import relax
 from tvm_ext.errors import UnsupportedError
 from tvm_ext.relax_info import (
     Quantization,
+    constant_array,
     image_shape,
     is_call,
     known_shape,
@@ -83,3 +84,5 @@ def test_per_tensor_quantization_reads_constant_parameters_of_a_quantize_or_dequ
     assert is_call(op.add(x, x), "relax.add") and not is_call(op.add(x, x), "relax.multiply") and not is_call(x, "x")
     assert scalar_array(scale).dtype == np.float32 and scalar_array(per_channel) is None
     assert scalar_array(x) is None
+    np.testing.assert_array_equal(constant_array(per_channel), np.full(3, 0.25, np.float32))
+    assert constant_array(scale).shape == () and constant_array(x) is None

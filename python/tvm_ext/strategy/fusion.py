@@ -471,10 +471,10 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     """Constant folding, batch-norm folding and epilogue grouping: the graph as tvm_ext sees it.
 
     The pipeline runs these before lowering; the dispatch report runs them to say what fuses.
-    Bindings are canonicalized and dead ones dropped first (an importer's tuples around a
+    Arithmetic on constants is folded in NumPy first (weights computed in the graph: NFNet's
+    standardization), then bindings are canonicalized and dead ones dropped (an importer's tuples around a
     training-mode batch norm, (y, mean, var, ...)[0], would otherwise hide y from its epilogue's
-    pattern); FoldConstant then turns importer biases such as reshape(const) into constants, after
-    the arithmetic NumPy folds faster (weights computed in the graph: NFNet's standardization).
+    pattern); FoldConstant then turns importer biases such as reshape(const) into constants.
     """
     return [fold_constants_in_numpy(), relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination(),
             relax.transform.FoldConstant(), fold_batch_norm(), matmul_as_conv2d(),

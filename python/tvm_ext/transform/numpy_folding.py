@@ -14,7 +14,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..relax_info import dtype, op_name, static_shape
+from ..relax_info import constant_array, dtype, op_name, static_shape
 
 __all__ = ["fold_constants_in_numpy"]
 
@@ -56,10 +56,8 @@ def _fold(call: relax.Call, arrays: list[np.ndarray], out_shape: tuple[int, ...]
     return None
 
 
-def _constant_array(expr) -> np.ndarray | None:
-    """A float32 tensor constant's data (a constant may also hold a Python number: None)."""
-    to_numpy = getattr(getattr(expr, "value", None), "numpy", None) if isinstance(expr, tvm.ir.Constant) else None
-    array = to_numpy() if to_numpy is not None else None
+def _float32_array(expr) -> np.ndarray | None:
+    array = constant_array(expr)
     return array if array is not None and array.dtype == np.float32 else None
 
 
@@ -94,7 +92,7 @@ def fold_constants_in_numpy() -> tvm.transform.Pass:
                     or dtype(var) != "float32"):
                 return None
             operands = value.args[:1] if op_name(value) == "relax.reshape" else value.args
-            arrays = [a for a in map(_constant_array, operands) if a is not None]
+            arrays = [a for a in map(_float32_array, operands) if a is not None]
             if not arrays or len(arrays) != len(operands):
                 return None
             with np.errstate(all="ignore"):  # a division by zero gives inf, as TVM's would
