@@ -58,12 +58,7 @@ def check(name: str, size: int, seed: int) -> str:
     from tvm_ext.models import torchvision_zoo
 
     torch.manual_seed(seed)
-    model = timm.create_model(name, pretrained=False)
-    model.train()
-    with torch.no_grad():
-        for _ in range(2):
-            model(torch.randn(4, 3, size, size))
-    model.eval()
+    model = torchvision_zoo.calibrate(timm.create_model(name, pretrained=False), size)
     mod, x = torchvision_zoo.export(model, size=size, seed=seed + 1)
     with torch.no_grad():
         want = model(torch.from_numpy(x)).numpy().astype(np.float64)

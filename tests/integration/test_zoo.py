@@ -75,3 +75,17 @@ def test_zoo_model_with_a_dynamic_batch():
         with torch.no_grad():
             ref = model(torch.from_numpy(x)).numpy()
         assert rel_err(_run(ex, x), ref) <= 5e-4
+
+
+def test_calibrate_takes_batch_norm_statistics_from_random_images():
+    """zoo.calibrate (load's, and bench/timm_zoo.py's for timm models): the running statistics
+    of a conv's outputs over random images, the model returned in eval mode."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8, momentum=None))
+    assert zoo.calibrate(model, 16) is model and not model.training
+    norm = model[1]
+    assert not torch.allclose(norm.running_var, torch.ones(8)) and int(norm.num_batches_tracked) == 2
+    with torch.no_grad():
+        y = model[0](torch.randn(64, 3, 16, 16))
+    # momentum=None: the running statistics are the two batches' average, near the population's
+    assert torch.allclose(norm.running_var, y.var(dim=(0, 2, 3)), rtol=0.5)

@@ -16,7 +16,7 @@ import types
 import numpy as np
 import tvm
 
-__all__ = ["FAMILIES", "import_torchvision", "load", "export"]
+__all__ = ["FAMILIES", "import_torchvision", "load", "calibrate", "export"]
 
 # One model of each torchvision classification family (the zoo the tests and bench/zoo.py run).
 FAMILIES = (
@@ -50,7 +50,14 @@ def load(name: str, size: int = 64, seed: int = 0):
     torchvision = import_torchvision()
     torch.manual_seed(seed)
     options = {"aux_logits": False, "init_weights": True} if name in ("googlenet", "inception_v3") else {}
-    model = torchvision.models.get_model(name, weights=None, **options)
+    return calibrate(torchvision.models.get_model(name, weights=None, **options), size)
+
+
+def calibrate(model, size: int = 64):
+    """`model` in eval mode, its batch norms' statistics taken from two batches of four random
+    `size` x `size` images in training mode (random weights keep a realistic scale so)."""
+    import torch
+
     model.train()
     with torch.no_grad():
         for _ in range(2):
