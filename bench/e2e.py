@@ -175,11 +175,12 @@ def _child(args: argparse.Namespace) -> None:
         best = None
         bf16 = torch.autocast("cpu", dtype=torch.bfloat16) if runtime == "pytorch_bf16" else contextlib.nullcontext()
         with torch.inference_mode(), bf16:
-            for fmt in (torch.contiguous_format, torch.channels_last):
+            channels_last = torch.channels_last if x.ndim == 4 else torch.channels_last_3d  # (a video's clips)
+            for fmt in (torch.contiguous_format, channels_last):
                 xt = torch.from_numpy(x).contiguous(memory_format=fmt)
                 times = time_calls(lambda xt=xt: forward(xt), args.repeat)
                 if best is None or statistics.median(times) < statistics.median(best[0]):
-                    best = (times, "channels_last" if fmt is torch.channels_last else "NCHW")
+                    best = (times, "channels_last" if fmt is channels_last else "NCHW")
             result["ms"], result["note"] = best
             output = forward(torch.from_numpy(x)).float().numpy()
     np.save(out, output)

@@ -9,9 +9,11 @@ take turns in processes of their own, as in bench/e2e.py (whose child and round-
 reuses): median ms over --rounds x --repeat runs, tvm_ext's speed-up as the median of same-round
 ratios, outputs checked against ONNX Runtime's. Goal on 2 threads, batch 1: no model below 1.0x
 ONNX Runtime, geometric mean >= 1.2x. A markdown table (for the README) ends the output.
+torchvision's video models (torchvision_zoo.VIDEO: r3d_18, mc3_18, r2plus1d_18) run on clips of
+--frames frames when named in --models.
 
 Usage: python bench/zoo.py [--models resnet18,...] [--size 224] [--batch 1] [--threads 2]
-                           [--repeat 20] [--rounds 3] [--stock]
+                           [--repeat 20] [--rounds 3] [--stock] [--frames 16]
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import e2e  # noqa: E402  (bench/e2e.py: the child processes and the round-robin
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from tvm_ext.models.torchvision_zoo import FAMILIES
+    from tvm_ext.models.torchvision_zoo import FAMILIES, VIDEO
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(FAMILIES))
@@ -43,12 +45,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=20, help="timed runs per round")
     ap.add_argument("--rounds", type=int, default=3, help="turns each runtime takes, round-robin")
     ap.add_argument("--stock", action="store_true", help="also stock TVM's default build (slow)")
+    ap.add_argument("--frames", type=int, default=16, help="frames a clip of a video model has")
     args = ap.parse_args(argv)
-    unknown = sorted(set(args.models.split(",")) - set(FAMILIES))
+    unknown = sorted(set(args.models.split(",")) - set(FAMILIES) - set(VIDEO))
     if unknown:
-        ap.error(f"--models: {', '.join(unknown)} not in the zoo ({', '.join(FAMILIES)})")
-    if min(args.size, args.batch, args.threads, args.repeat, args.rounds) < 1:
-        ap.error("--size, --batch, --threads, --repeat and --rounds must be >= 1")
+        ap.error(f"--models: {', '.join(unknown)} not in the zoo ({', '.join(FAMILIES + VIDEO)})")
+    if min(args.size, args.batch, args.threads, args.repeat, args.rounds, args.frames) < 1:
+        ap.error("--size, --batch, --threads, --repeat, --rounds and --frames must be >= 1")
     return args
 
 
@@ -61,8 +64,9 @@ def _prepare(name: str, args: argparse.Namespace, folder: Path) -> tuple[dict[st
     from tvm_ext.models import torchvision_zoo
 
     size = max(args.size, torchvision_zoo.MIN_SIZE.get(name, 1))
-    model = torchvision_zoo.load(name, size)
-    mod, x = torchvision_zoo.export(model, size, args.batch)
+    frames = args.frames if name in torchvision_zoo.VIDEO else None
+    model = torchvision_zoo.load(name, size, frames=frames)
+    mod, x = torchvision_zoo.export(model, size, args.batch, frames=frames)
     folder.mkdir(parents=True, exist_ok=True)
     np.save(folder / "input.npy", x)
     start = time.perf_counter()

@@ -180,3 +180,19 @@ def host_x86_targets() -> list:
         return []
     return [(isa, tvm_ext.resolve_target({"kind": "llvm", "mcpu": mcpu}))
             for isa, mcpu in order[: isas.index(host) + 1]]
+
+
+def conv3d_ncdhw(x, w, stride=(1, 1, 1), padding=(0, 0, 0, 0, 0, 0), dilation=(1, 1, 1), groups=1):
+    """Direct float64 3-D convolution, a 2-D one per output frame and temporal tap; padding is
+    (front, top, left, back, bottom, right)."""
+    x = np.asarray(x, np.float64)
+    w = np.asarray(w, np.float64)
+    taps = w.shape[2]
+    front, back = padding[0], padding[3]
+    xp = np.pad(x, ((0, 0), (0, 0), (front, back), (0, 0), (0, 0)))
+    depth = (xp.shape[2] - dilation[0] * (taps - 1) - 1) // stride[0] + 1
+    frames = []
+    for t in range(depth):
+        frames.append(sum(conv2d_nchw(xp[:, :, t * stride[0] + k * dilation[0]], w[:, :, k], None, stride[1:],
+                                      (*padding[1:3], *padding[4:6]), dilation[1:], groups) for k in range(taps)))
+    return np.stack(frames, axis=2)

@@ -16,7 +16,7 @@ import types
 import numpy as np
 import tvm
 
-__all__ = ["FAMILIES", "import_torchvision", "load", "calibrate", "export"]
+__all__ = ["FAMILIES", "VIDEO", "import_torchvision", "load", "calibrate", "export"]
 
 # One model of each torchvision classification family (the zoo the tests and bench/zoo.py run).
 FAMILIES = (
@@ -28,6 +28,9 @@ FAMILIES = (
 
 # the smallest input each family takes (its own pooling shrinks it to nothing below)
 MIN_SIZE = {"inception_v3": 75}
+
+# torchvision's video classification models built from 3-D convolutions (N, 3, frames, H, W)
+VIDEO = ("r3d_18", "mc3_18", "r2plus1d_18")
 
 _STUBBED = ("torchvision._meta_registrations", "torchvision._autograd_registrations")
 
@@ -42,36 +45,41 @@ def import_torchvision() -> types.ModuleType:
     return torchvision
 
 
-def load(name: str, size: int = 64, seed: int = 0):
+def load(name: str, size: int = 64, seed: int = 0, frames: int | None = None):
     """torchvision model `name` in eval mode: random weights, its batch norms' statistics taken
-    from two batches of random `size` x `size` images in training mode, then frozen."""
+    from two batches of random `size` x `size` images (clips of `frames` such images, for a
+    video model) in training mode, then frozen."""
     import torch
 
     torchvision = import_torchvision()
     torch.manual_seed(seed)
     options = {"aux_logits": False, "init_weights": True} if name in ("googlenet", "inception_v3") else {}
-    return calibrate(torchvision.models.get_model(name, weights=None, **options), size)
+    return calibrate(torchvision.models.get_model(name, weights=None, **options), size, frames)
 
 
-def calibrate(model, size: int = 64):
+def calibrate(model, size: int = 64, frames: int | None = None):
     """`model` in eval mode, its batch norms' statistics taken from two batches of four random
-    `size` x `size` images in training mode (random weights keep a realistic scale so)."""
+    `size` x `size` images (or clips of `frames` of them) in training mode (random weights keep a
+    realistic scale so)."""
     import torch
 
     model.train()
     with torch.no_grad():
         for _ in range(2):
-            model(torch.randn(4, 3, size, size))
+            model(torch.randn(4, 3, *(() if frames is None else (frames,)), size, size))
     return model.eval()
 
 
-def export(model, size: int = 64, batch: int = 1, seed: int = 1, dynamic_batch: bool = False) -> tuple:
-    """(Relax module, NCHW input as NumPy) of `model` exported at `batch` x 3 x `size` x `size`;
+def export(model, size: int = 64, batch: int = 1, seed: int = 1, dynamic_batch: bool = False,
+           frames: int | None = None) -> tuple:
+    """(Relax module, input as NumPy) of `model` exported at `batch` x 3 x `size` x `size` (NCHW),
+    or with `frames` `batch` x 3 x `frames` x `size` x `size` (NCDHW, a video model's clips);
     `dynamic_batch`: the batch dimension symbolic (torch.export.Dim)."""
     import torch
     from tvm.relax.frontend.torch import from_exported_program
 
-    x = torch.from_numpy(np.random.default_rng(seed).standard_normal((batch, 3, size, size)).astype(np.float32))
+    shape = (batch, 3, *(() if frames is None else (frames,)), size, size)
+    x = torch.from_numpy(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
     shapes = {"x": {0: torch.export.Dim("batch", min=1, max=64)}} if dynamic_batch else None
     with torch.no_grad():
         program = torch.export.export(_taking_x(model), (x,), dynamic_shapes=shapes)

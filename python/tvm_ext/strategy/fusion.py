@@ -13,6 +13,7 @@ from tvm import relax
 from ..relax_info import dtype, image_shape, is_channel_bias, known_shape, same_extent, static_shape, symbolic_batch
 from ..transform import (
     channels_last_as_nchw,
+    conv3d_as_conv2d,
     fold_batch_norm,
     fold_constants_in_numpy,
     matmul_as_conv2d,
@@ -477,7 +478,8 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     pattern); FoldConstant then turns importer biases such as reshape(const) into constants.
     """
     return [fold_constants_in_numpy(), relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination(),
-            relax.transform.FoldConstant(), fold_batch_norm(), matmul_as_conv2d(),
+            relax.transform.FoldConstant(), *([conv3d_as_conv2d()] if target.kind.name == "llvm" else []),
+            fold_batch_norm(), matmul_as_conv2d(),
             channels_last_as_nchw(layer_norm_over_channels=target.kind.name == "llvm"),
             recognise_silu(), unique_constants(), split_running_statistics(),
             relax.transform.FuseOpsByPattern(fusion_patterns(target), bind_constants=True)]
