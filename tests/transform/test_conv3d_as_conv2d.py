@@ -130,3 +130,18 @@ def test_what_frames_do_not_hold_stays_as_it_was():
     assert rel_err(_run(tvm_ext.build(mod, "llvm"), x), _run(tvm.compile(mod, "llvm"), x)) < 1e-6
     plain = one_input_graph((1, 3, 6, 6), lambda bb, x: relax.op.nn.relu(x))
     assert conv3d_as_conv2d()(plain).same_as(plain)
+
+
+def test_a_symbolic_batch_keeps_its_frames():
+    """The serving export (torch.export.Dim batch): the frames' batch N * D symbolic, every
+    convolution on a tvm_ext kernel image by image, right at batch 1 and 3."""
+    rng = np.random.default_rng(2)
+    batch = tvm.tirx.Var("n", "int64")
+    mod = _video_block(rng, shape=(batch, 4, 5, 12, 10))
+    assert "relax.nn.conv3d" not in _ops(conv3d_as_conv2d()(mod))
+    convs = [r for r in tvm_ext.dispatch_report(mod, "llvm") if r.op.startswith("nn.conv")]
+    assert len(convs) == 3 and all(r.kernel != "fallback" and "symbolic batch" in r.reason for r in convs)
+    ours, stock = tvm_ext.build(mod, "llvm"), tvm.compile(mod, "llvm")
+    for n in (1, 3):
+        x = rng.standard_normal((n, 4, 5, 12, 10)).astype(np.float32)
+        assert rel_err(_run(ours, x), _run(stock, x)) < 1e-5

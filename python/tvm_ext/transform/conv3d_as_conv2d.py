@@ -19,7 +19,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..relax_info import constant_array, dtype, known_shape, op_name, static_shape
+from ..relax_info import constant_array, dtype, op_name, same_extent, static_shape, symbolic_batch
 
 __all__ = ["conv3d_as_conv2d"]
 
@@ -33,21 +33,34 @@ _POOLS = {"relax.nn.max_pool3d": relax.op.nn.max_pool2d, "relax.nn.avg_pool3d": 
 
 @dataclasses.dataclass(frozen=True)
 class _Frames:
-    """A video value held as frames: the (N * D, C, H, W) expression and its N and D."""
+    """A video value held as frames: the (N * D, C, H, W) expression and its N (static, or a
+    symbolic batch) and D."""
 
     value: relax.Expr
-    batch: int
+    batch: int | tvm.tirx.PrimExpr
     depth: int
 
     @property
     def image(self) -> tuple[int, ...]:
         """(C, H, W) of a frame."""
-        return known_shape(static_shape(self.value), "frames")[1:]
+        shape = self.value.ty.shape
+        return tuple(int(shape[i]) for i in range(1, len(shape)))
+
+    def same_video(self, other: _Frames) -> bool:
+        """Whether `other` holds a video of the same shape (an elementwise op of the two is one of
+        their frames)."""
+        return (self.depth, self.image) == (other.depth, other.image) and same_extent(self.batch, other.batch)
 
 
-def _video_shape(expr: relax.Expr) -> tuple[int, ...] | None:
+def _video_shape(expr: relax.Expr) -> tuple | None:
+    """The shape of a 5-D float32 tensor, static or with a symbolic batch (a PrimExpr first)."""
+    if dtype(expr) != "float32":
+        return None
     shape = static_shape(expr)
-    return shape if shape is not None and len(shape) == 5 and dtype(expr) == "float32" else None
+    if shape is None and symbolic_batch(expr) is not None:
+        extents = expr.ty.shape
+        shape = (symbolic_batch(expr), *(int(extents[i]) for i in range(1, len(extents))))
+    return shape if shape is not None and len(shape) == 5 else None
 
 
 def _ints(values) -> list[int]:
@@ -91,7 +104,10 @@ def conv3d_as_conv2d() -> tvm.transform.Pass:
             """`expr` (a 5-D float32 tensor of static shape) as frames: held so already, or moved there."""
             if isinstance(expr, relax.Var) and expr in self.frames:
                 return self.frames[expr]
-            n, c, d, h, w = known_shape(_video_shape(expr), "a video")
+            shape = _video_shape(expr)
+            if shape is None:
+                raise ValueError("conv3d_as_conv2d: a video of unknown shape")  # _conv checked it
+            n, c, d, h, w = shape
             moved = relax.op.reshape(relax.op.permute_dims(self.visit_expr(expr), [0, 2, 1, 3, 4]), (n * d, c, h, w))
             return _Frames(self.builder_.emit(moved), n, d)
 
@@ -143,9 +159,7 @@ def conv3d_as_conv2d() -> tvm.transform.Pass:
             value), in either order."""
             first, second = (self._held(a) for a in call.args)
             if first is not None and second is not None:
-                if (first.batch, first.depth) != (second.batch, second.depth):
-                    return None
-                if static_shape(first.value) != static_shape(second.value):
+                if not first.same_video(second):
                     return None  # a broadcast between videos (over frames, say)
                 return dataclasses.replace(first, value=relax.Call(call.op, [first.value, second.value], call.attrs))
             frames = first if first is not None else second
@@ -191,16 +205,23 @@ def conv3d_as_conv2d() -> tvm.transform.Pass:
             if not isinstance(parts, relax.Tuple) or int(call.attrs.axis) % 5 != 1:
                 return None
             held = [h for h in (self._held(p) for p in parts.fields) if h is not None]
-            if len(held) != len(parts.fields) or len({(h.batch, h.depth) for h in held}) != 1:
+            if len(held) != len(parts.fields):
+                return None
+            first = held[0]  # the parts differ in their channels only
+            if not all(h.depth == first.depth and h.image[1:] == first.image[1:] and same_extent(h.batch, first.batch)
+                       for h in held):
                 return None
             return dataclasses.replace(held[0], value=relax.op.concat([h.value for h in held], axis=1))
 
         def _conv(self, call: relax.Call) -> _Frames | None:
             attrs = call.attrs
             x, weight = call.args
-            shape, w_shape, out_shape = _video_shape(x), _video_shape(weight), _video_shape(call)
+            shape, out_shape = _video_shape(x), _video_shape(call)
             layouts = (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout))
-            if shape is None or w_shape is None or out_shape is None or layouts != ("NCDHW", "OIDHW", "NCDHW"):
+            if shape is None or out_shape is None or layouts != ("NCDHW", "OIDHW", "NCDHW"):
+                return None
+            w_shape = static_shape(weight)
+            if w_shape is None or len(w_shape) != 5:
                 return None
             strides, padding, dilation = _ints(attrs.strides), _ints(attrs.padding), _ints(attrs.dilation)
             groups = int(attrs.groups)
@@ -215,7 +236,7 @@ def conv3d_as_conv2d() -> tvm.transform.Pass:
         def _filters(self, weight: relax.Expr) -> relax.Expr:
             """(K, C/g, kD, kH, kW) -> (K, kD * C/g, kH, kW): a group's channels tap by tap, as
             gathered; a constant's at build time (batch-norm folding reads it as a constant)."""
-            k, c_group, taps, kh, kw = known_shape(_video_shape(weight), "a 3-D filter bank")
+            k, c_group, taps, kh, kw = (int(v) for v in weight.ty.shape)
             array = constant_array(weight)
             if array is not None:
                 filters = array.transpose(0, 2, 1, 3, 4).reshape(k, taps * c_group, kh, kw)
