@@ -10,7 +10,7 @@ from .target import resolve_target, vector_isa
 from .transform import gradients  # noqa: F401  (registers tvm_ext's gradients for relax.transform.Gradient)
 from .tuning import tune
 
-__version__ = "0.5.38"
+__version__ = "0.5.39"
 __all__ = [
     "UnsupportedError",
     "build",
