@@ -224,14 +224,16 @@ def test_cli_tune_an_onnx_model(tmp_path):
 
 @pytest.mark.long
 def test_zoo_bench_smoke(tmp_path):
-    """bench/zoo.py on one torchvision model: all three runtimes, outputs agree, a README table."""
-    out = _run("bench/zoo.py", "--models", "squeezenet1_1", "--size", "64", "--threads", "1", "--repeat", "2",
-               "--rounds", "1", env={"TMPDIR": str(tmp_path)})
-    row = next(line for line in out.splitlines() if line.startswith("| squeezenet1_1 |"))
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    assert all(float(c.rstrip("x")) > 0 for c in cells[1:]), row  # every runtime ran
-    line = next(line for line in out.splitlines() if line.strip().startswith("squeezenet1_1"))
-    assert float(line.split()[-1]) <= 1e-4  # tvm_ext's output against ONNX Runtime's
+    """bench/zoo.py on a torchvision model and a video one (clips of --frames): all three
+    runtimes, outputs agree, a README table."""
+    out = _run("bench/zoo.py", "--models", "squeezenet1_1,mc3_18", "--size", "64", "--frames", "4", "--threads", "1",
+               "--repeat", "2", "--rounds", "1", env={"TMPDIR": str(tmp_path)})
+    for model in ("squeezenet1_1", "mc3_18"):
+        row = next(line for line in out.splitlines() if line.startswith(f"| {model} |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert all(float(c.rstrip("x")) > 0 for c in cells[1:]), row  # every runtime ran
+        line = next(line for line in out.splitlines() if line.strip().startswith(model))
+        assert float(line.split()[-1]) <= 1e-4  # tvm_ext's output against ONNX Runtime's
     assert "geometric mean vs ONNX Runtime" in out and not list(tmp_path.glob("tvm_ext_zoo_*"))
 
 
