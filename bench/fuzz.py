@@ -17,12 +17,16 @@ module in float32) and judged by `check_int8_graph`: at most 10% of the values a
 tie the integer sums round the other way, spread by the layers after it), none by more than the
 quantization's own error.
 
+--video draws video graphs instead (`random_video_graph`: 3-D convolutions, which tvm_ext runs
+as 2-D ones over the frames).
+
 --mcpu builds for another CPU than this one (haswell: AVX2, x86-64: SSE), which this host must
 be able to run. --maxdnn always puts every convolution the maxDNN tile takes on it (its layout
 passes in and out of the blocked kernels included).
 
 Usage: python bench/fuzz.py [--graphs 1000] [--first 0] [--max-steps 7] [--show] [--stock]
                             [--precision fp32|bf16|int8] [--mcpu NAME] [--maxdnn auto|always|never]
+                            [--video]
 """
 
 from __future__ import annotations
@@ -34,7 +38,13 @@ import time
 import tvm
 
 import tvm_ext
-from tvm_ext.testing.random_graphs import check_bf16_graph, check_graph, check_int8_graph, random_graph
+from tvm_ext.testing.random_graphs import (
+    check_bf16_graph,
+    check_graph,
+    check_int8_graph,
+    random_graph,
+    random_video_graph,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mcpu", help="an LLVM CPU name to build for (default: this host's)")
     parser.add_argument("--maxdnn", choices=("auto", "always", "never"), default="auto",
                         help="tvm_ext.build's maxdnn: always runs every convolution the maxDNN tile takes on it")
+    parser.add_argument("--video", action="store_true", help="video graphs (3-D convolutions)")
     args = parser.parse_args(argv)
     if args.graphs < 1 or args.max_steps < 2:
         parser.error("--graphs must be >= 1 and --max-steps >= 2")
@@ -61,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     stock = lambda mod, _winograd: tvm.compile(mod, target)  # noqa: E731
     failed, stock_failed, start = [], 0, time.time()
     for seed in range(args.first, args.first + args.graphs):
-        graph = random_graph(seed, args.max_steps)
+        graph = (random_video_graph if args.video else random_graph)(seed, args.max_steps)
         if args.precision == "bf16":
             problem, sensitivity = check_bf16_graph(graph, ours, fp32)
             if sensitivity is not None and problem is None:

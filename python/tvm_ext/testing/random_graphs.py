@@ -6,7 +6,8 @@ broadcastable shape in either operand order, batch norms, every activation tvm_e
 the decompositions importers emit (hardswish, x * sigmoid(x)), pooling, adds and products with
 operands in both orders and values used two or three times, concat (DenseNet's of several
 inputs, batch norm and activation too), split, squeeze-excitation, layer norm over channels,
-residual blocks, a flatten + dense head, sometimes a symbolic batch.
+residual blocks, a flatten + dense head, sometimes a symbolic batch; and videos' (3-D
+convolutions, :func:`random_video_graph`).
 While the Relax graph is emitted, the same computation runs in PyTorch in float64 on the same
 float32 weights and input, so the reference owes nothing to TVM.
 `tests/integration/test_random_graphs.py` builds a few hundred; `bench/fuzz.py` runs as many as
@@ -16,6 +17,7 @@ asked and prints a reproducer for each failure. PyTorch is a test extra: importi
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -24,8 +26,8 @@ import torch.nn.functional as F
 import tvm
 from tvm import relax
 
-__all__ = ["RandomGraph", "random_graph", "check_graph", "compare_outputs", "bf16_sensitivity", "check_bf16_graph",
-           "BF16_TOLERANCE", "quantized_graph", "check_int8_graph", "INT8_DIFFERING",
+__all__ = ["RandomGraph", "random_graph", "random_video_graph", "check_graph", "compare_outputs", "bf16_sensitivity",
+           "check_bf16_graph", "BF16_TOLERANCE", "quantized_graph", "check_int8_graph", "INT8_DIFFERING",
            "INT8_SHARED_VALUES"]
 
 # The share of an int8 build's outputs that may differ from stock TVM's float arithmetic of the
@@ -392,6 +394,162 @@ _RULES: list[tuple[Callable[[_Builder], _Value], float]] = [
     (_Builder.binary, 2), (_Builder.concat, 1), (_Builder.split, 0.7), (_Builder.squeeze_excitation, 0.7),
     (_Builder.layer_norm, 0.6), (_Builder.resnext_block, 0.5),
 ]
+
+
+class _VideoBuilder(_Builder):
+    """The grammar on videos (N, C, D, H, W): 3-D convolutions of every shape family, biases of
+    every broadcastable shape in either order, batch norms, activations, residual adds, products
+    with per-channel, per-frame and scalar constants, pooling over space or over frames too, channel
+    concats, values read again (:func:`random_video_graph`)."""
+
+    def pick(self, spatial: bool = True, exclude: _Value | None = None) -> _Value:
+        pool = [v for v in self.values if len(v.shape) == 5 and v is not exclude] or \
+            [v for v in self.values if len(v.shape) == 5]
+        return pool[-1] if self.rng.random() < 0.6 else pool[int(self.rng.integers(len(pool)))]
+
+    def conv(self, v: _Value | None = None, out_channels: int | None = None, same: bool = False,
+             group_size: int | None = None) -> _Value:
+        v = v or self.pick()
+        c = v.shape[1]
+        groups = 1
+        if not same and c > 1 and self.coin(0.3):
+            groups = c if self.coin(0.5) else self.choice([g for g in (2, 3) if c % g == 0] or [1])
+        k = out_channels or groups * int(self.rng.integers(1, 4 if groups > 1 else 13))
+        kernel = tuple(int(self.choice([1, 3, 3] if same else [1, 2, 3, 3])) for _ in range(3))
+        stride = (1, 1, 1) if same else tuple(int(self.choice([1, 1, 2])) for _ in range(3))
+        dilation = (1, 1, 1) if same or not self.coin(0.15) else tuple(int(self.choice([1, 2])) for _ in range(3))
+        extent = [d * (r - 1) + 1 for d, r in zip(dilation, kernel, strict=True)]
+        if same:  # (odd kernels): the output keeps the input's shape
+            padding = (*(e // 2 for e in extent), *(e // 2 for e in extent))
+        else:
+            padding = tuple(int(p) for p in self.rng.integers(0, 3, 6))
+        if any(size + padding[i] + padding[i + 3] < extent[i] for i, size in enumerate(v.shape[2:])):
+            padding = (*(e - 1 for e in extent), 0, 0, 0)
+        weight, wref = self.const(k, c // groups, *kernel, scale=1.0 / np.sqrt(c // groups * math.prod(kernel)))
+        ref = F.conv3d(F.pad(v.ref, (padding[2], padding[5], padding[1], padding[4], padding[0], padding[3])),
+                       wref, None, stride, 0, dilation, groups)
+        out = self.emit(relax.op.nn.conv3d(v.var, weight, stride, padding, dilation, groups), ref)
+        self.steps.append(f"conv3d {v.shape} -> {out.shape}: kernel {kernel} stride {stride} padding {padding} "
+                          f"dilation {dilation} groups {groups}")
+        return out
+
+    def bias(self, v: _Value) -> _Value:
+        k = v.shape[1]
+        shape = self.choice([(1, k, 1, 1, 1), (1, k, 1, 1, 1), (k, 1, 1, 1), (1, 1, 1, 1, 1), (1,), (),
+                             (1, 1, v.shape[2], 1, 1), (v.shape[4],)])  # the last two: not one per channel
+        b, bref = self.const(*shape, scale=0.5)
+        first = self.coin(0.3)
+        out = self.emit(relax.op.add(b, v.var) if first else relax.op.add(v.var, b), bref + v.ref)
+        self.steps.append(f"add bias of shape {shape}" + (" (bias first)" if first else ""))
+        return out
+
+    def residual(self) -> _Value:
+        """v + conv3d(v) [+ bias] [-> batch norm], the shortcut in either operand order."""
+        v = self.pick()
+        y = self.conv(v, out_channels=v.shape[1], same=True)
+        if self.coin(0.5):
+            y = self.bias(y)
+        if self.coin(0.4):
+            y = self.batch_norm(y)
+        first = self.coin()
+        out = self.emit(relax.op.add(v.var, y.var) if first else relax.op.add(y.var, v.var), v.ref + y.ref)
+        self.steps.append("residual add" + (" (shortcut first)" if first else ""))
+        return self.activation(out) if self.coin(0.6) else out
+
+    def pool(self) -> _Value:
+        v = self.pick()
+        d, h, w = v.shape[2:]
+        temporal = self.coin(0.3) and d >= 2
+        k = (2 if temporal else 1, *((3, 3) if min(h, w) >= 3 else (1, 1)))
+        stride = (int(self.choice([1, 2])) if temporal else 1, *((2, 2) if self.coin() else (1, 1)))
+        pad = (0, *((k[1] // 2,) * 2))
+        if self.coin():
+            ref = F.max_pool3d(v.ref, k, stride, pad)
+            expr = relax.op.nn.max_pool3d(v.var, k, stride, (*pad, *pad))
+            kind = "max"
+        else:
+            ref = F.avg_pool3d(v.ref, k, stride, pad, count_include_pad=False)
+            expr = relax.op.nn.avg_pool3d(v.var, k, stride, (*pad, *pad), count_include_pad=False)
+            kind = "avg"
+        self.steps.append(f"{kind} pool3d {v.shape}: kernel {k} stride {stride} padding {pad}")
+        return self.emit(expr, ref)
+
+    def binary(self) -> _Value:
+        """add or multiply with a value of the same shape (maybe itself) or a constant per
+        channel, per frame or scalar, operands in either order."""
+        a = self.pick()
+        same = [v for v in self.values if v.shape == a.shape]
+        op, fn = self.choice([(relax.op.add, torch.add), (relax.op.multiply, torch.mul)])
+        if self.coin(0.6):
+            b = self.choice(same)
+            bvar, bref, what = b.var, b.ref, "itself" if b is a else "another value"
+        else:
+            shape = self.choice([(1, a.shape[1], 1, 1, 1), (a.shape[1], 1, 1, 1), (), (1, 1, a.shape[2], 1, 1)])
+            bvar, bref = self.const(*shape, scale=0.5)
+            what = f"a constant of shape {shape}"
+        first = self.coin()
+        self.steps.append(f"{fn.__name__} {a.shape} with {what}" + (" (it first)" if first else ""))
+        return self.emit(op(bvar, a.var) if first else op(a.var, bvar), fn(bref, a.ref) if first else fn(a.ref, bref))
+
+    def concat(self) -> _Value:
+        a = self.pick()
+        partners = [v for v in self.values if len(v.shape) == 5 and v.shape[2:] == a.shape[2:]]
+        b = self.choice(partners)
+        self.steps.append(f"concat {a.shape} and {b.shape}")
+        out = self.emit(relax.op.concat([a.var, b.var], axis=1), torch.cat([a.ref, b.ref], dim=1))
+        return self.batch_norm(out) if self.coin(0.4) else out
+
+    def head(self) -> _Value:
+        """The mean over frames and pixels (torchvision's adaptive average pool), read outside."""
+        v = self.pick()
+        self.steps.append(f"mean over frames and pixels of {v.shape}")
+        return self.emit(relax.op.mean(v.var, axis=[2, 3, 4]), v.ref.mean(dim=(2, 3, 4)))
+
+
+_VIDEO_RULES: list[tuple[Callable[[_VideoBuilder], _Value], float]] = [
+    (_VideoBuilder.conv_block, 5), (_VideoBuilder.residual, 2), (_VideoBuilder.activation, 1.5),
+    (_VideoBuilder.pool, 1.5), (_VideoBuilder.binary, 2), (_VideoBuilder.concat, 1),
+]
+
+
+def random_video_graph(seed: int, max_steps: int = 6) -> RandomGraph:
+    """Draw video graph number `seed` (3-D convolutions; inputs (N, C, D, H, W)): the same seed
+    gives the same graph, weights and input."""
+    graph = _draw_video(seed, max_steps, torch.float64)
+    graph.pytorch_float32 = _draw_video(seed, max_steps, torch.float32).expected
+    return graph
+
+
+def _draw_video(seed: int, max_steps: int, dtype: torch.dtype) -> RandomGraph:
+    rng = np.random.default_rng([seed, 0x3D])
+    batch = int(rng.choice([1, 1, 2]))
+    symbolic = rng.random() < 0.15
+    shape = (batch, int(rng.integers(1, 9)), int(rng.integers(1, 7)), int(rng.integers(5, 13)),
+             int(rng.integers(5, 13)))
+    n_var = tvm.tirx.Var("n", "int64") if symbolic else None
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((n_var if symbolic else batch, *shape[1:]), "float32"))
+    data = rng.standard_normal(shape).astype(np.float32)
+    builder = _VideoBuilder(rng, bb, n_var if symbolic else batch, dtype)
+    builder.steps.append(f"input {shape}" + (" (symbolic batch)" if symbolic else ""))
+    rules, weights = zip(*_VIDEO_RULES, strict=True)
+    p = np.array(weights) / sum(weights)
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            builder.values.append(_Value(x, torch.from_numpy(data).to(dtype)))
+            builder.conv_block()
+            for _ in range(int(rng.integers(1, max_steps))):
+                rules[int(rng.choice(len(rules), p=p))](builder)
+            outputs = [builder.values[-1]]
+            if rng.random() < 0.3:
+                outputs = [builder.head()]
+            elif rng.random() < 0.3 and len(builder.values) > 2:  # an earlier value read outside too
+                outputs.append(builder.values[int(rng.integers(1, len(builder.values) - 1))])
+            out = bb.emit_output(outputs[0].var if len(outputs) == 1 else relax.Tuple([v.var for v in outputs]))
+        bb.emit_func_output(out)
+    expected = [v.ref.numpy().astype(np.float64) for v in outputs]
+    return RandomGraph(seed, bb.get(), [data], expected, expected, builder.steps,
+                       winograd=bool(rng.random() < 0.3))
 
 
 def random_graph(seed: int, max_steps: int = 7) -> RandomGraph:

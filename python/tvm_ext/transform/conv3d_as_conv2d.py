@@ -81,24 +81,25 @@ def conv3d_as_conv2d() -> tvm.transform.Pass:
             self.videos: dict[relax.Var, relax.Expr] = {}  # frames moved back to NCDHW, once each
 
         # a variable held as frames, read by an op that does not take frames: its NCDHW value
+        # (any other: the mutator's, which renames a binding whose value changed)
         def visit_var_(self, var: relax.Var) -> relax.Expr:
-            return self._video(var)
+            return self._video(var) if var in self.frames else super().visit_var_(var)
 
         def visit_dataflow_var_(self, var: relax.DataflowVar) -> relax.Expr:
-            return self._video(var)
+            return self._video(var) if var in self.frames else super().visit_dataflow_var_(var)
 
         def _video(self, var: relax.Var) -> relax.Expr:
-            if var not in self.frames:
-                return var
             if var not in self.videos:
-                if var in self.originals:  # a batch norm's tuple read whole: the 5-D call again
-                    self.videos[var] = self.builder_.emit(self.visit_expr(self.originals[var]))
-                else:
-                    held = self.frames[var]
-                    frames = relax.op.reshape(held.value, (held.batch, held.depth, *held.image))
-                    video = relax.op.permute_dims(frames, [0, 2, 1, 3, 4])
-                    self.videos[var] = self.builder_.emit(video)
+                self.videos[var] = self.builder_.emit(self._video_value(var))
             return self.videos[var]
+
+        def _video_value(self, var: relax.Var) -> relax.Expr:
+            """The NCDHW value of a variable held as frames."""
+            if var in self.originals:  # a batch norm's tuple read whole: the 5-D call again
+                return self.visit_expr(self.originals[var])
+            held = self.frames[var]
+            frames = self.builder_.emit(relax.op.reshape(held.value, (held.batch, held.depth, *held.image)))
+            return relax.op.permute_dims(frames, [0, 2, 1, 3, 4])
 
         def _as_frames(self, expr: relax.Expr) -> _Frames:
             """`expr` (a 5-D float32 tensor of static shape) as frames: held so already, or moved there."""
@@ -120,10 +121,13 @@ def conv3d_as_conv2d() -> tvm.transform.Pass:
             if held is None:
                 super().visit_var_binding_(binding)
                 return
-            value = self.builder_.emit(held.value)
-            self.frames[binding.var] = _Frames(value, held.batch, held.depth)
+            var = binding.var
+            self.frames[var] = _Frames(self.builder_.emit(held.value), held.batch, held.depth)
             if op_name(binding.value) == "relax.nn.batch_norm":
-                self.originals[binding.var] = binding.value
+                self.originals[var] = binding.value
+            if not isinstance(var, relax.DataflowVar):  # a block's output: bound to its NCDHW value
+                self.builder_.emit_normalized(relax.VarBinding(var, self.builder_.normalize(self._video_value(var))))
+                self.videos[var] = var
 
         def _rewritten(self, value: relax.Expr) -> _Frames | None:
             """`value` computed on frames, or None where it is computed as it is."""
