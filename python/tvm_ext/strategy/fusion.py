@@ -14,6 +14,7 @@ from ..relax_info import dtype, image_shape, is_channel_bias, known_shape, same_
 from ..transform import (
     channels_last_as_nchw,
     conv3d_as_conv2d,
+    drop_padding_taps,
     fold_batch_norm,
     fold_constants_in_numpy,
     matmul_as_conv2d,
@@ -479,7 +480,7 @@ def fusion_passes(target: tvm.target.Target) -> list[tvm.transform.Pass]:
     """
     return [fold_constants_in_numpy(), relax.transform.CanonicalizeBindings(), relax.transform.DeadCodeElimination(),
             relax.transform.FoldConstant(), *([conv3d_as_conv2d()] if target.kind.name == "llvm" else []),
-            fold_batch_norm(), matmul_as_conv2d(),
+            drop_padding_taps(), fold_batch_norm(), matmul_as_conv2d(),
             channels_last_as_nchw(layer_norm_over_channels=target.kind.name == "llvm"),
             recognise_silu(), unique_constants(), split_running_statistics(),
             relax.transform.FuseOpsByPattern(fusion_patterns(target), bind_constants=True)]

@@ -20,6 +20,7 @@ import tvm
 from tvm import relax
 
 from ..relax_info import constant_array, dtype, op_name, same_extent, static_shape, symbolic_batch
+from .padding_taps import used_taps
 
 __all__ = ["conv3d_as_conv2d"]
 
@@ -229,46 +230,55 @@ def conv3d_as_conv2d() -> tvm.transform.Pass:
                 return None
             strides, padding, dilation = _ints(attrs.strides), _ints(attrs.padding), _ints(attrs.dilation)
             groups = int(attrs.groups)
-            taps = w_shape[2]
             depth = out_shape[2]
+            # a short clip's outer taps read only the zero frames around it: left out (where the
+            # weights are constants and finite: an inf times a zero frame is NaN)
+            taps = list(range(w_shape[2]))
+            array = constant_array(weight)
+            if array is not None and np.isfinite(array).all():
+                taps = used_taps(shape[2], depth, w_shape[2], strides[0], dilation[0], padding[0]) or taps
             held = self._as_frames(x)
             frames = self._gather(held, taps, strides[0], padding[0], padding[3], dilation[0], depth, groups)
-            conv = relax.op.nn.conv2d(frames, self._filters(weight), strides[1:], [*padding[1:3], *padding[4:6]],
-                                      dilation[1:], groups)
+            conv = relax.op.nn.conv2d(frames, self._filters(weight, taps), strides[1:],
+                                      [*padding[1:3], *padding[4:6]], dilation[1:], groups)
             return _Frames(conv, held.batch, depth)
 
-        def _filters(self, weight: relax.Expr) -> relax.Expr:
-            """(K, C/g, kD, kH, kW) -> (K, kD * C/g, kH, kW): a group's channels tap by tap, as
-            gathered; a constant's at build time (batch-norm folding reads it as a constant)."""
-            k, c_group, taps, kh, kw = (int(v) for v in weight.ty.shape)
+        def _filters(self, weight: relax.Expr, taps: list[int]) -> relax.Expr:
+            """(K, C/g, kD, kH, kW) -> (K, len(taps) * C/g, kH, kW), the temporal `taps` only: a
+            group's channels tap by tap, as gathered; a constant's at build time (batch-norm
+            folding reads it as a constant)."""
+            k, c_group, kd, kh, kw = (int(v) for v in weight.ty.shape)
             array = constant_array(weight)
             if array is not None:
-                filters = array.transpose(0, 2, 1, 3, 4).reshape(k, taps * c_group, kh, kw)
+                filters = array[:, :, taps].transpose(0, 2, 1, 3, 4).reshape(k, len(taps) * c_group, kh, kw)
                 return relax.const(np.ascontiguousarray(filters))
-            moved = relax.op.permute_dims(self.visit_expr(weight), [0, 2, 1, 3, 4])
-            return relax.op.reshape(moved, (k, taps * c_group, kh, kw))
+            weight = self.visit_expr(weight)
+            if len(taps) < kd:
+                weight = relax.op.take(weight, relax.const(np.array(taps, "int64")), axis=2)
+            moved = relax.op.permute_dims(weight, [0, 2, 1, 3, 4])
+            return relax.op.reshape(moved, (k, len(taps) * c_group, kh, kw))
 
-        def _gather(self, held: _Frames, taps: int, stride: int, before: int, after: int, dilation: int,
+        def _gather(self, held: _Frames, taps: list[int], stride: int, before: int, after: int, dilation: int,
                     depth: int, groups: int) -> relax.Expr:
-            """The frames each output frame's temporal taps read, as channels (N * D_out, g * kD *
-            C/g, H, W): a group's channels tap by tap."""
+            """The frames each output frame's temporal `taps` read, as channels (N * D_out, g *
+            len(taps) * C/g, H, W): a group's channels tap by tap."""
             n, d = held.batch, held.depth
             c, h, w = held.image
-            if taps == 1 and stride == 1 and before == after == 0:
-                return held.value
+            if len(taps) == 1 and stride == 1 and taps[0] * dilation == before and depth == d:
+                return held.value  # the frames themselves
             video = relax.op.reshape(held.value, (n, d, c, h, w))
             if before or after:
                 video = relax.op.nn.pad(video, [0, 0, before, after, 0, 0, 0, 0, 0, 0])
             span = (depth - 1) * stride + 1
             tapped = [relax.op.strided_slice(video, [1], [t * dilation], [t * dilation + span], [stride])
-                      for t in range(taps)]
-            if taps == 1:
+                      for t in taps]
+            if len(taps) == 1:
                 return relax.op.reshape(tapped[0], (n * depth, c, h, w))
             stacked = relax.op.concat(tapped, axis=2)  # (N, D_out, kD * C, H, W)
             if groups > 1:  # (kD, g, C/g) -> (g, kD, C/g)
-                stacked = relax.op.reshape(stacked, (n, depth, taps, groups, c // groups, h, w))
+                stacked = relax.op.reshape(stacked, (n, depth, len(taps), groups, c // groups, h, w))
                 stacked = relax.op.permute_dims(stacked, [0, 1, 3, 2, 4, 5, 6])
-            return relax.op.reshape(stacked, (n * depth, taps * c, h, w))
+            return relax.op.reshape(stacked, (n * depth, len(taps) * c, h, w))
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_ext.Conv3dAsConv2d")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
