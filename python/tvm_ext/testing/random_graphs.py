@@ -154,9 +154,13 @@ class _Builder:
                           f"dilation {dilation} groups {groups}")
         return out
 
-    def bias(self, v: _Value) -> _Value:
+    def bias_shapes(self, v: _Value) -> list[tuple[int, ...]]:
+        """The shapes a bias added to `v` is drawn from: every broadcastable one."""
         k = v.shape[1]
-        shape = self.choice([(1, k, 1, 1), (1, k, 1, 1), (k, 1, 1), (1, 1, 1, 1), (1,), (), (v.shape[3],)])
+        return [(1, k, 1, 1), (1, k, 1, 1), (k, 1, 1), (1, 1, 1, 1), (1,), (), (v.shape[3],)]
+
+    def bias(self, v: _Value) -> _Value:
+        shape = self.choice(self.bias_shapes(v))
         b, bref = self.const(*shape, scale=0.5)
         first = self.coin(0.3)
         out = self.emit(relax.op.add(b, v.var) if first else relax.op.add(v.var, b), bref + v.ref)
@@ -433,28 +437,10 @@ class _VideoBuilder(_Builder):
                           f"dilation {dilation} groups {groups}")
         return out
 
-    def bias(self, v: _Value) -> _Value:
-        k = v.shape[1]
-        shape = self.choice([(1, k, 1, 1, 1), (1, k, 1, 1, 1), (k, 1, 1, 1), (1, 1, 1, 1, 1), (1,), (),
-                             (1, 1, v.shape[2], 1, 1), (v.shape[4],)])  # the last two: not one per channel
-        b, bref = self.const(*shape, scale=0.5)
-        first = self.coin(0.3)
-        out = self.emit(relax.op.add(b, v.var) if first else relax.op.add(v.var, b), bref + v.ref)
-        self.steps.append(f"add bias of shape {shape}" + (" (bias first)" if first else ""))
-        return out
-
-    def residual(self) -> _Value:
-        """v + conv3d(v) [+ bias] [-> batch norm], the shortcut in either operand order."""
-        v = self.pick()
-        y = self.conv(v, out_channels=v.shape[1], same=True)
-        if self.coin(0.5):
-            y = self.bias(y)
-        if self.coin(0.4):
-            y = self.batch_norm(y)
-        first = self.coin()
-        out = self.emit(relax.op.add(v.var, y.var) if first else relax.op.add(y.var, v.var), v.ref + y.ref)
-        self.steps.append("residual add" + (" (shortcut first)" if first else ""))
-        return self.activation(out) if self.coin(0.6) else out
+    def bias_shapes(self, v: _Value) -> list[tuple[int, ...]]:
+        k = v.shape[1]  # the last two: not one value per channel
+        return [(1, k, 1, 1, 1), (1, k, 1, 1, 1), (k, 1, 1, 1), (1, 1, 1, 1, 1), (1,), (), (1, 1, v.shape[2], 1, 1),
+                (v.shape[4],)]
 
     def pool(self) -> _Value:
         v = self.pick()

@@ -9,24 +9,9 @@ import tvm
 from tvm import relax
 
 from ..relax_info import dtype, static_shape
+from .rewriting import rewriting_pass
 
 __all__ = ["matmul_as_conv2d", "quantized_matmul_as_conv2d"]
-
-
-def _rewriting_pass(name: str, pattern, rewriter) -> tvm.transform.Pass:
-    """A module pass that rewrites each Relax function's calls matching `pattern` with `rewriter`
-    (relax.dpl.rewrite_call), on a copy of the module."""
-    from tvm.relax.dpl import rewrite_call
-
-    @tvm.transform.module_pass(opt_level=0, name=name)
-    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        mod = mod.clone()  # the caller's module stays as it was
-        for gvar, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                mod[gvar] = rewrite_call(pattern, rewriter, func)
-        return mod
-
-    return _pass
 
 
 def matmul_as_conv2d() -> tvm.transform.Pass:
@@ -91,7 +76,7 @@ def matmul_as_conv2d() -> tvm.transform.Pass:
         rows = relax.op.permute_dims(relax.op.reshape(y, (n, m)), [1, 0])
         return rows if len(x_shape) == 2 else relax.op.reshape(rows, (*x_shape[:-1], n))
 
-    return _rewriting_pass("tvm_ext.MatmulAsConv2d", pattern, rewriter)
+    return rewriting_pass("tvm_ext.MatmulAsConv2d", pattern, rewriter)
 
 
 def quantized_matmul_as_conv2d() -> tvm.transform.Pass:
@@ -177,4 +162,4 @@ def quantized_matmul_as_conv2d() -> tvm.transform.Pass:
             y = relax.op.quantize(y, q.args[1], q.args[2], axis=1, out_dtype=str(q.attrs.out_dtype))
         return relax.op.reshape(y, (1, n)) if m == 1 else relax.op.permute_dims(relax.op.reshape(y, (n, m)), [1, 0])
 
-    return _rewriting_pass("tvm_ext.QuantizedMatmulAsConv2d", pattern, rewriter)
+    return rewriting_pass("tvm_ext.QuantizedMatmulAsConv2d", pattern, rewriter)

@@ -14,6 +14,7 @@ import tvm
 from tvm import relax
 
 from ..relax_info import constant_array, image_shape
+from .rewriting import rewriting_pass
 
 __all__ = ["drop_padding_taps", "used_taps"]
 
@@ -44,8 +45,8 @@ def drop_padding_taps() -> tvm.transform.Pass:
     """conv2d(x, W) of a constant W, NCHW / OIHW, whose filter rows or columns read only padding
     for every output pixel  ==>  conv2d(x, W cropped to the rest) with the padding that keeps
     each output where it was: the same sums, without the zero products (the rewrite is left out
-    where a dropped tap holds an inf or NaN, whose product with zero is NaN)."""
-    from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
+    where W holds an inf or NaN, whose product with zero is NaN)."""
+    from tvm.relax.dpl import is_const, is_op, wildcard
 
     pattern = is_op("relax.nn.conv2d")(wildcard(), is_const())
 
@@ -64,23 +65,15 @@ def drop_padding_taps() -> tvm.transform.Pass:
         cols = _axis_crop(x_shape[3], out_shape[3], w.shape[3], strides[1], dilation[1], left)
         if rows is None and cols is None:
             return orig
+        if not np.isfinite(w).all():
+            return orig
         r0, rn, top, bottom = rows or (0, w.shape[2], top, bottom)
         c0, cn, left, right = cols or (0, w.shape[3], left, right)
         kept = w[:, :, r0:r0 + rn, c0:c0 + cn]
-        if not np.isfinite(w).all():
-            return orig
         out_dtype = str(attrs.out_dtype)
         return relax.op.nn.conv2d(orig.args[0], relax.const(np.ascontiguousarray(kept)), strides,
                                   (top, left, bottom, right), dilation, int(attrs.groups),
                                   out_dtype=None if out_dtype in ("", "void", "None") else out_dtype)
 
-    @tvm.transform.module_pass(opt_level=0, name="tvm_ext.DropPaddingTaps")
-    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        mod = mod.clone()  # the caller's module stays as it was
-        for gvar, func in mod.functions_items():
-            if isinstance(func, relax.Function):
-                mod[gvar] = rewrite_call(pattern, rewriter, func)
-        return mod
-
-    return _pass
+    return rewriting_pass("tvm_ext.DropPaddingTaps", pattern, rewriter)
 
