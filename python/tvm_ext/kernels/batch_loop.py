@@ -36,6 +36,11 @@ def batch_loop(func: tirx.PrimFunc, batched: Sequence[int], outputs: int = 1) ->
     n = tirx.Var("n", "int64")
     image = tirx.Var("image", "int64")
     params, before, after = [], [], []
+    # `image * size` written in each copy in and out made TVM's common-subexpression pass fail
+    # ("cse_v2 has been used before definition": a 4-channel 1x1 convolution with a residual);
+    # bound once per size ahead of every use, it leaves that pass nothing to extract
+    offsets: dict[int, tirx.Var] = {}
+    binds: list[tirx.Stmt] = []
     for i, param in enumerate(func.params):
         if i not in batched:
             params.append(param)
@@ -56,6 +61,10 @@ def batch_loop(func: tirx.PrimFunc, batched: Sequence[int], outputs: int = 1) ->
             before.append(tirx.DeclBuffer(param, data=tirx.call_intrin("handle", "tirx.address_of", first)))
             continue
         before.append(tirx.AllocBuffer(param))
+        if per_image not in offsets:  # the image's offset, bound once (see below)
+            offsets[per_image] = tirx.Var(f"offset{len(offsets)}", "int64")
+            binds.append(tirx.Bind(offsets[per_image], image * per_image))
+        offset = offsets[per_image]
         flat = tirx.decl_buffer((per_image,), param.dtype, f"{param.name}_flat", data=param.data)
         batch = tirx.decl_buffer((n * per_image,), param.dtype, f"{param.name}_batch_flat", data=whole.data)
         before += [tirx.DeclBuffer(flat, data=param.data), tirx.DeclBuffer(batch, data=whole.data)]
@@ -66,7 +75,7 @@ def batch_loop(func: tirx.PrimFunc, batched: Sequence[int], outputs: int = 1) ->
         else:
             store = tirx.BufferStore(flat, tirx.BufferLoad(batch, [offset + j]), [j])
             before.append(tirx.For(j, tirx.const(0, "int64"), per_image, tirx.ForKind.SERIAL, store))
-    body = tirx.SeqStmt([*before, func.body, *after])
+    body = tirx.SeqStmt([*binds, *before, func.body, *after])
     loop = tirx.For(image, tirx.const(0, "int64"), n, tirx.ForKind.SERIAL, body)
     # under a root block, as every PrimFunc in schedule form (Relax's pattern analysis expects one)
     root = s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", loop))
