@@ -19,7 +19,16 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..relax_info import constant_array, dtype, op_name, same_extent, static_shape, symbolic_batch
+from ..relax_info import (
+    constant_array,
+    dtype,
+    image_shape,
+    known_shape,
+    op_name,
+    same_extent,
+    static_shape,
+    symbolic_batch,
+)
 from .padding_taps import used_taps
 
 __all__ = ["conv3d_as_conv2d"]
@@ -44,8 +53,7 @@ class _Frames:
     @property
     def image(self) -> tuple[int, ...]:
         """(C, H, W) of a frame."""
-        shape = self.value.ty.shape
-        return tuple(int(shape[i]) for i in range(1, len(shape)))
+        return known_shape(image_shape(self.value), "frames")[1:]
 
     def same_video(self, other: _Frames) -> bool:
         """Whether `other` holds a video of the same shape (an elementwise op of the two is one of
@@ -55,13 +63,11 @@ class _Frames:
 
 def _video_shape(expr: relax.Expr) -> tuple | None:
     """The shape of a 5-D float32 tensor, static or with a symbolic batch (a PrimExpr first)."""
-    if dtype(expr) != "float32":
+    shape = image_shape(expr)
+    if dtype(expr) != "float32" or shape is None or len(shape) != 5:
         return None
-    shape = static_shape(expr)
-    if shape is None and symbolic_batch(expr) is not None:
-        extents = expr.ty.shape
-        shape = (symbolic_batch(expr), *(int(extents[i]) for i in range(1, len(extents))))
-    return shape if shape is not None and len(shape) == 5 else None
+    batch = symbolic_batch(expr)
+    return shape if batch is None else (batch, *shape[1:])
 
 
 def _ints(values) -> list[int]:
@@ -239,16 +245,15 @@ def conv3d_as_conv2d() -> tvm.transform.Pass:
                 taps = used_taps(shape[2], depth, w_shape[2], strides[0], dilation[0], padding[0]) or taps
             held = self._as_frames(x)
             frames = self._gather(held, taps, strides[0], padding[0], padding[3], dilation[0], depth, groups)
-            conv = relax.op.nn.conv2d(frames, self._filters(weight, taps), strides[1:],
+            conv = relax.op.nn.conv2d(frames, self._filters(weight, array, taps), strides[1:],
                                       [*padding[1:3], *padding[4:6]], dilation[1:], groups)
             return _Frames(conv, held.batch, depth)
 
-        def _filters(self, weight: relax.Expr, taps: list[int]) -> relax.Expr:
+        def _filters(self, weight: relax.Expr, array: np.ndarray | None, taps: list[int]) -> relax.Expr:
             """(K, C/g, kD, kH, kW) -> (K, len(taps) * C/g, kH, kW), the temporal `taps` only: a
-            group's channels tap by tap, as gathered; a constant's at build time (batch-norm
-            folding reads it as a constant)."""
+            group's channels tap by tap, as gathered; a constant's (its `array`) at build time
+            (batch-norm folding reads it as a constant)."""
             k, c_group, kd, kh, kw = (int(v) for v in weight.ty.shape)
-            array = constant_array(weight)
             if array is not None:
                 filters = array[:, :, taps].transpose(0, 2, 1, 3, 4).reshape(k, len(taps) * c_group, kh, kw)
                 return relax.const(np.ascontiguousarray(filters))
